@@ -1,0 +1,223 @@
+"""Start and stop real local ``etcd`` processes: one member or a small cluster.
+
+Used by the test-suite, benchmarks, ``resilient-run --standalone``, ``make demo`` and the
+chaos runner. Every port is a free loopback port chosen at start; every process started
+here is stopped by PID in :meth:`LocalEtcd.stop` (also on ``with`` exit), and its data
+directory is removed.
+
+Failure behaviour: if ``etcd`` is not on PATH, :class:`~resilient.errors.ConfigError` says
+how to install it. If a member does not answer its health endpoint within ``start_timeout``
+(a port raced away, a bad flag), every member started so far is stopped and
+:class:`~resilient.errors.StoreUnavailable` carries the tail of that member's log.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from resilient.errors import ConfigError, StoreUnavailable
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free on ``host`` a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def etcd_binary() -> str:
+    path = shutil.which("etcd")
+    if path is None:
+        raise ConfigError(
+            "the `etcd` binary is not on PATH; install it (Debian: `apt-get install etcd-server`, "
+            "or `make setup`), or point resilient at an existing etcd with --etcd/--rdzv-endpoint"
+        )
+    return path
+
+
+@dataclass
+class EtcdMember:
+    """One etcd process of a :class:`LocalEtcd` cluster."""
+
+    name: str
+    client_port: int
+    peer_port: int
+    data_dir: str
+    log_path: str
+    proc: subprocess.Popen | None = None
+    host: str = "127.0.0.1"
+
+    @property
+    def client_url(self) -> str:
+        return f"http://{self.host}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
+
+    @property
+    def endpoint(self) -> str:
+        """``host:port`` form used by resilient's ``--etcd`` flags."""
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            with open(self.log_path, "r", errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class LocalEtcd:
+    """A local etcd of ``size`` members on free loopback ports.
+
+    >>> with LocalEtcd() as etcd:            # doctest: +SKIP
+    ...     store = Store(etcd.endpoints)
+    """
+
+    size: int = 1
+    host: str = "127.0.0.1"
+    heartbeat_ms: int = 100
+    election_ms: int = 1000
+    start_timeout: float = 20.0
+    members: list[EtcdMember] = field(default_factory=list)
+    _root: str | None = None
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.endpoint for m in self.members]
+
+    @property
+    def endpoint_arg(self) -> str:
+        """Comma-separated endpoints, as accepted by ``--etcd``."""
+        return ",".join(self.endpoints)
+
+    def __enter__(self) -> "LocalEtcd":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> "LocalEtcd":
+        binary = etcd_binary()
+        self._root = tempfile.mkdtemp(prefix="resilient-etcd-")
+        for attempt in range(3):
+            self.members = [
+                EtcdMember(
+                    name=f"etcd{i}",
+                    client_port=free_port(self.host),
+                    peer_port=free_port(self.host),
+                    data_dir=os.path.join(self._root, f"attempt{attempt}", f"etcd{i}"),
+                    log_path=os.path.join(self._root, f"etcd{i}.{attempt}.log"),
+                    host=self.host,
+                )
+                for i in range(self.size)
+            ]
+            for m in self.members:
+                self._spawn(binary, m, state="new")
+            try:
+                self.wait_healthy(self.members)
+                return self
+            except StoreUnavailable as exc:
+                last = exc
+                self._kill_all()
+        self.stop()
+        raise last
+
+    def _initial_cluster(self) -> str:
+        return ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+
+    def _spawn(self, binary: str, m: EtcdMember, state: str) -> None:
+        os.makedirs(m.data_dir, exist_ok=True)
+        args = [
+            binary,
+            "--name", m.name,
+            "--data-dir", m.data_dir,
+            "--listen-client-urls", m.client_url,
+            "--advertise-client-urls", m.client_url,
+            "--listen-peer-urls", m.peer_url,
+            "--initial-advertise-peer-urls", m.peer_url,
+            "--initial-cluster", self._initial_cluster(),
+            "--initial-cluster-state", state,
+            "--initial-cluster-token", f"resilient-{os.getpid()}-{id(self)}",
+            "--heartbeat-interval", str(self.heartbeat_ms),
+            "--election-timeout", str(self.election_ms),
+            "--log-level", "warn",
+        ]
+        log = open(m.log_path, "ab")
+        # Own process group, so that a test's Ctrl-C does not reach it first and so that
+        # stop() can signal exactly the processes we started.
+        m.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+
+    def wait_healthy(self, members: Sequence[EtcdMember], timeout: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout or self.start_timeout)
+        pending = list(members)
+        while pending:
+            m = pending[0]
+            if not m.running:
+                raise StoreUnavailable(f"etcd member {m.name} exited during start-up:\n{m.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{m.client_url}/health", timeout=1.0) as r:
+                    if b'"health":"true"' in r.read().replace(b" ", b""):
+                        pending.pop(0)
+                        continue
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise StoreUnavailable(
+                    f"etcd member {m.name} did not become healthy within "
+                    f"{timeout or self.start_timeout:.0f}s:\n{m.log_tail()}"
+                )
+            time.sleep(0.05)
+
+    # -- fault injection helpers (chaos, tests) ------------------------------------------
+
+    def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to member ``index`` and reap it (SIGKILL by default)."""
+        m = self.members[index]
+        if m.running:
+            m.proc.send_signal(sig)
+            m.proc.wait(timeout=10)
+
+    def restart(self, index: int, wait: bool = True) -> None:
+        """Start member ``index`` again on its old ports and data (after :meth:`kill`)."""
+        m = self.members[index]
+        if m.running:
+            return
+        self._spawn(etcd_binary(), m, state="existing" if self.size > 1 else "new")
+        if wait:
+            self.wait_healthy([m])
+
+    def stop(self) -> None:
+        """Stop every member started here (SIGTERM, then SIGKILL) and remove their data."""
+        self._kill_all()
+        if self._root:
+            shutil.rmtree(self._root, ignore_errors=True)
+            self._root = None
+
+    def _kill_all(self) -> None:
+        for m in self.members:
+            if m.proc is not None and m.proc.poll() is None:
+                m.proc.terminate()
+        for m in self.members:
+            if m.proc is not None:
+                try:
+                    m.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    m.proc.kill()
+                    m.proc.wait(timeout=5)

@@ -1,0 +1,1 @@
+"""Rank side of resilient."""

@@ -1,0 +1,55 @@
+"""The ``resilient`` command.
+
+Each subcommand lives in its own module of this package and is imported lazily, only when
+it runs, so that ``resilient status`` does not pay for importing torch. To add a
+subcommand, add a module with ``add_arguments(parser)`` and ``run(args) -> int`` and one
+line to :data:`SUBCOMMANDS`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+# name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "coordinator": ("resilient.cli.coordinator", "run a coordinator (leader-elected; start several for standbys)"),
+    "status": ("resilient.cli.status", "show members, their state and lease, the epoch, the ring and the leader"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="resilient",
+        description="Fault-tolerant, elastic collectives for PyTorch: control plane and tools.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        try:
+            importlib.import_module(module).add_arguments(p)
+        except ModuleNotFoundError as exc:  # pragma: no cover - only while a subcommand is being written
+            if exc.name != module:
+                raise
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from resilient.errors import ResilientError
+
+    args = build_parser().parse_args(argv)
+    module = importlib.import_module(args._module)
+    try:
+        return int(module.run(args) or 0)
+    except ResilientError as exc:
+        print(f"resilient {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

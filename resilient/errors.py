@@ -1,0 +1,79 @@
+"""The exception hierarchy of resilient.
+
+Every error the library raises on purpose derives from :class:`ResilientError`, so callers
+can catch one base class; the subclasses say *which* part failed and messages name the
+cause and the fix.
+
+    ResilientError
+    ├── ConfigError                 bad argument / flag / file (nothing was started)
+    │   └── ScenarioError           malformed chaos scenario (names line and field)
+    ├── StoreError                  the etcd control plane
+    │   ├── StoreUnavailable        no endpoint answered within the retry budget
+    │   └── LeaseExpired            our lease is gone: we are no longer a member
+    ├── CollectiveError             a collective could not deliver its contract
+    │   ├── CollectiveAborted       `strict` policy: full contributor set impossible
+    │   ├── InputMismatch           ranks called with different shape/dtype/op/collective
+    │   ├── DataLost                a piece of a broadcast/allgather exists nowhere
+    │   └── RemovedFromGroup        this member was removed from the epoch (e.g. after SIGSTOP)
+    └── TransportError              a peer connection failed
+        ├── TransportAborted        aborted because the epoch changed (expected, recoverable)
+        └── FrameError              a corrupt or unexpected frame arrived
+"""
+from __future__ import annotations
+
+
+class ResilientError(Exception):
+    """Base class of every error raised on purpose by resilient."""
+
+
+class ConfigError(ResilientError, ValueError):
+    """Invalid configuration, flag or input file; raised before anything starts."""
+
+
+class ScenarioError(ConfigError):
+    """A chaos scenario file is malformed; the message names the line and the field."""
+
+
+class StoreError(ResilientError):
+    """The etcd control plane failed."""
+
+
+class StoreUnavailable(StoreError):
+    """No etcd endpoint answered within the bounded retry budget."""
+
+
+class LeaseExpired(StoreError):
+    """Our lease expired or was revoked: this process is no longer a live member."""
+
+
+class CollectiveError(ResilientError):
+    """A collective could not deliver its contract."""
+
+
+class CollectiveAborted(CollectiveError):
+    """Raised under the ``strict`` policy when the full contributor set cannot be delivered."""
+
+
+class InputMismatch(CollectiveError, ValueError):
+    """Ranks called the same op sequence number with different shapes, dtypes, ops or kinds."""
+
+
+class DataLost(CollectiveError):
+    """A chunk of a broadcast/allgather exists on no survivor; names the lost member."""
+
+
+class RemovedFromGroup(CollectiveError):
+    """This member was removed from the current epoch (for example it was SIGSTOPped past
+    its lease TTL); it must not contribute to or read results of later ops."""
+
+
+class TransportError(ResilientError, ConnectionError):
+    """A peer connection failed."""
+
+
+class TransportAborted(TransportError):
+    """A blocked send/recv was aborted because a new epoch removed a peer."""
+
+
+class FrameError(TransportError):
+    """A frame failed validation (bad magic, header, length or checksum)."""

@@ -1,0 +1,30 @@
+"""Shared fixtures: a real etcd on a free loopback port, stopped afterwards."""
+from __future__ import annotations
+
+import pytest
+
+from resilient.coordinator.local_etcd import LocalEtcd
+
+
+@pytest.fixture(scope="session")
+def etcd_session():
+    """One real etcd for the whole session; tests isolate themselves by job prefix."""
+    with LocalEtcd() as etcd:
+        yield etcd
+
+
+@pytest.fixture
+def etcd():
+    """A real etcd private to one test (use when the test kills or restarts etcd)."""
+    with LocalEtcd() as etcd:
+        yield etcd
+
+
+@pytest.fixture
+def job_name(request) -> str:
+    """A job name unique to the test, so tests sharing etcd_session never collide."""
+    import re
+    import uuid
+
+    base = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40]
+    return f"{base}-{uuid.uuid4().hex[:6]}"
