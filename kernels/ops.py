@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import enum
 
+from resilient.errors import ConfigError
+
 
 class ReduceOp(str, enum.Enum):
     """Reduction operators. ``AVG`` sums during the reduction; the collective divides by
@@ -21,4 +23,4 @@ class ReduceOp(str, enum.Enum):
         try:
             return cls(str(op).lower())
         except ValueError:
-            raise ValueError(f"unknown reduce op {op!r}; expected one of {[o.value for o in cls]}") from None
+            raise ConfigError(f"unknown reduce op {op!r}; expected one of {[o.value for o in cls]}") from None

@@ -16,6 +16,7 @@ from typing import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "coordinator": ("resilient.cli.coordinator", "run a coordinator (leader-elected; start several for standbys)"),
     "status": ("resilient.cli.status", "show members, their state and lease, the epoch, the ring and the leader"),
+    "chaos": ("resilient.cli.chaos", "list, check and run chaos scenarios; export them to Chaos Mesh"),
 }
 
 

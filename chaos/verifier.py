@@ -1,0 +1,246 @@
+"""The verifier: checks every op record of a chaos run against the contract.
+
+The runner (or any harness) hands over a :class:`RunLog`: one :class:`OpRecord` per member
+per op (its output, the contributor set the op reported, start/end times), the faults it
+injected (:class:`FaultEvent`) and the epochs the coordinator published
+(:class:`EpochEvent`). :func:`verify` recomputes every expected output independently
+(:mod:`resilient.chaos.workload`) and returns a :class:`Verdict`:
+
+- **wrong** — an output that differs from the reduction over its reported contributor set
+  (bitwise for integers, reduction-order tolerance for floats); members that disagree on
+  one op's contributor set; a member that delivered a reduction it is not a contributor
+  of; a contributor that is not a member.
+- **hangs** — an op a live member started and did not finish within ``op_timeout_s``.
+- **lost** — an op a surviving member never completed (missing record or an error).
+- **recoveries** — for each injected fault, seconds from the fault until every surviving
+  member finished the first op that completed after it.
+
+Members that were fault victims (killed, stopped) or that a later epoch removed are
+*excused*: their unfinished ops are neither hangs nor lost, but every output they did
+deliver is still checked. The verifier is pure: it never touches processes or etcd.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from resilient.chaos.faults import VICTIM_KINDS, FaultKind
+from resilient.chaos.scenario import Scenario
+from resilient.chaos.workload import REDUCING, compare, expected_output, op_spec_for
+
+
+@dataclass
+class OpRecord:
+    """What one member reports about one op.
+
+    ``end_s`` is ``None`` when the op never returned; ``error`` is the exception class
+    name when it raised. ``out_range`` is the ``[start, stop)`` slice of the reduced vector
+    a ``reduce_scatter`` output holds. ``bytes_after_fault`` is what this member sent for
+    the op after a failure interrupted it (``recovered`` ops only), for "work saved".
+    """
+
+    member: int
+    seq: int
+    start_s: float
+    end_s: float | None
+    contributors: tuple[int, ...] | None = None
+    output: np.ndarray | None = None
+    out_range: tuple[int, int] | None = None
+    epoch: int | None = None
+    error: str | None = None
+    recovered: bool = False
+    bytes_after_fault: int | None = None
+
+
+@dataclass
+class FaultEvent:
+    """A fault as injected: when (seconds since the workload started), on what, and
+    until when (``end_s``: resume/restart/heal time, ``None`` if it lasted). ``skipped``
+    holds the reason when it could not be injected here (e.g. netem without root)."""
+
+    kind: str
+    time_s: float
+    target: str
+    victim: int | None = None
+    end_s: float | None = None
+    skipped: str | None = None
+
+
+@dataclass
+class EpochEvent:
+    number: int
+    time_s: float
+    members: tuple[int, ...]
+
+
+@dataclass
+class RunLog:
+    """Everything one seed of a scenario produced."""
+
+    scenario: Scenario
+    seed: int
+    records: list[OpRecord] = field(default_factory=list)
+    faults: list[FaultEvent] = field(default_factory=list)
+    epochs: list[EpochEvent] = field(default_factory=list)
+    ops_planned: int | None = None
+    duration_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One wrong result, hang or lost op, with a readable reason."""
+
+    seq: int
+    member: int | None
+    reason: str
+
+    def __str__(self) -> str:
+        who = f"member {self.member}" if self.member is not None else "all members"
+        return f"op {self.seq} ({who}): {self.reason}"
+
+
+@dataclass
+class Verdict:
+    scenario: str
+    seed: int
+    ops: int = 0
+    results_checked: int = 0
+    faults: int = 0
+    skipped: list[str] = field(default_factory=list)
+    wrong: list[Finding] = field(default_factory=list)
+    hangs: list[Finding] = field(default_factory=list)
+    lost: list[Finding] = field(default_factory=list)
+    recoveries: list[float] = field(default_factory=list)
+    bytes_resent: int = 0
+    bytes_restart: int = 0
+
+    @property
+    def passed(self) -> bool:
+        """Every invariant held: no wrong result, no hang, no lost op."""
+        return not (self.wrong or self.hangs or self.lost)
+
+
+def verify(run: RunLog) -> Verdict:
+    """Check every record of ``run``; see the module docstring for what is checked.
+    Never raises for bad records: each problem becomes a finding in the verdict."""
+    sc = run.scenario
+    v = Verdict(scenario=sc.name, seed=run.seed)
+    v.faults = sum(1 for f in run.faults if f.skipped is None)
+    v.skipped = [f"{f.kind} {f.target}: {f.skipped}" for f in run.faults if f.skipped]
+    excused = _excused_members(run)
+
+    by_seq: dict[int, list[OpRecord]] = defaultdict(list)
+    for r in run.records:
+        by_seq[r.seq].append(r)
+
+    for seq in sorted(by_seq):
+        recs = by_seq[seq]
+        if sc.workload.mix:
+            _check_values(run, seq, recs, v)
+        for r in recs:
+            if r.end_s is None or r.error is not None:
+                if r.member in excused:
+                    continue
+                if r.end_s is None:
+                    v.hangs.append(Finding(seq, r.member, f"started at {r.start_s:.3f}s and never finished"))
+                else:
+                    v.lost.append(Finding(seq, r.member, f"raised {r.error}"))
+            elif r.end_s - r.start_s > sc.op_timeout_s:
+                v.hangs.append(Finding(seq, r.member, f"took {r.end_s - r.start_s:.1f}s > op_timeout_s "
+                                                      f"{sc.op_timeout_s:g}"))
+    # lost: a survivor without a record for a planned op
+    survivors = [m for m in range(sc.world_size) if m not in excused]
+    planned = run.ops_planned
+    if planned is None:
+        done = [r.seq for r in run.records if r.member in survivors]
+        planned = max(done) + 1 if done else 0
+    for seq in range(planned):
+        have = {r.member for r in by_seq.get(seq, ())}
+        for m in survivors:
+            if m not in have:
+                v.lost.append(Finding(seq, m, "no record: the op never ran on this surviving member"))
+    v.ops = len({r.seq for r in run.records if r.end_s is not None and r.error is None})
+    v.recoveries = _recoveries(run, survivors)
+    return v
+
+
+def _excused_members(run: RunLog) -> set[int]:
+    """Fault victims and members a published epoch removed (their unfinished ops are
+    expected); survivors are everyone else."""
+    out = {f.victim for f in run.faults if f.victim is not None and f.skipped is None
+           and FaultKind(f.kind) in VICTIM_KINDS}
+    seen: set[int] = set()
+    for e in sorted(run.epochs, key=lambda e: e.number):
+        seen.update(e.members)
+        out.update(seen - set(e.members))
+    return out
+
+
+def _check_values(run: RunLog, seq: int, recs: Sequence[OpRecord], v: Verdict) -> None:
+    sc = run.scenario
+    spec = op_spec_for(seq, run.seed, sc.workload.mix)
+    sets = {r.contributors for r in recs if r.end_s is not None and r.error is None}
+    if len(sets) > 1:
+        shown = "; ".join(f"member {r.member}: {sorted(r.contributors or ())}" for r in recs if r.end_s is not None)
+        v.wrong.append(Finding(seq, None, f"members disagree on the contributor set ({shown})"))
+    cache: dict[tuple, object] = {}
+    for r in recs:
+        if r.end_s is None or r.error is not None:
+            continue
+        v.results_checked += 1
+        if spec.collective == "barrier":
+            continue
+        contributors = tuple(r.contributors or ())
+        bad = [m for m in contributors if not 0 <= m < sc.world_size]
+        if bad or len(set(contributors)) != len(contributors) or not contributors:
+            v.wrong.append(Finding(seq, r.member, f"invalid contributor set {list(contributors)}"))
+            continue
+        if spec.collective in REDUCING or spec.collective == "allgather":
+            if r.member not in contributors:
+                v.wrong.append(Finding(seq, r.member, f"delivered a {spec.collective} result but is not in its "
+                                                      f"contributor set {sorted(contributors)}"))
+                continue
+        key = (contributors, r.out_range)
+        try:
+            if key not in cache:
+                cache[key] = expected_output(spec, seq, run.seed, contributors, r.out_range)
+        except ValueError as exc:
+            v.wrong.append(Finding(seq, r.member, str(exc)))
+            continue
+        mismatch = compare(r.output, cache[key], spec.dtype)  # type: ignore[arg-type]
+        if mismatch is not None:
+            detail = mismatch.reason
+            if mismatch.index is not None:
+                detail += f"; first at [{mismatch.index}]: got {mismatch.got!r}, expected {mismatch.want!r}"
+            v.wrong.append(Finding(seq, r.member, f"{spec.collective}/{spec.op or '-'}/{spec.dtype} over "
+                                                  f"{sorted(contributors)}: {detail}"))
+        if r.recovered and r.bytes_after_fault is not None:
+            v.bytes_resent += r.bytes_after_fault
+            if r.member == min(contributors):  # count each op's from-scratch cost once
+                k = len(contributors)
+                v.bytes_restart += 2 * (k - 1) * spec.numel * np.dtype(spec.dtype).itemsize
+
+
+def _recoveries(run: RunLog, survivors: Sequence[int]) -> list[float]:
+    """For each injected fault (except slow/netem, which degrade rather than fail): time
+    until every survivor finished the first op that completed after the fault."""
+    done: dict[int, list[float]] = defaultdict(list)
+    for r in run.records:
+        if r.member in survivors and r.end_s is not None and r.error is None:
+            done[r.seq].append(r.end_s)
+    out = []
+    for f in run.faults:
+        if f.skipped is not None or f.kind in (FaultKind.SLOW.value, FaultKind.NETEM.value):
+            continue
+        after = [seq for seq, ends in done.items() if max(ends) > f.time_s]
+        if after:
+            out.append(max(done[min(after)]) - f.time_s)
+    return out
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """``q``-th percentile (linear interpolation), ``None`` for no values."""
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else None

@@ -1,0 +1,296 @@
+"""Epochs: the rank-side view of membership, and per-epoch data exchange.
+
+An :class:`Epoch` is what the coordinator leader publishes at ``epoch`` (and keeps at
+``epochs/<n>/epoch``): the number, the members in ring order, their infos, roles, the
+planner's output, a random ``token`` that transport handshakes carry (stored in the epoch
+record, so every member reads the same one), and why and when it was published.
+
+* :class:`EpochWatcher` — follows ``epoch`` with a reconnecting watch and delivers every
+  new epoch, in number order, to subscribers.
+* :class:`EpochData` — members put raw bytes under ``epochs/<n>/data/<name>/<member>``
+  and wait for everyone's. Payloads are bytes (JSON, numpy buffers…), never pickle.
+
+Failure behaviour: while etcd is unreachable the watcher keeps its last epoch and
+reconnects by itself, resuming from the last revision it saw (so no epoch is missed); if
+history was compacted meanwhile it re-reads ``epoch`` and subscribers get the newest one.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from resilient.coordinator import keys
+from resilient.coordinator.membership import MemberInfo
+from resilient.coordinator.store import Store, WatchEvent
+from resilient.errors import StoreError
+
+log = logging.getLogger(__name__)
+
+#: Why an epoch was published (``Epoch.cause``).
+CAUSES = ("initial", "member_lost", "lease_expired", "suspect_confirmed", "joined", "health")
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """One published membership epoch. Frozen; compare by ``number``."""
+
+    number: int
+    members: tuple[str, ...]
+    infos: dict[str, MemberInfo] = field(default_factory=dict, compare=False)
+    roles: dict[str, str] = field(default_factory=dict, compare=False)
+    plan: dict = field(default_factory=dict, compare=False)
+    token: str = ""
+    cause: str = "initial"
+    #: wall-clock time of the event that caused it (revoke, suspect report, or the moment
+    #: the coordinator saw a lease expire / a member join) — ``published_at - trigger_at``
+    #: is the detection latency
+    trigger_at: float = 0.0
+    published_at: float = 0.0
+    leader: str = ""
+    removed: tuple[str, ...] = ()
+    added: tuple[str, ...] = ()
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def rank_of(self, member_id: str) -> int:
+        """Index of ``member_id`` in the ring; ValueError if it is not a member."""
+        return self.members.index(member_id)
+
+    def to_json(self) -> bytes:
+        d = {
+            "number": self.number, "members": list(self.members),
+            "infos": {m: i.to_dict() for m, i in self.infos.items()},
+            "roles": self.roles, "plan": self.plan, "token": self.token, "cause": self.cause,
+            "trigger_at": self.trigger_at, "published_at": self.published_at, "leader": self.leader,
+            "removed": list(self.removed), "added": list(self.added),
+        }
+        return json.dumps(d, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "Epoch":
+        """Parse an epoch record; :class:`StoreError` if it is malformed."""
+        try:
+            d = json.loads(raw)
+            return cls(
+                number=int(d["number"]), members=tuple(str(m) for m in d["members"]),
+                infos={str(m): MemberInfo.from_dict(i) for m, i in (d.get("infos") or {}).items()},
+                roles={str(k): str(v) for k, v in (d.get("roles") or {}).items()},
+                plan=dict(d.get("plan") or {}), token=str(d.get("token", "")),
+                cause=str(d.get("cause", "")), trigger_at=float(d.get("trigger_at", 0.0)),
+                published_at=float(d.get("published_at", 0.0)), leader=str(d.get("leader", "")),
+                removed=tuple(d.get("removed") or ()), added=tuple(d.get("added") or ()),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise StoreError(f"malformed epoch record: {exc}") from None
+
+
+def read_epoch(store: Store, job: str) -> tuple[Epoch | None, int]:
+    """The current epoch (or None) and the mod revision of its key (0 if none)."""
+    kv = store.get(keys.epoch(job))
+    if kv is None:
+        return None, 0
+    return Epoch.from_json(kv.value), kv.mod_revision
+
+
+class EpochWatcher:
+    """Follows the job's current epoch.
+
+    ``current()`` returns the newest epoch seen (or None); ``wait_for(pred, timeout)``
+    blocks until an epoch satisfies ``pred``; ``subscribe(cb)`` calls ``cb(epoch)`` for every
+    newer epoch, in number order, from the watch thread (a subscriber that must not block
+    the others should hand off to its own thread). Epochs are delivered one by one as etcd
+    recorded them; only when history was compacted away does a subscriber jump straight to
+    the newest. ``close()`` stops the watch.
+    """
+
+    def __init__(self, store: Store, job: str) -> None:
+        self.store = store
+        self.job = job
+        self._key = keys.epoch(job)
+        self._cond = threading.Condition()
+        self._subs: list[Callable[[Epoch], None]] = []
+        self._closed = False
+        kv = store.get(self._key)
+        self._current: Epoch | None = Epoch.from_json(kv.value) if kv else None
+        start = store.revision() + 1 if kv is None else kv.mod_revision + 1
+        self._watch = store.watch_key(self._key, start, self._on_events)
+
+    def _on_events(self, events: list[WatchEvent]) -> None:
+        for ev in events:
+            if ev.type == "resync":
+                kv = self.store.get(self._key)
+                if kv is not None:
+                    self._deliver(Epoch.from_json(kv.value))
+            elif ev.type == "put" and ev.key == self._key:
+                try:
+                    self._deliver(Epoch.from_json(ev.value))
+                except StoreError as exc:
+                    log.error("ignoring malformed epoch at revision %d: %s", ev.mod_revision, exc)
+
+    def _deliver(self, epoch: Epoch) -> None:
+        with self._cond:
+            if self._current is not None and epoch.number <= self._current.number:
+                return
+            self._current = epoch
+            subs = list(self._subs)
+            self._cond.notify_all()
+        for cb in subs:
+            try:
+                cb(epoch)
+            except Exception:
+                log.exception("epoch subscriber failed on epoch %d", epoch.number)
+
+    def current(self) -> Epoch | None:
+        with self._cond:
+            return self._current
+
+    def wait_for(self, pred: Callable[[Epoch], bool], timeout: float) -> Epoch:
+        """The first epoch (current or later) with ``pred(epoch)`` true. Raises
+        :class:`TimeoutError` naming the last epoch seen if none comes within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._current is not None and pred(self._current):
+                    return self._current
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    last = self._current
+                    raise TimeoutError(
+                        f"no epoch of job {self.job!r} matched within {timeout:.1f}s; last seen: "
+                        + (f"epoch {last.number} members {list(last.members)}" if last else "none published")
+                    )
+                self._cond.wait(left)
+
+    def subscribe(self, callback: Callable[[Epoch], None], replay: bool = False) -> Callable[[], None]:
+        """Call ``callback(epoch)`` for every new epoch; with ``replay`` also at once with the
+        current one (so nothing slips between ``current()`` and subscribing). Returns a
+        function that unsubscribes."""
+        with self._cond:
+            self._subs.append(callback)
+            current = self._current
+        if replay and current is not None:
+            callback(current)
+
+        def unsubscribe() -> None:
+            with self._cond:
+                if callback in self._subs:
+                    self._subs.remove(callback)
+
+        return unsubscribe
+
+    def close(self) -> None:
+        self._watch.cancel()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def __enter__(self) -> "EpochWatcher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class EpochChanged(StoreError):
+    """Raised by :meth:`EpochData.wait_all` when a newer epoch is published while waiting:
+    the members being waited for may never write. ``newest`` is the new epoch number,
+    ``partial`` what had arrived."""
+
+    def __init__(self, message: str, newest: int, partial: dict[str, bytes]) -> None:
+        super().__init__(message)
+        self.newest = newest
+        self.partial = partial
+
+
+class EpochData:
+    """Per-epoch rendezvous data: ``put`` this member's bytes under a name, read or wait
+    for every member's. Keys: ``epochs/<n>/data/<name>/<member_id>``; the coordinator
+    deletes them :data:`~.keys.EPOCHS_KEPT` epochs later."""
+
+    def __init__(self, store: Store, job: str, epoch_number: int) -> None:
+        self.store = store
+        self.job = job
+        self.number = int(epoch_number)
+
+    def put(self, member_id: str, name: str, payload: bytes) -> None:
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise TypeError(f"EpochData payload must be bytes, got {type(payload).__name__}")
+        self.store.put(keys.epoch_data_of(self.job, self.number, name, member_id), bytes(payload))
+
+    def get_all(self, name: str) -> dict[str, bytes]:
+        prefix = keys.epoch_data(self.job, self.number, name)
+        return {keys.last_segment(kv.key): kv.value for kv in self.store.get_prefix(prefix)}
+
+    def wait_all(self, name: str, member_ids: Iterable[str], timeout: float) -> dict[str, bytes]:
+        """Wait until every one of ``member_ids`` has put ``name``; returns their payloads.
+
+        Raises :class:`TimeoutError` naming the members still missing after ``timeout``
+        seconds, and :class:`EpochChanged` (with the partial result) as soon as an epoch newer
+        than this one is published — our choice: a newer epoch means a member we wait for
+        may be gone, so the caller re-plans on the new epoch instead of waiting it out."""
+        wanted = set(member_ids)
+        prefix = keys.epoch_data(self.job, self.number, name)
+        cond = threading.Condition()
+        got: dict[str, bytes] = {}
+        newer: list[int] = []
+        kvs, rev = self.store.snapshot(prefix)
+        for kv in kvs:
+            got[keys.last_segment(kv.key)] = kv.value
+        ekey = keys.epoch(self.job)
+
+        def on_data(events: list[WatchEvent]) -> None:
+            with cond:
+                for ev in events:
+                    if ev.type == "put":
+                        got[keys.last_segment(ev.key)] = ev.value
+                    elif ev.type == "resync":
+                        for kv in self.store.get_prefix(prefix):
+                            got[keys.last_segment(kv.key)] = kv.value
+                cond.notify_all()
+
+        def on_epoch(events: list[WatchEvent]) -> None:
+            with cond:
+                for ev in events:
+                    if ev.type == "put" and ev.key == ekey:
+                        try:
+                            n = int(json.loads(ev.value)["number"])
+                        except (ValueError, KeyError, TypeError):
+                            continue
+                        if n > self.number:
+                            newer.append(n)
+                cond.notify_all()
+
+        if wanted <= got.keys():
+            return {m: got[m] for m in wanted}
+        current, erev = read_epoch(self.store, self.job)
+        if current is not None and current.number > self.number:
+            raise EpochChanged(f"epoch {current.number} superseded epoch {self.number} while waiting for "
+                               f"{name!r}", current.number, {m: got[m] for m in wanted & got.keys()})
+        w1 = self.store.watch_prefix(prefix, rev + 1, on_data)
+        w2 = self.store.watch_key(ekey, max(erev, rev) + 1, on_epoch)
+        deadline = time.monotonic() + timeout
+        try:
+            with cond:
+                while True:
+                    if wanted <= got.keys():
+                        return {m: got[m] for m in wanted}
+                    partial = {m: got[m] for m in wanted & got.keys()}
+                    if newer:
+                        raise EpochChanged(
+                            f"epoch {max(newer)} superseded epoch {self.number} while waiting for {name!r} "
+                            f"from {sorted(wanted - got.keys())}", max(newer), partial)
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(
+                            f"epoch {self.number}: {name!r} still missing from {sorted(wanted - got.keys())} "
+                            f"after {timeout:.1f}s (have {sorted(partial)})")
+                    cond.wait(left)
+        finally:
+            w1.cancel()
+            w2.cancel()

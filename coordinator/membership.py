@@ -1,0 +1,238 @@
+"""Membership: a member is registered under ``members/<id>`` on its lease and is alive
+exactly while that lease is.
+
+* :class:`MemberInfo` — what a member says about itself (JSON in etcd, never pickle).
+* :class:`MemberSession` — registration plus a keep-alive **daemon thread** refreshing the
+  lease every ``ttl / 3`` seconds. SIGSTOP freezes the thread with the process, so a
+  stopped (hung) process is dropped when its lease expires, after ``ttl`` seconds.
+* :func:`revoke_member` — what a node agent calls when its worker process exits: it leaves
+  a ``departed/`` marker (so the coordinator can tell a revoke from an expiry and measure
+  detection latency) and revokes the lease, which deletes the member key at once.
+* :func:`report_suspect` — a peer's suspicion; the coordinator confirms it against the
+  suspect's lease state, never on one peer's word.
+
+Failure behaviour: if etcd is unreachable the keep-alive thread keeps trying (etcd
+extends every lease by its TTL when it comes back, so a short outage loses nobody); when
+etcd answers that the lease is gone, :attr:`MemberSession.lost` is set and the ``on_lost``
+callbacks run once, in the keep-alive thread.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from resilient.coordinator import keys
+from resilient.coordinator.store import Store
+from resilient.errors import ConfigError, LeaseExpired, StoreError, StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+#: Keep-alives are sent every ``ttl * KEEPALIVE_FRACTION`` seconds.
+KEEPALIVE_FRACTION = 1.0 / 3.0
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    """A member's self-description. ``address`` is its transport listener ``host:port``;
+    ``labels`` are topology labels (e.g. ``rack``, ``switch``) used by the planner."""
+
+    member_id: str
+    host: str = field(default_factory=socket.gethostname)
+    local_rank: int = 0
+    device: str = "cpu"
+    address: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    pid: int = field(default_factory=os.getpid)
+    state: str = "joining"
+    ttl: float = 0.0
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MemberInfo":
+        try:
+            return cls(
+                member_id=str(d["member_id"]), host=str(d.get("host", "")),
+                local_rank=int(d.get("local_rank", 0)), device=str(d.get("device", "cpu")),
+                address=str(d.get("address", "")),
+                labels={str(k): str(v) for k, v in dict(d.get("labels") or {}).items()},
+                pid=int(d.get("pid", 0)), state=str(d.get("state", "joining")),
+                ttl=float(d.get("ttl", 0.0)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StoreError(f"malformed member record {d!r}: {exc}") from None
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "MemberInfo":
+        try:
+            return cls.from_dict(json.loads(raw))
+        except json.JSONDecodeError as exc:
+            raise StoreError(f"member record is not JSON: {exc}") from None
+
+
+class MemberSession:
+    """A registered member: its lease, kept alive by a daemon thread.
+
+    Use :meth:`register`; ``member_id``, ``lease_id``, ``ttl``, ``lost`` (a
+    :class:`threading.Event` set when the lease is gone) and :meth:`close`.
+    """
+
+    def __init__(self, store: Store, job: str, info: MemberInfo, lease_id: int, ttl: float,
+                 owns_lease: bool) -> None:
+        self.store = store
+        self.job = job
+        self.info = info
+        self.member_id = info.member_id
+        self.lease_id = lease_id
+        self.ttl = ttl
+        self.owns_lease = owns_lease
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._on_lost: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._keepalive_loop, name=f"keepalive:{self.member_id}",
+                                        daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def register(cls, store: Store, job: str, info: MemberInfo, ttl: float = 5.0,
+                 lease_id: int | None = None) -> "MemberSession":
+        """Register ``info`` under ``members/<id>`` on a lease and start keeping it alive.
+
+        ``lease_id`` given: attach to that lease (granted by the node agent, which revokes
+        it the moment this process exits); otherwise grant one of ``ttl`` seconds.
+        Raises :class:`ConfigError` if a live member already holds this id,
+        :class:`LeaseExpired` if ``lease_id`` is already gone, :class:`StoreUnavailable`
+        if etcd cannot be reached.
+        """
+        if ttl <= 0:
+            raise ConfigError(f"member lease ttl must be > 0 seconds, got {ttl}")
+        key = keys.member(job, info.member_id)
+        owns = lease_id is None
+        if lease_id is None:
+            lease_id = store.grant(ttl)
+        else:
+            left = store.lease_ttl(lease_id)
+            if left is None:
+                raise LeaseExpired(f"lease {lease_id:x} given for member {info.member_id} is already gone")
+            ttl = left[1]
+        info = MemberInfo(**{**info.to_dict(), "state": "joining", "ttl": float(ttl)})
+        payload = info.to_json()
+        while True:
+            if store.create(key, payload, lease=lease_id):
+                break
+            existing = store.get(key)
+            if existing is None:
+                continue  # it expired between create and get: try again
+            if existing.lease == lease_id:
+                store.put(key, payload, lease=lease_id)
+                break
+            if owns:
+                store.revoke(lease_id)
+            raise ConfigError(
+                f"member id {info.member_id!r} is already registered in job {job!r} by a live "
+                f"member (lease {existing.lease:x}); give each member a unique id, or wait for "
+                f"the old one's lease to expire"
+            )
+        return cls(store, job, info, lease_id, float(ttl), owns)
+
+    def on_lost(self, callback: Callable[[], None]) -> None:
+        """Run ``callback()`` once when the lease is found gone (at once if it already is)."""
+        with self._lock:
+            if not self.lost.is_set():
+                self._on_lost.append(callback)
+                return
+        callback()
+
+    def _keepalive_loop(self) -> None:
+        interval = max(0.1, self.ttl * KEEPALIVE_FRACTION)
+        while not self._stop.wait(interval):
+            try:
+                self.store.keepalive(self.lease_id, budget=interval)
+            except LeaseExpired:
+                self._mark_lost()
+                return
+            except StoreUnavailable as exc:
+                log.warning("member %s: keep-alive failed, retrying: %s", self.member_id, exc)
+            except StoreError as exc:  # pragma: no cover - unexpected etcd answer
+                log.warning("member %s: keep-alive error, retrying: %s", self.member_id, exc)
+
+    def _mark_lost(self, closing: bool = False) -> None:
+        with self._lock:
+            if self.lost.is_set():
+                return
+            self.lost.set()
+            callbacks, self._on_lost = self._on_lost, []
+        if not closing:
+            log.warning("member %s: lease %x is gone; no longer a member", self.member_id, self.lease_id)
+        for cb in callbacks:
+            try:
+                cb()
+            except Exception:
+                log.exception("on_lost callback failed")
+
+    def close(self, revoke: bool = True, reason: str = "closed") -> None:
+        """Stop keeping the lease alive; with ``revoke`` also revoke it now (the member
+        leaves at once, marked departed with ``reason``), otherwise it expires after its
+        TTL. Safe to call twice; never raises for an unreachable etcd (logs it)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        if revoke and not self.lost.is_set():
+            try:
+                revoke_member(self.store, self.job, self.member_id, self.lease_id, reason)
+            except StoreError as exc:
+                log.warning("member %s: could not revoke lease on close: %s", self.member_id, exc)
+            self._mark_lost(closing=True)
+
+    def __enter__(self) -> "MemberSession":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def revoke_member(store: Store, job: str, member_id: str, lease_id: int, reason: str = "exited") -> bool:
+    """Mark ``member_id`` departed (``departed/<id>``: lease, reason, wall time) and revoke
+    its lease, deleting its keys at once. The coordinator reports the epoch's cause as
+    ``member_lost`` (detection path ``revoke``). Returns False if the lease was already
+    gone. Raises :class:`StoreUnavailable` if etcd cannot be reached."""
+    marker = json.dumps({"lease": lease_id, "reason": reason, "at": time.time()}).encode()
+    store.put(keys.departed_of(job, member_id), marker)
+    return store.revoke(lease_id)
+
+
+def report_suspect(store: Store, job: str, reporter_id: str, suspect_id: str, reason: str) -> None:
+    """Report that ``suspect_id`` looks dead or hung to ``reporter_id`` (e.g. a peer waited
+    past ``op_timeout``). The coordinator confirms it only if the suspect's lease has also
+    stopped being refreshed (or is gone); a suspect whose lease is fresh stays a member.
+    Raises :class:`ConfigError` when a member reports itself."""
+    if reporter_id == suspect_id:
+        raise ConfigError(f"member {reporter_id!r} cannot report itself as suspect")
+    record = json.dumps({"reporter": reporter_id, "reason": str(reason), "at": time.time()}).encode()
+    store.put(keys.suspect(job, suspect_id, reporter_id), record)
+
+
+def read_members(store: Store, job: str) -> tuple[dict[str, tuple[MemberInfo, int]], int]:
+    """Every registered member: ``{id: (info, lease_id)}`` and the read's revision.
+    Malformed records are skipped with a warning (they name the key)."""
+    kvs, rev = store.snapshot(keys.members(job))
+    out: dict[str, tuple[MemberInfo, int]] = {}
+    for kv in kvs:
+        try:
+            info = MemberInfo.from_json(kv.value)
+        except StoreError as exc:
+            log.warning("ignoring %s: %s", kv.key, exc)
+            continue
+        out[keys.last_segment(kv.key)] = (info, kv.lease)
+    return out, rev

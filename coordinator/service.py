@@ -1,0 +1,352 @@
+"""The coordinator: leader-elected, it turns membership changes into epochs.
+
+Any number of coordinators may run for one job; one leads (:mod:`.election`), the others
+wait to take over. The leader:
+
+1. watches ``members/`` and ``suspects/`` (reconnecting watches, resumed from the last
+   revision, so nothing is missed across an etcd restart) and also re-reads everything
+   every ``resync_interval`` seconds as a safety net;
+2. on a change, waits a short debounce (``debounce``, tens of ms, for losses and
+   suspicions; ``join_debounce`` for joins, so 8 workers starting together yield one
+   epoch) and then **reconciles**: reads members, the current epoch, suspect reports and
+   ``departed/`` markers, computes the next epoch — deterministic given the member set
+   and health: the ring and tree come from :func:`.planner.plan` — and
+3. publishes it with one transaction that compares the ``epoch`` key's mod revision
+   (CAS on epoch n) **and** the ``leader`` key's create revision (we still lead). A
+   deposed leader's transaction fails; it steps down without writing anything. A failed
+   CAS with leadership intact (a retried write that had applied) just reconciles again,
+   so numbers stay consecutive, with no duplicate and none skipped, across handovers.
+
+Suspect reports are confirmed against lease state: only if the suspect's lease has gone
+unrefreshed for at least two keep-alive intervals (or is gone) is it removed (its lease is
+revoked). A suspect whose lease stays fresh for its TTL is dismissed.
+
+Failure behaviour: etcd unreachable → the loop logs, keeps its leadership claim (etcd will
+judge it by the lease on return) and retries; ``/healthz`` turns 503 after
+``retry_timeout`` without a successful read. The leader lease expiring (process hung) →
+another coordinator takes over after about one ``ttl``; SIGTERM → resign at once.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+from resilient.coordinator import keys
+from resilient.coordinator.election import LeaderElection
+from resilient.coordinator.epoch import Epoch, read_epoch
+from resilient.coordinator.health import HealthPolicy, no_demotion, read_health
+from resilient.coordinator.membership import KEEPALIVE_FRACTION, MemberInfo, read_members
+from resilient.coordinator.metrics import CoordinatorMetrics
+from resilient.coordinator.planner import plan
+from resilient.coordinator.store import Compare, Delete, Put, Store, WatchEvent
+from resilient.errors import ConfigError, StoreError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CoordinatorConfig:
+    """Tunables. ``ttl``: leader lease seconds (takeover time after a leader dies);
+    ``debounce``: seconds to wait after a loss/suspicion before publishing; ``join_debounce``:
+    after a join (restarted by each further join, at most 4x); ``min_members``: members
+    needed before the first epoch; ``resync_interval``: full re-read period."""
+
+    ttl: float = 5.0
+    debounce: float = 0.02
+    join_debounce: float = 0.25
+    min_members: int = 1
+    resync_interval: float = 1.0
+    suspect_interval: float = 0.25
+
+    def validate(self) -> None:
+        for name in ("ttl", "resync_interval", "suspect_interval"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"coordinator {name} must be > 0, got {getattr(self, name)}")
+        for name in ("debounce", "join_debounce"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"coordinator {name} must be >= 0, got {getattr(self, name)}")
+        if self.min_members < 1:
+            raise ConfigError(f"--min-members must be >= 1, got {self.min_members}")
+
+
+@dataclass
+class _Pending:
+    urgent_at: float | None = None      # monotonic time of the first unhandled loss/suspicion
+    join_first: float | None = None
+    join_last: float | None = None
+    lost_seen: dict[str, float] = field(default_factory=dict)   # member -> wall time the delete was seen
+    join_seen: dict[str, float] = field(default_factory=dict)
+
+
+def default_coordinator_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}".replace("_", "-")[:100]
+
+
+class Coordinator:
+    """One coordinator process's logic. ``run(stop)`` blocks until ``stop`` is set."""
+
+    def __init__(self, store: Store, job: str, coordinator_id: str | None = None,
+                 config: CoordinatorConfig | None = None, health_policy: HealthPolicy = no_demotion,
+                 metrics: CoordinatorMetrics | None = None) -> None:
+        self.store = store
+        self.job = keys.check_name("job name", job)
+        self.id = keys.check_name("coordinator id", coordinator_id or default_coordinator_id())
+        self.config = config or CoordinatorConfig()
+        self.config.validate()
+        self.health_policy = health_policy
+        self.metrics = metrics or CoordinatorMetrics()
+        self.election = LeaderElection(store, job, self.id, self.config.ttl)
+        self._cond = threading.Condition()
+        self._pending = _Pending()
+        self._last_ok = time.monotonic()
+        self._running = False
+        self.published: list[int] = []   # epoch numbers this process published
+
+    # -- public ---------------------------------------------------------------------------
+
+    @property
+    def is_leader(self) -> bool:
+        return self.election.is_leader
+
+    def healthy(self) -> tuple[bool, str]:
+        if not self._running:
+            return False, "coordinator loop not running"
+        age = time.monotonic() - self._last_ok
+        if age > max(self.store.retry_timeout, 3 * self.config.resync_interval) + 1:
+            return False, f"no successful etcd read for {age:.0f}s"
+        return True, "ok leader" if self.is_leader else "ok standby"
+
+    def run(self, stop: threading.Event) -> None:
+        """Campaign, lead, and campaign again after losing leadership, until ``stop``;
+        then resign so a standby takes over at once."""
+        self._running = True
+        try:
+            while not stop.is_set():
+                if not self.election.campaign(stop):
+                    break
+                self._last_ok = time.monotonic()
+                self.metrics.is_leader.set(1)
+                try:
+                    self._lead(stop)
+                finally:
+                    self.metrics.is_leader.set(0)
+                    if not stop.is_set():
+                        self.election.step_down()
+        finally:
+            self.election.resign()
+            self._running = False
+
+    # -- leading --------------------------------------------------------------------------
+
+    def _on_member_events(self, events: list[WatchEvent]) -> None:
+        now_wall, now = time.time(), time.monotonic()
+        with self._cond:
+            p = self._pending
+            for ev in events:
+                mid = keys.last_segment(ev.key)
+                if ev.type == "delete":
+                    p.lost_seen.setdefault(mid, now_wall)
+                    p.urgent_at = p.urgent_at or now
+                elif ev.type == "put":
+                    if ev.create_revision == ev.mod_revision:
+                        p.join_seen.setdefault(mid, now_wall)
+                        p.lost_seen.pop(mid, None)
+                    p.join_first = p.join_first or now
+                    p.join_last = now
+                else:  # resync
+                    p.urgent_at = p.urgent_at or now
+            self._cond.notify_all()
+
+    def _on_suspect_events(self, events: list[WatchEvent]) -> None:
+        with self._cond:
+            if any(ev.type != "delete" for ev in events):
+                self._pending.urgent_at = self._pending.urgent_at or time.monotonic()
+                self._cond.notify_all()
+
+    def _due(self, now: float) -> float | None:
+        """Monotonic time at which the pending changes should be reconciled, or None."""
+        p, c = self._pending, self.config
+        due = []
+        if p.urgent_at is not None:
+            due.append(p.urgent_at + c.debounce)
+        if p.join_first is not None:
+            due.append(min(p.join_last + c.join_debounce, p.join_first + 4 * c.join_debounce))
+        return min(due) if due else None
+
+    def _lead(self, stop: threading.Event) -> None:
+        _, rev = self.store.snapshot(keys.members(self.job))
+        watches = [
+            self.store.watch_prefix(keys.members(self.job), rev + 1, self._on_member_events),
+            self.store.watch_prefix(keys.suspects(self.job), rev + 1, self._on_suspect_events),
+        ]
+        next_resync = 0.0
+        suspects_pending = False
+        try:
+            while not stop.is_set():
+                if self.election.lost.is_set():
+                    log.warning("coordinator %s: lost leadership", self.id)
+                    return
+                now = time.monotonic()
+                with self._cond:
+                    due = self._due(now)
+                    wake = next_resync if due is None else min(due, next_resync)
+                    if suspects_pending:
+                        wake = min(wake, now + self.config.suspect_interval)
+                    if wake > now:
+                        self._cond.wait(min(wake - now, 0.5))
+                        continue
+                    lost_seen, join_seen = dict(self._pending.lost_seen), dict(self._pending.join_seen)
+                    self._pending = _Pending()
+                try:
+                    outcome, suspects_pending = self._reconcile(lost_seen, join_seen)
+                    self._last_ok = time.monotonic()
+                except StoreError as exc:
+                    log.warning("coordinator %s: reconcile failed, retrying: %s", self.id, exc)
+                    with self._cond:  # keep what we saw for the retry
+                        for k, v in lost_seen.items():
+                            self._pending.lost_seen.setdefault(k, v)
+                        for k, v in join_seen.items():
+                            self._pending.join_seen.setdefault(k, v)
+                        self._pending.urgent_at = self._pending.urgent_at or time.monotonic()
+                    stop.wait(0.2)
+                    continue
+                if outcome == "deposed":
+                    return
+                if outcome == "retry":
+                    with self._cond:
+                        self._pending.urgent_at = time.monotonic() - self.config.debounce
+                    continue
+                next_resync = time.monotonic() + self.config.resync_interval
+        finally:
+            for w in watches:
+                w.cancel()
+
+    def _check_suspects(self, members: dict[str, tuple[MemberInfo, int]]) -> tuple[dict[str, float], list[str], bool]:
+        """Returns (confirmed suspect -> earliest report time, report keys to delete, still pending)."""
+        confirmed: dict[str, float] = {}
+        consumed: list[str] = []
+        pending = False
+        reports: dict[str, list[tuple[str, float]]] = {}
+        for kv in self.store.get_prefix(keys.suspects(self.job)):
+            parts = kv.key[len(keys.suspects(self.job)):].split("/")
+            try:
+                at = float(json.loads(kv.value).get("at", 0.0))
+            except (ValueError, AttributeError, TypeError):
+                at = 0.0
+            reports.setdefault(parts[0], []).append((kv.key, at))
+        now = time.time()
+        for suspect, items in reports.items():
+            first = min(at for _, at in items)
+            entry = members.get(suspect)
+            lease = self.store.lease_ttl(entry[1]) if entry else None
+            if entry is None or lease is None:
+                consumed += [k for k, _ in items]    # gone anyway: its removal has its own cause
+                continue
+            remaining, granted = lease
+            if remaining + 1 <= granted * KEEPALIVE_FRACTION:
+                log.warning("suspect %s confirmed: lease unrefreshed (%.0fs of %.0fs left); revoking",
+                            suspect, remaining, granted)
+                self.store.revoke(entry[1])
+                confirmed[suspect] = first
+                consumed += [k for k, _ in items]
+            elif now - first > granted + 1:
+                log.info("suspect %s dismissed: its lease kept being refreshed", suspect)
+                consumed += [k for k, _ in items]
+            else:
+                pending = True
+        return confirmed, consumed, pending
+
+    def _reconcile(self, lost_seen: dict[str, float], join_seen: dict[str, float]) -> tuple[str, bool]:
+        """Publish the next epoch if the member set (or roles) changed. Returns
+        (``"published"`` | ``"unchanged"`` | ``"retry"`` | ``"deposed"``, suspects pending)."""
+        members, _ = read_members(self.store, self.job)
+        confirmed, consumed, suspects_pending = self._check_suspects(members)
+        alive = {m: v for m, v in members.items() if m not in confirmed}
+        epoch, erev = read_epoch(self.store, self.job)
+        departed: dict[str, tuple[str, float]] = {}
+        for kv in self.store.get_prefix(keys.departed(self.job)):
+            try:
+                at = float(json.loads(kv.value).get("at", 0.0))
+            except (ValueError, AttributeError, TypeError):
+                at = 0.0
+            departed[keys.last_segment(kv.key)] = (kv.key, at)
+        demoted = set(self.health_policy(read_health(self.store, self.job))) & alive.keys() \
+            if self.health_policy is not no_demotion else set()
+        roles = {m: ("demoted" if m in demoted else "active") for m in alive}
+        current = set(epoch.members) if epoch else set()
+        # A member that restarted under the same id (new lease, pid or address) before we
+        # noticed its exit counts as removed and added again.
+        replaced = {m for m in current & alive.keys() if alive[m][0] != epoch.infos.get(m)} if epoch else set()
+        self._update_member_gauges(alive, current, demoted)
+        stale_markers = [Delete(k) for m, (k, _) in departed.items() if m not in alive]
+        cleanup = stale_markers + [Delete(k) for k in consumed]
+        if epoch is not None:
+            self.metrics.epoch.set(epoch.number)
+        if (epoch is None and len(alive) < self.config.min_members) or (
+                epoch is not None and alive.keys() == current and roles == epoch.roles and not replaced):
+            if cleanup:
+                self.store.txn([self.election.leader_compare()], cleanup)
+            return "unchanged", suspects_pending
+
+        removed = tuple(sorted((current - alive.keys()) | replaced))
+        added = tuple(sorted((alive.keys() - current) | replaced))
+        now = time.time()
+        if confirmed.keys() & set(removed):
+            cause, path = "suspect_confirmed", "suspect"
+            trigger = min(confirmed[m] for m in removed if m in confirmed)
+        elif removed and any(m in departed for m in removed):
+            cause, path = "member_lost", "revoke"
+            trigger = min(departed[m][1] for m in removed if m in departed)
+        elif removed:
+            cause, path = "lease_expired", "lease_expiry"
+            trigger = min(lost_seen.get(m, now) for m in removed)
+        elif added:
+            cause, path = ("initial" if epoch is None else "joined"), "join"
+            trigger = min(join_seen.get(m, now) for m in added)
+        else:
+            cause, path, trigger = "health", None, now
+
+        p = plan([info for info, _ in alive.values()], demoted)
+        number = (epoch.number if epoch else 0) + 1
+        new = Epoch(
+            number=number, members=p.ring, infos={m: alive[m][0] for m in p.ring}, roles=roles,
+            plan=p.to_dict(), token=secrets.token_hex(16), cause=cause, trigger_at=trigger,
+            published_at=time.time(), leader=self.id, removed=removed, added=added,
+        )
+        body = new.to_json()
+        ops: list[Put | Delete] = [Put(keys.epoch(self.job), body), Put(keys.epoch_record(self.job, number), body)]
+        if number - keys.EPOCHS_KEPT > 0:
+            ops.append(Delete(keys.epochs(self.job, number - keys.EPOCHS_KEPT), prefix=True))
+        ops += cleanup
+        epoch_cmp = (Compare(keys.epoch(self.job), "create", "==", 0) if epoch is None
+                     else Compare(keys.epoch(self.job), "mod", "==", erev))
+        if not self.store.txn([epoch_cmp, self.election.leader_compare()], ops):
+            kv = self.store.get(keys.leader(self.job))
+            if kv is None or kv.create_revision != self.election.leader_revision:
+                log.warning("coordinator %s: deposed (leader key is %s); not publishing",
+                            self.id, kv.value.decode() if kv else "gone")
+                return "deposed", suspects_pending
+            return "retry", suspects_pending
+        self.published.append(number)
+        self.metrics.epochs_published.inc()
+        self.metrics.epoch.set(number)
+        latency = new.published_at - trigger
+        if path is not None and trigger:
+            self.metrics.detection_latency.labels(path=path).observe(max(0.0, latency))
+        self._update_member_gauges(alive, set(p.ring), demoted)
+        log.info("coordinator %s published epoch %d (%s, %.1f ms after the trigger): %d members, "
+                 "removed %s, added %s", self.id, number, cause, latency * 1000, len(p.ring),
+                 list(removed), list(added))
+        return "published", suspects_pending
+
+    def _update_member_gauges(self, alive: dict, in_epoch: set[str], demoted: set[str]) -> None:
+        joining = sum(1 for m in alive if m not in in_epoch)
+        self.metrics.members.labels(state="joining").set(joining)
+        self.metrics.members.labels(state="demoted").set(len(demoted & in_epoch))
+        self.metrics.members.labels(state="active").set(len(alive) - joining - len(demoted & in_epoch))

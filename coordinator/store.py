@@ -1,0 +1,520 @@
+"""The etcd v3 store adapter: the only module that imports the etcd client.
+
+The client is ``pyetcd`` (PyPI ``etcd-sdk-python``), the maintained fork of python-etcd3
+that imports under modern protobuf (DESIGN §2). Everything else in resilient talks to etcd
+through :class:`Store`, so the client can be swapped here alone.
+
+What it adds on top of the raw client:
+
+* **Bounded retries.** Transient errors (endpoint unreachable, deadline exceeded, no
+  endpoint left) are retried with tenacity: exponential backoff with jitter, failing over
+  between endpoints, for at most ``retry_timeout`` seconds. Then
+  :class:`~resilient.errors.StoreUnavailable` names the endpoints and the last error —
+  never a hang, never a gRPC traceback wall. Permanent errors (bad credentials, a request
+  etcd rejects) raise :class:`~resilient.errors.StoreError` at once.
+* **Watches that survive reconnects.** :meth:`Store.watch_prefix` runs one gRPC watch
+  stream per handle in its own thread; when the stream breaks (etcd restarted, endpoint
+  died) it re-creates the watch from the revision after the last event it delivered, on
+  the next endpoint, so no event is missed. If that revision was compacted meanwhile, the
+  callback receives a ``resync`` event (re-read the state) and the watch continues from
+  the oldest revision etcd still has.
+* Small value types (:class:`KV`, :class:`WatchEvent`, :class:`Compare`, :class:`Put`,
+  :class:`Delete`) so callers never see client classes.
+
+Retried writes are at-least-once: a ``txn`` whose reply was lost is retried and may then
+report that its comparison failed although the first attempt applied. Callers that CAS
+(the coordinator) re-read and recompute after a failed CAS, which makes that harmless.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+from urllib.parse import urlparse
+
+import grpc
+import pyetcd
+from pyetcd import etcdrpc
+from pyetcd import exceptions as etcd_exc
+from pyetcd import transactions as etcd_txn
+from pyetcd.utils import prefix_range_end
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
+
+from resilient.errors import ConfigError, LeaseExpired, StoreError, StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+_TRANSIENT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+_TRANSIENT_EXC = (
+    etcd_exc.ConnectionFailedError,
+    etcd_exc.ConnectionTimeoutError,
+    etcd_exc.NoServerAvailableError,
+)
+# How long pyetcd keeps an endpoint marked failed before trying it again. Short: with one
+# endpoint, a long value would turn a 1 s etcd restart into minutes of "no server".
+_ENDPOINT_RETRY_S = 0.2
+_GRPC_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 500),
+]
+
+
+def _is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, _TRANSIENT_EXC):
+        return True
+    return isinstance(exc, grpc.RpcError) and exc.code() in _TRANSIENT_CODES
+
+
+def _grpc_code(exc: BaseException) -> grpc.StatusCode | None:
+    return exc.code() if isinstance(exc, grpc.RpcError) else None
+
+
+def parse_endpoints(endpoints: str | Sequence[str]) -> list[tuple[str, int]]:
+    """Parse ``host:port`` / ``http(s)://host:port`` endpoints (a list or one
+    comma-separated string) into ``(host, port)`` pairs.
+
+    Raises :class:`ConfigError` naming the bad entry and the expected form.
+    """
+    if isinstance(endpoints, str):
+        items = [e for e in endpoints.split(",")]
+    else:
+        items = list(endpoints)
+    out: list[tuple[str, int]] = []
+    for raw in items:
+        item = raw.strip()
+        if not item:
+            continue
+        url = urlparse(item if "://" in item else f"http://{item}")
+        try:
+            port = url.port
+        except ValueError:
+            port = None
+        if not url.hostname or port is None:
+            raise ConfigError(
+                f"bad etcd endpoint {raw!r}: expected host:port or http://host:port "
+                f"(e.g. 127.0.0.1:2379), several separated by commas"
+            )
+        out.append((url.hostname, port))
+    if not out:
+        raise ConfigError("no etcd endpoint given: pass --etcd host:port[,host:port...]")
+    return out
+
+
+@dataclass(frozen=True)
+class KV:
+    """One key's value and metadata, as read from etcd."""
+
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """One change seen by a watch.
+
+    ``type`` is ``"put"``, ``"delete"`` or ``"resync"`` (history was compacted away: the
+    receiver must re-read the state it derives from the watched keys; key/value empty).
+    """
+
+    type: str
+    key: str
+    value: bytes
+    mod_revision: int
+    create_revision: int = 0
+    lease: int = 0
+    prev_value: bytes | None = None
+
+
+@dataclass(frozen=True)
+class Compare:
+    """One comparison of a transaction. ``target`` is ``value``, ``mod``, ``create`` or
+    ``version``; ``op`` is ``==``, ``!=``, ``<`` or ``>``. A missing key compares as
+    revision/version 0."""
+
+    key: str
+    target: str
+    op: str
+    operand: bytes | int
+
+    def _build(self) -> object:
+        cls = {"value": etcd_txn.Value, "mod": etcd_txn.Mod, "create": etcd_txn.Create,
+               "version": etcd_txn.Version}[self.target]
+        c = cls(self.key)
+        return {"==": c.__eq__, "!=": c.__ne__, "<": c.__lt__, ">": c.__gt__}[self.op](self.operand)
+
+
+@dataclass(frozen=True)
+class Put:
+    key: str
+    value: bytes
+    lease: int | None = None
+
+
+@dataclass(frozen=True)
+class Delete:
+    key: str
+    prefix: bool = False
+
+
+def _kv(kv: object) -> KV:
+    return KV(
+        key=kv.key.decode(), value=bytes(kv.value), create_revision=kv.create_revision,
+        mod_revision=kv.mod_revision, version=kv.version, lease=kv.lease,
+    )
+
+
+class WatchHandle:
+    """A running prefix watch. :meth:`cancel` stops it (idempotent); the callback is never
+    called after ``cancel()`` returns, unless cancel was called from inside the callback."""
+
+    def __init__(self, store: "Store", prefix: str, start_revision: int | None,
+                 callback: Callable[[list[WatchEvent]], None], prev_kv: bool, is_prefix: bool = True) -> None:
+        self._store = store
+        self._prefix = prefix
+        self._is_prefix = is_prefix
+        self._next_rev = start_revision or 0
+        self._callback = callback
+        self._prev_kv = prev_kv
+        self._cancelled = threading.Event()
+        self._lock = threading.Lock()
+        self._call: object | None = None
+        self._requests: queue.Queue | None = None
+        self.connected = threading.Event()
+        self.reconnects = 0
+        self._thread = threading.Thread(target=self._run, name=f"watch:{prefix}", daemon=True)
+        self._thread.start()
+
+    @property
+    def next_revision(self) -> int:
+        """The revision the watch resumes from after a reconnect."""
+        return self._next_rev
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        with self._lock:
+            call, reqs = self._call, self._requests
+        if reqs is not None:
+            reqs.put(None)
+        if call is not None:
+            call.cancel()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        attempt = 0
+        while not self._cancelled.is_set():
+            try:
+                self._stream_once()
+                attempt = 0
+            except grpc.RpcError as exc:
+                if self._cancelled.is_set():
+                    return
+                log.info("watch %s broke (%s); resuming from revision %d", self._prefix,
+                         exc.code(), self._next_rev)
+            except Exception:  # pragma: no cover - a bug in a callback must not kill the watch silently
+                log.exception("watch %s failed; resuming", self._prefix)
+            self.connected.clear()
+            self.reconnects += 1
+            attempt += 1
+            self._cancelled.wait(min(0.5, 0.02 * 2 ** min(attempt, 5)))
+
+    def _stream_once(self) -> None:
+        create = etcdrpc.WatchCreateRequest(
+            key=self._prefix.encode(),
+            range_end=prefix_range_end(self._prefix.encode()) if self._is_prefix else b"",
+            start_revision=self._next_rev, prev_kv=self._prev_kv, progress_notify=True,
+        )
+        reqs: queue.Queue = queue.Queue()
+        reqs.put(etcdrpc.WatchRequest(create_request=create))
+        stub = etcdrpc.WatchStub(self._store._next_watch_channel())
+        call = stub.Watch(iter(reqs.get, None), metadata=self._store._client.metadata)
+        with self._lock:
+            if self._cancelled.is_set():
+                call.cancel()
+                return
+            self._call, self._requests = call, reqs
+        try:
+            for resp in call:
+                if self._cancelled.is_set():
+                    return
+                if resp.compact_revision:
+                    log.warning("watch %s: revision %d compacted (oldest kept %d); resyncing",
+                                self._prefix, self._next_rev, resp.compact_revision)
+                    self._next_rev = resp.compact_revision
+                    self._callback([WatchEvent("resync", "", b"", resp.compact_revision)])
+                    return  # re-create from the compact revision
+                if resp.created:
+                    self.connected.set()
+                    if self._next_rev == 0:
+                        self._next_rev = resp.header.revision + 1
+                if resp.canceled:
+                    return
+                if not resp.events:
+                    continue
+                events = []
+                for ev in resp.events:
+                    kv = ev.kv
+                    events.append(WatchEvent(
+                        type="delete" if ev.type == ev.DELETE else "put",
+                        key=kv.key.decode(), value=bytes(kv.value), mod_revision=kv.mod_revision,
+                        create_revision=kv.create_revision, lease=kv.lease,
+                        prev_value=bytes(ev.prev_kv.value) if ev.HasField("prev_kv") else None,
+                    ))
+                self._next_rev = events[-1].mod_revision + 1
+                self._callback(events)
+        finally:
+            reqs.put(None)
+            with self._lock:
+                self._call = self._requests = None
+            call.cancel()
+
+
+class Store:
+    """etcd v3 key-value store, leases and watches, with bounded retries.
+
+    ``endpoints``: ``host:port`` strings (or one comma-separated string); ``timeout``: per
+    request, seconds; ``retry_timeout``: total budget for retrying one call across
+    endpoints before :class:`StoreUnavailable`. TLS: ``ca_cert`` alone, or with
+    ``cert_key`` + ``cert_cert`` for client authentication. ``user``/``password``: etcd
+    RBAC (the token is fetched at construction, with the same retry budget).
+    """
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        timeout: float = 2.0,
+        ca_cert: str | None = None,
+        cert_key: str | None = None,
+        cert_cert: str | None = None,
+        user: str | None = None,
+        password: str | None = None,
+        retry_timeout: float = 10.0,
+    ) -> None:
+        self.endpoints = [f"{h}:{p}" for h, p in parse_endpoints(endpoints)]
+        self.timeout = float(timeout)
+        self.retry_timeout = float(retry_timeout)
+        if (cert_key is None) != (cert_cert is None):
+            raise ConfigError("TLS client auth needs both cert_key and cert_cert (or neither)")
+        if (cert_key or cert_cert) and not ca_cert:
+            raise ConfigError("TLS client certificates need ca_cert too (the etcd CA bundle)")
+        if (user is None) != (password is None):
+            raise ConfigError("etcd authentication needs both user and password (or neither)")
+        creds = None
+        if ca_cert:
+            try:
+                creds = pyetcd.MultiEndpointEtcd3Client.get_secure_creds(ca_cert, cert_key, cert_cert)
+            except OSError as exc:
+                raise ConfigError(f"cannot read TLS file: {exc}; check --ca-cert/--cert/--key paths") from exc
+        self._eps = [
+            pyetcd.Endpoint(h, p, secure=creds is not None, creds=creds,
+                            time_retry=_ENDPOINT_RETRY_S, opts=_GRPC_OPTIONS)
+            for h, p in parse_endpoints(endpoints)
+        ]
+        self._watch_rr = 0
+        self._watch_rr_lock = threading.Lock()
+        self._client = self._retry(
+            "connect",
+            lambda: pyetcd.MultiEndpointEtcd3Client(
+                endpoints=self._eps, timeout=self.timeout, user=user, password=password, failover=True
+            ),
+        )
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _retry(self, what: str, fn: Callable[[], object], budget: float | None = None) -> object:
+        budget = self.retry_timeout if budget is None else budget
+        try:
+            for attempt in Retrying(
+                retry=retry_if_exception(_is_transient),
+                stop=stop_after_delay(budget),
+                wait=wait_random_exponential(multiplier=0.05, max=1.0),
+                reraise=True,
+            ):
+                with attempt:
+                    return fn()
+        except Exception as exc:
+            if _is_transient(exc):
+                raise StoreUnavailable(
+                    f"etcd {what}: no endpoint of {','.join(self.endpoints)} answered within "
+                    f"{budget:.1f}s (last error: {type(exc).__name__}"
+                    f"{': ' + exc.details() if isinstance(exc, grpc.RpcError) else ''}); "
+                    f"check that etcd is running there and --etcd points at its client URL"
+                ) from None
+            if isinstance(exc, grpc.RpcError):
+                code = exc.code()
+                hint = ""
+                if code == grpc.StatusCode.UNAUTHENTICATED or code == grpc.StatusCode.PERMISSION_DENIED:
+                    hint = "; check --user/--password and the role's permissions on /resilient/"
+                raise StoreError(f"etcd {what} failed: {code.name}: {exc.details()}{hint}") from None
+            if isinstance(exc, pyetcd.Etcd3Exception):
+                raise StoreError(f"etcd {what} failed: {type(exc).__name__}: {exc}") from None
+            raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _next_watch_channel(self) -> grpc.Channel:
+        with self._watch_rr_lock:
+            ep = self._eps[self._watch_rr % len(self._eps)]
+            self._watch_rr += 1
+        return ep.channel
+
+    def close(self) -> None:
+        """Close the client's channels. Watches still running end with an error and stop
+        reconnecting only when cancelled: cancel them first."""
+        self._client.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- key/value ------------------------------------------------------------------------
+
+    def get(self, key: str) -> KV | None:
+        """The key's value and metadata, or ``None`` when it does not exist."""
+        resp = self._retry(f"get {key}", lambda: self._client.get_response(key))
+        return _kv(resp.kvs[0]) if resp.count else None
+
+    def get_prefix(self, prefix: str) -> list[KV]:
+        """Every key under ``prefix``, sorted by key."""
+        return self.snapshot(prefix)[0]
+
+    def snapshot(self, prefix: str) -> tuple[list[KV], int]:
+        """Every key under ``prefix`` and the store revision of that read (watch from
+        ``revision + 1`` to see exactly the changes after it)."""
+        resp = self._retry(f"get {prefix}*", lambda: self._client.get_prefix_response(prefix, sort_order="ascend"))
+        return [_kv(kv) for kv in resp.kvs], resp.header.revision
+
+    def put(self, key: str, value: bytes | str, lease: int | None = None) -> int:
+        """Write ``key``; returns the new store revision. A ``lease`` that no longer exists
+        raises :class:`LeaseExpired`."""
+        try:
+            resp = self._retry(f"put {key}", lambda: self._client.put(key, value, lease=lease))
+        except StoreError as exc:
+            if "lease not found" in str(exc):
+                raise LeaseExpired(f"lease {lease:x} is gone (revoked or expired); cannot write {key}") from None
+            raise
+        return resp.header.revision
+
+    def delete(self, key: str) -> bool:
+        """Delete ``key``; True if it existed."""
+        return bool(self._retry(f"delete {key}", lambda: self._client.delete(key)))
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key under ``prefix``; returns how many."""
+        return self._retry(f"delete {prefix}*", lambda: self._client.delete_prefix(prefix)).deleted
+
+    def txn(self, compare: Iterable[Compare], success: Iterable[Put | Delete],
+            failure: Iterable[Put | Delete] = ()) -> bool:
+        """Run a transaction; True if every comparison held (``success`` ops applied)."""
+        cmp = [c._build() for c in compare]
+        ok_ops = [self._op(o) for o in success]
+        bad_ops = [self._op(o) for o in failure]
+        try:
+            ok, _ = self._retry("transaction", lambda: self._client.transaction(cmp, ok_ops, bad_ops))
+        except StoreError as exc:
+            if "lease not found" in str(exc):
+                raise LeaseExpired(f"a lease used by the transaction is gone: {exc}") from None
+            raise
+        return bool(ok)
+
+    @staticmethod
+    def _op(op: Put | Delete) -> object:
+        if isinstance(op, Put):
+            return etcd_txn.Put(op.key, op.value, lease=op.lease)
+        if isinstance(op, Delete):
+            key = op.key.encode()
+            return etcd_txn.Delete(key, range_end=prefix_range_end(key) if op.prefix else None)
+        raise TypeError(f"not a transaction op: {op!r}")
+
+    def cas(self, key: str, expected_mod_revision: int, value: bytes | str, lease: int | None = None,
+            extra: Iterable[Compare] = ()) -> bool:
+        """Write ``key`` only if its mod revision is still ``expected_mod_revision`` (0: only
+        if it does not exist) and every ``extra`` comparison holds."""
+        first = (Compare(key, "create", "==", 0) if expected_mod_revision == 0
+                 else Compare(key, "mod", "==", expected_mod_revision))
+        return self.txn([first, *extra], [Put(key, value if isinstance(value, bytes) else value.encode(), lease)])
+
+    def create(self, key: str, value: bytes | str, lease: int | None = None) -> bool:
+        """Write ``key`` only if it does not exist; True if written."""
+        return self.cas(key, 0, value, lease)
+
+    # -- leases ---------------------------------------------------------------------------
+
+    def grant(self, ttl: float) -> int:
+        """Grant a lease of ``ttl`` seconds (rounded up: etcd counts whole seconds, and
+        raises tiny TTLs to its minimum, about 1.5x the election timeout). Returns its id."""
+        seconds = max(1, math.ceil(ttl))
+        return self._retry("lease grant", lambda: self._client.lease(seconds)).id
+
+    def keepalive(self, lease_id: int, budget: float | None = None) -> float:
+        """Refresh a lease once; returns its TTL. Raises :class:`LeaseExpired` when etcd
+        says the lease is gone, :class:`StoreUnavailable` when etcd cannot be reached within
+        ``budget`` seconds (default: the store's retry budget)."""
+
+        def once() -> float:
+            for resp in self._client.refresh_lease(lease_id):
+                return float(resp.TTL)
+            return 0.0
+
+        ttl = self._retry("lease keep-alive", once, budget)
+        if ttl <= 0:
+            raise LeaseExpired(f"lease {lease_id:x} expired or was revoked")
+        return ttl
+
+    def revoke(self, lease_id: int) -> bool:
+        """Revoke a lease (its keys are deleted at once). False if it was already gone."""
+        try:
+            self._retry("lease revoke", lambda: self._client.revoke_lease(lease_id))
+            return True
+        except StoreError as exc:
+            if "lease not found" in str(exc):
+                return False
+            raise
+
+    def lease_ttl(self, lease_id: int) -> tuple[float, float] | None:
+        """``(remaining_seconds, granted_seconds)`` of a lease, or ``None`` if it is gone."""
+        resp = self._retry("lease ttl", lambda: self._client.get_lease_info(lease_id))
+        if resp.TTL < 0:
+            return None
+        return float(resp.TTL), float(resp.grantedTTL)
+
+    # -- watches --------------------------------------------------------------------------
+
+    def watch_prefix(self, prefix: str, start_revision: int | None,
+                     callback: Callable[[list[WatchEvent]], None], prev_kv: bool = False,
+                     is_prefix: bool = True) -> WatchHandle:
+        """Call ``callback(events)`` for every change under ``prefix`` from
+        ``start_revision`` on (``None``: from now), in revision order, from one thread per
+        watch. Reconnects transparently (see the module docstring); returns a handle whose
+        ``cancel()`` stops it. Exceptions raised by the callback are logged, and the watch
+        goes on. ``is_prefix=False`` watches the single key ``prefix`` (see :meth:`watch_key`)."""
+
+        def safe(events: list[WatchEvent]) -> None:
+            try:
+                callback(events)
+            except Exception:
+                log.exception("watch callback for %s failed", prefix)
+
+        return WatchHandle(self, prefix, start_revision, safe, prev_kv, is_prefix)
+
+    def watch_key(self, key: str, start_revision: int | None,
+                  callback: Callable[[list[WatchEvent]], None]) -> WatchHandle:
+        """Like :meth:`watch_prefix`, for exactly one key."""
+        return self.watch_prefix(key, start_revision, callback, is_prefix=False)
+
+    def revision(self) -> int:
+        """The store's current revision."""
+        resp = self._retry("get revision", lambda: self._client.get_response("\0"))
+        return resp.header.revision

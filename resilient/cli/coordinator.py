@@ -1,0 +1,80 @@
+"""``resilient coordinator --etcd URL[,URL...] --job NAME``: run one coordinator.
+
+Start several for standbys: one leads (lease-backed election), the others take over within
+about ``--ttl`` seconds when it dies. Serves ``/metrics`` and ``/healthz`` on
+``--metrics-host:--metrics-port`` (0: a free port; -1: off) and prints the URL on start.
+SIGTERM/SIGINT: resign leadership at once (a standby takes over immediately) and exit 0.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from resilient.cli.status import add_etcd_arguments, store_from_args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_etcd_arguments(parser)
+    parser.add_argument("--id", default=None, help="coordinator id (default: host-pid)")
+    parser.add_argument("--ttl", type=float, default=5.0,
+                        help="leader lease seconds: takeover time after the leader dies (default 5)")
+    parser.add_argument("--debounce-ms", type=float, default=20.0,
+                        help="wait after a member loss before publishing, to batch (default 20)")
+    parser.add_argument("--join-debounce-ms", type=float, default=250.0,
+                        help="wait after a join, restarted by further joins up to 4x (default 250)")
+    parser.add_argument("--min-members", type=int, default=1,
+                        help="members needed before the first epoch (default 1)")
+    parser.add_argument("--metrics-host", default="0.0.0.0", help="address for /metrics and /healthz")
+    parser.add_argument("--metrics-port", type=int, default=9401,
+                        help="port for /metrics and /healthz (default 9401; 0 = any free port; -1 = off)")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from resilient.coordinator.metrics import CoordinatorMetrics, MetricsServer
+    from resilient.coordinator.service import Coordinator, CoordinatorConfig
+    from resilient.errors import ConfigError
+
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    config = CoordinatorConfig(ttl=args.ttl, debounce=args.debounce_ms / 1000.0,
+                               join_debounce=args.join_debounce_ms / 1000.0, min_members=args.min_members)
+    config.validate()
+    store = store_from_args(args)
+    store.revision()  # fail fast (StoreUnavailable after --etcd-timeout) on a wrong endpoint
+    metrics = CoordinatorMetrics()
+    coordinator = Coordinator(store, args.job, coordinator_id=args.id, config=config, metrics=metrics)
+    server = None
+    if args.metrics_port >= 0:
+        try:
+            server = MetricsServer(metrics, coordinator.healthy, args.metrics_host, args.metrics_port)
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on {args.metrics_host}:{args.metrics_port}: {exc}; "
+                              f"pick another --metrics-port (0 = any free port, -1 = off)") from None
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    url = f"http://{server.host}:{server.port}" if server else "off"
+    print(f"coordinator {coordinator.id} job {args.job} etcd {args.etcd} metrics {url}", flush=True)
+    failure: list[BaseException] = []
+
+    def main_loop() -> None:
+        try:
+            coordinator.run(stop)
+        except BaseException as exc:  # re-raised in the main thread
+            failure.append(exc)
+
+    # The loop runs in a thread so that the main thread stays free for signals.
+    worker = threading.Thread(target=main_loop, name="coordinator", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.2)
+    if server:
+        server.close()
+    store.close()
+    if failure:
+        raise failure[0]
+    return 0

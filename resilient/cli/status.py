@@ -1,0 +1,135 @@
+"""``resilient status``: members (id, host, state, lease seconds left), the epoch, its ring
+and the coordinator leader of one job — a table, or JSON with ``--json``.
+
+Member states: ``active`` (in the current epoch), ``demoted`` (in it, off the critical
+path), ``joining`` (registered, admitted in the next epoch), ``lost`` (in the epoch but its
+lease is gone: the next epoch will drop it).
+
+Also home of the etcd connection flags shared by the subcommands (``add_etcd_arguments``,
+``store_from_args``); this module imports nothing heavy at top level.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def add_etcd_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--etcd``, ``--job`` and the TLS/auth flags (defaults from RESILIENT_* env vars)."""
+    g = parser.add_argument_group("etcd")
+    g.add_argument("--etcd", default=os.environ.get("RESILIENT_ETCD"),
+                   help="etcd endpoints host:port[,host:port...] (env RESILIENT_ETCD)")
+    g.add_argument("--job", default=os.environ.get("RESILIENT_JOB"), help="job name (env RESILIENT_JOB)")
+    g.add_argument("--ca-cert", default=os.environ.get("RESILIENT_ETCD_CA_CERT"), help="etcd CA bundle (TLS)")
+    g.add_argument("--cert", default=os.environ.get("RESILIENT_ETCD_CERT"), help="client certificate (mutual TLS)")
+    g.add_argument("--key", default=os.environ.get("RESILIENT_ETCD_KEY"), help="client key (mutual TLS)")
+    g.add_argument("--user", default=os.environ.get("RESILIENT_ETCD_USER"), help="etcd user")
+    g.add_argument("--password", default=os.environ.get("RESILIENT_ETCD_PASSWORD"),
+                   help="etcd password (prefer env RESILIENT_ETCD_PASSWORD)")
+    g.add_argument("--etcd-timeout", type=float, default=10.0,
+                   help="seconds to keep retrying an unreachable etcd before giving up (default 10)")
+
+
+def store_from_args(args: argparse.Namespace):
+    """A :class:`~resilient.coordinator.store.Store` from the flags; ConfigError if
+    ``--etcd``/``--job`` are missing."""
+    from resilient.coordinator import keys
+    from resilient.coordinator.store import Store
+    from resilient.errors import ConfigError
+
+    if not args.etcd:
+        raise ConfigError("no etcd endpoint: pass --etcd host:port[,host:port...] or set RESILIENT_ETCD")
+    if not args.job:
+        raise ConfigError("no job name: pass --job NAME or set RESILIENT_JOB")
+    keys.check_name("job name", args.job)
+    return Store(args.etcd, ca_cert=args.ca_cert, cert_key=args.key, cert_cert=args.cert,
+                 user=args.user, password=args.password, retry_timeout=args.etcd_timeout)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_etcd_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def collect(store, job: str) -> dict:
+    """The status of ``job`` as a JSON-able dict (what ``--json`` prints)."""
+    from resilient.coordinator.election import current_leader
+    from resilient.coordinator.epoch import read_epoch
+    from resilient.coordinator.membership import read_members
+
+    members, _ = read_members(store, job)
+    epoch, _ = read_epoch(store, job)
+    in_epoch = set(epoch.members) if epoch else set()
+    rows = []
+    ids = list(epoch.members) if epoch else []
+    ids += sorted(m for m in members if m not in in_epoch)
+    for mid in ids:
+        entry = members.get(mid)
+        info = entry[0] if entry else (epoch.infos.get(mid) if epoch else None)
+        lease_left = None
+        if entry is not None:
+            ttl = store.lease_ttl(entry[1])
+            lease_left = ttl[0] if ttl else None
+        if entry is None or lease_left is None:
+            state = "lost"
+        elif mid not in in_epoch:
+            state = "joining"
+        else:
+            state = epoch.roles.get(mid, "active")
+        rows.append({
+            "id": mid, "host": info.host if info else "", "local_rank": info.local_rank if info else None,
+            "device": info.device if info else "", "address": info.address if info else "",
+            "pid": info.pid if info else None, "state": state, "lease_left_s": lease_left,
+        })
+    return {
+        "job": job,
+        "leader": current_leader(store, job),
+        "epoch": None if epoch is None else {
+            "number": epoch.number, "members": list(epoch.members), "roles": epoch.roles,
+            "cause": epoch.cause, "published_at": epoch.published_at, "trigger_at": epoch.trigger_at,
+            "removed": list(epoch.removed), "added": list(epoch.added), "leader": epoch.leader,
+        },
+        "members": rows,
+    }
+
+
+def render_table(status: dict) -> str:
+    lines = []
+    e = status["epoch"]
+    lines.append(f"job {status['job']}   leader: {status['leader'] or '(none)'}")
+    if e is None:
+        lines.append("epoch: none published yet")
+    else:
+        when = time.strftime("%H:%M:%S", time.localtime(e["published_at"]))
+        extra = "".join(f", {k} {','.join(e[k])}" for k in ("removed", "added") if e[k])
+        lines.append(f"epoch {e['number']} ({e['cause']}{extra}; published {when} by {e['leader']})")
+        lines.append("ring: " + (" -> ".join(e["members"]) if e["members"] else "(empty)"))
+    cols = ["MEMBER", "HOST", "RANK", "STATE", "LEASE_LEFT", "ADDRESS"]
+    table = [cols] + [[
+        r["id"], r["host"], "" if r["local_rank"] is None else str(r["local_rank"]), r["state"],
+        "-" if r["lease_left_s"] is None else f"{r['lease_left_s']:.0f}s", r["address"] or "-",
+    ] for r in status["members"]]
+    widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+    lines.append("")
+    for row in table:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    if len(table) == 1:
+        lines.append("(no members registered)")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    store = store_from_args(args)
+    try:
+        status = collect(store, args.job)
+    finally:
+        store.close()
+    if args.json:
+        print(json.dumps(status, indent=None, sort_keys=True))
+    else:
+        print(render_table(status))
+    sys.stdout.flush()
+    return 0

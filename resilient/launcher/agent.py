@@ -1,0 +1,307 @@
+"""The node agent: spawn the workers, watch them, revoke dead ones' leases, restart them.
+
+For each worker incarnation the agent grants an etcd lease (``Store.grant``) and passes its
+id in ``RESILIENT_LEASE_ID``; until the worker's ``MemberSession`` has registered
+``members/<member id>`` on that lease, the agent keeps the lease alive (a slow import
+must not look like a hang), then it stops and the worker's own keep-alive is the only one
+(so a SIGSTOPped worker is removed when the lease expires).
+
+One waiter thread per worker blocks in ``wait()`` and hands the exit to the main loop, which
+at once writes ``departed/<member id>`` and revokes the lease
+(:func:`resilient.coordinator.membership.revoke_member`: the fast detection path; the
+member's keys vanish in the same etcd revision). Then:
+
+* exit code 0: the worker is done;
+* otherwise, while the worker has restarts left (``--max-restarts`` is a budget *per
+  worker*): start that worker alone again, with a new lease and member id,
+  ``TORCHELASTIC_RESTART_COUNT`` + 1 and ``RESILIENT_JOINER=1``; its siblings are not
+  touched (torchrun would restart all of them);
+* restarts exhausted: stop the other workers (SIGTERM, ``--shutdown-timeout``, SIGKILL)
+  and exit 1 with torchrun's failure summary naming the local rank, rank, exit code or
+  signal and pid.
+
+Signals in ``--signals-to-handle`` (SIGTERM, SIGINT, SIGHUP, SIGQUIT) are forwarded to
+every running worker; the agent waits ``--shutdown-timeout`` seconds, SIGKILLs what is left
+(the worker's process group), revokes every lease and exits ``128 + signal number``
+(torchrun exits 1 with a traceback; the shell convention says which signal it was).
+
+Failure behaviour: if etcd is unreachable when a worker exits, the revoke is logged and the
+lease expires after ``--lease-ttl``; the restart still happens (a new lease needs etcd, so
+the restart fails with ``StoreUnavailable`` if etcd stays down past the store's retry budget,
+and the agent then stops all workers and exits 1).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from resilient.errors import ResilientError, StoreError
+from resilient.launcher.args import LaunchConfig
+from resilient.launcher.env import Placement, ResilientIds, agent_process_env, worker_env
+from resilient.launcher.logs import WorkerLogs, WorkerStreams
+
+log = logging.getLogger("resilient.launcher")
+
+
+@dataclass
+class ControlPlane:
+    """The etcd side of the agent (absent with static rendezvous and no ``--etcd``)."""
+
+    store: Any  # resilient.coordinator.store.Store
+    endpoints: list[str]
+    job: str
+    lease_ttl: float
+    keeper: Any  # resilient.launcher.rendezvous.LeaseKeeper
+
+
+@dataclass
+class Failure:
+    local_rank: int
+    rank: int
+    pid: int
+    exitcode: int
+    restart_count: int
+    error_file: str
+    at: float
+
+    def describe(self) -> str:
+        if self.exitcode < 0:
+            try:
+                name = signal.Signals(-self.exitcode).name
+            except ValueError:
+                name = f"signal {-self.exitcode}"
+            return f"Signal {-self.exitcode} ({name}) received by PID {self.pid}"
+        return f"exited with code {self.exitcode}"
+
+
+@dataclass
+class Worker:
+    local_rank: int
+    rank: int
+    restart_count: int = 0
+    proc: subprocess.Popen | None = None
+    lease_id: int | None = None
+    member_id: str | None = None
+    streams: WorkerStreams | None = None
+    done: bool = False
+    exitcode: int | None = None
+    pids: list[int] = field(default_factory=list)
+
+
+class Agent:
+    """Runs the workers of one node until they finish, fail for good, or a signal arrives."""
+
+    def __init__(self, cfg: LaunchConfig, placement: Placement, logs: WorkerLogs,
+                 control: ControlPlane | None = None, metrics_dir: str | None = None) -> None:
+        self.cfg = cfg
+        self.placement = placement
+        self.logs = logs
+        self.control = control
+        self.metrics_dir = metrics_dir
+        self.token = uuid.uuid4().hex[:6]
+        self.base_env = agent_process_env(os.environ, cfg.nproc_per_node, ",".join(cfg.signals_to_handle))
+        if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+            log.warning("setting OMP_NUM_THREADS=1 for each worker (as torchrun); set it yourself to tune")
+        self.workers = [Worker(lr, placement.global_rank(lr)) for lr in range(cfg.nproc_per_node)]
+        self.failures: list[Failure] = []
+        self.restarts = 0
+        self._exits: queue.Queue = queue.Queue()
+        self._signal: int | None = None
+
+    # -- signals --------------------------------------------------------------------------
+
+    def request_stop(self, signum: int) -> None:
+        """Called from a signal handler: only records the signal (the main loop acts)."""
+        if self._signal is None:
+            self._signal = signum
+
+    # -- one worker -----------------------------------------------------------------------
+
+    def _spawn(self, w: Worker, joiner: bool) -> None:
+        ids = None
+        if self.control is not None:
+            c = self.control
+            w.member_id = f"g{self.placement.group_rank}-l{w.local_rank}-a{w.restart_count}-{self.token}"
+            w.lease_id = c.store.grant(c.lease_ttl)
+            from resilient.coordinator import keys
+
+            key = keys.member(c.job, w.member_id)
+            lease = w.lease_id
+
+            def registered(key: str = key, lease: int = lease) -> bool:
+                kv = c.store.get(key)
+                return kv is not None and kv.lease == lease
+
+            c.keeper.add(w.lease_id, until=registered)
+            ids = ResilientIds(tuple(c.endpoints), c.job, w.lease_id, w.member_id, c.lease_ttl)
+        w.streams = self.logs.open(w.local_rank, w.restart_count)
+        env = worker_env(
+            self.base_env, self.placement, w.local_rank, self.cfg.role, w.restart_count,
+            self.cfg.max_restarts, w.streams.error_file, ids, self.cfg.job, joiner,
+            self.cfg.virtual_local_rank,
+        )
+        if self.metrics_dir:
+            from resilient.metrics import worker_env as metrics_env
+
+            env.update(metrics_env(self.metrics_dir))
+        w.proc = subprocess.Popen(
+            self.cfg.cmd, env=env, stdout=w.streams.stdout, stderr=w.streams.stderr,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        w.pids.append(w.proc.pid)
+        log.info("started local rank %d (rank %d, restart %d, pid %d, member %s, lease %s)",
+                 w.local_rank, w.rank, w.restart_count, w.proc.pid, w.member_id,
+                 f"{w.lease_id:x}" if w.lease_id is not None else "-")
+        proc = w.proc
+        threading.Thread(target=lambda: self._exits.put((w, proc, proc.wait())),
+                         name=f"wait-{w.local_rank}", daemon=True).start()
+
+    def _release(self, w: Worker, rc: int) -> None:
+        """The worker's process has exited: revoke its lease at once, close its logs."""
+        if self.control is not None and w.lease_id is not None:
+            from resilient.coordinator.membership import revoke_member
+
+            self.control.keeper.remove(w.lease_id)
+            reason = f"exit code {rc}" if rc >= 0 else f"signal {-rc}"
+            try:
+                revoke_member(self.control.store, self.control.job, w.member_id, w.lease_id, reason)
+                log.info("local rank %d exited (%s): revoked lease %x of member %s",
+                         w.local_rank, reason, w.lease_id, w.member_id)
+            except StoreError as exc:
+                log.error("could not revoke lease %x of local rank %d (%s); it expires after %gs",
+                          w.lease_id, w.local_rank, exc, self.control.lease_ttl)
+        if self.metrics_dir and w.proc is not None:
+            from resilient.metrics import mark_worker_dead
+
+            mark_worker_dead(w.proc.pid, self.metrics_dir)
+        if w.streams is not None:
+            w.streams.close()
+
+    # -- main loop ------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Start every worker and supervise them; returns the agent's exit code."""
+        try:
+            for w in self.workers:
+                self._spawn(w, joiner=self.placement.joiner)
+            while not all(w.done for w in self.workers):
+                if self._signal is not None:
+                    return self._shutdown(self._signal)
+                try:
+                    w, proc, rc = self._exits.get(timeout=self.cfg.monitor_interval)
+                except queue.Empty:
+                    continue
+                if proc is not w.proc:
+                    continue
+                self._release(w, rc)
+                if rc == 0:
+                    w.done, w.exitcode = True, 0
+                    log.info("local rank %d finished", w.local_rank)
+                    continue
+                failure = Failure(w.local_rank, w.rank, proc.pid, rc, w.restart_count,
+                                  w.streams.error_file if w.streams else "", time.time())
+                self.failures.append(failure)
+                if self._signal is None and w.restart_count < self.cfg.max_restarts:
+                    w.restart_count += 1
+                    self.restarts += 1
+                    log.warning("local rank %d (pid %d) %s; restarting it as a joiner (restart %d of %d)",
+                                w.local_rank, proc.pid, failure.describe(), w.restart_count, self.cfg.max_restarts)
+                    self._spawn(w, joiner=True)
+                    continue
+                w.done, w.exitcode = True, rc
+                if self._signal is None:
+                    log.error("local rank %d (pid %d) %s and has no restarts left (--max-restarts %d); "
+                              "stopping the other workers", w.local_rank, proc.pid, failure.describe(),
+                              self.cfg.max_restarts)
+                    self._stop_workers(signal.SIGTERM)
+                    self._print_summary(failure)
+                    return 1
+            return 0
+        except BaseException:
+            self._stop_workers(signal.SIGTERM)
+            raise
+
+    def _shutdown(self, signum: int) -> int:
+        log.warning("received %s: forwarding it to the workers and shutting down", signal.Signals(signum).name)
+        self._stop_workers(signum)
+        return 128 + signum
+
+    def _running(self) -> list[Worker]:
+        return [w for w in self.workers if w.proc is not None and not w.done]
+
+    def _stop_workers(self, sig: int) -> None:
+        """Send ``sig`` to every running worker, wait ``--shutdown-timeout``, SIGKILL the rest
+        (their process groups), reap them and revoke their leases."""
+        running = self._running()
+        for w in running:
+            if w.proc.poll() is None:
+                log.info("sending %s to local rank %d (pid %d)", signal.Signals(sig).name, w.local_rank, w.proc.pid)
+                try:
+                    w.proc.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + self.cfg.shutdown_timeout
+        for w in running:
+            try:
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("local rank %d (pid %d) did not exit within %gs; SIGKILL",
+                            w.local_rank, w.proc.pid, self.cfg.shutdown_timeout)
+                try:
+                    os.killpg(w.proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    w.proc.kill()
+                w.proc.wait()
+        for w in running:
+            w.done, w.exitcode = True, w.proc.returncode
+            self._release(w, w.proc.returncode)
+
+    def _print_summary(self, root: Failure) -> None:
+        """torchrun's ``ChildFailedError`` layout."""
+        script = next((a for a in self.cfg.cmd[1:] if not a.startswith("-")), self.cfg.cmd[0])
+        sep = "=" * 60
+        lines = [sep, f"{script} FAILED", "-" * 60, "Failures:"]
+        others = [f for f in self.failures if f is not root]
+        if not others:
+            lines.append("  <NO_OTHER_FAILURES>")
+        for i, f in enumerate(others, 1):
+            lines += self._failure_lines(i, f)
+        lines += ["-" * 60, "Root Cause (first observed failure):"]
+        lines += self._failure_lines(0, root)
+        lines.append(sep)
+        print("\n".join(lines), file=sys.stderr, flush=True)
+
+    def _failure_lines(self, idx: int, f: Failure) -> list[str]:
+        return [
+            f"[{idx}]:",
+            f"  time      : {datetime.fromtimestamp(f.at).strftime('%Y-%m-%d_%H:%M:%S')}",
+            f"  host      : {socket.getfqdn()}",
+            f"  rank      : {f.rank} (local_rank: {f.local_rank})",
+            f"  exitcode  : {f.exitcode} (pid: {f.pid})",
+            f"  restarts  : {f.restart_count} of {self.cfg.max_restarts}",
+            f"  error_file: {f.error_file if f.error_file and os.path.exists(f.error_file) else '<N/A>'}",
+            f"  traceback : {f.describe()}",
+        ]
+
+
+def install_signal_handlers(names: list[str], handler: Any) -> dict[int, Any]:
+    """Install ``handler(signum)`` for each signal name; returns the previous handlers."""
+    previous = {}
+    for name in names:
+        signum = getattr(signal, name)
+        try:
+            previous[signum] = signal.signal(signum, lambda s, _f: handler(s))
+        except (ValueError, OSError) as exc:  # not the main thread, or SIGKILL/SIGSTOP
+            raise ResilientError(f"cannot handle {name}: {exc}; remove it from --signals-to-handle") from exc
+    return previous

@@ -1,0 +1,105 @@
+"""``--standalone``: a local etcd and a resilient coordinator for one node's job.
+
+:class:`StandaloneControlPlane` starts a real ``etcd`` on free loopback ports
+(:class:`~resilient.coordinator.local_etcd.LocalEtcd`) and one coordinator process,
+``python -c 'resilient.cli.main()' coordinator --etcd <endpoints> --job <job>`` (the same
+as ``resilient coordinator ...``, without relying on the console script being on PATH),
+in its own session so signals meant for the agent's terminal do not reach it first.
+:meth:`stop` stops the coordinator (SIGTERM, then SIGKILL after a grace period) and etcd,
+by PID, and removes etcd's data directory; the agent calls it on every exit path.
+
+Failure behaviour: etcd not on PATH -> ``ConfigError`` saying how to install it; etcd not
+healthy in time -> ``StoreUnavailable`` with its log tail; a coordinator that exits during
+start-up -> ``ResilientError`` with its output. If the coordinator dies later the agent
+logs it; workers keep running but membership changes are not published until it is back.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from resilient.coordinator.local_etcd import LocalEtcd
+from resilient.errors import ResilientError
+
+log = logging.getLogger(__name__)
+
+_COORDINATOR_MAIN = "import sys; from resilient.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def coordinator_command(etcd: str, job: str) -> list[str]:
+    return [sys.executable, "-c", _COORDINATOR_MAIN, "coordinator", "--etcd", etcd, "--job", job]
+
+
+class StandaloneControlPlane:
+    """Local etcd + coordinator, stopped by :meth:`stop` (also on ``with`` exit)."""
+
+    def __init__(self, job: str, startup_check_s: float = 1.0) -> None:
+        self.job = job
+        self.etcd = LocalEtcd()
+        self.coordinator: subprocess.Popen | None = None
+        self.coordinator_log = ""
+        self._startup_check_s = startup_check_s
+
+    @property
+    def endpoints(self) -> list[str]:
+        return self.etcd.endpoints
+
+    def start(self) -> "StandaloneControlPlane":
+        self.etcd.start()
+        try:
+            fd, self.coordinator_log = tempfile.mkstemp(prefix="resilient-coordinator-", suffix=".log")
+            with os.fdopen(fd, "wb") as out:
+                self.coordinator = subprocess.Popen(
+                    coordinator_command(self.etcd.endpoint_arg, self.job),
+                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            deadline = time.monotonic() + self._startup_check_s
+            while time.monotonic() < deadline:
+                if self.coordinator.poll() is not None:
+                    raise ResilientError(
+                        f"the standalone coordinator exited with code {self.coordinator.returncode} "
+                        f"during start-up:\n{self._log_tail()}"
+                    )
+                time.sleep(0.05)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("standalone control plane: etcd %s, coordinator pid %d (log %s)",
+                 self.etcd.endpoint_arg, self.coordinator.pid, self.coordinator_log)
+        return self
+
+    def _log_tail(self, lines: int = 20) -> str:
+        try:
+            with open(self.coordinator_log, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stop the coordinator and etcd started here (by PID) and remove their files."""
+        proc, self.coordinator = self.coordinator, None
+        if proc is not None:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=5)
+        self.etcd.stop()
+        if self.coordinator_log:
+            try:
+                os.unlink(self.coordinator_log)
+            except OSError:
+                pass
+
+    def __enter__(self) -> "StandaloneControlPlane":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

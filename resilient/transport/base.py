@@ -1,0 +1,203 @@
+"""The transport interface the collective algorithms are written against.
+
+An algorithm never sees sockets, NCCL communicators or etcd: it posts tagged
+point-to-point sends and receives of raw buffers to members of the current epoch and
+waits on them. Two implementations exist or are planned: :mod:`resilient.transport.tcp`
+(CPU, the default and what the tests run) and an NCCL transport for GPUs.
+
+Why the transport is ours (DESIGN §3): when the coordinator publishes an epoch that
+removes a peer, every blocked send/recv on every survivor must return *at once*, whatever
+the peer's state (dead, SIGSTOPped, partitioned) — and the ledger needs to know exactly
+which chunks arrived. Gloo's process groups (torch 2.13) keep a recv blocked on a hung
+peer until their own timeout even after ``abort()``, and expose no chunk progress.
+
+Contract every implementation keeps
+-----------------------------------
+* **Addressing.** Peers are member ids (strings) of the epoch passed to
+  :meth:`Transport.configure`. A message is matched by ``(peer, op_seq, tag)``; messages
+  between one ordered pair of members are delivered in the order they were posted, and
+  the receiver posts its receives in the same order (algorithms are deterministic).
+* **Buffers.** ``buf`` is a C-contiguous CPU ``torch.Tensor``/``numpy.ndarray`` or any
+  object with the writable buffer protocol (a CUDA tensor for the NCCL transport).
+  :meth:`irecv` writes straight into ``buf`` (no staging copy); the sizes must match
+  exactly, otherwise :class:`~resilient.errors.FrameError`.
+* **Epochs.** :meth:`configure` moves the transport to a new epoch. Connections to peers
+  that are in both the old and the new epoch (same address) are kept; the others are
+  closed and new ones opened lazily, with a handshake that carries job, epoch number,
+  the epoch's token and the member id (a wrong token or job is refused). Data from an
+  older epoch still in flight on a kept connection is discarded, never delivered.
+* **Abort.** :meth:`abort` may be called from any thread (typically the epoch watcher's
+  callback). Every request that is pending or waited on afterwards fails with
+  :class:`~resilient.errors.TransportAborted` immediately (a wake-up pipe, not a
+  timeout). The transport becomes usable again after the next :meth:`configure`.
+* **Failures.** A peer that closes its connection or resets it makes the requests to and
+  from it fail with :class:`~resilient.errors.TransportError` naming the peer; a corrupt
+  frame raises :class:`~resilient.errors.FrameError`. Nothing received from the network
+  is ever unpickled. A wait that passes ``timeout`` seconds returns ``False`` (the caller
+  then reports the slow peer as suspect and keeps waiting or aborts) — it never raises by
+  itself and never marks a request failed.
+* **Counters.** :attr:`stats` counts payload bytes sent/received (total and per peer) and
+  the seconds the caller spent waiting on each peer (for straggler detection and for
+  the ``resent_fraction`` of the recovery benchmark).
+"""
+from __future__ import annotations
+
+import abc
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from resilient.errors import TransportError
+
+# A C-contiguous tensor / ndarray / writable buffer-protocol object.
+Buffer = Any
+
+
+@dataclass
+class TransportStats:
+    """Byte and wait counters of one transport (monotonic; use :meth:`snapshot` to diff)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    sent_by_peer: dict[str, int] = field(default_factory=dict)
+    received_by_peer: dict[str, int] = field(default_factory=dict)
+    wait_s_by_peer: dict[str, float] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add_sent(self, peer: str, n: int) -> None:
+        self.bytes_sent += n
+        self.sent_by_peer[peer] = self.sent_by_peer.get(peer, 0) + n
+
+    def add_received(self, peer: str, n: int) -> None:
+        self.bytes_received += n
+        self.received_by_peer[peer] = self.received_by_peer.get(peer, 0) + n
+
+    def add_wait(self, peer: str, seconds: float) -> None:
+        self.wait_s_by_peer[peer] = self.wait_s_by_peer.get(peer, 0.0) + seconds
+
+    def snapshot(self) -> dict[str, Any]:
+        """A JSON-able copy of the counters."""
+        return {
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "sent_by_peer": dict(self.sent_by_peer),
+            "received_by_peer": dict(self.received_by_peer),
+            "wait_s_by_peer": dict(self.wait_s_by_peer),
+        }
+
+
+class Request(abc.ABC):
+    """One posted send or receive. Completion is driven by :meth:`Transport.wait`."""
+
+    peer: str
+    nbytes: int
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """True once the whole buffer was sent/received (does not progress I/O)."""
+
+    @property
+    @abc.abstractmethod
+    def error(self) -> BaseException | None:
+        """The failure of this request, if it failed."""
+
+
+class OpMismatch(TransportError):
+    """A message for this op carried another op descriptor digest than ours."""
+
+    def __init__(self, peer: str, op_seq: int, theirs: int, ours: int) -> None:
+        super().__init__(f"member {peer} sent op #{op_seq} with descriptor digest {theirs:#010x}, ours is {ours:#010x}")
+        self.peer, self.op_seq, self.theirs, self.ours = peer, op_seq, theirs, ours
+
+
+class PeerReportedError(TransportError):
+    """A peer sent an ERROR message about an op (e.g. it detected an input mismatch)."""
+
+    def __init__(self, peer: str, op_seq: int, message: bytes) -> None:
+        super().__init__(f"member {peer} reported an error for op #{op_seq}: {message[:500]!r}")
+        self.peer, self.op_seq, self.message = peer, op_seq, message
+
+
+class Transport(abc.ABC):
+    """Point-to-point, epoch-scoped, abortable message transport (see module docstring)."""
+
+    member_id: str
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> str:
+        """``host:port`` (or an implementation-specific string) peers use to reach us;
+        published in this member's ``MemberInfo.address``."""
+
+    @property
+    @abc.abstractmethod
+    def stats(self) -> TransportStats:
+        """Byte and wait counters."""
+
+    @abc.abstractmethod
+    def configure(self, epoch: int, token: str, addresses: Mapping[str, str]) -> None:
+        """Enter epoch ``epoch``: ``addresses`` maps every member of the epoch (this one
+        included) to its address. Keeps connections to members present before and after,
+        closes the rest, clears an abort. Does not block on peers (connections open
+        lazily on first use)."""
+
+    @abc.abstractmethod
+    def isend(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request:
+        """Post a send of the whole of ``buf`` to ``peer``. ``buf`` must stay unchanged
+        until the request completes or fails. ``digest`` identifies the op descriptor
+        (kind, shape, dtype, reduce op); the receiver compares it with its own."""
+
+    @abc.abstractmethod
+    def irecv(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request:
+        """Post a receive of exactly ``nbytes(buf)`` bytes from ``peer`` into ``buf``. If
+        the matching message carries a different ``digest``, the request fails with
+        :class:`OpMismatch` (the ranks called different collectives at ``op_seq``)."""
+
+    @abc.abstractmethod
+    def cancel_op(self, op_seq: int) -> None:
+        """Drop every request of ``op_seq`` and discard its messages still arriving (used
+        after an input mismatch; the transport stays usable for later ops)."""
+
+    @abc.abstractmethod
+    def post_error(self, peers: Sequence[str], op_seq: int, message: bytes, timeout: float = 2.0) -> None:
+        """Send an ERROR message about ``op_seq`` to ``peers`` (best effort, bounded by
+        ``timeout``); on the receivers every request of ``op_seq`` then fails with
+        :class:`PeerReportedError` carrying ``message``."""
+
+    @abc.abstractmethod
+    def wait(self, requests: Sequence[Request], timeout: float | None = None) -> bool:
+        """Progress I/O until every request in ``requests`` is done: True. False when
+        ``timeout`` passed first (requests stay posted). Raises
+        :class:`~resilient.errors.TransportAborted` after :meth:`abort`,
+        :class:`~resilient.errors.TransportError` when a peer of one of ``requests``
+        failed, :class:`~resilient.errors.FrameError` on a corrupt frame."""
+
+    @abc.abstractmethod
+    def abort(self, reason: str) -> None:
+        """Thread-safe, returns at once: every pending and future request fails with
+        ``TransportAborted(reason)`` until the next :meth:`configure`."""
+
+    @property
+    @abc.abstractmethod
+    def aborted(self) -> bool:
+        """Whether an abort is in effect."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close every connection and the listener; idempotent."""
+
+    # -- conveniences -------------------------------------------------------------------
+
+    def send(self, peer: str, buf: Buffer, op_seq: int, tag: int) -> None:
+        """Blocking :meth:`isend` (until sent or failed)."""
+        self.wait([self.isend(peer, buf, op_seq, tag)])
+
+    def recv_into(self, peer: str, buf: Buffer, op_seq: int, tag: int) -> None:
+        """Blocking :meth:`irecv`."""
+        self.wait([self.irecv(peer, buf, op_seq, tag)])
+
+    def __enter__(self) -> "Transport":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

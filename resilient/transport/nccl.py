@@ -1,0 +1,575 @@
+"""NCCL transport: point-to-point over non-blocking NCCL communicators, abortable per epoch.
+
+Why NCCL's C API through ctypes (and not one of the two obvious bindings)
+--------------------------------------------------------------------------
+* CuPy's ``cupy.cuda.nccl`` has no ``ncclCommInitRankConfig``: its communicators are
+  *blocking*. In blocking mode the first ``ncclSend``/``ncclRecv`` to a peer sets up the
+  connection inside ``ncclGroupEnd`` on the calling thread, so a dead or SIGSTOPped peer
+  blocks that thread in C, and ``ncclCommAbort`` from another thread is not safe then.
+* torch's ``ProcessGroupNCCL`` can be non-blocking (``Options().config.blocking = 0``, as
+  torchft does), but it exchanges its unique id only through a c10d ``Store`` — not through
+  ``epochs/<n>/`` in etcd — and a CPU-only torch build cannot even import it.
+* ``ncclCommInitRankConfig`` with ``config.blocking = 0`` (NCCL >= 2.14) returns at once
+  from every call; we poll ``ncclCommGetAsyncError`` and CUDA events from Python, so a wait
+  is a loop that an :meth:`NcclTransport.abort` from any thread ends at once, and
+  ``ncclCommAbort`` tears down the kernels of a hung peer. The ``ncclConfig_t`` we pass is
+  the versioned v2.17 layout (size, magic, version say which fields exist), which newer
+  NCCLs accept unchanged. The library comes from the ``nvidia-nccl-cu12`` wheel (the
+  ``gpu`` extra; torch's CUDA builds ship it too) or ``$RESILIENT_NCCL_LIBRARY``.
+
+Every NCCL/CUDA call goes through the small :class:`NcclApi` seam; the transport logic
+(unique-id exchange through etcd, the state machine, abort on epoch change) is tested on
+machines without a GPU with a fake api (``tests/test_nccl_transport.py``); the real
+:class:`CtypesNccl` runs only where a GPU exists.
+
+Model
+-----
+* One communicator per epoch, over the epoch's members sorted by member id (rank = index).
+  The first of them creates the unique id and puts its 128 raw bytes into
+  ``epochs/<n>/data/nccl-uid/<member>`` (:class:`~resilient.coordinator.epoch.EpochData`);
+  the others wait for it there. Nothing is pickled.
+* :meth:`configure` keeps the communicator when the member set is unchanged and the
+  communicator is healthy; otherwise the old one is aborted and a new one is created
+  lazily at the next :meth:`wait` (the contract: configure never blocks on peers).
+* Requests posted with :meth:`isend`/:meth:`irecv` are launched at the next :meth:`wait`,
+  all pending ones together in one NCCL group (posting order), on the transport's own
+  stream after it waited for the caller's current stream. So a ring step that posts a
+  send and a receive cannot deadlock.
+* Messages are matched by order per pair of members, as the transport contract allows;
+  NCCL carries no tags, so ``op_seq``/``tag``/``digest`` are checked only locally.
+
+Failure behaviour
+-----------------
+* :meth:`abort` (any thread; typically :meth:`on_epoch` from the epoch watcher when an
+  epoch removes a peer) calls ``ncclCommAbort``, fails every pending request with
+  :class:`~resilient.errors.TransportAborted` and wakes the waiting thread at once.
+* An NCCL async error (a peer's process died: ``ncclRemoteError``/``ncclSystemError``)
+  fails the pending requests with :class:`~resilient.errors.TransportError`; the
+  communicator is unusable until the next epoch.
+* Unique-id exchange: if a newer epoch is published while waiting for the id the wait
+  raises ``TransportAborted``; if the creator never publishes it within
+  ``connect_timeout`` seconds, ``TransportError`` names it. A malformed id (not 128 bytes)
+  raises ``TransportError``.
+* :meth:`post_error` records the message in ``epochs/<n>/data/op-error-<seq>/<member>``
+  (best effort); NCCL cannot deliver it in-band, so peers learn of it from etcd or from the
+  next abort.
+"""
+from __future__ import annotations
+
+import abc
+import ctypes
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from resilient.errors import ConfigError, TransportAborted, TransportError
+from resilient.transport.base import Buffer, Request, Transport, TransportStats
+
+log = logging.getLogger(__name__)
+
+UID_NAME = "nccl-uid"
+UID_BYTES = 128
+POLL_S = 0.0002
+
+
+# --------------------------------------------------------------------------------------
+# the seam
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class P2POp:
+    kind: str          # "send" | "recv"
+    ptr: int
+    nbytes: int
+    peer_rank: int
+    buf: Any           # kept alive until the launch completes
+
+
+class NcclApi(abc.ABC):
+    """Every NCCL/CUDA call the transport makes. All calls return without blocking on peers."""
+
+    @abc.abstractmethod
+    def unique_id(self) -> bytes:
+        """A fresh ``ncclUniqueId`` (128 bytes)."""
+
+    @abc.abstractmethod
+    def init_comm(self, nranks: int, uid: bytes, rank: int) -> Any:
+        """Start a non-blocking ``ncclCommInitRankConfig``; returns the communicator."""
+
+    @abc.abstractmethod
+    def comm_ready(self, comm: Any) -> bool:
+        """True once initialisation finished; raises :class:`TransportError` if it failed."""
+
+    @abc.abstractmethod
+    def buffer(self, buf: Buffer) -> tuple[int, int]:
+        """(device pointer, byte count) of a buffer; :class:`ConfigError` if unusable."""
+
+    @abc.abstractmethod
+    def launch(self, comm: Any, ops: Sequence[P2POp]) -> Any:
+        """Enqueue ``ops`` as one group; returns a handle for :meth:`progress`."""
+
+    @abc.abstractmethod
+    def progress(self, comm: Any, handle: Any) -> bool:
+        """True when every op of the launch completed; raises :class:`TransportError` on an
+        NCCL async error."""
+
+    @abc.abstractmethod
+    def abort(self, comm: Any) -> None:
+        """``ncclCommAbort``: returns promptly, kills the communicator's kernels."""
+
+
+# --------------------------------------------------------------------------------------
+# the real api: libnccl through ctypes, CUDA streams/events through torch
+# --------------------------------------------------------------------------------------
+
+NCCL_SUCCESS, NCCL_IN_PROGRESS = 0, 7
+NCCL_UINT8 = 1
+
+
+class _UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_char * UID_BYTES)]
+
+
+class _ConfigV21700(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_size_t), ("magic", ctypes.c_uint), ("version", ctypes.c_uint),
+        ("blocking", ctypes.c_int), ("cgaClusterSize", ctypes.c_int), ("minCTAs", ctypes.c_int),
+        ("maxCTAs", ctypes.c_int), ("netName", ctypes.c_char_p),
+    ]
+
+
+def _config_nonblocking() -> _ConfigV21700:
+    undef = -(2**31)   # NCCL_CONFIG_UNDEF_INT
+    return _ConfigV21700(ctypes.sizeof(_ConfigV21700), 0xCAFEBEEF, 21700, 0, undef, undef, undef, None)
+
+
+def find_nccl_library() -> str:
+    """``$RESILIENT_NCCL_LIBRARY``, the ``nvidia-nccl-cu12`` wheel's, or the system's."""
+    env = os.environ.get("RESILIENT_NCCL_LIBRARY")
+    if env:
+        return env
+    try:
+        import nvidia.nccl  # noqa: PLC0415
+
+        for root in list(getattr(nvidia.nccl, "__path__", [])):
+            cand = os.path.join(root, "lib", "libnccl.so.2")
+            if os.path.exists(cand):
+                return cand
+    except ImportError:
+        pass
+    import ctypes.util
+
+    return ctypes.util.find_library("nccl") or "libnccl.so.2"
+
+
+class CtypesNccl(NcclApi):
+    """The real NCCL, for one CUDA device (``torch.cuda``)."""
+
+    def __init__(self, device: int = 0, library: str | None = None) -> None:
+        import torch  # noqa: PLC0415
+
+        if not torch.cuda.is_available():
+            raise ConfigError("the NCCL transport needs a CUDA GPU; use the TCP transport on CPU")
+        path = library or find_nccl_library()
+        try:
+            self.lib = ctypes.CDLL(path)
+        except OSError as exc:
+            raise ConfigError(f"cannot load NCCL ({path}: {exc}); `pip install nvidia-nccl-cu12` "
+                              "or set RESILIENT_NCCL_LIBRARY to libnccl.so.2") from None
+        self.torch = torch
+        self.device = torch.device("cuda", device)
+        self.stream = torch.cuda.Stream(self.device)
+        lib = self.lib
+        lib.ncclGetErrorString.restype = ctypes.c_char_p
+        lib.ncclCommInitRankConfig.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, _UniqueId,
+                                               ctypes.c_int, ctypes.POINTER(_ConfigV21700)]
+        lib.ncclCommGetAsyncError.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+        for fn in (lib.ncclSend, lib.ncclRecv):
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                           ctypes.c_void_p]
+        lib.ncclCommAbort.argtypes = [ctypes.c_void_p]
+
+    def _check(self, rc: int, what: str) -> int:
+        if rc not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
+            raise TransportError(f"{what} failed: NCCL error {rc} ({self.lib.ncclGetErrorString(rc).decode()})")
+        return rc
+
+    def unique_id(self) -> bytes:
+        uid = _UniqueId()
+        self._check(self.lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
+        return ctypes.string_at(ctypes.addressof(uid), UID_BYTES)
+
+    def init_comm(self, nranks: int, uid: bytes, rank: int) -> Any:
+        u = _UniqueId()
+        ctypes.memmove(ctypes.addressof(u), uid, UID_BYTES)
+        comm = ctypes.c_void_p()
+        cfg = _config_nonblocking()
+        with self.torch.cuda.device(self.device):
+            self._check(self.lib.ncclCommInitRankConfig(ctypes.byref(comm), nranks, u, rank, ctypes.byref(cfg)),
+                        "ncclCommInitRankConfig")
+        return comm
+
+    def _async_state(self, comm: Any) -> int:
+        state = ctypes.c_int(NCCL_IN_PROGRESS)
+        self._check(self.lib.ncclCommGetAsyncError(comm, ctypes.byref(state)), "ncclCommGetAsyncError")
+        return self._check(state.value, "NCCL communicator")
+
+    def comm_ready(self, comm: Any) -> bool:
+        return self._async_state(comm) == NCCL_SUCCESS
+
+    def buffer(self, buf: Buffer) -> tuple[int, int]:
+        t = self.torch
+        if not isinstance(buf, t.Tensor) or buf.device != self.device or not buf.is_contiguous():
+            raise ConfigError(f"the NCCL transport needs contiguous CUDA tensors on {self.device}")
+        return buf.data_ptr(), buf.numel() * buf.element_size()
+
+    def launch(self, comm: Any, ops: Sequence[P2POp]) -> Any:
+        t, lib = self.torch, self.lib
+        self.stream.wait_stream(t.cuda.current_stream(self.device))
+        s = ctypes.c_void_p(self.stream.cuda_stream)
+        with t.cuda.device(self.device):
+            self._check(lib.ncclGroupStart(), "ncclGroupStart")
+            for op in ops:
+                fn = lib.ncclSend if op.kind == "send" else lib.ncclRecv
+                self._check(fn(ctypes.c_void_p(op.ptr), op.nbytes, NCCL_UINT8, op.peer_rank, comm, s), f"nccl{op.kind}")
+            self._check(lib.ncclGroupEnd(), "ncclGroupEnd")
+        return {"event": None, "ops": list(ops)}
+
+    def progress(self, comm: Any, handle: Any) -> bool:
+        if handle["event"] is None:        # group still being enqueued (non-blocking mode)
+            if self._async_state(comm) != NCCL_SUCCESS:
+                return False
+            ev = self.torch.cuda.Event()
+            ev.record(self.stream)
+            handle["event"] = ev
+        if handle["event"].query():
+            return True
+        self._async_state(comm)            # raises on a peer failure
+        return False
+
+    def abort(self, comm: Any) -> None:
+        self.lib.ncclCommAbort(comm)
+
+
+# --------------------------------------------------------------------------------------
+# the transport
+# --------------------------------------------------------------------------------------
+
+
+class _SetupTimeout(Exception):
+    """Communicator setup did not finish before a deadline (internal)."""
+
+
+@dataclass(eq=False)
+class NcclRequest(Request):
+    peer: str
+    nbytes: int
+    kind: str
+    op_seq: int
+    tag: int
+    ptr: int
+    buf: Any
+    launch: Any = None
+    _done: bool = False
+    _error: BaseException | None = None
+    posted_at: float = field(default_factory=time.monotonic)
+
+    def done(self) -> bool:
+        return self._done
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+
+class NcclTransport(Transport):
+    """See the module docstring. Thread model: one thread calls configure/isend/irecv/wait/
+    cancel_op/post_error; :meth:`abort` and :meth:`on_epoch` from any thread."""
+
+    def __init__(self, member_id: str, job: str, store: Any, api: NcclApi | None = None, device: int = 0,
+                 connect_timeout: float = 60.0,
+                 epoch_data: Callable[[int], Any] | None = None) -> None:
+        self.member_id = member_id
+        self.job = job
+        self.store = store
+        self.api = api if api is not None else CtypesNccl(device)
+        self.device = device
+        self.connect_timeout = connect_timeout
+        self._epoch_data = epoch_data or self._default_epoch_data
+        self._stats = TransportStats()
+        self._lock = threading.RLock()
+        self._wake = threading.Event()
+        self._epoch = -1
+        self._members: tuple[str, ...] = ()
+        self._comm: Any = None
+        self._comm_epoch = -1
+        self._ready = False
+        self._uid: tuple[int, bytes] | None = None   # (epoch, unique id) once exchanged
+        self._abort_reason: str | None = None
+        self._pending: list[NcclRequest] = []     # posted, not completed (launched or not)
+        self._closed = False
+        self.state = "idle"                       # idle | configured | ready | aborted | closed
+
+    def _default_epoch_data(self, number: int) -> Any:
+        from resilient.coordinator.epoch import EpochData  # noqa: PLC0415
+
+        return EpochData(self.store, self.job, number)
+
+    # -- Transport properties ---------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        return f"nccl://{socket.gethostname()}/cuda:{self.device}"
+
+    @property
+    def stats(self) -> TransportStats:
+        return self._stats
+
+    @property
+    def aborted(self) -> bool:
+        return self._abort_reason is not None
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The current communicator's members, in NCCL rank order."""
+        return self._members
+
+    # -- epochs -------------------------------------------------------------------------------
+
+    def configure(self, epoch: int, token: str, addresses: Mapping[str, str]) -> None:
+        if self._closed:
+            raise TransportError("configure() on a closed NCCL transport")
+        members = tuple(sorted(addresses))
+        if self.member_id not in members:
+            raise ConfigError(f"member {self.member_id} is not in epoch {epoch} ({list(members)})")
+        with self._lock:
+            keep = (self._comm is not None and self._abort_reason is None and members == self._members)
+            if not keep:
+                self._drop_comm(f"epoch {epoch} changed the members to {list(members)}")
+            for r in self._pending:
+                r._error = TransportAborted(f"epoch changed to {epoch} before the request completed")
+            self._pending.clear()
+            self._epoch, self._members = int(epoch), members
+            self._abort_reason = None
+            self._wake.clear()
+            self.state = "ready" if keep else "configured"
+
+    def _drop_comm(self, why: str) -> None:
+        if self._comm is not None:
+            log.info("%s: aborting NCCL communicator of epoch %d: %s", self.member_id, self._comm_epoch, why)
+            try:
+                self.api.abort(self._comm)
+            except Exception:  # noqa: BLE001 - abort is best effort; the comm is dropped anyway
+                log.exception("ncclCommAbort failed")
+        self._comm, self._ready, self._comm_epoch = None, False, -1
+
+    def on_epoch(self, epoch: Any) -> None:
+        """Epoch-watcher callback: abort at once when ``epoch`` is newer than ours and
+        removes one of our members (or us). Epochs that only add members do not abort:
+        joiners are admitted at an op boundary, and :meth:`configure` rebuilds then."""
+        if epoch.number <= self._epoch or not self._members:
+            return
+        gone = sorted(set(self._members) - set(epoch.members))
+        if gone:
+            self.abort(f"epoch {epoch.number} removed {gone}")
+
+    def attach(self, watcher: Any) -> Callable[[], None]:
+        """Subscribe :meth:`on_epoch` to an :class:`~resilient.coordinator.epoch.EpochWatcher`;
+        returns the unsubscribe function."""
+        return watcher.subscribe(self.on_epoch)
+
+    def abort(self, reason: str) -> None:
+        with self._lock:
+            if self._closed or self._abort_reason is not None:
+                return
+            self._abort_reason = reason
+            self._drop_comm(reason)
+            for r in self._pending:
+                if not r._done and r._error is None:
+                    r._error = TransportAborted(reason)
+            self.state = "aborted"
+            self._wake.set()
+
+    # -- communicator setup -----------------------------------------------------------------
+
+    def _exchange_uid(self, timeout: float) -> bytes:
+        """The epoch's unique id: created and put by the first member, awaited by the
+        others. Cached per epoch, so a wait that timed out and is retried never makes a
+        second id. Raises :class:`_SetupTimeout` when ``timeout`` passes first."""
+        from resilient.coordinator.epoch import EpochChanged  # noqa: PLC0415
+
+        if self._uid is not None and self._uid[0] == self._epoch:
+            return self._uid[1]
+        data = self._epoch_data(self._epoch)
+        creator = self._members[0]
+        if creator == self.member_id:
+            uid = self.api.unique_id()
+            data.put(self.member_id, UID_NAME, uid)
+        else:
+            try:
+                uid = bytes(data.wait_all(UID_NAME, [creator], timeout)[creator])
+            except EpochChanged as exc:
+                raise TransportAborted(f"epoch {exc.newest} superseded epoch {self._epoch} during NCCL setup") from None
+            except TimeoutError:
+                raise _SetupTimeout(f"member {creator} did not publish the NCCL unique id of epoch {self._epoch} "
+                                    f"within {timeout:.1f}s (is it alive?)") from None
+            if len(uid) != UID_BYTES:
+                raise TransportError(f"malformed NCCL unique id from member {creator}: {len(uid)} bytes, "
+                                     f"expected {UID_BYTES}")
+        self._uid = (self._epoch, uid)
+        return uid
+
+    def _ensure_comm(self, deadline: float) -> None:
+        if self._ready:
+            return
+        if self._comm is None:
+            uid = self._exchange_uid(max(0.1, deadline - time.monotonic()))
+            self._raise_if_aborted()
+            with self._lock:
+                self._raise_if_aborted()
+                self._comm = self.api.init_comm(len(self._members), uid, self._members.index(self.member_id))
+                self._comm_epoch = self._epoch
+        while not self.api.comm_ready(self._comm):
+            self._raise_if_aborted()
+            if time.monotonic() > deadline:
+                raise _SetupTimeout(f"NCCL communicator of epoch {self._epoch} not ready in time; "
+                                    f"members {list(self._members)}")
+            self._wake.wait(POLL_S)
+        self._raise_if_aborted()
+        self._ready = True
+        self.state = "ready"
+
+    def _raise_if_aborted(self) -> None:
+        if self._abort_reason is not None:
+            raise TransportAborted(self._abort_reason)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def _post(self, kind: str, peer: str, buf: Buffer, op_seq: int, tag: int) -> NcclRequest:
+        if self._epoch < 0:
+            raise TransportError("post before configure(): the NCCL transport has no epoch yet")
+        if peer not in self._members or peer == self.member_id:
+            raise ConfigError(f"{kind} to {peer!r}: not another member of epoch {self._epoch} "
+                              f"({list(self._members)})")
+        ptr, nbytes = self.api.buffer(buf)
+        req = NcclRequest(peer=peer, nbytes=nbytes, kind=kind, op_seq=op_seq, tag=tag, ptr=ptr, buf=buf)
+        with self._lock:
+            if self._abort_reason is not None:
+                req._error = TransportAborted(self._abort_reason)
+            else:
+                self._pending.append(req)
+        return req
+
+    def isend(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request:
+        return self._post("send", peer, buf, op_seq, tag)
+
+    def irecv(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request:
+        return self._post("recv", peer, buf, op_seq, tag)
+
+    def cancel_op(self, op_seq: int) -> None:
+        """Drops requests of ``op_seq`` that were not launched yet. Launched NCCL operations
+        cannot be withdrawn: if any is still running, the communicator is aborted."""
+        with self._lock:
+            launched = [r for r in self._pending if r.op_seq == op_seq and r.launch is not None and not r._done]
+            for r in self._pending:
+                if r.op_seq == op_seq and r.launch is None:
+                    r._error = TransportAborted(f"op #{op_seq} cancelled")
+            self._pending = [r for r in self._pending if r.op_seq != op_seq or r.launch is not None]
+        if launched:
+            self.abort(f"op #{op_seq} cancelled with {len(launched)} NCCL operations in flight")
+
+    def post_error(self, peers: Sequence[str], op_seq: int, message: bytes, timeout: float = 2.0) -> None:
+        try:
+            self._epoch_data(self._epoch).put(self.member_id, f"op-error-{int(op_seq)}", bytes(message)[:4096])
+        except Exception as exc:  # noqa: BLE001 - best effort by contract
+            log.warning("post_error for op #%d not recorded: %s", op_seq, exc)
+
+    def _launch_pending(self) -> None:
+        todo = [r for r in self._pending if r.launch is None and r._error is None]
+        if not todo:
+            return
+        ops = [P2POp(r.kind, r.ptr, r.nbytes, self._members.index(r.peer), r.buf) for r in todo]
+        handle = self.api.launch(self._comm, ops)
+        for r in todo:
+            r.launch = handle
+
+    def wait(self, requests: Sequence[Request], timeout: float | None = None) -> bool:
+        start = time.monotonic()
+        deadline = start + (timeout if timeout is not None else float("inf"))
+        reqs = [r for r in requests if isinstance(r, NcclRequest)]
+        for r in reqs:
+            if r._error is not None:
+                raise r._error
+        if all(r._done for r in reqs):
+            return True
+        self._raise_if_aborted()
+        setup_deadline = start + self.connect_timeout
+        try:
+            self._ensure_comm(min(deadline, setup_deadline))
+        except _SetupTimeout as exc:
+            if deadline < setup_deadline:
+                return False                   # the caller's timeout, not a failed setup
+            raise TransportError(f"{exc} (connect_timeout {self.connect_timeout:.0f}s)") from None
+        try:
+            with self._lock:
+                self._raise_if_aborted()
+                self._launch_pending()
+            handles = {id(r.launch): r.launch for r in reqs if not r._done}
+            while True:
+                self._raise_if_aborted()
+                for key, h in list(handles.items()):
+                    if self.api.progress(self._comm, h):
+                        del handles[key]
+                        self._complete(h)
+                if not handles:
+                    break
+                if time.monotonic() > deadline:
+                    return False
+                self._wake.wait(POLL_S)
+        except TransportAborted:
+            raise
+        except TransportError as exc:
+            with self._lock:
+                for r in self._pending:
+                    r._error = r._error or exc
+                self._pending.clear()
+                self._drop_comm(str(exc))
+            raise
+        finally:
+            waited = time.monotonic() - start
+            for peer in {r.peer for r in reqs}:
+                self._stats.add_wait(peer, waited)
+        for r in reqs:
+            if r._error is not None:
+                raise r._error
+        return True
+
+    def _complete(self, handle: Any) -> None:
+        with self._lock:
+            for r in self._pending:
+                if r.launch is handle:
+                    r._done = True
+                    r.buf = None
+                    (self._stats.add_sent if r.kind == "send" else self._stats.add_received)(r.peer, r.nbytes)
+            self._pending = [r for r in self._pending if not r._done]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._drop_comm("transport closed")
+            for r in self._pending:
+                r._error = r._error or TransportAborted("transport closed")
+            self._pending.clear()
+            self._closed = True
+            self.state = "closed"
+            self._wake.set()

@@ -1,0 +1,725 @@
+"""TCP transport: non-blocking sockets progressed by the waiting thread, abortable at once.
+
+Design (see :mod:`resilient.transport.base` for the contract):
+
+* One listener per member; one connection per unordered pair, dialled by the member
+  whose id sorts lower and opened lazily on the first request. The dialler's first frame
+  is HELLO {job, epoch, token, member}; the acceptor checks job and token of *its* epoch
+  (a HELLO from a newer epoch is parked until this side reaches it; an older one is
+  refused by closing the connection).
+* No I/O thread: :meth:`TcpTransport.wait` runs a ``selectors`` loop in the calling
+  thread, progressing every posted request (sends of later slices keep flowing while
+  an earlier one is awaited). Payloads are written with ``sendmsg`` straight from the
+  caller's buffer and read with ``recv_into`` straight into the destination buffer;
+  4 MiB socket buffers and ``TCP_NODELAY``.
+* :meth:`abort` sets a flag and writes one byte to a wake-up pipe that is part of every
+  ``select`` — a blocked wait returns within the syscall latency, whatever the peer does.
+  A frame half sent when aborted is completed with zero padding on the next use of a
+  kept connection, and a frame half received is discarded, so the byte stream never
+  desynchronises; frames of an older epoch or a cancelled op are discarded on arrival.
+* A message that arrives before its receive is posted is buffered (one copy); when the
+  receive is posted it is matched first.
+
+Failure behaviour: EOF/reset on a connection fails every request to/from that peer with
+:class:`~resilient.errors.TransportError` naming it (the communicator then reports the
+peer as suspect and waits for the coordinator's verdict); a corrupt header raises
+:class:`~resilient.errors.FrameError` and closes that connection.
+"""
+from __future__ import annotations
+
+import collections
+import errno
+import os
+import selectors
+import socket
+import threading
+import time
+from typing import Any, Mapping, Sequence
+
+from resilient.errors import FrameError, TransportAborted, TransportError
+from resilient.transport import frames
+from resilient.transport.base import (
+    Buffer, OpMismatch, PeerReportedError, Request, Transport, TransportStats,
+)
+
+SOCK_BUF = 4 << 20
+_SCRATCH = 1 << 20
+
+
+def as_memoryview(buf: Buffer) -> memoryview:
+    """A flat writable byte view of a contiguous CPU tensor, ndarray or buffer object."""
+    try:
+        import torch  # noqa: PLC0415 - only when a tensor is passed
+
+        if isinstance(buf, torch.Tensor):
+            if buf.device.type != "cpu":
+                raise TransportError(f"the TCP transport needs CPU tensors, got one on {buf.device}")
+            if not buf.is_contiguous():
+                raise TransportError("transport buffers must be contiguous; copy with .contiguous() first")
+            if buf.numel() == 0:
+                return memoryview(bytearray())
+            buf = buf.reshape(-1).view(torch.uint8).numpy()
+    except ImportError:  # pragma: no cover
+        pass
+    mv = memoryview(buf)
+    if not mv.c_contiguous:
+        raise TransportError("transport buffers must be C-contiguous")
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+class _Req(Request):
+    __slots__ = ("peer", "nbytes", "op_seq", "tag", "digest", "mv", "offset", "_done", "_error", "is_send", "t_done", "header")
+
+    def __init__(self, peer: str, mv: memoryview, op_seq: int, tag: int, digest: int, is_send: bool) -> None:
+        self.peer, self.mv, self.op_seq, self.tag, self.digest, self.is_send = peer, mv, op_seq, tag, digest, is_send
+        self.nbytes = len(mv)
+        self.offset = 0
+        self._done = False
+        self._error: BaseException | None = None
+        self.t_done = 0.0
+        self.header = b""
+
+    def done(self) -> bool:
+        return self._done
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def _finish(self) -> None:
+        self._done = True
+        self.t_done = time.monotonic()
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self._done and self._error is None:
+            self._error = exc
+
+
+class _Conn:
+    """One socket and its framing state (only touched by the progressing thread)."""
+
+    def __init__(self, sock: socket.socket, peer: str | None, address: str | None) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.address = address
+        self.connecting = False
+        self.handshaken = peer is not None  # acceptor side: False until HELLO validated
+        self.hello: dict | None = None  # acceptor: parsed HELLO waiting for our epoch
+        self.sendq: collections.deque[_Req] = collections.deque()
+        self.raw_out: collections.deque[memoryview] = collections.deque()  # HELLO / ERROR frames
+        self.pad = 0
+        self.recvq: collections.deque[_Req] = collections.deque()
+        self.unexpected: collections.deque[tuple[frames.Header, bytearray]] = collections.deque()
+        self.hdr = bytearray(frames.HEADER_SIZE)
+        self.hdr_got = 0
+        self.cur: frames.Header | None = None
+        self.target: memoryview | None = None  # where the current payload goes
+        self.target_req: _Req | None = None
+        self.target_got = 0
+        self.discard = 0
+        self.parked = False
+        self.failed: BaseException | None = None
+        self.mask = 0
+
+    def wants_write(self) -> bool:
+        return self.connecting or bool(self.raw_out) or self.pad > 0 or bool(self.sendq)
+
+
+class TcpTransport(Transport):
+    """The CPU transport. Thread model: one thread at a time calls configure/isend/irecv/
+    wait/cancel_op/post_error (the communicator's op thread); :meth:`abort` from any."""
+
+    def __init__(self, member_id: str, job: str, host: str = "127.0.0.1", port: int = 0,
+                 connect_timeout: float = 10.0) -> None:
+        self.member_id = member_id
+        self.job = job
+        self.connect_timeout = connect_timeout
+        self._stats = TransportStats()
+        self._sel = selectors.DefaultSelector()
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((host, port))
+        self._listener.listen(128)
+        self._listener.setblocking(False)
+        self._sel.register(self._listener, selectors.EVENT_READ, "listener")
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._host = host
+        self._port = self._listener.getsockname()[1]
+        self._epoch = -1
+        self._token = ""
+        self._addresses: dict[str, str] = {}
+        self._conns: dict[str, _Conn] = {}
+        self._accepting: list[_Conn] = []
+        self._abort_lock = threading.Lock()
+        self._abort_reason: str | None = None
+        self._abort_handled = False
+        self._op_errors: dict[int, BaseException] = {}
+        self._cancelled: set[int] = set()
+        self._scratch = memoryview(bytearray(_SCRATCH))
+        self._closed = False
+
+    # -- properties -------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        return f"{self._host}:{self._port}"
+
+    @property
+    def stats(self) -> TransportStats:
+        return self._stats
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def aborted(self) -> bool:
+        return self._abort_reason is not None
+
+    # -- epoch ------------------------------------------------------------------------
+
+    def configure(self, epoch: int, token: str, addresses: Mapping[str, str]) -> None:
+        if epoch < self._epoch:
+            raise TransportError(f"configure: epoch {epoch} is older than the current {self._epoch}")
+        self._handle_abort()  # turn half-done frames into padding/discards first
+        self._epoch, self._token = epoch, token
+        addresses = dict(addresses)
+        for peer, conn in list(self._conns.items()):
+            if conn.failed is not None or addresses.get(peer) != self._addresses.get(peer) or peer not in addresses:
+                self._drop(conn)
+                continue
+            for req in list(conn.sendq):
+                if req.offset == 0:
+                    conn.sendq.remove(req)
+            conn.recvq.clear()
+            if conn.target_req is not None:
+                self._to_discard(conn)
+            conn.unexpected = collections.deque(
+                (h, p) for h, p in conn.unexpected if h.epoch >= epoch)
+            if conn.parked:
+                conn.parked = False
+        self._addresses = addresses
+        self._op_errors.clear()
+        self._cancelled.clear()
+        with self._abort_lock:
+            self._abort_reason = None
+            self._abort_handled = False
+        for conn in list(self._accepting):
+            if conn.hello is not None:
+                self._validate_hello(conn)
+        for conn in list(self._conns.values()):
+            if conn.cur is not None and conn.sock is not None and conn.failed is None:
+                self._read(conn)
+        self._update_masks()
+
+    # -- posting ----------------------------------------------------------------------
+
+    def isend(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request:
+        req = _Req(peer, as_memoryview(buf), op_seq, tag, digest, True)
+        conn = self._conn_for(req)
+        if conn is not None:
+            req.header = frames.encode_header(frames.Header(frames.DATA, self._epoch, op_seq, tag, req.nbytes, digest))
+            conn.sendq.append(req)
+            self._try_write(conn)
+        return req
+
+    def irecv(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request:
+        req = _Req(peer, as_memoryview(buf), op_seq, tag, digest, False)
+        conn = self._conn_for(req)
+        if conn is not None:
+            conn.recvq.append(req)
+            self._match_unexpected(conn)
+        return req
+
+    def _conn_for(self, req: _Req) -> _Conn | None:
+        if self._closed:
+            req._fail(TransportError("transport is closed"))
+            return None
+        if self._abort_reason is not None:
+            req._fail(TransportAborted(self._abort_reason))
+            return None
+        if req.op_seq in self._op_errors:
+            req._fail(self._op_errors[req.op_seq])
+            return None
+        if req.peer == self.member_id or req.peer not in self._addresses:
+            req._fail(TransportError(f"member {req.peer!r} is not a peer in epoch {self._epoch}"))
+            return None
+        conn = self._conns.get(req.peer)
+        if conn is None and self.member_id < req.peer:
+            conn = self._dial(req.peer)
+        if conn is None:
+            # The peer dials us; the request waits for its connection to arrive.
+            conn = _Conn(None, req.peer, self._addresses[req.peer])  # placeholder
+            conn.handshaken = False
+            self._conns[req.peer] = conn
+        if conn.failed is not None:
+            req._fail(conn.failed)
+            return None
+        return conn
+
+    def _dial(self, peer: str) -> _Conn:
+        host, _, port = self._addresses[peer].rpartition(":")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._tune(sock)
+        sock.setblocking(False)
+        conn = _Conn(sock, peer, self._addresses[peer])
+        err = sock.connect_ex((host, int(port)))
+        if err not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
+            sock.close()
+            conn.sock = None
+            conn.failed = TransportError(f"cannot connect to member {peer} at {self._addresses[peer]}: {os.strerror(err)}")
+        else:
+            conn.connecting = err != 0
+            hello = frames.encode_json({"job": self.job, "epoch": self._epoch, "token": self._token, "member": self.member_id})
+            conn.raw_out.append(memoryview(frames.encode_header(frames.Header(frames.HELLO, self._epoch, 0, 0, len(hello))) + hello))
+            self._sel.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+            conn.mask = selectors.EVENT_READ | selectors.EVENT_WRITE
+        self._conns[peer] = conn
+        return conn
+
+    @staticmethod
+    def _tune(sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
+            except OSError:  # pragma: no cover - capped by the kernel
+                pass
+
+    # -- abort / cancel / errors --------------------------------------------------------
+
+    def abort(self, reason: str) -> None:
+        with self._abort_lock:
+            if self._abort_reason is None:
+                self._abort_reason = reason
+        try:
+            os.write(self._wake_w, b"!")
+        except (BlockingIOError, OSError):
+            pass
+
+    def _handle_abort(self) -> None:
+        """In the progressing thread: fail requests, turn half frames into padding."""
+        if self._abort_reason is None or self._abort_handled:
+            return
+        self._abort_handled = True
+        exc = TransportAborted(self._abort_reason)
+        for conn in self._conns.values():
+            self._cut(conn, exc, lambda r: True)
+
+    def _cut(self, conn: _Conn, exc: BaseException, which) -> None:
+        keep: collections.deque[_Req] = collections.deque()
+        for req in conn.sendq:
+            if not which(req):
+                keep.append(req)
+                continue
+            req._fail(exc)
+            if req.offset > 0:  # half written: finish the frame with zeros
+                conn.pad += len(req.header) + req.nbytes - req.offset
+        conn.sendq = keep
+        for req in [r for r in conn.recvq if which(r)]:
+            req._fail(exc)
+            conn.recvq.remove(req)
+        if conn.target_req is not None and which(conn.target_req):
+            conn.target_req._fail(exc)
+            self._to_discard(conn)
+
+    def _to_discard(self, conn: _Conn) -> None:
+        req = conn.target_req
+        if req is not None and req in conn.recvq:
+            conn.recvq.remove(req)
+        conn.discard = len(conn.target) - conn.target_got if conn.target is not None else 0
+        conn.target, conn.target_req, conn.cur = None, None, None
+        conn.target_got = 0
+
+    def cancel_op(self, op_seq: int) -> None:
+        self._cancelled.add(op_seq)
+        exc = self._op_errors.get(op_seq) or TransportAborted(f"op #{op_seq} was cancelled")
+        for conn in self._conns.values():
+            self._cut(conn, exc, lambda r: r.op_seq == op_seq)
+            conn.unexpected = collections.deque((h, p) for h, p in conn.unexpected if h.op_seq != op_seq)
+        self._update_masks()
+
+    def post_error(self, peers: Sequence[str], op_seq: int, message: bytes, timeout: float = 2.0) -> None:
+        header = frames.encode_header(frames.Header(frames.ERROR, self._epoch, op_seq, 0, len(message)))
+        conns = []
+        for peer in peers:
+            if peer == self.member_id or peer not in self._addresses:
+                continue
+            probe = _Req(peer, memoryview(b""), op_seq, 0, 0, True)
+            conn = self._conn_for(probe)
+            if conn is None:
+                continue
+            conn.raw_out.append(memoryview(header + message))
+            conns.append(conn)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(c.raw_out and c.failed is None for c in conns):
+            self._progress(0.05)
+
+    # -- progress ---------------------------------------------------------------------
+
+    def wait(self, requests: Sequence[Request], timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        t0 = time.monotonic()
+        try:
+            while True:
+                if self._abort_reason is not None:
+                    self._handle_abort()
+                    raise TransportAborted(self._abort_reason)
+                pending = False
+                for req in requests:
+                    if req.error is not None:
+                        raise req.error
+                    if not req.done():
+                        pending = True
+                        err = self._op_errors.get(req.op_seq)  # type: ignore[attr-defined]
+                        if err is not None:
+                            raise err
+                if not pending:
+                    return True
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._progress(remaining)
+        finally:
+            for req in requests:
+                if not req.is_send and req.done():  # type: ignore[attr-defined]
+                    self._stats.add_wait(req.peer, max(0.0, req.t_done - t0))  # type: ignore[attr-defined]
+
+    def _progress(self, timeout: float | None) -> None:
+        events = self._sel.select(timeout)
+        for key, mask in events:
+            data = key.data
+            if data == "wake":
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except (BlockingIOError, OSError):
+                    pass
+            elif data == "listener":
+                self._accept()
+            else:
+                conn: _Conn = data
+                if conn.failed is not None or conn.sock is None:
+                    continue
+                try:
+                    if mask & selectors.EVENT_WRITE:
+                        self._try_write(conn)
+                    if mask & selectors.EVENT_READ and conn.failed is None:
+                        self._read(conn)
+                except FrameError as exc:
+                    self._fail_conn(conn, exc)
+        self._update_masks()
+
+    def _update_masks(self) -> None:
+        for conn in list(self._conns.values()) + self._accepting:
+            if conn.sock is None or conn.failed is not None:
+                continue
+            mask = 0 if conn.parked else selectors.EVENT_READ
+            if conn.wants_write() and conn.handshaken_or_dialer():
+                mask |= selectors.EVENT_WRITE
+            if mask != conn.mask:
+                if conn.mask == 0:
+                    self._sel.register(conn.sock, mask, conn)
+                elif mask == 0:
+                    self._sel.unregister(conn.sock)
+                else:
+                    self._sel.modify(conn.sock, mask, conn)
+                conn.mask = mask
+
+    def _fail_conn(self, conn: _Conn, exc: BaseException) -> None:
+        if conn.failed is None:
+            conn.failed = exc
+        for req in list(conn.sendq) + list(conn.recvq) + ([conn.target_req] if conn.target_req else []):
+            req._fail(conn.failed)
+        conn.sendq.clear()
+        conn.recvq.clear()
+        conn.raw_out.clear()
+        self._close_sock(conn)
+        if conn in self._accepting:
+            self._accepting.remove(conn)
+
+    def _close_sock(self, conn: _Conn) -> None:
+        if conn.sock is not None:
+            if conn.mask:
+                try:
+                    self._sel.unregister(conn.sock)
+                except (KeyError, ValueError):
+                    pass
+            conn.mask = 0
+            try:
+                conn.sock.close()
+            except OSError:
+                pass
+            conn.sock = None
+
+    def _drop(self, conn: _Conn) -> None:
+        self._fail_conn(conn, TransportError(f"connection to member {conn.peer} closed: it is not in epoch {self._epoch}"))
+        if conn.peer is not None and self._conns.get(conn.peer) is conn:
+            del self._conns[conn.peer]
+
+    # -- accept / handshake -----------------------------------------------------------
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            self._tune(sock)
+            sock.setblocking(False)
+            conn = _Conn(sock, None, None)
+            conn.handshaken = False
+            self._accepting.append(conn)
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+            conn.mask = selectors.EVENT_READ
+
+    def _validate_hello(self, conn: _Conn) -> None:
+        h = conn.hello
+        assert h is not None
+        epoch = h.get("epoch")
+        if h.get("job") != self.job or not isinstance(epoch, int):
+            self._fail_conn(conn, TransportError(f"refused connection: job {h.get('job')!r} is not {self.job!r}"))
+            return
+        if epoch > self._epoch:
+            conn.parked = True  # wait until we are configured for that epoch
+            return
+        member = h.get("member")
+        if epoch < self._epoch or h.get("token") != self._token or member not in self._addresses or member == self.member_id:
+            self._fail_conn(conn, TransportError(f"refused connection from {member!r}: epoch {epoch}/token does not match epoch {self._epoch}"))
+            return
+        conn.parked = False
+        self._accepting.remove(conn)
+        conn.peer, conn.address, conn.handshaken, conn.hello = member, self._addresses[member], True, None
+        old = self._conns.get(member)
+        if old is not None:
+            if old.sock is None and old.failed is None:  # placeholder with waiting requests
+                conn.sendq, conn.recvq = old.sendq, old.recvq
+                for req in conn.sendq:
+                    if not req.header:
+                        req.header = frames.encode_header(frames.Header(frames.DATA, self._epoch, req.op_seq, req.tag, req.nbytes, req.digest))
+            else:
+                self._fail_conn(old, TransportError(f"member {member} reconnected; the old connection is closed"))
+        self._conns[member] = conn
+
+    # -- writing ----------------------------------------------------------------------
+
+    def _try_write(self, conn: _Conn) -> None:
+        sock = conn.sock
+        if sock is None or conn.failed is not None or not conn.handshaken_or_dialer():
+            return
+        if conn.connecting:
+            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err == 0:
+                try:
+                    sock.getpeername()
+                except OSError:
+                    return  # still connecting
+                conn.connecting = False
+            elif err in (errno.EINPROGRESS, errno.EALREADY):
+                return
+            else:
+                self._fail_conn(conn, TransportError(f"cannot connect to member {conn.peer} at {conn.address}: {os.strerror(err)}"))
+                return
+        try:
+            while True:
+                if conn.raw_out:
+                    mv = conn.raw_out[0]
+                    n = sock.send(mv)
+                    if n < len(mv):
+                        conn.raw_out[0] = mv[n:]
+                        return
+                    conn.raw_out.popleft()
+                    continue
+                if conn.pad > 0:
+                    n = sock.send(self._zeros(min(conn.pad, _SCRATCH)))
+                    conn.pad -= n
+                    continue
+                if not conn.sendq:
+                    return
+                req = conn.sendq[0]
+                hl = len(req.header)
+                if req.offset < hl:
+                    n = sock.sendmsg([memoryview(req.header)[req.offset:], req.mv]) if req.nbytes else sock.send(memoryview(req.header)[req.offset:])
+                    payload = max(0, req.offset + n - hl)
+                else:
+                    n = sock.send(req.mv[req.offset - hl:])
+                    payload = n
+                req.offset += n
+                if payload:
+                    self._stats.add_sent(req.peer, payload)
+                if req.offset >= hl + req.nbytes:
+                    conn.sendq.popleft()
+                    req._finish()
+                elif n == 0:
+                    return
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._fail_conn(conn, TransportError(f"connection to member {conn.peer} failed while sending: {exc}"))
+
+    _zero_buf: memoryview | None = None
+
+    def _zeros(self, n: int) -> memoryview:
+        if TcpTransport._zero_buf is None:
+            TcpTransport._zero_buf = memoryview(bytes(_SCRATCH))
+        return TcpTransport._zero_buf[:n]
+
+    # -- reading ----------------------------------------------------------------------
+
+    def _read(self, conn: _Conn) -> None:
+        sock = conn.sock
+        try:
+            while sock is not None and conn.failed is None and not conn.parked:
+                if conn.discard > 0:
+                    n = sock.recv_into(self._scratch, min(conn.discard, _SCRATCH))
+                    if n == 0:
+                        raise EOFError
+                    conn.discard -= n
+                    continue
+                if conn.target is not None:
+                    n = sock.recv_into(conn.target[conn.target_got:]) if conn.target_got < len(conn.target) else 0
+                    if n == 0 and conn.target_got < len(conn.target):
+                        raise EOFError
+                    conn.target_got += n
+                    if conn.target_req is not None and n:
+                        self._stats.add_received(conn.peer or "?", n)
+                    if conn.target_got >= len(conn.target):
+                        self._payload_done(conn)
+                    continue
+                if conn.cur is not None:  # a header parked until configure() or matched late
+                    self._route(conn)
+                    continue
+                if conn.hdr_got < frames.HEADER_SIZE:
+                    n = sock.recv_into(memoryview(conn.hdr)[conn.hdr_got:])
+                    if n == 0:
+                        raise EOFError
+                    conn.hdr_got += n
+                    if conn.hdr_got < frames.HEADER_SIZE:
+                        continue
+                    conn.cur = frames.decode_header(conn.hdr)
+                    conn.hdr_got = 0
+                    continue
+                return
+        except (BlockingIOError, InterruptedError):
+            return
+        except EOFError:
+            self._fail_conn(conn, TransportError(f"member {conn.peer or '(handshaking)'} closed the connection"))
+        except OSError as exc:
+            self._fail_conn(conn, TransportError(f"connection to member {conn.peer} failed while receiving: {exc}"))
+
+    def _route(self, conn: _Conn) -> None:
+        """A header was read: decide where its payload goes."""
+        h = conn.cur
+        assert h is not None
+        if not conn.handshaken:
+            if h.kind != frames.HELLO:
+                raise FrameError("the first frame on a connection must be HELLO")
+            conn.target, conn.target_got, conn.target_req = memoryview(bytearray(h.length)), 0, None
+            return
+        if h.kind in (frames.HELLO, frames.ERROR):
+            conn.target, conn.target_got, conn.target_req = memoryview(bytearray(h.length)), 0, None
+            return
+        if h.epoch < self._epoch or h.op_seq in self._cancelled:
+            conn.discard, conn.cur = h.length, None
+            return
+        if h.epoch > self._epoch:
+            conn.parked = True  # resume after configure(); header is kept in conn.cur
+            return
+        req = conn.recvq[0] if conn.recvq else None
+        if req is None:
+            conn.target, conn.target_got, conn.target_req = memoryview(bytearray(h.length)), 0, None
+            return
+        self._check_match(conn, req, h)
+        if req.error is not None:
+            conn.recvq.popleft()
+            conn.discard, conn.cur = h.length, None
+            return
+        conn.target, conn.target_got, conn.target_req = req.mv, 0, req
+
+    def _check_match(self, conn: _Conn, req: _Req, h: frames.Header) -> None:
+        if h.digest != req.digest:
+            exc = OpMismatch(conn.peer or "?", req.op_seq, h.digest, req.digest)
+            self._op_errors.setdefault(req.op_seq, exc)
+            req._fail(exc)
+        elif (h.op_seq, h.tag) != (req.op_seq, req.tag) or h.length != req.nbytes:
+            raise FrameError(
+                f"member {conn.peer} sent op #{h.op_seq} tag {h.tag:#x} ({h.length} bytes) where op #{req.op_seq} "
+                f"tag {req.tag:#x} ({req.nbytes} bytes) was expected: the ranks disagree on the algorithm")
+
+    def _payload_done(self, conn: _Conn) -> None:
+        h, target, req = conn.cur, conn.target, conn.target_req
+        conn.cur, conn.target, conn.target_req, conn.target_got = None, None, None, 0
+        assert h is not None and target is not None
+        if not conn.handshaken:
+            from resilient.transport.frames import decode_json
+            conn.hello = decode_json(target, "HELLO")
+            self._validate_hello(conn)
+            return
+        if h.kind == frames.HELLO:
+            return
+        if h.kind == frames.ERROR:
+            if h.epoch >= self._epoch:
+                self._op_errors.setdefault(h.op_seq, PeerReportedError(conn.peer or "?", h.op_seq, bytes(target)))
+            return
+        if req is not None:
+            conn.recvq.popleft()
+            req._finish()
+        else:
+            conn.unexpected.append((h, target.obj))  # type: ignore[arg-type]
+            self._match_unexpected(conn)
+
+    def _match_unexpected(self, conn: _Conn) -> None:
+        while conn.recvq and conn.unexpected:
+            req = conn.recvq[0]
+            h, payload = conn.unexpected.popleft()
+            if h.epoch < self._epoch or h.op_seq in self._cancelled:
+                continue
+            try:
+                self._check_match(conn, req, h)
+            except FrameError as exc:
+                self._fail_conn(conn, exc)
+                return
+            conn.recvq.popleft()
+            if req.error is None:
+                req.mv[:] = payload
+                self._stats.add_received(req.peer, len(payload))
+                req._finish()
+
+    # -- shutdown ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for conn in list(self._conns.values()) + list(self._accepting):
+            self._fail_conn(conn, TransportError("transport closed"))
+        self._conns.clear()
+        try:
+            self._sel.unregister(self._listener)
+        except (KeyError, ValueError):
+            pass
+        self._listener.close()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._sel.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _handshaken_or_dialer(self: _Conn) -> bool:
+    return self.handshaken
+
+
+_Conn.handshaken_or_dialer = _handshaken_or_dialer  # type: ignore[attr-defined]

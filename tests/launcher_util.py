@@ -1,0 +1,87 @@
+"""Helpers for the launcher tests: run resilient-run as a real process, wait on files."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "tests", "scripts")
+RESILIENT_RUN = os.path.join(os.path.dirname(sys.executable), "resilient-run")
+
+
+def wait_for(cond: Callable[[], object], timeout: float, what: str, interval: float = 0.02) -> object:
+    """Poll ``cond`` until it returns something truthy; fail the test naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def read_dump(dump_dir: str, local_rank: int, restart: int) -> dict | None:
+    path = os.path.join(dump_dir, f"{local_rank}.{restart}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+class Launcher:
+    """``resilient-run`` in its own process group; :meth:`close` ends it and its workers by PID."""
+
+    def __init__(self, args: list[str], dump_dir: str, extra_env: dict[str, str] | None = None) -> None:
+        os.makedirs(dump_dir, exist_ok=True)
+        self.dump_dir = dump_dir
+        env = dict(os.environ, DUMP_DIR=dump_dir, PYTHONPATH=ROOT, RESILIENT_LOG_LEVEL="INFO")
+        env.update(extra_env or {})
+        self.log_path = os.path.join(dump_dir, "agent.log")
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([RESILIENT_RUN, *args], env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.worker_pids: set[int] = set()
+
+    def dump(self, local_rank: int, restart: int = 0, timeout: float = 60) -> dict:
+        d = wait_for(lambda: read_dump(self.dump_dir, local_rank, restart), timeout,
+                     f"local rank {local_rank} (restart {restart}) to start; agent log:\n{self.output()}")
+        self.worker_pids.add(int(d["PID"]))
+        return d
+
+    def output(self) -> str:
+        self._log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def wait(self, timeout: float = 60) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"resilient-run did not exit within {timeout}s:\n{self.output()}") from None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        for pid in self.worker_pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        self._log.close()

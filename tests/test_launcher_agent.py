@@ -1,0 +1,105 @@
+"""The node agent with real processes, a real etcd and real signals."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from launcher_util import SCRIPTS, Launcher, alive, wait_for
+from resilient.coordinator import keys
+from resilient.coordinator.store import Store
+
+WORKER = os.path.join(SCRIPTS, "worker.py")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def store(etcd_session):
+    s = Store(etcd_session.endpoints)
+    yield s
+    s.close()
+
+
+def _etcd_args(etcd, job, *more):
+    return ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoint_arg, "--rdzv-id", job, *more]
+
+
+def test_killed_worker_lease_revoked_at_once_and_only_it_restarts(etcd_session, store, job_name, tmp_path):
+    stop = str(tmp_path / "stop")
+    # Lease TTL 60 s: a lease gone within seconds of the kill was revoked, not expired.
+    run = Launcher(_etcd_args(etcd_session, job_name, "--nproc-per-node", "2", "--max-restarts", "1",
+                              "--lease-ttl", "60", WORKER), str(tmp_path / "d"), {"STOP_FILE": stop})
+    try:
+        w0, w1 = run.dump(0), run.dump(1)
+        lease0, lease1 = int(w0["RESILIENT_LEASE_ID"]), int(w1["RESILIENT_LEASE_ID"])
+        assert store.lease_ttl(lease0) is not None and store.lease_ttl(lease1) is not None
+        os.kill(int(w1["PID"]), signal.SIGKILL)
+        wait_for(lambda: store.lease_ttl(lease1) is None, 10, "the killed worker's lease to be revoked")
+        departed = store.get(keys.departed_of(job_name, w1["RESILIENT_MEMBER_ID"]))
+        assert departed is not None and b"signal 9" in departed.value
+        r1 = run.dump(1, restart=1)
+        assert r1["TORCHELASTIC_RESTART_COUNT"] == "1" and r1["RESILIENT_JOINER"] == "1"
+        assert r1["RANK"] == "1" and r1["PID"] != w1["PID"]
+        assert int(r1["RESILIENT_LEASE_ID"]) != lease1 and store.lease_ttl(int(r1["RESILIENT_LEASE_ID"]))
+        assert r1["RESILIENT_MEMBER_ID"] != w1["RESILIENT_MEMBER_ID"]
+        # the sibling never restarted: same process, lease untouched, no second dump
+        assert alive(int(w0["PID"])) and store.lease_ttl(lease0) is not None
+        assert not os.path.exists(os.path.join(run.dump_dir, "0.1.json"))
+        open(stop, "w").close()
+        assert run.wait() == 0, run.output()
+        # clean exit: every lease the agent granted is gone
+        assert store.lease_ttl(lease0) is None and store.lease_ttl(int(r1["RESILIENT_LEASE_ID"])) is None
+    finally:
+        run.close()
+
+
+def test_max_restarts_exhausted_exits_nonzero_naming_the_worker(etcd_session, job_name, tmp_path):
+    run = Launcher(_etcd_args(etcd_session, job_name, "--nproc-per-node", "2", "--max-restarts", "1", WORKER),
+                   str(tmp_path / "d"), {"FAIL_LOCAL_RANK": "1", "FAIL_CODE": "7"})
+    try:
+        w0 = run.dump(0)
+        run.dump(1, 0)
+        run.dump(1, 1)  # restarted once, then fails again
+        rc = run.wait()
+        out = run.output()
+        assert rc == 1, out
+        assert "FAILED" in out and "rank      : 1 (local_rank: 1)" in out and "exitcode  : 7" in out
+        # the sibling was stopped with SIGTERM, not left running
+        assert not alive(int(w0["PID"]))
+        with open(os.path.join(run.dump_dir, "0.0.signal")) as f:
+            assert f.read() == str(int(signal.SIGTERM))
+    finally:
+        run.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_agent_is_forwarded_and_everything_stops(etcd_session, store, job_name, tmp_path, sig):
+    run = Launcher(_etcd_args(etcd_session, job_name, "--nproc-per-node", "2", "--lease-ttl", "60", WORKER),
+                   str(tmp_path / "d"))
+    try:
+        ws = [run.dump(0), run.dump(1)]
+        run.proc.send_signal(sig)
+        assert run.wait() == 128 + sig, run.output()
+        for lr, w in enumerate(ws):
+            with open(os.path.join(run.dump_dir, f"{lr}.0.signal")) as f:
+                assert f.read() == str(int(sig))
+            assert not alive(int(w["PID"]))
+            assert store.lease_ttl(int(w["RESILIENT_LEASE_ID"])) is None
+    finally:
+        run.close()
+
+
+def test_wrong_etcd_endpoint_fails_fast_with_clear_error(tmp_path):
+    from resilient.coordinator.local_etcd import free_port
+
+    run = Launcher(["--rdzv-backend", "etcd", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                    "--rdzv-conf", "etcd_timeout=2", WORKER], str(tmp_path / "d"))
+    try:
+        rc = run.wait(timeout=60)
+        out = run.output()
+        assert rc == 1, out
+        assert "resilient-run: error:" in out and "answered within" in out
+        assert not os.path.exists(os.path.join(run.dump_dir, "0.0.json"))  # no worker started
+    finally:
+        run.close()

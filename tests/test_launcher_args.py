@@ -1,0 +1,127 @@
+"""resilient-run accepts torchrun's flags (both spellings, same defaults, PET_* env) plus ours."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from resilient.errors import ConfigError
+from resilient.launcher.args import build_parser, parse
+
+VENV_BIN = os.path.dirname(sys.executable)
+_OPT = re.compile(r"(?<![\w-])(--?[A-Za-z][A-Za-z0-9_-]*)")
+
+
+def _options(help_text: str) -> set[str]:
+    """Option strings of argparse's option lines ("  -r REDIRECTS, --redirects ..."), not
+    options mentioned in help prose."""
+    found: set[str] = set()
+    for line in help_text.splitlines():
+        m = re.match(r"^ {2}(-\S.*?)(?: {2,}|$)", line)
+        if m:
+            found |= set(_OPT.findall(m.group(1)))
+    return found
+
+
+def test_every_torchrun_flag_is_in_resilient_run_help():
+    torch_help = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--help"],
+                                capture_output=True, text=True, timeout=120, check=True).stdout
+    ours_help = subprocess.run([os.path.join(VENV_BIN, "resilient-run"), "--help"],
+                               capture_output=True, text=True, timeout=60, check=True).stdout
+    torch_flags = _options(torch_help)
+    assert {"--nproc-per-node", "--nproc_per_node", "--rdzv-endpoint", "-m", "-r", "-t"} <= torch_flags
+    missing = sorted(torch_flags - _options(ours_help))
+    assert not missing, f"torchrun flags missing from resilient-run --help: {missing}"
+    for ours in ("--etcd", "--job", "--lease-ttl", "--metrics-port"):
+        assert ours in ours_help
+
+
+def test_every_torchrun_flag_parses_with_both_spellings():
+    """Each option of torch's own parser is accepted by ours, with the same default."""
+    from torch.distributed.run import get_args_parser
+
+    torch_parser = get_args_parser()
+    ours = build_parser()
+    torch_defaults = vars(torch_parser.parse_args(["x.py"]))
+    our_defaults = vars(ours.parse_args(["x.py"]))
+    for action in torch_parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        assert our_defaults[action.dest] == torch_defaults[action.dest], action.dest
+        for opt in action.option_strings:
+            argv = [opt] if action.nargs == 0 else [opt, _sample(action)]
+            ns = ours.parse_args([*argv, "x.py"])
+            assert getattr(ns, action.dest) == getattr(torch_parser.parse_args([*argv, "x.py"]), action.dest), opt
+
+
+def _sample(action) -> str:
+    if action.choices:
+        return list(action.choices)[-1]
+    if action.type is int:
+        return "7"
+    if action.type is float:
+        return "0.5"
+    return {"nnodes": "1:2", "redirects": "3", "tee": "1"}.get(action.dest, "a,b")
+
+
+def test_pet_environment_gives_defaults(monkeypatch):
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
+    monkeypatch.setenv("PET_RDZV_BACKEND", "etcd")
+    monkeypatch.setenv("PET_RDZV_ENDPOINT", "10.0.0.5:2379")
+    monkeypatch.setenv("PET_RDZV_ID", "job7")
+    monkeypatch.setenv("PET_NNODES", "1:4")
+    monkeypatch.setenv("PET_STANDALONE", "0")
+    cfg = parse(["train.py", "--lr", "1"])
+    assert (cfg.nproc_per_node, cfg.min_nodes, cfg.max_nodes) == (3, 1, 4)
+    assert cfg.etcd == ["10.0.0.5:2379"] and cfg.job == "job7" and cfg.run_id == "job7"
+    assert cfg.cmd[1:] == ["-u", "train.py", "--lr", "1"]
+    # the command line wins over PET_*
+    assert parse(["--nproc_per_node", "2", "train.py"]).nproc_per_node == 2
+
+
+def test_standalone_assigns_a_fresh_run_id_and_job():
+    a, b = parse(["--standalone", "t.py"]), parse(["--standalone", "t.py"])
+    assert a.standalone and a.uses_etcd and a.elastic_nodes
+    uuid.UUID(a.run_id)
+    assert a.run_id != b.run_id and a.job == a.run_id
+    assert parse(["--standalone", "--job", "mine", "t.py"]).job == "mine"
+
+
+def test_module_and_no_python_commands():
+    assert parse(["-m", "pkg.train", "a"]).cmd[1:] == ["-u", "-m", "pkg.train", "a"]
+    assert parse(["--no-python", "/bin/echo", "hi"]).cmd == ["/bin/echo", "hi"]
+    with pytest.raises(ConfigError, match="--no-python and --module"):
+        parse(["--no-python", "-m", "x"])
+
+
+@pytest.mark.parametrize("argv, cause", [
+    (["--nnodes", "2:1", "t.py"], "MIN <= MAX"),
+    (["--nnodes", "a", "t.py"], "MIN:MAX"),
+    (["--nnodes", "1:3", "t.py"], "needs --rdzv-backend etcd"),
+    (["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "t.py"], "rendezvous is etcd"),
+    (["--rdzv-backend", "etcd", "t.py"], "needs --rdzv-endpoint"),
+    (["--rdzv-backend", "etcd", "--rdzv-endpoint", "nohost", "t.py"], "HOST:PORT"),
+    (["--etcd", "h:99999", "t.py"], "HOST:PORT"),
+    (["--redirects", "5", "t.py"], "--redirects"),
+    (["--tee", "0:9", "t.py"], "--tee"),
+    (["--local-ranks-filter", "0,x", "t.py"], "comma-separated integers"),
+    (["--nproc-per-node", "many", "t.py"], "--nproc-per-node"),
+    (["--max-restarts", "-1", "t.py"], "--max-restarts"),
+    (["--lease-ttl", "0", "t.py"], "--lease-ttl"),
+    (["--signals-to-handle", "SIGNOPE", "t.py"], "not a signal name"),
+    (["--rdzv-conf", "justakey", "t.py"], "key=value"),
+])
+def test_bad_flags_raise_config_error_naming_the_cause(argv, cause):
+    with pytest.raises(ConfigError, match=re.escape(cause)):
+        parse(argv)
+
+
+def test_bad_flag_exits_2_with_message_and_starts_nothing():
+    proc = subprocess.run([os.path.join(VENV_BIN, "resilient-run"), "--nnodes", "3:1", "t.py"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "resilient-run: error: --nnodes '3:1'" in proc.stderr
