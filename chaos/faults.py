@@ -137,6 +137,10 @@ OP_TRIGGER_KINDS = frozenset({FaultKind.KILL, FaultKind.HANG})
 #: Kinds whose victim stops being a live member (the verifier excuses its missing results).
 VICTIM_KINDS = frozenset({FaultKind.KILL, FaultKind.HANG})
 
+#: Kinds that may get a live member evicted by the coordinator (the verifier then excuses
+#: the members a later epoch removed).
+NETWORK_KINDS = frozenset({FaultKind.SLOW, FaultKind.DROP_LINK, FaultKind.PARTITION, FaultKind.NETEM})
+
 
 @dataclass(frozen=True)
 class Fault:

@@ -1,41 +1,85 @@
-"""The chaos runner: starts real etcd (1 or 3 members), coordinator(s) and members, injects
-a scenario's faults and collects a :class:`~resilient.chaos.verifier.RunLog`.
+"""The chaos runner: starts real etcd (1 or 3 members), coordinator(s) and member
+processes, injects a scenario's faults, and collects a
+:class:`~resilient.chaos.verifier.RunLog` for :func:`~resilient.chaos.verifier.verify`.
 
-Status: the runner needs the collectives (``resilient.collectives.Communicator``) and a
-worker harness; until they exist :func:`run_scenario` raises :class:`RunnerUnavailable`
-and ``resilient chaos run`` says so. The seam it fills is fixed:
+    log = run_scenario(scenario, seed, workdir=None, backend="resilient")
 
-    run_scenario(scenario, seed, workdir) -> RunLog   # then verifier.verify(run_log)
+How faults are injected (every signal goes to a PID this runner started):
 
-Injection plan (for the implementation): op/phase-triggered kill/hang through
-``RESILIENT_FAILPOINTS`` in the victim's environment (:meth:`Fault.failpoint_spec`);
-time-triggered kill/hang by ``os.kill(pid, SIGKILL/SIGSTOP/SIGCONT)`` on PIDs it started;
-etcd_kill / coordinator_kill by SIGKILL of that process (restart through
-:class:`~resilient.coordinator.local_etcd.LocalEtcd`); slow / drop_link / partition
-through the transport's fault hooks; netem only as root with ``ip netns`` (else the fault
-is recorded as skipped with the reason). Every process it starts is stopped by PID.
+- op/phase-triggered ``kill``/``hang``: ``RESILIENT_FAILPOINTS`` in the victim's
+  environment (:meth:`~resilient.chaos.faults.Fault.failpoint_spec`); the victim stops
+  itself at that exact point; the runner sees it (exit by SIGKILL, or state ``T``),
+  records the fault and, for a hang with ``resume_after_s``, sends SIGCONT later;
+- time-triggered ``kill``/``hang``: SIGKILL / SIGSTOP (+ SIGCONT) at ``t0 + time_s``;
+- ``etcd_kill``: SIGKILL that etcd member (restarted after ``restart_after_s``);
+- ``coordinator_kill``: SIGKILL the coordinator whose id is under ``leader`` in etcd;
+- ``slow``, ``drop_link``, ``partition``: recorded as *skipped* until the transport exposes
+  fault hooks; ``netem``: skipped without root (the scenario's ``requires: [root]`` makes
+  ``resilient chaos run`` skip the whole scenario with a clear message first).
+
+Like a node agent, the runner revokes the lease of a member whose process died, so the
+coordinator publishes the next epoch at once. ``t0`` (time zero of every time in the
+log) is when the first epoch holding every member was seen; the runner then writes the
+``go`` file the members wait for (protocol in :mod:`resilient.chaos.worker`).
+
+Failure behaviour: the run ends when every member that was not a fault victim has exited,
+or when no live member has recorded progress for ``op_timeout_s`` (the verifier then
+reports the unfinished ops as hangs). Every process started here — members,
+coordinators, etcd — is stopped by PID in ``finally`` (SIGCONT first for stopped ones),
+also on errors and Ctrl-C. If etcd, the coordinators or the members do not come up within
+``start_timeout`` seconds, :class:`~resilient.errors.StoreUnavailable` /
+:class:`RunnerError` says which, with the tail of its log.
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
-from resilient.chaos.scenario import Scenario
-from resilient.chaos.verifier import RunLog
-from resilient.errors import ConfigError
+from resilient.chaos.faults import Fault, FaultKind
+from resilient.chaos.scenario import Scenario, resolve_faults
+from resilient.chaos.verifier import EpochEvent, FaultEvent, OpRecord, RunLog
+from resilient.chaos.worker import member_id, member_index
+from resilient.errors import ConfigError, ResilientError
+
+#: Faults the runner cannot inject yet, with the reason recorded in the report.
+UNSUPPORTED = {
+    FaultKind.SLOW: "the transport exposes no delay/bandwidth hook yet",
+    FaultKind.DROP_LINK: "the transport exposes no link-drop hook yet",
+    FaultKind.PARTITION: "the transport exposes no partition hook yet",
+    FaultKind.NETEM: "tc netem in network namespaces is not implemented in the runner yet",
+}
 
 
 class RunnerUnavailable(ConfigError):
     """The runner cannot run here (a part it needs is missing); the message says which."""
 
 
-def runner_unavailable_reason() -> str | None:
-    """``None`` when the runner can run; otherwise why not."""
+class RunnerError(ResilientError):
+    """A process the runner started did not come up; the message carries its log tail."""
+
+
+def runner_unavailable_reason(backend: str = "resilient") -> str | None:
+    """``None`` when the runner can run with ``backend``; otherwise why not."""
+    if backend == "oracle":
+        return None
     if importlib.util.find_spec("resilient.collectives.communicator") is None:
-        return ("the chaos runner is not available yet: it needs resilient.collectives.Communicator and a worker "
-                "harness, which are still being built; `resilient chaos check` and `resilient chaos k8s` work now")
-    return "the chaos runner is not implemented yet in this build"
+        return ("the chaos runner's `resilient` backend is not available yet: it needs "
+                "resilient.collectives.Communicator, which is still being built. `--backend oracle` runs the "
+                "runner, fault injection and verifier end to end without it; `chaos check` and `chaos k8s` work now")
+    return ("the worker harness does not drive resilient.collectives.Communicator yet "
+            "(resilient/chaos/worker.py, backend `resilient`); use `--backend oracle` meanwhile")
 
 
 def skip_reason(scenario: Scenario) -> str | None:
@@ -45,8 +89,349 @@ def skip_reason(scenario: Scenario) -> str | None:
     return None
 
 
-def run_scenario(scenario: Scenario, seed: int, workdir: str | os.PathLike | None = None) -> RunLog:
-    """Run one seed of ``scenario`` for real and return its log. Raises
-    :class:`RunnerUnavailable` until the runner exists."""
-    reason = runner_unavailable_reason()
-    raise RunnerUnavailable(reason)
+@dataclass
+class _Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    lease_id: int | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stopped(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "T"
+        except (OSError, IndexError):
+            return False
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-lines:])
+        except OSError:
+            return ""
+
+
+def _signal(proc: _Proc, sig: int) -> None:
+    if proc.alive():
+        try:
+            os.kill(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+class ChaosRunner:
+    """Runs one seed of one scenario; see the module docstring."""
+
+    def __init__(self, scenario: Scenario, seed: int, workdir: str | os.PathLike | None = None,
+                 backend: str = "resilient", worker_args: Sequence[str] = (), start_timeout: float = 60.0) -> None:
+        reason = runner_unavailable_reason(backend)
+        if reason is not None:
+            raise RunnerUnavailable(reason)
+        if scenario.workload.script is not None:
+            raise RunnerUnavailable("training-script workloads need the launcher integration, not built yet")
+        self.sc, self.seed, self.backend = scenario, seed, backend
+        self.worker_args = list(worker_args)
+        self.start_timeout = start_timeout
+        self._own_workdir = workdir is None
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix=f"resilient-chaos-{scenario.name}-"))
+        self.records = self.workdir / f"seed{seed}"
+        self.job = f"chaos-{seed}-{uuid.uuid4().hex[:8]}"
+        self.faults: tuple[Fault, ...] = resolve_faults(scenario, seed)
+        self.workers: dict[int, _Proc] = {}
+        self.coordinators: dict[str, _Proc] = {}
+        self.events: list[FaultEvent] = []
+        self.epochs: list[EpochEvent] = []
+        self.victims: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.t0 = 0.0
+        self.etcd = None
+        self.store = None
+
+    # -- processes ---------------------------------------------------------------------
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None, pipe: bool = False) -> _Proc:
+        log_path = self.workdir / "logs" / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(log_path, "ab")
+        popen = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE if pipe else log, stderr=log,
+                                 env={**os.environ, **(env or {})}, start_new_session=True, text=pipe or None)
+        log.close()
+        return _Proc(name, popen, log_path)
+
+    def _start_coordinator(self, cid: str) -> None:
+        ttl = max(1.0, self.sc.lease_ttl_s)
+        self.coordinators[cid] = self._spawn(
+            f"coordinator-{cid}", ["-c", "import sys; from resilient.cli import main; sys.exit(main())",
+                                   "coordinator", "--etcd", self.etcd.endpoint_arg, "--job", self.job, "--id", cid,
+                                   "--ttl", str(ttl), "--min-members", str(self.sc.world_size),
+                                   "--metrics-port", "-1"])
+
+    def _start_worker(self, i: int, scenario_path: Path) -> None:
+        fps = [f.failpoint_spec() for f in self.faults
+               if f.member == i and f.trigger.in_process]
+        env = {"RESILIENT_FAILPOINTS": ";".join(fps)} if fps else {"RESILIENT_FAILPOINTS": ""}
+        proc = self._spawn(f"member-{i}", ["-m", "resilient.chaos.worker", "--scenario", str(scenario_path),
+                                           "--member", str(i), "--seed", str(self.seed),
+                                           "--etcd", self.etcd.endpoint_arg, "--job", self.job,
+                                           "--records", str(self.records), "--backend", self.backend,
+                                           *self.worker_args], env=env, pipe=True)
+
+        def read_ready() -> None:
+            for line in proc.popen.stdout:  # type: ignore[union-attr]
+                parts = line.split()
+                if len(parts) >= 3 and parts[0] == "READY":
+                    proc.lease_id = int(parts[2])
+                    proc.ready.set()
+            proc.popen.stdout.close()  # type: ignore[union-attr]
+
+        threading.Thread(target=read_ready, name=f"ready-{i}", daemon=True).start()
+        self.workers[i] = proc
+
+    # -- the run -------------------------------------------------------------------------
+
+    def run(self) -> RunLog:
+        """Run the scenario once and return its log; see the module docstring."""
+        from resilient.coordinator.epoch import EpochWatcher
+        from resilient.coordinator.local_etcd import LocalEtcd
+        from resilient.coordinator.store import Store
+
+        self.records.mkdir(parents=True, exist_ok=True)
+        scenario_path = self.workdir / "scenario.yaml"
+        if not os.path.exists(self.sc.source):
+            raise ConfigError(f"scenario {self.sc.name!r} has no file to hand to the members ({self.sc.source})")
+        shutil.copyfile(self.sc.source, scenario_path)
+        watcher = None
+        try:
+            self.etcd = LocalEtcd(size=self.sc.etcd_members).start()
+            self.store = Store(self.etcd.endpoints)
+            for c in range(self.sc.coordinators):
+                self._start_coordinator(f"c{c}")
+            for i in range(self.sc.world_size):
+                self._start_worker(i, scenario_path)
+            deadline = time.monotonic() + self.start_timeout
+            for i, proc in self.workers.items():
+                while not proc.ready.wait(0.05):
+                    if not proc.alive() or time.monotonic() > deadline:
+                        raise RunnerError(f"member {i} did not register within {self.start_timeout:.0f}s "
+                                          f"(exit {proc.popen.poll()}):\n{proc.log_tail()}")
+            watcher = EpochWatcher(self.store, self.job)
+            try:
+                watcher.wait_for(lambda e: len(e.members) == self.sc.world_size, max(1.0, deadline - time.monotonic()))
+            except ResilientError as exc:
+                tails = "\n".join(f"--- {p.name}\n{p.log_tail(10)}" for p in self.coordinators.values())
+                raise RunnerError(f"no epoch with all {self.sc.world_size} members within "
+                                  f"{self.start_timeout:.0f}s ({exc}):\n{tails}") from None
+            self.t0 = time.time()
+            tmp = self.records / "go.tmp"
+            tmp.write_text(repr(self.t0))
+            tmp.rename(self.records / "go")
+            watcher.subscribe(self._on_epoch, replay=True)
+            injector = threading.Thread(target=self._inject_timed, name="injector", daemon=True)
+            injector.start()
+            self._monitor()
+            self._stop.set()
+            injector.join(timeout=10)
+        finally:
+            self._stop.set()
+            if watcher is not None:
+                watcher.close()
+            (self.records / "stop").write_text("")
+            self._teardown()
+        fired = {(e.kind, e.victim) for e in self.events}
+        for f in self.faults:  # a planned fault that never fired proves nothing: say so
+            if f.trigger.in_process and (f.kind.value, f.member) not in fired:
+                self._record(FaultEvent(f.kind.value, self.sc.op_timeout_s, f"member {f.member}",
+                                        skipped=f"never fired: the victim did not reach {f.trigger.describe()}"))
+        return RunLog(scenario=self.sc, seed=self.seed, records=self._read_records(), faults=sorted(
+            self.events, key=lambda e: e.time_s), epochs=sorted(self.epochs, key=lambda e: e.number),
+            ops_planned=self.sc.workload.ops, duration_s=time.time() - self.t0)
+
+    def _now(self) -> float:
+        return time.time() - self.t0
+
+    def _on_epoch(self, epoch) -> None:
+        members = tuple(sorted(member_index(m) for m in epoch.members if m.startswith("m")))
+        at = (epoch.published_at or time.time()) - self.t0
+        with self._lock:
+            if all(e.number != epoch.number for e in self.epochs):
+                self.epochs.append(EpochEvent(epoch.number, max(at, 0.0), members))
+
+    def _record(self, event: FaultEvent) -> None:
+        with self._lock:
+            self.events.append(event)
+            if event.victim is not None and event.skipped is None:
+                self.victims.add(event.victim)
+
+    def _later(self, delay: float, action) -> None:
+        def run() -> None:
+            if not self._stop.wait(delay):
+                action()
+        threading.Thread(target=run, daemon=True).start()
+
+    def _inject_timed(self) -> None:
+        for fault in sorted((f for f in self.faults if not f.trigger.in_process), key=lambda f: f.trigger.time_s):
+            if self._stop.wait(max(0.0, self.t0 + fault.trigger.time_s - time.time())):
+                return
+            try:
+                self._inject(fault)
+            except Exception as exc:  # a failed injection is reported, never silently lost
+                self._record(FaultEvent(fault.kind.value, self._now(), fault.describe(),
+                                        skipped=f"injection failed: {exc}"))
+
+    def _inject(self, fault: Fault) -> None:
+        k, p, now = fault.kind, fault.params, self._now()
+        if k in UNSUPPORTED:
+            self._record(FaultEvent(k.value, now, fault.describe(), skipped=UNSUPPORTED[k]))
+        elif k is FaultKind.KILL:
+            proc = self.workers[p["member"]]
+            self._record(FaultEvent(k.value, now, f"member {p['member']}", victim=p["member"]))
+            _signal(proc, signal.SIGKILL)
+        elif k is FaultKind.HANG:
+            proc = self.workers[p["member"]]
+            _signal(proc, signal.SIGSTOP)
+            self._hung(p["member"], fault, now)
+        elif k is FaultKind.ETCD_KILL:
+            i = p["etcd_member"]
+            self.etcd.kill(i)
+            end = now + p["restart_after_s"] if p.get("restart_after_s") else None
+            self._record(FaultEvent(k.value, now, f"etcd member {i}", end_s=end))
+            if end is not None:
+                self._later(p["restart_after_s"], lambda: self.etcd.restart(i, wait=False))
+        elif k is FaultKind.COORDINATOR_KILL:
+            from resilient.coordinator.election import current_leader
+
+            leader = current_leader(self.store, self.job)
+            proc = self.coordinators.get(leader or "")
+            if proc is None or not proc.alive():
+                self._record(FaultEvent(k.value, now, "coordinator leader", skipped=f"no live leader ({leader!r})"))
+                return
+            _signal(proc, signal.SIGKILL)
+            end = now + p["restart_after_s"] if p.get("restart_after_s") else None
+            self._record(FaultEvent(k.value, now, f"coordinator {leader} (leader)", end_s=end))
+            if end is not None:
+                self._later(p["restart_after_s"], lambda: self._start_coordinator(f"{leader}r"))
+
+    def _hung(self, member: int, fault: Fault, at: float) -> None:
+        resume = fault.params.get("resume_after_s")
+        self._record(FaultEvent("hang", at, f"member {member}", victim=member,
+                                end_s=at + resume if resume else None))
+        if resume:
+            self._later(resume, lambda: _signal(self.workers[member], signal.SIGCONT))
+
+    def _monitor(self) -> None:
+        """Watch members until every non-victim has exited, or no progress for op_timeout_s."""
+        from resilient.coordinator.membership import revoke_member
+
+        in_process = {f.member: f for f in self.faults if f.trigger.in_process}
+        seen_dead: set[int] = set()
+        seen_stopped: set[int] = set()
+        sizes: dict[int, int] = {}
+        last_progress = time.monotonic()
+        while True:
+            with self._lock:
+                victims = set(self.victims)
+            for i, proc in self.workers.items():
+                code = proc.popen.poll()
+                if code is not None and i not in seen_dead:
+                    seen_dead.add(i)
+                    if code == -signal.SIGKILL and i not in victims and i in in_process:
+                        self._record(FaultEvent("kill", self._now(), f"member {i}", victim=i))
+                    if code != 0 and proc.lease_id is not None:  # node-agent duty: revoke at once
+                        try:
+                            revoke_member(self.store, self.job, member_id(i), proc.lease_id,
+                                          reason=f"exit {code}")
+                        except ResilientError:
+                            pass
+                elif code is None and i not in seen_stopped and i in in_process and proc.stopped() \
+                        and in_process[i].kind is FaultKind.HANG and i not in victims:
+                    seen_stopped.add(i)
+                    self._hung(i, in_process[i], self._now())
+                size = _size(self.records / f"member-{i}.jsonl")
+                if size != sizes.get(i):
+                    sizes[i] = size
+                    last_progress = time.monotonic()
+            with self._lock:
+                victims = set(self.victims)
+            live = [i for i, p in self.workers.items() if p.alive() and i not in victims
+                    and not (self.records / f"done-{i}").exists()]
+            if not live:
+                return
+            if time.monotonic() - last_progress > self.sc.op_timeout_s:
+                return  # nobody progressed within the op bound: the verifier reports the hangs
+            time.sleep(0.01)
+
+    def _teardown(self) -> None:
+        workers = list(self.workers.values())
+        deadline = time.monotonic() + 5  # finished members leave on the stop file
+        for proc in workers:
+            if (self.records / f"done-{proc.name.split('-')[1]}").exists():
+                try:
+                    proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        procs = workers + list(self.coordinators.values())
+        for proc in procs:
+            _signal(proc, signal.SIGCONT)
+            _signal(proc, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        for proc in procs:
+            try:
+                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal(proc, signal.SIGKILL)
+                proc.popen.wait(timeout=5)
+        if self.store is not None:
+            try:
+                self.store.close()
+            except Exception:
+                pass
+        if self.etcd is not None:
+            self.etcd.stop()
+
+    def _read_records(self) -> list[OpRecord]:
+        out: list[OpRecord] = []
+        for i in range(self.sc.world_size):
+            path = self.records / f"member-{i}.jsonl"
+            latest: dict[int, dict] = {}
+            if path.exists():
+                for line in path.read_text().splitlines():
+                    try:
+                        d = json.loads(line)
+                    except ValueError:
+                        continue  # a line cut short by SIGKILL
+                    latest[d["seq"]] = {**latest.get(d["seq"], {}), **d}
+            for seq, d in sorted(latest.items()):
+                end = d.get("end")
+                out.append(OpRecord(member=i, seq=seq, start_s=d["start"] - self.t0,
+                                    end_s=None if end is None else end - self.t0,
+                                    contributors=tuple(d["contributors"]) if d.get("contributors") else None,
+                                    epoch=d.get("epoch"), error=d.get("error"), check=d.get("check"),
+                                    control=bool(d.get("control"))))
+        return out
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1
+
+
+def run_scenario(scenario: Scenario, seed: int, workdir: str | os.PathLike | None = None,
+                 backend: str = "resilient", worker_args: Sequence[str] = ()) -> RunLog:
+    """Run one seed of ``scenario`` for real and return its log (see :class:`ChaosRunner`).
+    Raises :class:`RunnerUnavailable` when the backend cannot run here."""
+    runner = ChaosRunner(scenario, seed, workdir, backend, worker_args)
+    try:
+        return runner.run()
+    finally:
+        if workdir is None:
+            shutil.rmtree(runner.workdir, ignore_errors=True)

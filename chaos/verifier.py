@@ -15,8 +15,8 @@ injected (:class:`FaultEvent`) and the epochs the coordinator published
 - **recoveries** — for each injected fault, seconds from the fault until every surviving
   member finished the first op that completed after it.
 
-Members that were fault victims (killed, stopped) or that a later epoch removed are
-*excused*: their unfinished ops are neither hangs nor lost, but every output they did
+Members that were fault victims (killed, stopped) or, after a network fault, that a
+later epoch removed are *excused*: their unfinished ops are neither hangs nor lost, but every output they did
 deliver is still checked. The verifier is pure: it never touches processes or etcd.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from resilient.chaos.faults import VICTIM_KINDS, FaultKind
+from resilient.chaos.faults import NETWORK_KINDS, VICTIM_KINDS, FaultKind
 from resilient.chaos.scenario import Scenario
 from resilient.chaos.workload import REDUCING, compare, expected_output, op_spec_for
 
@@ -40,6 +40,10 @@ class OpRecord:
     name when it raised. ``out_range`` is the ``[start, stop)`` slice of the reduced vector
     a ``reduce_scatter`` output holds. ``bytes_after_fault`` is what this member sent for
     the op after a failure interrupted it (``recovered`` ops only), for "work saved".
+    ``check`` is set instead of ``output`` by a harness that compared the output in the
+    member process itself (with :func:`resilient.chaos.workload.compare`, to avoid
+    shipping large outputs): ``"ok"`` or the mismatch. ``control`` marks ops of the
+    harness itself (stop votes): their completion is checked, not their value.
     """
 
     member: int
@@ -53,6 +57,8 @@ class OpRecord:
     error: str | None = None
     recovered: bool = False
     bytes_after_fault: int | None = None
+    check: str | None = None
+    control: bool = False
 
 
 @dataclass
@@ -144,10 +150,10 @@ def verify(run: RunLog) -> Verdict:
             if r.end_s is None or r.error is not None:
                 if r.member in excused:
                     continue
-                if r.end_s is None:
-                    v.hangs.append(Finding(seq, r.member, f"started at {r.start_s:.3f}s and never finished"))
-                else:
+                if r.error is not None:
                     v.lost.append(Finding(seq, r.member, f"raised {r.error}"))
+                else:
+                    v.hangs.append(Finding(seq, r.member, f"started at {r.start_s:.3f}s and never finished"))
             elif r.end_s - r.start_s > sc.op_timeout_s:
                 v.hangs.append(Finding(seq, r.member, f"took {r.end_s - r.start_s:.1f}s > op_timeout_s "
                                                       f"{sc.op_timeout_s:g}"))
@@ -168,10 +174,14 @@ def verify(run: RunLog) -> Verdict:
 
 
 def _excused_members(run: RunLog) -> set[int]:
-    """Fault victims and members a published epoch removed (their unfinished ops are
-    expected); survivors are everyone else."""
+    """Fault victims, and — only when a network fault (slow, drop_link, partition, netem)
+    was injected, which may legitimately get a live member evicted — members a published
+    epoch removed. Their unfinished ops are expected; everyone else is a survivor whose
+    every op must complete (a member that crashed by itself is *not* excused)."""
     out = {f.victim for f in run.faults if f.victim is not None and f.skipped is None
            and FaultKind(f.kind) in VICTIM_KINDS}
+    if not any(f.skipped is None and FaultKind(f.kind) in NETWORK_KINDS for f in run.faults):
+        return out
     seen: set[int] = set()
     for e in sorted(run.epochs, key=lambda e: e.number):
         seen.update(e.members)
@@ -191,7 +201,7 @@ def _check_values(run: RunLog, seq: int, recs: Sequence[OpRecord], v: Verdict) -
         if r.end_s is None or r.error is not None:
             continue
         v.results_checked += 1
-        if spec.collective == "barrier":
+        if spec.collective == "barrier" or r.control:
             continue
         contributors = tuple(r.contributors or ())
         bad = [m for m in contributors if not 0 <= m < sc.world_size]
@@ -203,6 +213,16 @@ def _check_values(run: RunLog, seq: int, recs: Sequence[OpRecord], v: Verdict) -
                 v.wrong.append(Finding(seq, r.member, f"delivered a {spec.collective} result but is not in its "
                                                       f"contributor set {sorted(contributors)}"))
                 continue
+        if r.recovered and r.bytes_after_fault is not None:
+            v.bytes_resent += r.bytes_after_fault
+            if r.member == min(contributors):  # count each op's from-scratch cost once
+                k = len(contributors)
+                v.bytes_restart += 2 * (k - 1) * spec.numel * np.dtype(spec.dtype).itemsize
+        if r.output is None and r.check is not None:
+            if r.check != "ok":
+                v.wrong.append(Finding(seq, r.member, f"{spec.collective}/{spec.op or '-'}/{spec.dtype} over "
+                                                      f"{sorted(contributors)}: {r.check} (checked in the member)"))
+            continue
         key = (contributors, r.out_range)
         try:
             if key not in cache:
@@ -217,11 +237,6 @@ def _check_values(run: RunLog, seq: int, recs: Sequence[OpRecord], v: Verdict) -
                 detail += f"; first at [{mismatch.index}]: got {mismatch.got!r}, expected {mismatch.want!r}"
             v.wrong.append(Finding(seq, r.member, f"{spec.collective}/{spec.op or '-'}/{spec.dtype} over "
                                                   f"{sorted(contributors)}: {detail}"))
-        if r.recovered and r.bytes_after_fault is not None:
-            v.bytes_resent += r.bytes_after_fault
-            if r.member == min(contributors):  # count each op's from-scratch cost once
-                k = len(contributors)
-                v.bytes_restart += 2 * (k - 1) * spec.numel * np.dtype(spec.dtype).itemsize
 
 
 def _recoveries(run: RunLog, survivors: Sequence[int]) -> list[float]:

@@ -107,6 +107,7 @@ class Coordinator:
         self._last_ok = time.monotonic()
         self._running = False
         self.published: list[int] = []   # epoch numbers this process published
+        self.reconciles = 0                # completed reconcile passes (tests wait on it)
 
     # -- public ---------------------------------------------------------------------------
 
@@ -201,11 +202,18 @@ class Coordinator:
                     if wake > now:
                         self._cond.wait(min(wake - now, 0.5))
                         continue
-                    lost_seen, join_seen = dict(self._pending.lost_seen), dict(self._pending.join_seen)
+                    p = self._pending
+                    joins_due = p.join_first is not None and min(
+                        p.join_last + self.config.join_debounce, p.join_first + 4 * self.config.join_debounce) <= now
+                    lost_seen, join_seen = dict(p.lost_seen), dict(p.join_seen)
                     self._pending = _Pending()
+                    if not joins_due and p.join_first is not None:  # keep waiting for them
+                        self._pending.join_first, self._pending.join_last = p.join_first, p.join_last
+                        self._pending.join_seen = dict(p.join_seen)
                 try:
-                    outcome, suspects_pending = self._reconcile(lost_seen, join_seen)
+                    outcome, suspects_pending = self._reconcile(lost_seen, join_seen, joins_due)
                     self._last_ok = time.monotonic()
+                    self.reconciles += 1
                 except StoreError as exc:
                     log.warning("coordinator %s: reconcile failed, retrying: %s", self.id, exc)
                     with self._cond:  # keep what we saw for the retry
@@ -218,6 +226,11 @@ class Coordinator:
                     continue
                 if outcome == "deposed":
                     return
+                if outcome == "joins_deferred":  # found by a resync: debounce them like events
+                    with self._cond:
+                        t = time.monotonic()
+                        self._pending.join_first = self._pending.join_first or t
+                        self._pending.join_last = self._pending.join_last or t
                 if outcome == "retry":
                     with self._cond:
                         self._pending.urgent_at = time.monotonic() - self.config.debounce
@@ -262,9 +275,11 @@ class Coordinator:
                 pending = True
         return confirmed, consumed, pending
 
-    def _reconcile(self, lost_seen: dict[str, float], join_seen: dict[str, float]) -> tuple[str, bool]:
-        """Publish the next epoch if the member set (or roles) changed. Returns
-        (``"published"`` | ``"unchanged"`` | ``"retry"`` | ``"deposed"``, suspects pending)."""
+    def _reconcile(self, lost_seen: dict[str, float], join_seen: dict[str, float],
+                   joins_due: bool = True) -> tuple[str, bool]:
+        """Publish the next epoch if the member set (or roles) changed. Joins alone wait
+        until ``joins_due`` (their debounce ran out). Returns (``"published"`` |
+        ``"unchanged"`` | ``"joins_deferred"`` | ``"retry"`` | ``"deposed"``, suspects pending)."""
         members, _ = read_members(self.store, self.job)
         confirmed, consumed, suspects_pending = self._check_suspects(members)
         alive = {m: v for m, v in members.items() if m not in confirmed}
@@ -296,6 +311,11 @@ class Coordinator:
 
         removed = tuple(sorted((current - alive.keys()) | replaced))
         added = tuple(sorted((alive.keys() - current) | replaced))
+        if added and not removed and not joins_due and (
+                epoch is None or all(roles[m] == epoch.roles.get(m) for m in current)):
+            if cleanup:
+                self.store.txn([self.election.leader_compare()], cleanup)
+            return "joins_deferred", suspects_pending
         now = time.time()
         if confirmed.keys() & set(removed):
             cause, path = "suspect_confirmed", "suspect"

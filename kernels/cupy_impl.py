@@ -36,7 +36,7 @@ from resilient.kernels.progress import ProgressMarks
 SOURCE = Path(__file__).resolve().parent / "cuda" / "reduce.cu"
 GATE_SOURCE = Path(__file__).resolve().parent / "cuda" / "gate.cu"
 THREADS = 256
-BLOCKS_PER_SM = 4
+BLOCKS_PER_SM = 8
 
 # dtype name (torch or numpy spelling) -> kernel suffix
 DTYPES = {
@@ -154,11 +154,20 @@ class CupyChunkReducer(ChunkReducer):
         return int(max(1, min((vectors + THREADS - 1) // THREADS, self._sms * BLOCKS_PER_SM)))
 
     def launch(self, dst: Any, src: Any, op: ReduceOp | str, mark_ptr: int, counter_ptr: int,
-               mark: int, stream: int | None = None) -> None:
-        """Enqueue one reduction (``mark_ptr`` 0: no mark). Validates before launching."""
+               mark: int, stream: int | None = None, dtype: str | None = None) -> None:
+        """Enqueue one reduction (``mark_ptr`` 0: no mark). Validates before launching.
+
+        ``dtype`` reinterprets CuPy arrays of the same item size (CuPy has no bfloat16:
+        pass ``uint16`` arrays holding bfloat16 bits with ``dtype="bfloat16"``)."""
         cupy = import_cupy()
         dp, n, dt, dev, dstream = _buffer_info(dst)
         sp, n2, dt2, dev2, _ = _buffer_info(src)
+        if dtype is not None:
+            want = str(dtype).replace("torch.", "")
+            size = {"float64": 8, "int64": 8, "float32": 4, "int32": 4}.get(DTYPES.get(want, ""), 2)
+            if dst.dtype.itemsize != size or src.dtype.itemsize != size:
+                raise ConfigError(f"GPU reduce: cannot view {dt}/{dt2} buffers as {want} (item size {size})")
+            dt = dt2 = want
         if (n, dt) != (n2, dt2) or dev != dev2:
             raise ConfigError(f"GPU reduce: dst {n}x{dt} on cuda:{dev} vs src {n2}x{dt2} on cuda:{dev2}: "
                               "pass chunks of the same size and dtype on one device")
@@ -175,16 +184,17 @@ class CupyChunkReducer(ChunkReducer):
                    stream=cupy.cuda.ExternalStream(s))
 
     def reduce_chunk(self, chunk: int, dst: Any, src: Any, op: ReduceOp | str, mark: int = 1,
-                     stream: int | None = None) -> None:
+                     stream: int | None = None, dtype: str | None = None) -> None:
         """Enqueue ``dst <- op(dst, src)`` and the mark publish; returns without waiting."""
         c = self.marks.check_chunk(chunk)
         m = int(ProgressMarks.check_mark(mark))
         counter = int(self._done_blocks.data.ptr) + 4 * c
-        self.launch(dst, src, op, self.marks.device_ptr(c), counter, m, stream)
+        self.launch(dst, src, op, self.marks.device_ptr(c), counter, m, stream, dtype)
 
-    def reduce_into(self, dst: Any, src: Any, op: ReduceOp | str, stream: int | None = None) -> None:
+    def reduce_into(self, dst: Any, src: Any, op: ReduceOp | str, stream: int | None = None,
+                    dtype: str | None = None) -> None:
         """The same kernel without a mark (what the bandwidth benchmark measures)."""
-        self.launch(dst, src, op, 0, int(self._done_blocks.data.ptr), 1, stream)
+        self.launch(dst, src, op, 0, int(self._done_blocks.data.ptr), 1, stream, dtype)
 
     def synchronize(self) -> None:
         cupy = import_cupy()

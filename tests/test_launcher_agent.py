@@ -103,3 +103,32 @@ def test_wrong_etcd_endpoint_fails_fast_with_clear_error(tmp_path):
         assert not os.path.exists(os.path.join(run.dump_dir, "0.0.json"))  # no worker started
     finally:
         run.close()
+
+
+def test_registered_worker_owns_its_keepalive_so_sigstop_expires_its_lease(etcd_session, store, job_name, tmp_path):
+    """After the worker's MemberSession registered on the agent's lease, the agent stops
+    refreshing it: a SIGSTOPped worker loses its membership by lease expiry (TTL 2 s) while
+    its running sibling keeps its own."""
+    stop = str(tmp_path / "stop")
+    run = Launcher(_etcd_args(etcd_session, job_name, "--nproc-per-node", "2", "--lease-ttl", "2",
+                              os.path.join(os.path.dirname(WORKER), "member_worker.py")),
+                   str(tmp_path / "d"), {"STOP_FILE": stop})
+    stopped = None
+    try:
+        w0, w1 = run.dump(0), run.dump(1)
+        key1 = keys.member(job_name, w1["RESILIENT_MEMBER_ID"])
+        assert store.get(key1).lease == int(w1["RESILIENT_LEASE_ID"])
+        stopped = int(w1["PID"])
+        os.kill(stopped, signal.SIGSTOP)
+        wait_for(lambda: store.get(key1) is None, 30, "the stopped worker's member key to expire")
+        assert store.lease_ttl(int(w1["RESILIENT_LEASE_ID"])) is None
+        assert store.get(keys.member(job_name, w0["RESILIENT_MEMBER_ID"])) is not None  # sibling alive
+        assert run.proc.poll() is None  # the agent saw no exit: detection was the lease's
+        os.kill(stopped, signal.SIGCONT)
+        stopped = None
+        open(stop, "w").close()
+        run.wait()
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        run.close()

@@ -30,7 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="run seeds 0..K-1 (default: the scenario's `seeds`)")
     run.add_argument("--json", metavar="PATH", help="also write the JSON summary to PATH")
     run.add_argument("--report", metavar="DIR", help="write summary.json, table.txt and PNG timelines to DIR")
-    run.add_argument("--workdir", metavar="DIR", help="keep logs of every process here (default: a temp dir)")
+    run.add_argument("--workdir", metavar="DIR", help="keep logs of every process here (default: a temp dir, removed)")
+    run.add_argument("--backend", choices=("resilient", "oracle"), default="resilient",
+                     help="resilient: the collectives under test (default); oracle: members compute results "
+                          "without collectives, a self-test of the runner, fault injection and verifier")
     k8s = sub.add_parser("k8s", help="write the equivalent Chaos Mesh manifests for the Helm chart")
     k8s.add_argument("scenario", metavar="FILE|NAME")
     k8s.add_argument("--namespace", "-n", default="default", help="namespace of the Helm release (default: default)")
@@ -97,6 +100,9 @@ def _run(args: argparse.Namespace) -> int:
     from resilient.chaos.verifier import verify
 
     scenario = find_scenario(args.scenario)
+    unavailable = runner.runner_unavailable_reason(args.backend)
+    if unavailable is not None:
+        raise runner.RunnerUnavailable(unavailable)
     skip = runner.skip_reason(scenario)
     if skip is not None:
         print(f"SKIPPED: {skip}", file=sys.stderr)
@@ -104,7 +110,7 @@ def _run(args: argparse.Namespace) -> int:
     seeds = list(range(args.seeds if args.seeds is not None else scenario.seeds))
     runs, verdicts = [], []
     for seed in seeds:
-        log = runner.run_scenario(scenario, seed, args.workdir)
+        log = runner.run_scenario(scenario, seed, args.workdir, backend=args.backend)
         runs.append(log)
         verdicts.append(verify(log))
     print(report.render_table(verdicts))

@@ -62,7 +62,7 @@ def run(cfg) -> int:  # cfg: LaunchConfig
             if cfg.standalone:
                 from resilient.launcher.standalone import StandaloneControlPlane
 
-                plane = StandaloneControlPlane(cfg.job)
+                plane = StandaloneControlPlane(cfg.job, min_members=cfg.nproc_per_node)
                 stack.callback(plane.stop)
                 plane.start()
                 endpoints = plane.endpoints

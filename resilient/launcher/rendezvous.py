@@ -10,10 +10,10 @@ for one to free up, then fail with a clear error.
 
 The job *starts* when ``MIN`` slots are taken (after an optional ``last_call_timeout`` to
 gather more, up to ``MAX``): the first agent to see that creates
-``/resilient/<job>/launcher/started`` (create-if-absent, no lease) holding the slots of the
-initial group and its master address; every agent reads that one record, so all agree on
-``GROUP_WORLD_SIZE`` and ``MASTER_ADDR/PORT``. An agent whose slot is not in the record
-arrived later: it is admitted (slots never exceed MAX) and its workers start as joiners
+``/resilient/<job>/launcher/started`` (create-if-absent, no lease) holding the slots and agent
+ids of the initial group and its master address; every agent reads that one record, so all agree on
+``GROUP_WORLD_SIZE`` and ``MASTER_ADDR/PORT``. An agent not in the record arrived
+later (also a replacement that reuses a dead node's slot): it is admitted (slots never exceed MAX) and its workers start as joiners
 (``RESILIENT_JOINER=1``); resilient's coordinator admits them at an op boundary.
 
 Failure behaviour: etcd unreachable -> :class:`~resilient.errors.StoreUnavailable` within
@@ -123,13 +123,15 @@ class NodeRendezvous:
         self.store = store
         self.job = job
         self.lease = store.grant(ttl)
+        self.agent_id = f"{self.lease:x}"  # unique per agent run (a slot may be reused)
         keeper.add(self.lease)
         self.group_rank: int | None = None
 
     def join(self, min_nodes: int, max_nodes: int, nproc: int, addr: str, store_port: int,
              join_timeout: float = 600.0, last_call: float = 0.0, poll: float = 0.1) -> NodeSlot:
         deadline = time.monotonic() + join_timeout
-        info = {"addr": addr, "store_port": store_port, "nproc": nproc, "host": socket.gethostname()}
+        info = {"addr": addr, "store_port": store_port, "nproc": nproc, "host": socket.gethostname(),
+                "agent": self.agent_id}
         payload = json.dumps(info).encode()
         prefix = nodes_prefix(self.job)
         while self.group_rank is None:
@@ -155,7 +157,8 @@ class NodeRendezvous:
                 reached_at = reached_at or time.monotonic()
                 if len(nodes) >= max_nodes or time.monotonic() - reached_at >= last_call:
                     first = min(nodes)
-                    record = {"nodes": sorted(nodes), "master_addr": nodes[first]["addr"],
+                    record = {"nodes": sorted(nodes), "agents": [n["agent"] for n in nodes.values()],
+                              "master_addr": nodes[first]["addr"],
                               "master_port": nodes[first]["store_port"], "time": time.time()}
                     self.store.create(started_key(self.job), json.dumps(record).encode())
                     continue  # read back whichever record won
@@ -174,7 +177,7 @@ class NodeRendezvous:
                     f"node {gr} runs --nproc-per-node {n['nproc']} but this node {nproc}; "
                     "resilient-run needs the same --nproc-per-node on every node"
                 )
-        initial = self.group_rank in started["nodes"]
+        initial = self.agent_id in started["agents"]
         return NodeSlot(
             group_rank=self.group_rank,
             group_world_size=len(started["nodes"]) if initial else max(len(nodes), len(started["nodes"])),

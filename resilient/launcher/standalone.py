@@ -2,7 +2,8 @@
 
 :class:`StandaloneControlPlane` starts a real ``etcd`` on free loopback ports
 (:class:`~resilient.coordinator.local_etcd.LocalEtcd`) and one coordinator process,
-``python -c 'resilient.cli.main()' coordinator --etcd <endpoints> --job <job>`` (the same
+``python -c 'resilient.cli.main()' coordinator --etcd <endpoints> --job <job>
+--min-members <nproc> --metrics-port 0`` (the same
 as ``resilient coordinator ...``, without relying on the console script being on PATH),
 in its own session so signals meant for the agent's terminal do not reach it first.
 :meth:`stop` stops the coordinator (SIGTERM, then SIGKILL after a grace period) and etcd,
@@ -30,15 +31,19 @@ log = logging.getLogger(__name__)
 _COORDINATOR_MAIN = "import sys; from resilient.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
-def coordinator_command(etcd: str, job: str) -> list[str]:
-    return [sys.executable, "-c", _COORDINATOR_MAIN, "coordinator", "--etcd", etcd, "--job", job]
+def coordinator_command(etcd: str, job: str, min_members: int = 1) -> list[str]:
+    """``resilient coordinator`` for this job; its /metrics on a free port (several
+    standalone jobs may share a host)."""
+    return [sys.executable, "-c", _COORDINATOR_MAIN, "coordinator", "--etcd", etcd, "--job", job,
+            "--min-members", str(min_members), "--metrics-port", "0"]
 
 
 class StandaloneControlPlane:
     """Local etcd + coordinator, stopped by :meth:`stop` (also on ``with`` exit)."""
 
-    def __init__(self, job: str, startup_check_s: float = 1.0) -> None:
+    def __init__(self, job: str, min_members: int = 1, startup_check_s: float = 1.0) -> None:
         self.job = job
+        self.min_members = min_members
         self.etcd = LocalEtcd()
         self.coordinator: subprocess.Popen | None = None
         self.coordinator_log = ""
@@ -54,7 +59,7 @@ class StandaloneControlPlane:
             fd, self.coordinator_log = tempfile.mkstemp(prefix="resilient-coordinator-", suffix=".log")
             with os.fdopen(fd, "wb") as out:
                 self.coordinator = subprocess.Popen(
-                    coordinator_command(self.etcd.endpoint_arg, self.job),
+                    coordinator_command(self.etcd.endpoint_arg, self.job, self.min_members),
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 )

@@ -311,6 +311,7 @@ class NcclTransport(Transport):
         self._ready = False
         self._uid: tuple[int, bytes] | None = None   # (epoch, unique id) once exchanged
         self._abort_reason: str | None = None
+        self._failed: str | None = None           # the communicator of this epoch failed
         self._pending: list[NcclRequest] = []     # posted, not completed (launched or not)
         self._closed = False
         self.state = "idle"                       # idle | configured | ready | aborted | closed
@@ -360,6 +361,7 @@ class NcclTransport(Transport):
             self._pending.clear()
             self._epoch, self._members = int(epoch), members
             self._abort_reason = None
+            self._failed = None
             self._wake.clear()
             self.state = "ready" if keep else "configured"
 
@@ -512,6 +514,9 @@ class NcclTransport(Transport):
         if all(r._done for r in reqs):
             return True
         self._raise_if_aborted()
+        if self._failed is not None:
+            raise TransportError(f"the NCCL communicator of epoch {self._epoch} failed ({self._failed}); "
+                                 "it is usable again after the next epoch")
         setup_deadline = start + self.connect_timeout
         try:
             self._ensure_comm(min(deadline, setup_deadline))
@@ -542,6 +547,7 @@ class NcclTransport(Transport):
                 for r in self._pending:
                     r._error = r._error or exc
                 self._pending.clear()
+                self._failed = str(exc)
                 self._drop_comm(str(exc))
             raise
         finally:
