@@ -327,7 +327,8 @@ class ChaosRunner:
             self._later(resume, lambda: _signal(self.workers[member], signal.SIGCONT))
 
     def _monitor(self) -> None:
-        """Watch members until every non-victim has exited, or no progress for op_timeout_s."""
+        """Watch members until every running member has finished or exited (a stopped one
+        is not waited for), or until none progressed for ``op_timeout_s``."""
         from resilient.coordinator.membership import revoke_member
 
         in_process = {f.member: f for f in self.faults if f.trigger.in_process}
@@ -358,9 +359,8 @@ class ChaosRunner:
                 if size != sizes.get(i):
                     sizes[i] = size
                     last_progress = time.monotonic()
-            with self._lock:
-                victims = set(self.victims)
-            live = [i for i, p in self.workers.items() if p.alive() and i not in victims
+            # live: running, not finished, not stopped (a resumed hang victim is waited for)
+            live = [i for i, p in self.workers.items() if p.alive() and not p.stopped()
                     and not (self.records / f"done-{i}").exists()]
             if not live:
                 return
