@@ -88,8 +88,9 @@ def fault_chaos(fault: Fault, namespace: str, release: str | None) -> list[tuple
     if k is FaultKind.KILL:
         out.append(("PodChaos", {"action": "pod-kill", "mode": "all", "selector": worker(p["member"])}))
     elif k is FaultKind.HANG:
+        # no target: all egress of the pod is dropped (its frames, ACKs and keep-alives)
         out.append(("NetworkChaos", {"action": "loss", "mode": "all", "selector": worker(p["member"]),
-                                     "direction": "both", "loss": {"loss": "100", "correlation": "100"}}))
+                                     "loss": {"loss": "100", "correlation": "100"}}))
     elif k is FaultKind.SLOW:
         if p.get("delay_ms") is not None:
             out.append(("NetworkChaos", {"action": "delay", "mode": "all", "selector": worker(p["member"]),

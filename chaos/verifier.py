@@ -144,6 +144,9 @@ def verify(run: RunLog) -> Verdict:
 
     for seq in sorted(by_seq):
         recs = by_seq[seq]
+        if seq < 0:  # a harness that failed before any op
+            v.lost += [Finding(seq, r.member, f"member harness failed: {r.error}") for r in recs]
+            continue
         if sc.workload.mix:
             _check_values(run, seq, recs, v)
         for r in recs:

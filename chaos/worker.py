@@ -38,8 +38,6 @@ from pathlib import Path
 from resilient.chaos.scenario import load_scenario
 from resilient.chaos.workload import compare, expected_output, make_input, op_spec_for
 
-CONTROL_EVERY = 16  # duration workloads: every 16th op is a stop vote (allreduce max)
-
 
 def member_id(index: int) -> str:
     return f"m{index}"
@@ -92,10 +90,24 @@ def main(argv: list[str] | None = None) -> int:
             print("no go file from the runner within 120 s", file=sys.stderr)
             return 2
         time.sleep(0.01)
-    t0 = float(go.read_text())
     if args.backend != "oracle":
         raise SystemExit("the resilient backend needs resilient.collectives.Communicator, which is not built yet")
 
+    progress = {"seq": 0}
+    try:
+        return _run_ops(args, sc, out, session, watcher, records, progress)
+    except Exception as exc:  # record why, and exit now: lingering threads must not keep us alive
+        out.write(json.dumps({"seq": progress["seq"], "start": time.time(), "end": None,
+                              "error": f"{type(exc).__name__}: {exc}"}) + "\n")
+        out.flush()
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _run_ops(args, sc, out, session, watcher, records: Path, progress: dict) -> int:
     fps = _failpoints(args.member)
     ops = sc.workload.ops if sc.workload.ops is not None else max(1, int(sc.workload.duration_s / args.pace_s))
     world = tuple(range(sc.world_size))
@@ -104,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             out.write(json.dumps({"seq": seq, "start": time.time(), "end": None, "error": "RemovedFromGroup"}) + "\n")
             return 3
         start = time.time()
+        progress["seq"] = seq
         out.write(json.dumps({"seq": seq, "start": start}) + "\n")
         action = fps.get(seq)
         if action == "kill":
@@ -112,10 +125,11 @@ def main(argv: list[str] | None = None) -> int:
             os.kill(os.getpid(), signal.SIGSTOP)
         spec = op_spec_for(seq, args.seed, sc.workload.mix)
         make_input(args.member, seq, args.seed, spec)  # what a real member would feed
-        contributors = world
+        contributors = (spec.root,) if spec.collective == "broadcast" else world
         value = expected_output(spec, seq, args.seed, contributors).value
         result = None if value is None else value.astype(spec.dtype)  # delivered in the op's dtype
-        reported = contributors[:-1] if args.oracle_bug == "contributors" and seq >= 1 else contributors
+        bug = args.oracle_bug == "contributors" and seq >= 1 and len(contributors) > 1
+        reported = contributors[:-1] if bug else contributors
         mismatch = compare(result, expected_output(spec, seq, args.seed, reported), spec.dtype)
         time.sleep(max(0.0, start + args.pace_s - time.time()))
         current = watcher.current()
@@ -129,7 +143,6 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(0.02)
     watcher.close()
     session.close(revoke=True, reason="finished")
-    store.close()
     return 0
 
 

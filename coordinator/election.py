@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from resilient.coordinator import keys
 from resilient.coordinator.membership import KEEPALIVE_FRACTION
@@ -46,6 +47,8 @@ class LeaderElection:
         self.lease_id: int | None = None
         self.leader_revision = 0
         self.lost = threading.Event()
+        #: monotonic time of the last successful etcd call of this candidate (for /healthz)
+        self.last_contact = 0.0
         self._stop_keepalive = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -70,6 +73,7 @@ class LeaderElection:
                         return True
                     continue
                 kv = self.store.get(self.key)
+                self.last_contact = time.monotonic()
                 if kv is None:
                     continue
                 changed.clear()
@@ -82,6 +86,7 @@ class LeaderElection:
                     while not stop.is_set() and not changed.wait(max(0.1, self.ttl / 2)):
                         if self.store.get(self.key) is None:
                             break
+                        self.last_contact = time.monotonic()
                 finally:
                     watch.cancel()
             except LeaseExpired:

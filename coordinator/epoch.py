@@ -116,9 +116,9 @@ class EpochWatcher:
         self._cond = threading.Condition()
         self._subs: list[Callable[[Epoch], None]] = []
         self._closed = False
-        kv = store.get(self._key)
+        kv, revision = store.get_with_revision(self._key)
         self._current: Epoch | None = Epoch.from_json(kv.value) if kv else None
-        start = store.revision() + 1 if kv is None else kv.mod_revision + 1
+        start = revision + 1
         self._watch = store.watch_key(self._key, start, self._on_events)
 
     def _on_events(self, events: list[WatchEvent]) -> None:

@@ -118,7 +118,7 @@ class Coordinator:
     def healthy(self) -> tuple[bool, str]:
         if not self._running:
             return False, "coordinator loop not running"
-        age = time.monotonic() - self._last_ok
+        age = time.monotonic() - max(self._last_ok, self.election.last_contact)
         if age > max(self.store.retry_timeout, 3 * self.config.resync_interval) + 1:
             return False, f"no successful etcd read for {age:.0f}s"
         return True, "ok leader" if self.is_leader else "ok standby"

@@ -32,6 +32,7 @@ import math
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 from urllib.parse import urlparse
@@ -321,6 +322,7 @@ class Store:
                             time_retry=_ENDPOINT_RETRY_S, opts=_GRPC_OPTIONS)
             for h, p in parse_endpoints(endpoints)
         ]
+        self._watches: "weakref.WeakSet[WatchHandle]" = weakref.WeakSet()
         self._watch_rr = 0
         self._watch_rr_lock = threading.Lock()
         self._client = self._retry(
@@ -369,8 +371,9 @@ class Store:
         return ep.channel
 
     def close(self) -> None:
-        """Close the client's channels. Watches still running end with an error and stop
-        reconnecting only when cancelled: cancel them first."""
+        """Cancel this store's watches and close the client's channels."""
+        for handle in list(self._watches):
+            handle.cancel()
         self._client.close()
 
     def __enter__(self) -> "Store":
@@ -385,6 +388,12 @@ class Store:
         """The key's value and metadata, or ``None`` when it does not exist."""
         resp = self._retry(f"get {key}", lambda: self._client.get_response(key))
         return _kv(resp.kvs[0]) if resp.count else None
+
+    def get_with_revision(self, key: str) -> tuple[KV | None, int]:
+        """The key (or None) and the store revision of that read: watch from
+        ``revision + 1`` to see exactly the changes after it."""
+        resp = self._retry(f"get {key}", lambda: self._client.get_response(key))
+        return (_kv(resp.kvs[0]) if resp.count else None), resp.header.revision
 
     def get_prefix(self, prefix: str) -> list[KV]:
         """Every key under ``prefix``, sorted by key."""
@@ -507,7 +516,9 @@ class Store:
             except Exception:
                 log.exception("watch callback for %s failed", prefix)
 
-        return WatchHandle(self, prefix, start_revision, safe, prev_kv, is_prefix)
+        handle = WatchHandle(self, prefix, start_revision, safe, prev_kv, is_prefix)
+        self._watches.add(handle)
+        return handle
 
     def watch_key(self, key: str, start_revision: int | None,
                   callback: Callable[[list[WatchEvent]], None]) -> WatchHandle:

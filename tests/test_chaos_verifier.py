@@ -239,3 +239,16 @@ def test_expected_is_a_plain_value_object():
     assert "dtype" in compare(np.zeros(3, np.int64), e, "int32").reason
     assert "shape" in compare(np.zeros(4, np.int32), e, "int32").reason
     assert compare(None, e, "int32").reason == "no output reported"
+
+
+def test_a_member_that_crashed_by_itself_is_not_excused():
+    """Only fault victims are excused: a survivor that raised, or whose harness failed
+    before any op, shows up as lost ops."""
+    sc = _scenario("{collective: allreduce, op: sum, dtype: int64, numel: 64}", ops=2)
+    recs = _records(sc, 0, (0, 1, 2, 3), _honest(0, (0, 1, 2, 3)))
+    recs = [r for r in recs if r.member != 3]
+    recs.append(OpRecord(3, 0, 0.0, None, error="RuntimeError: boom"))
+    recs.append(OpRecord(2, -1, 0.0, None, error="ImportError: x"))
+    v = verify(RunLog(sc, seed=0, records=recs))
+    assert not v.passed and not v.hangs
+    assert {(f.seq, f.member) for f in v.lost} == {(0, 3), (1, 3), (-1, 2)}

@@ -6,6 +6,7 @@ import logging
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -277,3 +278,26 @@ def test_agent_lease_revocation_marks_session_lost(store, job_name):
     revoke_member(store, job_name, "w0", lease, reason="exited")
     assert s.lost.wait(10)
     s.close()
+
+
+def healthz(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url + "/healthz", timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_healthz_turns_503_while_etcd_is_down_and_recovers(etcd, job_name):
+    coord = coordinator_proc(etcd.endpoint_arg, job_name, "ch", 2.0, "--etcd-timeout", "1")
+    try:
+        url = coord.wait_line(r"metrics (http://\S+)", 30).group(1)
+        wait_until(lambda: healthz(url) == 200, 15, "/healthz 200")
+        assert "resilient_coordinator_is_leader 1.0" in scrape(url + "/metrics")
+        etcd.kill(0)
+        wait_until(lambda: healthz(url) == 503, 30, "/healthz 503 with etcd down", interval=0.2)
+        etcd.restart(0)
+        wait_until(lambda: healthz(url) == 200, 30, "/healthz 200 after etcd is back", interval=0.2)
+        assert coord.popen.poll() is None
+    finally:
+        coord.stop()

@@ -6,8 +6,8 @@
     resilient chaos k8s FILE|NAME [--namespace NS] [--release R] [--flat] [-o PATH]
 
 ``run`` exits 0 only if every invariant held on every seed (0 wrong, 0 hangs, 0 lost),
-1 if one did not, 3 when the scenario was skipped here (netem without root), and 2 on a
-bad scenario or when the runner cannot start. Its last stdout line is the JSON summary.
+1 if one did not, 3 when the scenario was skipped here (netem without root, or none of its
+faults could be injected), and 2 on a bad scenario or when the runner cannot start. Its last stdout line is the JSON summary.
 Heavy imports happen inside :func:`run`.
 """
 from __future__ import annotations
@@ -100,13 +100,13 @@ def _run(args: argparse.Namespace) -> int:
     from resilient.chaos.verifier import verify
 
     scenario = find_scenario(args.scenario)
-    unavailable = runner.runner_unavailable_reason(args.backend)
-    if unavailable is not None:
-        raise runner.RunnerUnavailable(unavailable)
     skip = runner.skip_reason(scenario)
     if skip is not None:
         print(f"SKIPPED: {skip}", file=sys.stderr)
         return EXIT_SKIPPED
+    unavailable = runner.runner_unavailable_reason(args.backend)
+    if unavailable is not None:
+        raise runner.RunnerUnavailable(unavailable)
     seeds = list(range(args.seeds if args.seeds is not None else scenario.seeds))
     runs, verdicts = [], []
     for seed in seeds:
@@ -120,4 +120,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.report:
         report.write_reports(runs, verdicts, args.report)
     print(json.dumps(summary))
-    return EXIT_OK if summary["passed"] else EXIT_VIOLATED
+    if not summary["passed"]:
+        return EXIT_VIOLATED
+    if scenario.faults and summary["faults"] == 0:  # nothing was proven
+        print(f"SKIPPED: no fault of {scenario.name!r} could be injected here: "
+              f"{'; '.join(summary['skipped'])}", file=sys.stderr)
+        return EXIT_SKIPPED
+    return EXIT_OK

@@ -1,5 +1,7 @@
-"""Elastic training helpers: the elastic sampler (``resilient.elastic.sampler``); the
-elastic ``State`` is added on top of the collectives."""
+"""Elastic training helpers: :class:`State` (model, optimizer and user fields; commit /
+restore / sync, joiners synced from a healthy member, membership-change callbacks) and the
+:class:`ElasticSampler` (the rest of the epoch re-sharded over the live members)."""
 from resilient.elastic.sampler import ElasticSampler
+from resilient.elastic.state import State
 
-__all__ = ["ElasticSampler"]
+__all__ = ["ElasticSampler", "State"]

@@ -1,0 +1,95 @@
+"""DDP communication hook: average gradients over the members that actually contributed.
+
+Usage::
+
+    model = DistributedDataParallel(net)
+    model.register_comm_hook(state=None, hook=resilient.ddp_comm_hook)
+
+For every gradient bucket the hook runs a SUM allreduce on the resilient backend and
+divides by the number of members whose gradients are in the sum (the op's
+``contributors``), so a step during which a member died still yields the exact mean over
+the members that were summed (not a sum divided by the launch-time world size, which is
+what DDP's default would do).
+
+The hook records each bucket's contributor set in a :class:`ContributorTracker` (the
+module-wide :data:`tracker` unless one is passed as ``state``);
+``tracker.step_contributors()`` is the set of members whose gradients are in *every*
+bucket of the step — what :meth:`ElasticSampler.record_step` needs — and
+``tracker.reset()`` starts the next step.
+
+Failure behaviour: a member dying mid-bucket is absorbed by the collective (the bucket's
+mean is exact over its contributors; different buckets of one step may then have
+different sets, each exact). An op that cannot deliver its contract fails the bucket's
+future, and DDP raises the :class:`~resilient.errors.CollectiveError` from ``backward()``;
+``State.restore()`` then rolls back to the last commit.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class ContributorTracker:
+    """Contributor sets of the buckets of the current step (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sets: list[frozenset[str]] = []
+
+    def add(self, contributors: tuple[str, ...]) -> None:
+        with self._lock:
+            self._sets.append(frozenset(contributors))
+
+    def reset(self) -> None:
+        with self._lock:
+            self._sets.clear()
+
+    def bucket_sets(self) -> list[frozenset[str]]:
+        with self._lock:
+            return list(self._sets)
+
+    def step_contributors(self) -> frozenset[str]:
+        """Members in every bucket of the step so far (empty if no bucket ran)."""
+        with self._lock:
+            if not self._sets:
+                return frozenset()
+            out = self._sets[0]
+            for s in self._sets[1:]:
+                out = out & s
+            return out
+
+
+#: the tracker the hook uses when registered with ``state=None``
+tracker = ContributorTracker()
+
+
+def ddp_comm_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Allreduce-SUM the bucket, divide by the contributor count (see the module docstring).
+    ``state``: ``None`` (default group, module :data:`tracker`), a
+    :class:`ContributorTracker`, or a ``(process_group, tracker)`` pair."""
+    group, track = None, tracker
+    if isinstance(state, ContributorTracker):
+        track = state
+    elif isinstance(state, tuple):
+        group, track = state
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()  # noqa: SLF001
+    buf = bucket.buffer()
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    work = pg.allreduce([buf], opts)
+    contributors_of = getattr(work, "contributors", None)
+
+    def divide(fut: torch.futures.Future) -> torch.Tensor:
+        out = fut.value()[0]
+        if contributors_of is not None:
+            members = tuple(work.contributors)
+            n = len(members)
+        else:  # another backend: no contributor set; DDP's default mean
+            members, n = (), pg.size()
+        track.add(members)
+        return out.div_(max(n, 1))
+
+    return work.get_future().then(divide)

@@ -1,0 +1,129 @@
+"""The ``resilient`` backend of ``torch.distributed``.
+
+``import resilient`` registers it (``register()`` is idempotent), so after that::
+
+    dist.init_process_group("resilient")          # under resilient-run: no arguments needed
+
+creates a :class:`~.process_group.ResilientProcessGroup` whose collectives run on
+:class:`resilient.collectives.Communicator` (built from the ``RESILIENT_*`` environment
+the launcher sets: etcd endpoints, job, lease, member id; see :mod:`.communicator_engine`),
+and installs the live view behind :func:`resilient.world`. It is registered for the
+``cpu`` device only; CUDA tensors get a clear :class:`~.process_group.UnsupportedOperation`.
+
+Failure behaviour of ``init_process_group``: missing ``RESILIENT_ETCD``/``RESILIENT_JOB``
+-> :class:`~resilient.errors.ConfigError` naming the variables and that ``resilient-run``
+sets them; etcd unreachable -> :class:`~resilient.errors.StoreUnavailable` after the
+store's retry budget; no epoch admitting this member within the timeout ->
+``TimeoutError`` naming the last epoch seen.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+from datetime import timedelta
+from typing import Any, Callable
+
+# torch is imported lazily: ``import resilient`` must stay cheap for ``resilient status``.
+BACKEND_NAME = "resilient"
+
+__all__ = ["BACKEND_NAME", "ResilientProcessGroup", "UnsupportedOperation", "register", "set_engine_factory",
+           "current_engine"]
+
+#: ``factory(store, rank, size, timeout) -> Engine``; None = the Communicator-backed default
+_engine_factory: Callable[..., Any] | None = None
+_current: Any = None
+_lock = threading.Lock()
+_registered = False
+
+
+def set_engine_factory(factory: Callable[..., Any] | None) -> None:
+    """Use ``factory(store=, rank=, size=, timeout=) -> Engine`` for the next process groups
+    (``None`` restores the Communicator-backed default). For tests and embedding."""
+    global _engine_factory
+    _engine_factory = factory
+
+
+def current_engine() -> Any:
+    """The engine of the most recently created resilient process group (or None)."""
+    return _current
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("ResilientProcessGroup", "UnsupportedOperation"):
+        from resilient.torch_backend import process_group
+
+        return getattr(process_group, name)
+    raise AttributeError(f"module 'resilient.torch_backend' has no attribute {name!r}")
+
+
+def _create(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+    global _current
+    from resilient import world as world_mod
+    from resilient.torch_backend.process_group import ResilientProcessGroup
+
+    factory = _engine_factory
+    if factory is None:
+        from resilient.torch_backend.communicator_engine import from_environment as factory
+    engine = factory(store=store, rank=rank, size=size, timeout=timeout)
+    pg = ResilientProcessGroup(engine, rank, size)
+    with _lock:
+        _current = engine
+    world_mod.install(engine.world)
+    return pg
+
+
+def register() -> None:
+    """Register the backend with ``torch.distributed`` under ``"resilient"`` (CPU). Idempotent."""
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        import torch.distributed as dist
+
+        if BACKEND_NAME.upper() not in dist.Backend._plugins:  # noqa: SLF001 - torch's registry
+            dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu"])
+        _registered = True
+
+
+class _RegisterWhenTorchDistributedLoads(importlib.abc.MetaPathFinder):
+    """Registers the backend right after ``torch.distributed`` is imported (so ``import
+    resilient`` before ``import torch`` works without importing torch itself)."""
+
+    def find_spec(self, fullname, path, target=None):  # type: ignore[override]
+        if fullname != "torch.distributed":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        loader = spec.loader
+        original = loader.exec_module
+
+        def exec_module(module):  # type: ignore[no-untyped-def]
+            original(module)
+            _remove_hook()
+            try:
+                register()
+            except Exception:  # pragma: no cover - never break ``import torch``
+                pass
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+_hook = _RegisterWhenTorchDistributedLoads()
+
+
+def _remove_hook() -> None:
+    if _hook in sys.meta_path:
+        sys.meta_path.remove(_hook)
+
+
+def autoregister() -> None:
+    """Register now if ``torch.distributed`` is loaded, else as soon as it is. Called by
+    ``import resilient``; cheap (imports no torch)."""
+    if "torch.distributed" in sys.modules:
+        register()
+    elif _hook not in sys.meta_path:
+        sys.meta_path.insert(0, _hook)

@@ -1,0 +1,127 @@
+"""The real :class:`~.engine.Engine`: :class:`resilient.collectives.Communicator` bound to
+the job's control plane, built from the environment ``resilient-run`` gives a worker.
+
+``from_environment(store=, rank=, size=, timeout=)`` (called by
+``dist.init_process_group("resilient")``):
+
+1. reads ``RESILIENT_ETCD``, ``RESILIENT_JOB``, ``RESILIENT_MEMBER_ID`` (default: a fresh
+   id), ``RESILIENT_LEASE_ID`` (the agent's lease; default: our own), ``RESILIENT_LEASE_TTL``;
+2. opens a TCP transport listener, registers a :class:`MemberSession` whose
+   ``MemberInfo.address`` is that listener;
+3. waits (up to the ``timeout`` given to ``init_process_group``) for an epoch that
+   contains this member (a joiner is admitted by the coordinator in the next epoch);
+4. builds the Communicator on the etcd-backed group view.
+
+The torch ``store`` (the launcher's TCPStore) is not used: etcd is the rendezvous.
+
+Failure behaviour: missing variables -> :class:`~resilient.errors.ConfigError` naming
+them and that ``resilient-run`` sets them; etcd down -> StoreUnavailable; no epoch with
+us in time -> TimeoutError naming the last epoch; the Communicator not importable ->
+ConfigError saying so. Once running, a member removed from the job (lease expired) gets
+RemovedFromGroup from :meth:`CommunicatorEngine.world` and every op.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+
+from resilient.errors import ConfigError
+from resilient.world import World
+
+
+class CommunicatorEngine:
+    """Adapts a Communicator to the :class:`~.engine.Engine` protocol (in-place results)."""
+
+    def __init__(self, comm: Any, watcher: Any, session: Any, member_id: str, closers: Sequence[Any] = ()) -> None:
+        self.comm = comm
+        self.watcher = watcher
+        self.session = session
+        self.member_id = member_id
+        self._closers = list(closers)
+
+    def world(self) -> World:
+        epoch = self.watcher.current()
+        if epoch is None:
+            raise ConfigError("no epoch published yet for this job; is a coordinator running?")
+        return World.from_members(self.member_id, epoch.number, epoch.members)
+
+    def _rank_to_member(self, rank: int) -> Any:
+        return self.world().members[rank]
+
+    def allreduce(self, tensor: torch.Tensor, op: str) -> Any:
+        return self.comm.allreduce(tensor, op=op, async_op=True)
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Any:
+        return self.comm.broadcast(tensor, root=root, async_op=True)
+
+    def allgather(self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor) -> Any:
+        return self.comm.allgather(list(outputs), tensor, async_op=True)
+
+    def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], op: str) -> Any:
+        return self.comm.reduce_scatter(output, list(inputs), op=op, async_op=True)
+
+    def barrier(self) -> Any:
+        return self.comm.barrier(async_op=True)
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
+        return self.comm.send(tensor, dst, tag=tag, async_op=True)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
+        return self.comm.recv(tensor, src, tag=tag, async_op=True)
+
+    def close(self) -> None:
+        for c in [self.comm, self.watcher, *self._closers]:
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+
+
+def _env(name: str) -> str:
+    value = os.environ.get(name, "")
+    if not value:
+        raise ConfigError(f"dist.init_process_group('resilient') needs ${name}; run the script under "
+                          "`resilient-run` (it sets RESILIENT_ETCD and RESILIENT_JOB), or set them yourself")
+    return value
+
+
+def from_environment(store: Any = None, rank: int = 0, size: int = 1,
+                     timeout: timedelta = timedelta(minutes=5)) -> CommunicatorEngine:
+    """Build the engine for this worker (see the module docstring)."""
+    endpoints = _env("RESILIENT_ETCD")
+    job = _env("RESILIENT_JOB")
+    member_id = os.environ.get("RESILIENT_MEMBER_ID") or f"m-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    lease = os.environ.get("RESILIENT_LEASE_ID")
+    ttl = float(os.environ.get("RESILIENT_LEASE_TTL", "5"))
+    try:
+        from resilient.collectives import Communicator  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"the resilient collectives (resilient.collectives.Communicator) are not "
+                          f"available: {exc}") from exc
+    from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession, Store
+    from resilient.transport.tcp import TcpTransport
+
+    host = os.environ.get("RESILIENT_HOST", "127.0.0.1")
+    st = Store(endpoints)
+    transport = TcpTransport(member_id, job, host=host)
+    info = MemberInfo(member_id=member_id, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                      address=transport.address)
+    session = MemberSession.register(st, job, info, ttl=ttl, lease_id=int(lease) if lease else None)
+    watcher = EpochWatcher(st, job)
+    watcher.wait_for(lambda e: member_id in e.members, timeout.total_seconds())
+    comm = _make_communicator(st, job, session, watcher, transport)
+    return CommunicatorEngine(comm, watcher, session, member_id, closers=[transport, session])
+
+
+def _make_communicator(store: Any, job: str, session: Any, watcher: Any, transport: Any) -> Any:
+    """The one place that knows the Communicator's constructor."""
+    from resilient.collectives import Communicator
+    from resilient.collectives.group import EtcdGroupView
+
+    view = EtcdGroupView(store, job, session, watcher)
+    return Communicator(view, transport)

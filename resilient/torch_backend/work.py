@@ -1,0 +1,128 @@
+"""``torch.distributed.Work`` objects for the resilient process group.
+
+:class:`ResilientWork` wraps an engine :class:`~.engine.Handle`: ``wait()`` blocks until
+the op is done (re-raising its error, e.g. :class:`~resilient.errors.CollectiveError`),
+``is_completed()`` polls, ``get_future()`` returns a ``torch.futures.Future`` completed
+with the op's output tensors (what DDP comm hooks chain on), and ``contributors`` is the
+exact member set in the result. Completion is delivered by one daemon thread per op
+that waits on the handle; if the op fails the future is completed with the exception.
+"""
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from resilient.torch_backend.engine import Handle
+
+
+class ResilientWork(dist.Work):
+    """A running op (see the module docstring)."""
+
+    def __init__(self, handle: Handle, result: Any, then: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self.handle = handle
+        self._result = result
+        self._then = then
+        self._future: Future = Future()
+        self._lock = threading.Lock()
+        self._done_lock = threading.Lock()
+        self._started = False
+
+    @property
+    def contributors(self) -> tuple[str, ...]:
+        """Member ids whose inputs are in the result (valid after completion)."""
+        return tuple(self.handle.contributors)
+
+    def _complete(self) -> None:
+        """Wait for the handle, run the completion step once, settle the future; re-raises
+        the op's error (the future gets it too)."""
+        with self._done_lock:  # one completer at a time: the future is set after ``then``
+            try:
+                self.handle.wait()
+                then, self._then = self._then, None
+                if then is not None:
+                    then()
+            except BaseException as exc:  # noqa: BLE001 - delivered to the waiter and the future
+                if not self._future.done():
+                    self._future.set_exception(exc)
+                raise
+            if not self._future.done():
+                self._future.set_result(self._result)
+
+    def _finish_quietly(self) -> None:
+        try:
+            self._complete()
+        except BaseException:  # noqa: BLE001 - already in the future
+            pass
+
+    def _ensure_watcher(self) -> None:
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        threading.Thread(target=self._finish_quietly, name="resilient-work", daemon=True).start()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        secs = None if timeout in (None, timedelta(0)) else timeout.total_seconds()
+        if secs is not None and not self.handle.wait(secs):
+            raise TimeoutError(f"resilient op did not finish within {secs:.1f}s")
+        self._complete()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.handle.is_completed()
+
+    def is_success(self) -> bool:
+        if not self.handle.is_completed():
+            return False
+        try:
+            self.handle.wait(0)
+        except BaseException:  # noqa: BLE001
+            return False
+        return True
+
+    def exception(self) -> BaseException | None:
+        if not self.handle.is_completed():
+            return None
+        try:
+            self.handle.wait(0)
+        except BaseException as exc:  # noqa: BLE001
+            return exc
+        return None
+
+    def get_future(self) -> Future:
+        self._ensure_watcher()
+        return self._future
+
+    def result(self) -> Any:
+        self.wait()
+        return self._result
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def source_rank(self) -> int:
+        return -1
+
+    def abort(self) -> None:  # the engine aborts ops on membership changes by itself
+        return None
+
+
+def completed_work(result: Any = None) -> ResilientWork:
+    """A Work that is already done (for no-op calls such as a world of one)."""
+
+    class _Done:
+        contributors: tuple[str, ...] = ()
+
+        def wait(self, timeout: float | None = None) -> bool:
+            return True
+
+        def is_completed(self) -> bool:
+            return True
+
+    return ResilientWork(_Done(), result)
