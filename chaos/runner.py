@@ -62,6 +62,10 @@ UNSUPPORTED = {
 }
 
 
+#: Duration workloads end this many ops past the furthest member when the time is up.
+END_MARGIN_OPS = 5
+
+
 class RunnerUnavailable(ConfigError):
     """The runner cannot run here (a part it needs is missing); the message says which."""
 
@@ -152,6 +156,7 @@ class ChaosRunner:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.t0 = 0.0
+        self.end_op: int | None = None
         self.etcd = None
         self.store = None
 
@@ -236,6 +241,8 @@ class ChaosRunner:
             watcher.subscribe(self._on_epoch, replay=True)
             injector = threading.Thread(target=self._inject_timed, name="injector", daemon=True)
             injector.start()
+            if self.sc.workload.duration_s is not None:
+                self._later(self.sc.workload.duration_s, self._name_the_end)
             self._monitor()
             self._stop.set()
             injector.join(timeout=10)
@@ -252,7 +259,25 @@ class ChaosRunner:
                                         skipped=f"never fired: the victim did not reach {f.trigger.describe()}"))
         return RunLog(scenario=self.sc, seed=self.seed, records=self._read_records(), faults=sorted(
             self.events, key=lambda e: e.time_s), epochs=sorted(self.epochs, key=lambda e: e.number),
-            ops_planned=self.sc.workload.ops, duration_s=time.time() - self.t0)
+            ops_planned=self.sc.workload.ops if self.sc.workload.ops is not None else self.end_op,
+            duration_s=time.time() - self.t0)
+
+    def _name_the_end(self) -> None:
+        """Duration is up: the op count is a few ops past the furthest member, so every
+        member runs exactly the same ops (members read the ``end`` file before each op)."""
+        furthest = -1
+        for i in range(self.sc.world_size):
+            path = self.records / f"member-{i}.jsonl"
+            if path.exists():
+                for line in path.read_text().splitlines()[-4:]:
+                    try:
+                        furthest = max(furthest, int(json.loads(line)["seq"]))
+                    except (ValueError, KeyError):
+                        pass
+        self.end_op = furthest + END_MARGIN_OPS
+        tmp = self.records / "end.tmp"
+        tmp.write_text(str(self.end_op))
+        tmp.rename(self.records / "end")
 
     def _now(self) -> float:
         return time.time() - self.t0

@@ -8,7 +8,9 @@ Protocol with the runner (all files under ``--records``, JSON text, never pickle
 1. registers member ``m<I>`` on a lease and prints ``READY m<I> <lease_id> <pid>``;
 2. waits for the file ``go`` (the runner writes the workload's start wall time ``t0``
    into it once the first epoch holds every member);
-3. runs the ops and appends one JSON line per op to ``member-<I>.jsonl``: ``seq``,
+3. runs ops ``0..ops-1`` — for a ``duration_s`` workload, until the runner writes the
+   file ``end`` holding the op count (a few ops past the furthest member when the
+   duration is up, so every member runs the same ops) — and appends one JSON line per op to ``member-<I>.jsonl``: ``seq``,
    ``start``/``end`` (wall time; ``end`` null if it raised), ``contributors`` (member
    indices), ``epoch``, ``error``, and ``check`` — the output compared right here with
    :func:`resilient.chaos.workload.compare` (numpy only, independent of the collectives):
@@ -109,9 +111,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_ops(args, sc, out, session, watcher, records: Path, progress: dict) -> int:
     fps = _failpoints(args.member)
-    ops = sc.workload.ops if sc.workload.ops is not None else max(1, int(sc.workload.duration_s / args.pace_s))
+    end_file, end = records / "end", sc.workload.ops
     world = tuple(range(sc.world_size))
-    for seq in range(ops):
+    seq = -1
+    while True:
+        seq += 1
+        if end is None and end_file.exists():  # duration workloads: the runner names the end
+            end = int(end_file.read_text())
+        if end is not None and seq >= end:
+            break
         if session.lost.is_set():
             out.write(json.dumps({"seq": seq, "start": time.time(), "end": None, "error": "RemovedFromGroup"}) + "\n")
             return 3

@@ -23,7 +23,7 @@ different sets, each exact). An op that cannot deliver its contract fails the bu
 future, and DDP raises the :class:`~resilient.errors.CollectiveError` from ``backward()``;
 ``State.restore()`` then rolls back to the last commit.
 """
-from __future__ import annotations
+
 
 import threading
 from typing import Any

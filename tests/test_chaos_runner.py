@@ -179,3 +179,41 @@ def test_cli_run_where_no_fault_could_be_injected_is_skipped_not_passed(tmp_path
     assert "no fault of 'drop-short' could be injected here" in p.stderr
     final = json.loads(p.stdout.strip().splitlines()[-1])
     assert final["faults"] == 0 and final["skipped"] and "link" in final["skipped"][0]
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    import os
+
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
+def test_sigterm_to_a_run_stops_every_process_it_started(tmp_path):
+    import os
+    import signal
+    import time
+
+    workdir = tmp_path / "wd"
+    cmd = [sys.executable, "-c", "import sys; from resilient.cli import main; sys.exit(main())", "chaos", "run",
+           "slow-member", "--seeds", "1", "--backend", "oracle", "--workdir", str(workdir)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (workdir / "seed0" / "go").exists():  # every member is up and running
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.05)
+        assert len(_processes_mentioning(str(workdir))) >= 4
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 130
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert _processes_mentioning(str(workdir)) == []

@@ -107,6 +107,10 @@ def _run(args: argparse.Namespace) -> int:
     unavailable = runner.runner_unavailable_reason(args.backend)
     if unavailable is not None:
         raise runner.RunnerUnavailable(unavailable)
+    import signal
+
+    # SIGTERM ends a run like Ctrl-C: the runner's cleanup stops every process it started
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     seeds = list(range(args.seeds if args.seeds is not None else scenario.seeds))
     runs, verdicts = [], []
     for seed in seeds:

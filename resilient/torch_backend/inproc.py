@@ -95,7 +95,9 @@ class InProcWorld:
                     self._cond.wait()
                 if "result" not in slot:
                     kinds = {slot["kind"]}
-                    contributors = tuple(m for m in slot["order"] if m in slot["inputs"] and m in self.members)
+                    # ranks as of completion: the live members that deposited, in ring order
+                    contributors = tuple(m for m in self.members if m in slot["inputs"])
+                    slot["order"] = list(self.members)
                     try:
                         if len({k for k in kinds}) != 1:
                             raise InputMismatch("different collectives at one op")

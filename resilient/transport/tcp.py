@@ -42,7 +42,7 @@ from resilient.transport.base import (
     Buffer, OpMismatch, PeerReportedError, Request, Transport, TransportStats,
 )
 
-SOCK_BUF = 4 << 20
+SOCK_BUF = int(os.environ.get("RESILIENT_TCP_SOCKBUF", 4 << 20))
 _SCRATCH = 1 << 20
 
 
@@ -283,7 +283,7 @@ class TcpTransport(Transport):
     @staticmethod
     def _tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        for opt in ((socket.SO_SNDBUF, socket.SO_RCVBUF) if SOCK_BUF > 0 else ()):
             try:
                 sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
             except OSError:  # pragma: no cover - capped by the kernel
