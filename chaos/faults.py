@@ -186,6 +186,10 @@ class Fault:
 
     def describe(self) -> str:
         """One human line, e.g. ``kill member 1 at op 3 reduce_scatter 50%``."""
+        return f"{self.kind.value} {self.target_text()}"
+
+    def target_text(self) -> str:
+        """:meth:`describe` without the kind: ``member 1 at op 3 reduce_scatter 50%``."""
         p = self.params
         if "member" in p:
             who = f"member {p['member']}"
@@ -198,4 +202,4 @@ class Fault:
         else:
             who = "coordinator leader" if self.kind is FaultKind.COORDINATOR_KILL else ""
         extra = ", ".join(f"{k}={v}" for k, v in p.items() if k not in ("member", "link", "groups", "etcd_member", "target"))
-        return f"{self.kind.value} {who} at {self.trigger.describe()}" + (f" ({extra})" if extra else "")
+        return f"{who} at {self.trigger.describe()}" + (f" ({extra})" if extra else "")

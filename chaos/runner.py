@@ -308,13 +308,13 @@ class ChaosRunner:
             try:
                 self._inject(fault)
             except Exception as exc:  # a failed injection is reported, never silently lost
-                self._record(FaultEvent(fault.kind.value, self._now(), fault.describe(),
+                self._record(FaultEvent(fault.kind.value, self._now(), fault.target_text(),
                                         skipped=f"injection failed: {exc}"))
 
     def _inject(self, fault: Fault) -> None:
         k, p, now = fault.kind, fault.params, self._now()
         if k in UNSUPPORTED:
-            self._record(FaultEvent(k.value, now, fault.describe(), skipped=UNSUPPORTED[k]))
+            self._record(FaultEvent(k.value, now, fault.target_text(), skipped=UNSUPPORTED[k]))
         elif k is FaultKind.KILL:
             proc = self.workers[p["member"]]
             self._record(FaultEvent(k.value, now, f"member {p['member']}", victim=p["member"]))

@@ -41,6 +41,14 @@ from resilient.chaos.scenario import load_scenario
 from resilient.chaos.workload import compare, expected_output, make_input, op_spec_for
 
 
+_PARENT = os.getppid()
+
+
+def _orphaned() -> bool:
+    """The runner that started us is gone (SIGKILLed): stop instead of running on."""
+    return os.getppid() != _PARENT
+
+
 def member_id(index: int) -> str:
     return f"m{index}"
 
@@ -88,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     go = records / "go"
     deadline = time.monotonic() + 120
     while not go.exists():
-        if time.monotonic() > deadline:
-            print("no go file from the runner within 120 s", file=sys.stderr)
+        if time.monotonic() > deadline or _orphaned():
+            print("no go file from the runner within 120 s (or the runner died)", file=sys.stderr)
             return 2
         time.sleep(0.01)
     if args.backend != "oracle":
@@ -120,6 +128,8 @@ def _run_ops(args, sc, out, session, watcher, records: Path, progress: dict) -> 
             end = int(end_file.read_text())
         if end is not None and seq >= end:
             break
+        if _orphaned():
+            return 4
         if session.lost.is_set():
             out.write(json.dumps({"seq": seq, "start": time.time(), "end": None, "error": "RemovedFromGroup"}) + "\n")
             return 3
@@ -147,7 +157,7 @@ def _run_ops(args, sc, out, session, watcher, records: Path, progress: dict) -> 
     out.close()
     (records / f"done-{args.member}").write_text("")
     stop_file = records / "stop"
-    while not stop_file.exists() and not session.lost.is_set():
+    while not stop_file.exists() and not session.lost.is_set() and not _orphaned():
         time.sleep(0.02)
     watcher.close()
     session.close(revoke=True, reason="finished")

@@ -6,7 +6,6 @@ import json
 import struct
 import textwrap
 
-import numpy as np
 
 from resilient.chaos.report import SUMMARY_KEYS, render_table, summarize, timeline_size, write_reports
 from resilient.chaos.scenario import parse_scenario

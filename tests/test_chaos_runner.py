@@ -209,11 +209,22 @@ def test_sigterm_to_a_run_stops_every_process_it_started(tmp_path):
         while not (workdir / "seed0" / "go").exists():  # every member is up and running
             assert p.poll() is None and time.monotonic() < deadline, p.communicate()
             time.sleep(0.05)
-        assert len(_processes_mentioning(str(workdir))) >= 4
+        workers = [pid for pid in _processes_mentioning(str(workdir)) if pid != p.pid]
+        assert len(workers) == 4
+        with open(f"/proc/{workers[0]}/cmdline", "rb") as f:
+            argv = f.read().decode().split("\0")
+        job, etcd = argv[argv.index("--job") + 1], argv[argv.index("--etcd") + 1]
+        assert len(_processes_mentioning(job)) == 5  # 4 members + the coordinator
+        assert len(_processes_mentioning(etcd)) >= 5  # ... and etcd itself
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=60) == 130
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    assert _processes_mentioning(str(workdir)) == []
+        if p.poll() is None:  # graceful first, so the runner still stops what it started
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    for text in (str(workdir), job, etcd):
+        assert _processes_mentioning(text) == [], f"left behind: processes mentioning {text}"

@@ -48,19 +48,16 @@ _SCRATCH = 1 << 20
 
 def as_memoryview(buf: Buffer) -> memoryview:
     """A flat writable byte view of a contiguous CPU tensor, ndarray or buffer object."""
-    try:
+    if type(buf).__module__.startswith("torch"):
         import torch  # noqa: PLC0415 - only when a tensor is passed
 
-        if isinstance(buf, torch.Tensor):
-            if buf.device.type != "cpu":
-                raise TransportError(f"the TCP transport needs CPU tensors, got one on {buf.device}")
-            if not buf.is_contiguous():
-                raise TransportError("transport buffers must be contiguous; copy with .contiguous() first")
-            if buf.numel() == 0:
-                return memoryview(bytearray())
-            buf = buf.reshape(-1).view(torch.uint8).numpy()
-    except ImportError:  # pragma: no cover
-        pass
+        if buf.device.type != "cpu":
+            raise TransportError(f"the TCP transport needs CPU tensors, got one on {buf.device}")
+        if not buf.is_contiguous():
+            raise TransportError("transport buffers must be contiguous; copy with .contiguous() first")
+        if buf.numel() == 0:
+            return memoryview(bytearray())
+        buf = buf.reshape(-1).view(torch.uint8).numpy()
     mv = memoryview(buf)
     if not mv.c_contiguous:
         raise TransportError("transport buffers must be C-contiguous")
@@ -135,7 +132,7 @@ class TcpTransport(Transport):
         self.job = job
         self.connect_timeout = connect_timeout
         self._stats = TransportStats()
-        self._sel = selectors.DefaultSelector()
+        self._sel = getattr(selectors, os.environ.get("RESILIENT_SELECTOR", "DefaultSelector"))()
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((host, port))
@@ -389,6 +386,7 @@ class TcpTransport(Transport):
                     self._stats.add_wait(req.peer, max(0.0, req.t_done - t0))  # type: ignore[attr-defined]
 
     def _progress(self, timeout: float | None) -> None:
+        self._update_masks()
         events = self._sel.select(timeout)
         for key, mask in events:
             data = key.data
