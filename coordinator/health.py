@@ -1,27 +1,47 @@
-"""Health records: ``health/<member_id>``, written by each member at a low rate.
+"""Health records: ``health/<member_id>``, written by each member at a low rate, and the
+coordinator's straggler verdicts, ``straggler`` (one JSON object), read by status.
 
-A record is a JSON object; the fields the straggler detector will read are
-``waited_on_s`` (rolling seconds its peers waited on it per op, a list), ``ops`` (count)
-and ``at`` (wall time). The detector itself (median/MAD scoring with hysteresis, DESIGN
-§2) is a :data:`HealthPolicy`: a pure function from every member's record to the set of
-members to demote. Until it lands the coordinator uses :func:`no_demotion`.
+Record format (version 1), one *window* of ops, JSON::
+
+    {"v": 1, "member": "m3", "epoch": 7, "seq": 42,      # seq: window counter of this member
+     "at": 1718000000.0,                                 # wall time the window closed
+     "ops": 25, "window_s": 1.02,                        # ops completed, wall seconds covered
+     "wait_s": {"m2": 0.61, "m4": 0.02},                 # seconds blocked on receives, per peer
+     "op_s_p50": 0.040, "op_s_max": 0.061,               # per-op wall time (optional)
+     "shaping": "slow=3x"}                               # optional: injected slowness (bench)
+
+:func:`make_record` builds it (the rank side's :mod:`resilient.health_reporter` calls it
+from :class:`~resilient.transport.base.TransportStats` deltas); the detector
+(:mod:`.straggler`) reads ``ops``, ``window_s``, ``wait_s``, ``epoch``, ``seq``, ``at``.
+
+The coordinator's policy is a :data:`HealthPolicy`: a pure function from every member's
+record to the set of members to demote (:func:`no_demotion`, the default), or a
+:class:`StragglerPolicy` — stateful, fed the current epoch as well, returning a
+:class:`~.straggler.Verdict` (demoted members and links to avoid). The coordinator leader
+publishes the verdict's scores to ``straggler`` (:func:`write_scores`) at a low rate.
 
 Records live on the member's lease, so a dead member's health goes with it. Failure
 behaviour: :func:`write_health` raises :class:`~resilient.errors.LeaseExpired` when the
 lease is gone and :class:`~resilient.errors.StoreUnavailable` when etcd is unreachable;
-:func:`read_health` skips malformed records.
+:func:`read_health` and :func:`read_scores` skip malformed records (and log them).
 """
 from __future__ import annotations
 
 import json
 import logging
 import time
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from resilient.coordinator import keys
 from resilient.coordinator.store import Store
 
+if TYPE_CHECKING:  # pragma: no cover
+    from resilient.coordinator.epoch import Epoch
+    from resilient.coordinator.straggler import StragglerConfig, Verdict
+
 log = logging.getLogger(__name__)
+
+RECORD_VERSION = 1
 
 HealthPolicy = Callable[[Mapping[str, dict]], "set[str]"]
 
@@ -29,6 +49,22 @@ HealthPolicy = Callable[[Mapping[str, dict]], "set[str]"]
 def no_demotion(records: Mapping[str, dict]) -> set[str]:
     """The default policy: nobody is demoted."""
     return set()
+
+
+def make_record(member_id: str, epoch: int, seq: int, ops: int, window_s: float,
+                wait_s: Mapping[str, float], op_times: Sequence[float] = (), at: float | None = None,
+                **extra: object) -> dict:
+    """A version-1 health record for one window (see the module docstring)."""
+    rec: dict = {"v": RECORD_VERSION, "member": member_id, "epoch": int(epoch), "seq": int(seq),
+                 "at": time.time() if at is None else float(at), "ops": int(ops),
+                 "window_s": round(float(window_s), 6),
+                 "wait_s": {str(p): round(float(s), 6) for p, s in wait_s.items() if s > 0}}
+    if op_times:
+        s = sorted(op_times)
+        rec["op_s_p50"] = round(s[len(s) // 2], 6)
+        rec["op_s_max"] = round(s[-1], 6)
+    rec.update(extra)
+    return rec
 
 
 def write_health(store: Store, job: str, member_id: str, record: dict, lease_id: int | None) -> None:
@@ -51,3 +87,63 @@ def read_health(store: Store, job: str) -> dict[str, dict]:
             pass
         log.warning("ignoring malformed health record %s", kv.key)
     return out
+
+
+def scores_key(job: str) -> str:
+    """``/resilient/<job>/straggler``: the leader's latest straggler scores and states."""
+    return keys.root(job) + "straggler"
+
+
+def write_scores(store: Store, job: str, verdict: "Verdict", lease_id: int | None = None) -> None:
+    """Publish ``{"at", "members": {id: {score, state}}, "demoted": [...], "avoid": [[a, b]...]}``."""
+    body = {"at": time.time(), "members": verdict.scores, "demoted": sorted(verdict.demoted),
+            "avoid": [list(p) for p in sorted(verdict.avoid)]}
+    store.put(scores_key(job), json.dumps(body, separators=(",", ":")).encode(), lease=lease_id)
+
+
+def read_scores(store: Store, job: str) -> dict:
+    """The published scores (``{}`` when none or malformed)."""
+    kv = store.get(scores_key(job))
+    if kv is None:
+        return {}
+    try:
+        body = json.loads(kv.value)
+        return body if isinstance(body, dict) else {}
+    except ValueError:
+        log.warning("ignoring malformed straggler scores at %s", scores_key(job))
+        return {}
+
+
+class StragglerPolicy:
+    """The coordinator's straggler policy: a :class:`~.straggler.StragglerDetector` fed
+    with the health records and the current epoch on every reconcile pass.
+
+    ``evaluate(records, epoch, now) -> Verdict``; the members serving demoted leaves (their
+    tree parents in the epoch's plan) are passed as exempt. Stateless across coordinator
+    failover by design: a new leader starts from the epoch's roles (demoted members stay
+    demoted until they have been clear for ``release_windows``)."""
+
+    def __init__(self, config: "StragglerConfig | None" = None) -> None:
+        from resilient.coordinator.straggler import StragglerDetector
+
+        self.detector = StragglerDetector(config)
+        self._seeded_from: int | None = None
+
+    def evaluate(self, records: Mapping[str, dict], epoch: "Epoch | None", now: float | None = None) -> "Verdict":
+        from resilient.coordinator.straggler import DEMOTED, MemberState
+
+        now = time.time() if now is None else now
+        if epoch is None:
+            return self.detector.update({}, (), 0, now)
+        if self._seeded_from is None:   # a fresh leader: keep the demotions already published
+            self._seeded_from = epoch.number
+            for m, role in epoch.roles.items():
+                if role == "demoted" and m in epoch.members:
+                    self.detector.members[m] = MemberState(state=DEMOTED, since=now)
+        ring = list(epoch.members)
+        parents = set()
+        tree = epoch.plan.get("tree_parent") or []
+        for i, m in enumerate(ring):
+            if epoch.roles.get(m) == "demoted" and i < len(tree) and 0 <= int(tree[i]) < len(ring):
+                parents.add(ring[int(tree[i])])
+        return self.detector.update(records, ring, epoch.number, now, exempt=parents)

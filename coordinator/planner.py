@@ -49,11 +49,15 @@ class Plan:
         }
 
 
-def plan(members: Iterable[PlanMember], demoted: Collection[str] = ()) -> Plan:
+def plan(members: Iterable[PlanMember], demoted: Collection[str] = (),
+         avoid: Collection[tuple[str, str]] = ()) -> Plan:
     """Plan the ring and tree for ``members`` (anything with ``member_id``, ``host``,
     ``local_rank``, ``labels``). ``demoted``: ids moved to the ring's tail and the tree's
-    leaves; ids not among ``members`` are ignored. Raises :class:`ValueError` on duplicate
-    member ids (a caller bug: the keyspace cannot hold two)."""
+    leaves; ids not among ``members`` are ignored. ``avoid``: unordered pairs (slow links,
+    :mod:`.straggler`) that should not be ring neighbours; the topology order is repaired
+    by the fewest deterministic swaps inside the healthy / demoted part, and a pair that
+    cannot be separated (e.g. 3 members) stays — best effort, never an error. Raises
+    :class:`ValueError` on duplicate member ids (a caller bug: the keyspace cannot hold two)."""
     d = frozenset(demoted)
     z, r, w = TOPOLOGY_LABELS
     # One string per member for (demoted, zone, rack, switch, host): sorting on a leading
@@ -74,6 +78,9 @@ def plan(members: Iterable[PlanMember], demoted: Collection[str] = ()) -> Plan:
         if keyed[i][0][0] == "0":
             break
         healthy = i
+    if avoid and n >= 4:
+        keyed = _separate(keyed, healthy, {frozenset(p) for p in avoid if len(set(p)) == 2})
+        ring = tuple([k[2] for k in keyed])
     if healthy:
         parent = [-1] + [(i - 1) >> 1 for i in range(1, healthy)] + [j % healthy for j in range(n - healthy)]
     else:  # everyone demoted: plain heap over all
@@ -82,3 +89,43 @@ def plan(members: Iterable[PlanMember], demoted: Collection[str] = ()) -> Plan:
     ends = starts[1:] + [n]
     return Plan(ring=ring, parent=tuple(parent), host_groups=tuple(zip(starts, [e - b for b, e in zip(starts, ends)])),
                 demoted=ring[healthy:])
+
+
+def _separate(keyed: list, healthy: int, avoid: set) -> list:
+    """Swap members so that no pair in ``avoid`` is adjacent in the ring (cyclically),
+    keeping swaps inside [0, healthy) or [healthy, n). Greedy and deterministic: for the
+    first bad edge, swap its second member with the nearest position that lowers the
+    number of bad edges; stop when none is left or no swap helps."""
+    ids = [k[2] for k in keyed]
+    n = len(ids)
+
+    def bad_edges(order: list[str]) -> list[int]:
+        return [i for i in range(n) if frozenset((order[i], order[(i + 1) % n])) in avoid]
+
+    order = list(range(n))
+    cur = [ids[i] for i in order]
+    bad = bad_edges(cur)
+    for _ in range(2 * n):
+        if not bad:
+            break
+        improved = False
+        for i in bad:
+            j = (i + 1) % n
+            lo, hi = (0, healthy) if j < healthy else (healthy, n)
+            for dist in range(1, n):
+                for k in (j + dist, j - dist):
+                    if not lo <= k < hi or k == i:
+                        continue
+                    trial = list(order)
+                    trial[j], trial[k] = trial[k], trial[j]
+                    tb = bad_edges([ids[x] for x in trial])
+                    if len(tb) < len(bad):
+                        order, bad, improved = trial, tb, True
+                        break
+                if improved:
+                    break
+            if improved:
+                break
+        if not improved:
+            break
+    return [keyed[x] for x in order]

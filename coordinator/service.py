@@ -40,7 +40,9 @@ from dataclasses import dataclass, field
 from resilient.coordinator import keys
 from resilient.coordinator.election import LeaderElection
 from resilient.coordinator.epoch import Epoch, read_epoch
-from resilient.coordinator.health import HealthPolicy, no_demotion, read_health
+from resilient.coordinator.health import (
+    HealthPolicy, StragglerPolicy, no_demotion, read_health, write_scores,
+)
 from resilient.coordinator.membership import KEEPALIVE_FRACTION, MemberInfo, read_members
 from resilient.coordinator.metrics import CoordinatorMetrics
 from resilient.coordinator.planner import plan
@@ -92,7 +94,8 @@ class Coordinator:
     """One coordinator process's logic. ``run(stop)`` blocks until ``stop`` is set."""
 
     def __init__(self, store: Store, job: str, coordinator_id: str | None = None,
-                 config: CoordinatorConfig | None = None, health_policy: HealthPolicy = no_demotion,
+                 config: CoordinatorConfig | None = None,
+                 health_policy: "HealthPolicy | StragglerPolicy" = no_demotion,
                  metrics: CoordinatorMetrics | None = None) -> None:
         self.store = store
         self.job = keys.check_name("job name", job)
@@ -108,6 +111,7 @@ class Coordinator:
         self._running = False
         self.published: list[int] = []   # epoch numbers this process published
         self.reconciles = 0                # completed reconcile passes (tests wait on it)
+        self._last_scores: tuple[dict, float] = ({}, 0.0)
 
     # -- public ---------------------------------------------------------------------------
 
@@ -291,8 +295,7 @@ class Coordinator:
             except (ValueError, AttributeError, TypeError):
                 at = 0.0
             departed[keys.last_segment(kv.key)] = (kv.key, at)
-        demoted = set(self.health_policy(read_health(self.store, self.job))) & alive.keys() \
-            if self.health_policy is not no_demotion else set()
+        demoted, avoid = self._health_verdict(epoch, alive.keys())
         roles = {m: ("demoted" if m in demoted else "active") for m in alive}
         current = set(epoch.members) if epoch else set()
         # A member that restarted under the same id (new lease, pid or address) before we
@@ -304,7 +307,8 @@ class Coordinator:
         if epoch is not None:
             self.metrics.epoch.set(epoch.number)
         if (epoch is None and len(alive) < self.config.min_members) or (
-                epoch is not None and alive.keys() == current and roles == epoch.roles and not replaced):
+                epoch is not None and alive.keys() == current and roles == epoch.roles and not replaced
+            and avoid == [list(p) for p in epoch.plan.get("avoid") or []]):
             if cleanup:
                 self.store.txn([self.election.leader_compare()], cleanup)
             return "unchanged", suspects_pending
@@ -332,11 +336,14 @@ class Coordinator:
         else:
             cause, path, trigger = "health", None, now
 
-        p = plan([info for info, _ in alive.values()], demoted)
+        p = plan([info for info, _ in alive.values()], demoted, avoid=[tuple(a) for a in avoid])
+        plan_dict = p.to_dict()
+        if avoid:
+            plan_dict["avoid"] = avoid
         number = (epoch.number if epoch else 0) + 1
         new = Epoch(
             number=number, members=p.ring, infos={m: alive[m][0] for m in p.ring}, roles=roles,
-            plan=p.to_dict(), token=secrets.token_hex(16), cause=cause, trigger_at=trigger,
+            plan=plan_dict, token=secrets.token_hex(16), cause=cause, trigger_at=trigger,
             published_at=time.time(), leader=self.id, removed=removed, added=added,
         )
         body = new.to_json()
@@ -364,6 +371,31 @@ class Coordinator:
                  "removed %s, added %s", self.id, number, cause, latency * 1000, len(p.ring),
                  list(removed), list(added))
         return "published", suspects_pending
+
+    def _health_verdict(self, epoch: Epoch | None, alive) -> tuple[set[str], list[list[str]]]:
+        """(demoted members, links to avoid as sorted [a, b] pairs) from the health policy.
+        A :class:`~.health.StragglerPolicy` also gets the epoch; its scores are published
+        to ``straggler`` when they change state, or every 5 s. A failing policy demotes
+        nobody (logged) rather than stopping the coordinator."""
+        if self.health_policy is no_demotion:
+            return set(), []
+        try:
+            records = read_health(self.store, self.job)
+            if isinstance(self.health_policy, StragglerPolicy):
+                verdict = self.health_policy.evaluate(records, epoch)
+                states = {m: s["state"] for m, s in verdict.scores.items()}
+                if states != self._last_scores[0] or time.monotonic() - self._last_scores[1] > 5.0:
+                    write_scores(self.store, self.job, verdict)
+                    self._last_scores = (states, time.monotonic())
+                live = set(alive)
+                return set(verdict.demoted) & live, [
+                    list(p) for p in sorted(verdict.avoid) if p[0] in live and p[1] in live]
+            return set(self.health_policy(records)) & set(alive), []
+        except StoreError:
+            raise
+        except Exception:
+            log.exception("coordinator %s: health policy failed; demoting nobody this pass", self.id)
+            return set(), []
 
     def _update_member_gauges(self, alive: dict, in_epoch: set[str], demoted: set[str]) -> None:
         joining = sum(1 for m in alive if m not in in_epoch)

@@ -1,7 +1,29 @@
-"""Rank side of resilient."""
+"""Rank side of resilient: ``Communicator``, ``Work``, ``ReduceOp``, ``Policy`` and the
+errors (imported lazily, so ``import resilient`` stays light)."""
+from typing import Any
+
+from resilient import errors  # noqa: F401
+from resilient.errors import (  # noqa: F401
+    CollectiveAborted, CollectiveError, DataLost, InputMismatch, RemovedFromGroup, ResilientError,
+)
 
 # The "resilient" torch.distributed backend: registered now if torch.distributed is loaded,
 # else the moment it is (no torch import here). See resilient/torch_backend/__init__.py.
 from resilient.torch_backend import autoregister as _autoregister_torch_backend  # noqa: E402
 
 _autoregister_torch_backend()
+
+__all__ = ["Communicator", "Work", "ReduceOp", "Policy", "errors", "ResilientError", "CollectiveError",
+           "CollectiveAborted", "InputMismatch", "DataLost", "RemovedFromGroup"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Communicator", "Work", "Policy"):
+        import resilient.collectives as c
+
+        return getattr(c, name)
+    if name == "ReduceOp":
+        from resilient.kernels import ReduceOp
+
+        return ReduceOp
+    raise AttributeError(f"module 'resilient' has no attribute {name!r}")

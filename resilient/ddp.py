@@ -93,3 +93,30 @@ def ddp_comm_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[t
         return out.div_(max(n, 1))
 
     return work.get_future().then(divide)
+
+
+class _NoRebuildReducer:
+    """Proxy of DDP's C++ reducer whose ``_rebuild_buckets`` does nothing: the rebuild
+    after DDP's first iteration broadcasts bucket indices, a collective that only a
+    member in its first iteration issues — a joiner would then be out of step with the
+    others. Every other attribute is the reducer's."""
+
+    def __init__(self, reducer: Any) -> None:
+        object.__setattr__(self, "_reducer", reducer)
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+
+def make_elastic(ddp: torch.nn.parallel.DistributedDataParallel, state: Any = None) -> torch.nn.parallel.DistributedDataParallel:
+    """Make a DDP model safe for members that come and go: register :func:`ddp_comm_hook`
+    (with ``state``, see there) and turn off DDP's one-time bucket rebuild (a collective
+    only a fresh member would issue). Build the DDP with ``init_sync=False`` and
+    ``forward_sync_buffers=False``: :meth:`resilient.elastic.State.sync` does the initial
+    sync, and from a healthy member. Returns ``ddp``."""
+    ddp.register_comm_hook(state, ddp_comm_hook)
+    ddp.reducer = _NoRebuildReducer(ddp.reducer)
+    return ddp

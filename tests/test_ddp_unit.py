@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from resilient.ddp import ContributorTracker, ddp_comm_hook
+from resilient.ddp import ContributorTracker, ddp_comm_hook, make_elastic
 from resilient.elastic import State
 from resilient.torch_backend.inproc import InProcWorld
 from resilient.torch_backend.process_group import ResilientProcessGroup
@@ -38,7 +38,7 @@ def test_hook_divides_by_the_contributor_count():
         model = torch.nn.Linear(4, 1, bias=False)
         with torch.no_grad():
             model.weight.fill_(0.0)
-        ddp = DDP(model, process_group=pg, init_sync=False, broadcast_buffers=False)
+        ddp = DDP(model, process_group=pg, init_sync=False, forward_sync_buffers=False)
         trackers[mid] = ContributorTracker()
         ddp.register_comm_hook((pg, trackers[mid]), ddp_comm_hook)
         if dies:
@@ -78,8 +78,8 @@ def test_training_survives_a_death_and_syncs_a_joiner():
         v = w.view(mid)
         pg = ResilientProcessGroup(w.engine(mid), v.rank, v.size)
         model = make_model(seed=hash(mid) % 1000)
-        ddp = DDP(model, process_group=pg, init_sync=False, broadcast_buffers=False)
-        ddp.register_comm_hook((pg, ContributorTracker()), ddp_comm_hook)
+        ddp = DDP(model, process_group=pg, init_sync=False, forward_sync_buffers=False)
+        make_elastic(ddp, (pg, ContributorTracker()))
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         state = State(model=model, optimizer=opt, group=pg, joiner=joiner, step=first_step)
         state.on_membership_change(lambda world: changes.setdefault(mid, []).append(world.size))

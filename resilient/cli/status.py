@@ -3,7 +3,10 @@ and the coordinator leader of one job — a table, or JSON with ``--json``.
 
 Member states: ``active`` (in the current epoch), ``demoted`` (in it, off the critical
 path), ``joining`` (registered, admitted in the next epoch), ``lost`` (in the epoch but its
-lease is gone: the next epoch will drop it).
+lease is gone: the next epoch will drop it). ``straggler_score`` / ``straggler_state``
+(``ok``, ``probe``, ``demoted``; null without a straggler policy): the coordinator's
+latest verdict (coordinator/straggler.py) — the score is the fraction of an op the member
+costs its peers beyond the median member.
 
 Also home of the etcd connection flags shared by the subcommands (``add_etcd_arguments``,
 ``store_from_args``); this module imports nothing heavy at top level.
@@ -58,9 +61,11 @@ def collect(store, job: str) -> dict:
     """The status of ``job`` as a JSON-able dict (what ``--json`` prints)."""
     from resilient.coordinator.election import current_leader
     from resilient.coordinator.epoch import read_epoch
+    from resilient.coordinator.health import read_scores
     from resilient.coordinator.membership import read_members
 
     members, _ = read_members(store, job)
+    scores = read_scores(store, job).get("members") or {}
     epoch, _ = read_epoch(store, job)
     in_epoch = set(epoch.members) if epoch else set()
     rows = []
@@ -83,6 +88,8 @@ def collect(store, job: str) -> dict:
             "id": mid, "host": info.host if info else "", "local_rank": info.local_rank if info else None,
             "device": info.device if info else "", "address": info.address if info else "",
             "pid": info.pid if info else None, "state": state, "lease_left_s": lease_left,
+            "straggler_score": (scores.get(mid) or {}).get("score"),
+            "straggler_state": (scores.get(mid) or {}).get("state"),
         })
     return {
         "job": job,
@@ -107,10 +114,12 @@ def render_table(status: dict) -> str:
         extra = "".join(f", {k} {','.join(e[k])}" for k in ("removed", "added") if e[k])
         lines.append(f"epoch {e['number']} ({e['cause']}{extra}; published {when} by {e['leader']})")
         lines.append("ring: " + (" -> ".join(e["members"]) if e["members"] else "(empty)"))
-    cols = ["MEMBER", "HOST", "RANK", "STATE", "LEASE_LEFT", "ADDRESS"]
+    cols = ["MEMBER", "HOST", "RANK", "STATE", "LEASE_LEFT", "STRAGGLER", "ADDRESS"]
     table = [cols] + [[
         r["id"], r["host"], "" if r["local_rank"] is None else str(r["local_rank"]), r["state"],
-        "-" if r["lease_left_s"] is None else f"{r['lease_left_s']:.0f}s", r["address"] or "-",
+        "-" if r["lease_left_s"] is None else f"{r['lease_left_s']:.0f}s",
+        "-" if r.get("straggler_score") is None else f"{r['straggler_score']:+.2f} {r.get('straggler_state') or ''}",
+        r["address"] or "-",
     ] for r in status["members"]]
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
     lines.append("")

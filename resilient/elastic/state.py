@@ -184,10 +184,12 @@ class State:
         payload = encode(self.state_dict()) if me == src else b""
         n = torch.tensor([len(payload)], dtype=torch.int64)
         self._broadcast(n, src)
-        buf = torch.empty(int(n[0]), dtype=torch.uint8)
-        if me == src:
-            buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        self._broadcast(buf, src)
+        size = int(n[0])
+        buf = torch.zeros((size + 7) // 8 * 8, dtype=torch.uint8)  # sent as int64 words (a dtype every engine takes)
+        if me == src and size:
+            buf[:size].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        self._broadcast(buf.view(torch.int64), src)
+        buf = buf[:size]
         if me != src and (self._fresh or self.joiner):
             self.load_state_dict(decode(buf.numpy().tobytes()))
             object.__setattr__(self, "syncs_received", self.syncs_received + 1)

@@ -48,7 +48,14 @@ class CommunicatorEngine:
         epoch = self.watcher.current()
         if epoch is None:
             raise ConfigError("no epoch published yet for this job; is a coordinator running?")
-        return World.from_members(self.member_id, epoch.number, epoch.members)
+        members = epoch.members
+        group = getattr(self.comm, "members", None)
+        if callable(group) and self.member_id in epoch.members:
+            # the members the communicator actually runs ops with (a member it has not
+            # admitted yet is not counted: ranks/sizes never include someone not in the ops)
+            admitted = set(group())
+            members = tuple(m for m in epoch.members if m in admitted)
+        return World.from_members(self.member_id, epoch.number, members)
 
     def _rank_to_member(self, rank: int) -> Any:
         return self.world().members[rank]

@@ -85,6 +85,7 @@ class InProcWorld:
             if slot["order"] is None:
                 slot["order"] = list(self.members)  # ranks as of the op's first caller
             slot["inputs"][member] = payload
+            slot.setdefault("kinds", {})[member] = kind
             slot["handles"][member] = h
             h.slot = slot  # type: ignore[attr-defined]
             self._cond.notify_all()
@@ -94,13 +95,13 @@ class InProcWorld:
                 while not set(self.members) <= set(slot["inputs"]) and "result" not in slot:
                     self._cond.wait()
                 if "result" not in slot:
-                    kinds = {slot["kind"]}
+                    kinds = set(slot["kinds"].values())
                     # ranks as of completion: the live members that deposited, in ring order
                     contributors = tuple(m for m in self.members if m in slot["inputs"])
                     slot["order"] = list(self.members)
                     try:
                         if len({k for k in kinds}) != 1:
-                            raise InputMismatch("different collectives at one op")
+                            raise InputMismatch(f"op #{seq}: members called different collectives {slot['kinds']}")
                         slot["result"] = (compute(slot, contributors), contributors, None)
                     except BaseException as exc:  # noqa: BLE001
                         slot["result"] = (None, contributors, exc)

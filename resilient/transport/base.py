@@ -101,6 +101,11 @@ class Request(abc.ABC):
     def error(self) -> BaseException | None:
         """The failure of this request, if it failed."""
 
+    def touched(self) -> bool:
+        """Whether any byte may have been written into a receive buffer (the ledger treats
+        a touched, unfinished receive region as lost). Conservative default: True."""
+        return True
+
 
 class OpMismatch(TransportError):
     """A message for this op carried another op descriptor digest than ours."""

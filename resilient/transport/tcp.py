@@ -65,7 +65,7 @@ def as_memoryview(buf: Buffer) -> memoryview:
 
 
 class _Req(Request):
-    __slots__ = ("peer", "nbytes", "op_seq", "tag", "digest", "mv", "offset", "_done", "_error", "is_send", "t_done", "header")
+    __slots__ = ("peer", "nbytes", "op_seq", "tag", "digest", "mv", "offset", "_done", "_error", "is_send", "t_done", "header", "started")
 
     def __init__(self, peer: str, mv: memoryview, op_seq: int, tag: int, digest: int, is_send: bool) -> None:
         self.peer, self.mv, self.op_seq, self.tag, self.digest, self.is_send = peer, mv, op_seq, tag, digest, is_send
@@ -75,9 +75,13 @@ class _Req(Request):
         self._error: BaseException | None = None
         self.t_done = 0.0
         self.header = b""
+        self.started = False
 
     def done(self) -> bool:
         return self._done
+
+    def touched(self) -> bool:
+        return self.started or self._done
 
     @property
     def error(self) -> BaseException | None:
@@ -638,6 +642,7 @@ class TcpTransport(Transport):
             conn.discard, conn.cur = h.length, None
             return
         conn.target, conn.target_got, conn.target_req = req.mv, 0, req
+        req.started = True
 
     def _check_match(self, conn: _Conn, req: _Req, h: frames.Header) -> None:
         if h.digest != req.digest:
@@ -684,6 +689,7 @@ class TcpTransport(Transport):
                 return
             conn.recvq.popleft()
             if req.error is None:
+                req.started = True
                 req.mv[:] = payload
                 self._stats.add_received(req.peer, len(payload))
                 req._finish()

@@ -1,0 +1,156 @@
+"""A small elastic DDP training job: a 2-layer MLP fitting a synthetic regression target.
+
+Run it like any torchrun script::
+
+    resilient-run --standalone --nproc-per-node 4 examples/train.py --steps 60
+    torchrun --standalone --nproc-per-node 4 examples/train.py --backend gloo --checkpoint /tmp/ck.pt
+
+On the ``resilient`` backend (the default) it uses ``resilient.elastic.State`` (model,
+optimizer, elastic sampler, step): ``state.sync()`` at every step boundary syncs joiners
+and re-shards the sampler on membership changes; gradients are averaged over the members
+that actually contributed (``resilient.ddp``). Each step prints one JSON line
+``{"step", "loss", "rank", "world", "epoch", "contributors", "params_sha"}`` (also to
+``--log FILE``), ``params_sha`` being a digest of the parameters' bytes after the step,
+so identical replicas are checkable. With ``--backend gloo`` it is a plain torchrun
+script that checkpoints every step to ``--checkpoint`` and resumes from it on restart
+(what torchrun users must do).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+N_SAMPLES, BATCH, DIM = 4096, 16, 32
+
+
+def dataset() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(N_SAMPLES, DIM, generator=g)
+    w = torch.randn(DIM, 1, generator=g)
+    return x, torch.tanh(x @ w) + 0.01 * torch.randn(N_SAMPLES, 1, generator=g)
+
+
+def params_sha(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--backend", default="resilient", choices=["resilient", "gloo"])
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--log", default="", help="also append the JSON lines to this file")
+    ap.add_argument("--log-dir", default="", help="also write the JSON lines to <dir>/<pid>.jsonl")
+    ap.add_argument("--checkpoint", default="", help="gloo only: checkpoint file (saved every step)")
+    ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra 'compute' per step")
+    ap.add_argument("--exit-at-step", type=int, default=-1, help="this rank (see --exit-rank) exits at that step")
+    ap.add_argument("--exit-rank", type=int, default=-1)
+    args = ap.parse_args(argv)
+
+    import resilient  # noqa: F401 - registers the backend
+    from resilient.ddp import ContributorTracker, make_elastic
+    from resilient.elastic import ElasticSampler, State
+
+    dist.init_process_group(args.backend)
+    torch.manual_seed(int(os.environ.get("RANK", "0")))  # different inits: sync() aligns them
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    x, y = dataset()
+    log_path = args.log or (os.path.join(args.log_dir, f"{os.getpid()}.jsonl") if args.log_dir else "")
+    log = open(log_path, "a") if log_path else None  # noqa: SIM115
+    start_step = 0
+    if args.backend == "resilient":
+        ddp = DDP(model, init_sync=False, forward_sync_buffers=False)
+        tracker = ContributorTracker()
+        make_elastic(ddp, tracker)
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        sampler = ElasticSampler(N_SAMPLES, BATCH, rank=dist.get_rank(), world_size=dist.get_world_size(), seed=7)
+        state = State(model=model, optimizer=opt, sampler=sampler, step=0)
+
+        @state.on_membership_change
+        def _reshard(world) -> None:
+            sampler.set_world(world.rank, world.size)
+    else:
+        ddp = DDP(model)
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        if args.checkpoint and os.path.exists(args.checkpoint):
+            ck = torch.load(args.checkpoint, weights_only=True)
+            model.load_state_dict(ck["model"])
+            opt.load_state_dict(ck["optimizer"])
+            start_step = int(ck["step"])
+
+    step = start_step
+    while True:
+        if args.backend == "resilient":
+            state.sync()
+            step = state.step
+            if step >= args.steps:
+                break
+            from resilient.world import world
+
+            w = world()
+            members_at_start = w.members
+            sampler.set_world(w.rank, w.size) if (sampler.rank, sampler.world_size) != (w.rank, w.size) else None
+            idx = sampler.step_indices()
+            tracker.reset()
+        else:
+            if step >= args.steps:
+                break
+            r, n = dist.get_rank(), dist.get_world_size()
+            g = torch.Generator().manual_seed(step)
+            perm = torch.randperm(N_SAMPLES, generator=g)[: n * BATCH]
+            idx = perm[r * BATCH:(r + 1) * BATCH].tolist()
+        if step == args.exit_at_step and dist.get_rank() == args.exit_rank:
+            os._exit(17)  # a worker failure at a known step (used by bench/restart_vs_resume.py)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        opt.zero_grad()
+        if idx:
+            loss = torch.nn.functional.mse_loss(ddp(x[idx]), y[idx])
+        else:  # nothing left for this rank in the plan: contribute zero gradients
+            loss = (ddp(x[:1]) * 0).sum()
+        loss.backward()
+        opt.step()
+        record = {"step": step, "loss": round(loss.item(), 6), "rank": dist.get_rank(), "world": dist.get_world_size(),
+                  "params_sha": params_sha(model), "t": time.time(), "pid": os.getpid(),
+                  "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+        if args.backend == "resilient":
+            contributors = tracker.step_contributors()
+            ranks = [i for i, m in enumerate(members_at_start) if m in contributors]
+            if sampler.world_size == len(members_at_start):
+                sampler.record_step(ranks)
+            if sampler.steps_left == 0:
+                sampler.set_epoch(sampler.epoch + 1)
+            state.step = step + 1
+            state.commit()
+            record.update(epoch=w.epoch, member=w.member_id, contributors=sorted(contributors))
+        else:
+            step += 1
+            if args.checkpoint and dist.get_rank() == 0:
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step},
+                           args.checkpoint + ".tmp")
+                os.replace(args.checkpoint + ".tmp", args.checkpoint)
+            dist.barrier()
+        line = json.dumps(record)
+        print(line, flush=True)
+        if log:
+            log.write(line + "\n")
+            log.flush()
+    if log:
+        log.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

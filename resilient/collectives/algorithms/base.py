@@ -1,0 +1,72 @@
+"""What every algorithm gets: :class:`OpContext`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from resilient.collectives import failpoints
+from resilient.collectives.ledger import Ledger
+from resilient.kernels import ReduceOp
+from resilient.transport.base import Request, Transport
+
+
+@dataclass
+class OpContext:
+    """One op on one member: the transport, the ledger, the reduce op and a ``wait`` that
+    reports peers we waited on past ``op_timeout`` as suspects (and keeps waiting: the
+    coordinator decides, never one peer's word).
+
+    ``inflight`` holds receives whose region is not final yet, as (request, piece,
+    mask-if-complete): after an abort :meth:`settle` turns them into exact ledger state."""
+
+    transport: Transport
+    ledger: Ledger
+    op: ReduceOp
+    op_timeout: float | None
+    on_suspect: Callable[[str, str], None]
+    epoch: int
+    inflight: list[tuple[Request, int, int]] = field(default_factory=list)
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return self.ledger.members
+
+    @property
+    def me(self) -> int:
+        return self.ledger.me
+
+    @property
+    def seq(self) -> int:
+        return self.ledger.seq
+
+    @property
+    def digest(self) -> int:
+        return self.ledger.digest
+
+    def wait(self, reqs: Sequence[Request]) -> None:
+        reported: set[str] = set()
+        while not self.transport.wait(reqs, timeout=self.op_timeout):
+            for r in reqs:
+                if not r.done() and r.peer not in reported:
+                    reported.add(r.peer)
+                    self.on_suspect(r.peer, f"op #{self.seq}: waited more than {self.op_timeout}s")
+
+    def failpoint(self, phase: str, frac: float) -> None:
+        if failpoints.ACTIVE:
+            failpoints.check(self.seq, phase, frac, self.epoch)
+
+    def settle(self) -> None:
+        """After a failure: a receive that finished but was not reduced yet leaves the
+        sender's accumulator in the region (mask given), one that may have been partly
+        written leaves nothing usable (mask 0); an untouched one leaves the region as it
+        was."""
+        for req, piece, mask_if_done in self.inflight:
+            if req.done():
+                self.ledger.set(piece, mask_if_done)
+            elif req.touched():
+                self.ledger.set(piece, 0)
+        self.inflight.clear()
+
+
+def tag(step: int, sub: int, space: int = 0) -> int:
+    return (space << 56) | (step << 28) | sub

@@ -1,0 +1,46 @@
+"""Pipelined chain broadcast: root -> root+1 -> ... -> root-1 along the ring, in slices
+(each link carries the data once; slice ``j+1`` travels while slice ``j`` is forwarded).
+Copy pieces owned by the root: a member's mask for a slice is the root's bit once the
+slice arrived. Followed by the caller's tiny barrier, so every member depends on every
+other (input mismatches reach every rank; members stay at most one op apart)."""
+from __future__ import annotations
+
+from resilient.collectives.algorithms.base import OpContext, tag
+
+
+class ChainBroadcast:
+    SPACE = 2
+
+    def __init__(self, root: int, slices: int) -> None:
+        self.root, self.slices = root, slices
+
+    def run(self, ctx: OpContext) -> None:
+        L, tr = ctx.ledger, ctx.transport
+        n, p, r = len(ctx.members), ctx.me, self.root
+        rb = 1 << r
+        if p == r:
+            for q in range(len(L.pieces)):
+                L.view(q).copy_(L.input_view(q))
+                L.set(q, rb)
+        if n == 1:
+            return
+        pos = (p - r) % n
+        nxt = ctx.members[(p + 1) % n] if pos < n - 1 else None
+        prv = ctx.members[(p - 1) % n] if pos > 0 else None
+        sends, recvs = [], []
+        if prv is not None:
+            for q in range(len(L.pieces)):
+                req = tr.irecv(prv, L.view(q), ctx.seq, tag(0, q, self.SPACE), ctx.digest)
+                entry = (req, q, rb)
+                ctx.inflight.append(entry)
+                recvs.append(entry)
+        for q in range(len(L.pieces)):
+            if prv is not None:
+                entry = recvs[q]
+                ctx.wait([entry[0]])
+                L.set(q, rb)
+                ctx.inflight.remove(entry)
+            ctx.failpoint("chain", q / max(1, len(L.pieces)))
+            if nxt is not None:
+                sends.append(tr.isend(nxt, L.view(q), ctx.seq, tag(0, q, self.SPACE), ctx.digest))
+        ctx.wait(sends)

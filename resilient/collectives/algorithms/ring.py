@@ -1,0 +1,89 @@
+"""Pipelined ring reduce-scatter + all-gather (large messages).
+
+Chunk ``c`` (of ``n``) starts at ring position ``c + shift``; at reduce-scatter step ``s``
+member ``p`` sends chunk ``p-s-shift`` and receives chunk ``p-s-1-shift``, which it
+reduces with its own input; at all-gather step ``t`` it forwards the final chunk it got
+last. Every chunk is cut into ``slices`` pieces and the loop is pipelined: the receives of
+step ``s`` are posted before the slices of step ``s-1`` are awaited, each slice of step
+``s-1`` is reduced as soon as it arrived (torch releases the GIL in ``add_``) and sent on
+at once, so reduction overlaps transfer. Receives go straight into the output region.
+
+Ledger: member ``p`` holds for chunk ``c`` the partial over the ring arc ``[c+shift..p]``;
+after its last reduce-scatter step the chunk it holds is final; an all-gather receive
+makes its region final. Failure behaviour: any transport error propagates after
+:meth:`OpContext.settle`; the communicator then runs recovery from the ledger.
+"""
+from __future__ import annotations
+
+from resilient.collectives.algorithms.base import OpContext, tag
+from resilient.kernels import reduce_into
+
+
+class RingReduceScatterAllgather:
+    def __init__(self, slices: int, shift: int = 0, do_rs: bool = True, do_ag: bool = True) -> None:
+        self.slices, self.shift, self.do_rs, self.do_ag = slices, shift, do_rs, do_ag
+
+    def run(self, ctx: OpContext) -> None:
+        L, tr = ctx.ledger, ctx.transport
+        n, p, S, sh = len(ctx.members), ctx.me, self.slices, self.shift
+        if n == 1:
+            if self.do_rs:
+                for q in range(len(L.pieces)):
+                    L.view(q).copy_(L.input_view(q))
+                    L.set(q, L.full)
+            return
+        nxt, prv = ctx.members[(p + 1) % n], ctx.members[(p - 1) % n]
+        full = L.full
+        steps = []
+        if self.do_rs:
+            steps += [("rs", (p - s - sh) % n, (p - s - 1 - sh) % n, s) for s in range(n - 1)]
+        if self.do_ag:
+            steps += [("ag", (p + 1 - sh - t) % n, (p - sh - t) % n, t) for t in range(n - 1)]
+        prev: list | None = None
+        sends = []
+        total = len(steps) * S
+        for idx, (phase, sc, rc, s) in enumerate(steps):
+            cur = []
+            if phase == "rs":
+                arc = 0
+                for i in range(s + 2):
+                    arc |= 1 << ((p - i) % n)
+                done_mask = full if s == n - 2 else arc
+                sender_mask = arc & ~(1 << p)
+            else:
+                done_mask = sender_mask = full
+            for j in range(S):
+                pc = rc * S + j
+                req = tr.irecv(prv, L.view(pc), ctx.seq, tag(idx, j), ctx.digest)
+                entry = (req, pc, sender_mask)
+                ctx.inflight.append(entry)
+                cur.append((entry, phase, done_mask))
+            for j in range(S):
+                ps = sc * S + j
+                if prev is None:
+                    buf = L.input_view(ps) if phase == "rs" else L.view(ps)
+                else:
+                    self._complete(ctx, *prev[j])
+                    buf = L.view(ps)
+                if ctx.ledger.enabled:
+                    ctx.failpoint(phase, self._frac(idx, j, S, n))
+                sends.append(tr.isend(nxt, buf, ctx.seq, tag(idx, j), ctx.digest))
+            prev = cur
+        for j in range(S):
+            self._complete(ctx, *prev[j])
+        ctx.wait(sends)
+
+    def _frac(self, idx: int, j: int, S: int, n: int) -> float:
+        per_phase = (n - 1) * S
+        k = idx * S + j
+        return (k % per_phase) / per_phase
+
+    @staticmethod
+    def _complete(ctx: OpContext, entry, phase: str, done_mask: int) -> None:
+        req, piece, _ = entry
+        ctx.wait([req])
+        L = ctx.ledger
+        if phase == "rs":
+            reduce_into(L.view(piece), L.input_view(piece), ctx.op)
+        L.set(piece, done_mask)
+        ctx.inflight.remove(entry)

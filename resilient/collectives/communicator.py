@@ -1,0 +1,546 @@
+"""``Communicator``: resumable collectives over an abortable transport (DESIGN §3).
+
+Every op has a sequence number; all members call ops in the same order. Ops run one at a
+time on a private thread (``async_op=True`` returns a :class:`~.work.Work`). The op's
+input is copied first (the API is in place; the copy is the ledger's kept input) and the
+result is written back at the end. Algorithms: recursive doubling up to ``small_bytes``,
+else the pipelined ring (slices of ``slice_bytes``); broadcast is a pipelined chain plus a
+tiny barrier.
+
+Failure behaviour:
+
+* a peer dies / hangs: the coordinator publishes an epoch without it; our epoch callback
+  aborts the transport (every blocked send/recv returns at once), the op's ledger is
+  settled and :mod:`.resume` finishes the op with the survivors. ``contributors`` tells
+  the exact set. A wait longer than ``op_timeout`` reports the peer as *suspect* (the
+  coordinator confirms by lease state) and keeps waiting.
+* this member was removed (SIGSTOPped past its TTL, evicted): every op raises
+  :class:`~resilient.errors.RemovedFromGroup`; nothing it holds is sent to survivors
+  (new epoch token in the handshake, epoch number in every frame).
+* ranks disagree on kind/shape/dtype/op/root at one sequence number: every rank raises
+  :class:`~resilient.errors.InputMismatch` (a descriptor digest in every frame header;
+  the rank that sees a foreign digest sends an ERROR frame to all); the op is cancelled
+  on the transport and the communicator stays usable.
+* ``strict`` policy: :class:`~resilient.errors.CollectiveAborted` when the full set
+  cannot be delivered; broadcast/allgather: :class:`~resilient.errors.DataLost` naming
+  the member whose piece exists nowhere.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from resilient.collectives.algorithms import ChainBroadcast, OpContext, RecursiveDoubling, RingReduceScatterAllgather
+from resilient.collectives.group import GroupView, addresses_of
+from resilient.collectives.ledger import Ledger, decode_status, encode_status, split
+from resilient.collectives.recovery import PieceKind, Policy, members_of
+from resilient.collectives.resume import build_plan, execute_plan
+from resilient.collectives.work import Work
+from resilient.errors import (
+    CollectiveError, ConfigError, InputMismatch, RemovedFromGroup, StoreError, TransportError,
+)
+from resilient.kernels import ReduceOp
+from resilient.transport.base import OpMismatch, PeerReportedError, Transport
+
+log = logging.getLogger(__name__)
+
+DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64}
+
+
+@dataclass(frozen=True)
+class OpResult:
+    contributors: tuple[str, ...]
+    piece_contributors: list[tuple[str, ...]] | None = None
+    recovered: bool = False
+
+
+def _as_tensor(x: Any, what: str) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        t = x
+    else:
+        try:
+            import numpy as np
+
+            if isinstance(x, np.ndarray):
+                t = torch.from_numpy(x)
+            else:
+                raise TypeError
+        except TypeError:
+            raise ConfigError(f"{what} must be a torch CPU tensor or a numpy array, got {type(x).__name__}") from None
+    if t.device.type != "cpu":
+        raise ConfigError(f"{what} is on {t.device}; the TCP communicator needs CPU tensors (use the NCCL transport for GPUs)")
+    if t.dtype not in DTYPES:
+        raise ConfigError(f"{what} has dtype {t.dtype}; supported: float32, float64, float16, bfloat16, int32, int64")
+    return t
+
+
+class Communicator:
+    def __init__(self, view: GroupView, transport: Transport, *, policy: Policy | str = Policy.DEFAULT,
+                 op_timeout: float | None = 30.0, small_bytes: int = 64 << 10, slice_bytes: int = 1 << 20,
+                 max_slices: int = 64, recovery_timeout: float = 300.0, epoch_timeout: float = 60.0,
+                 ledger: bool = True) -> None:
+        self.view, self.transport = view, transport
+        self.member_id = view.member_id
+        self.policy = Policy.parse(policy)
+        self.op_timeout, self.small_bytes, self.slice_bytes, self.max_slices = op_timeout, small_bytes, slice_bytes, max_slices
+        self.recovery_timeout, self.epoch_timeout, self.ledger_enabled = recovery_timeout, epoch_timeout, ledger
+        epoch = view.current()
+        if epoch is None or self.member_id not in epoch.members:
+            epoch = view.wait_for(lambda e: self.member_id in e.members, epoch_timeout)
+        self._group = set(epoch.members)
+        self._epoch = epoch
+        self._lock = threading.Lock()
+        self._enter(epoch)
+        self._status_epoch = epoch.number
+        self._seq = 0
+        self._p2p: dict[tuple[str, str], int] = {}
+        self._retained: Ledger | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"resilient-ops:{self.member_id}")
+        self._unsub = view.subscribe(self._on_epoch)
+        self.last_recovery: dict[str, Any] | None = None
+        self._closed = False
+
+    # -- epochs -------------------------------------------------------------------------
+
+    def _members(self) -> list[str]:
+        return [m for m in self._epoch.members if m in self._group]
+
+    def _removes(self, e: Any) -> bool:
+        return self.member_id not in e.members or any(m not in e.members for m in self._members())
+
+    def _on_epoch(self, e: Any) -> None:
+        """Watch thread: abort the transport at once when an epoch removes a member."""
+        if e.number > self._epoch.number and self._removes(e):
+            self.transport.abort(f"epoch {e.number} removed {sorted(set(self._members()) - set(e.members))}")
+
+    def _enter(self, e: Any) -> None:
+        self._epoch = e
+        self._group &= set(e.members)
+        self.transport.configure(e.number, e.token, addresses_of(e))
+        newest = self.view.current()
+        if newest is not None and newest.number > e.number and self._removes(newest):
+            self.transport.abort(f"epoch {newest.number} superseded {e.number}")
+
+    def _await_newer_epoch(self) -> Any:
+        deadline = time.monotonic() + self.epoch_timeout
+        cur = self._epoch.number
+        while True:
+            e = self.view.current()
+            if e is not None and e.number > cur:
+                if self.member_id not in e.members:
+                    raise RemovedFromGroup(
+                        f"member {self.member_id} was removed from the job in epoch {e.number} (its lease expired or it "
+                        f"was evicted, e.g. after being stopped); it must not contribute to later ops — restart it as a joiner")
+                return e
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if self.view.session_lost():
+                    raise RemovedFromGroup(f"member {self.member_id} lost its lease and sees no newer epoch than {cur}")
+                raise CollectiveError(f"a peer failed during an op but no new epoch was published within "
+                                      f"{self.epoch_timeout}s (epoch {cur}); is the coordinator running?")
+            try:
+                self.view.wait_for(lambda e: e.number > cur, min(left, 1.0))
+            except TimeoutError:
+                pass
+
+    # -- public API ---------------------------------------------------------------------
+
+    def allreduce(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False,
+                  policy: Policy | str | None = None) -> Any:
+        t = _as_tensor(tensor, "allreduce tensor")
+        rop = ReduceOp.parse(op)
+        desc = {"k": "allreduce", "shape": list(t.shape), "dtype": str(t.dtype), "op": rop.value}
+        return self._submit(lambda: self._reduce(t, rop, desc, policy), async_op)
+
+    def reduce_scatter(self, output: Any, inputs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM,
+                       async_op: bool = False, policy: Policy | str | None = None) -> Any:
+        out = _as_tensor(output, "reduce_scatter output")
+        ins = [_as_tensor(x, f"reduce_scatter input {i}") for i, x in enumerate(inputs)]
+        rop = ReduceOp.parse(op)
+        desc = {"k": "reduce_scatter", "shape": list(out.shape), "dtype": str(out.dtype), "op": rop.value, "n": len(ins)}
+        return self._submit(lambda: self._reduce_scatter(out, ins, rop, desc, policy), async_op)
+
+    def allgather(self, outputs: Sequence[Any], tensor: Any, async_op: bool = False) -> Any:
+        t = _as_tensor(tensor, "allgather tensor")
+        outs = [_as_tensor(x, f"allgather output {i}") for i, x in enumerate(outputs)]
+        desc = {"k": "allgather", "shape": list(t.shape), "dtype": str(t.dtype), "n": len(outs)}
+        return self._submit(lambda: self._allgather(outs, t, desc), async_op)
+
+    def broadcast(self, tensor: Any, root: int = 0, async_op: bool = False) -> Any:
+        t = _as_tensor(tensor, "broadcast tensor")
+        desc = {"k": "broadcast", "shape": list(t.shape), "dtype": str(t.dtype), "root": int(root)}
+        return self._submit(lambda: self._broadcast(t, int(root), desc), async_op)
+
+    def barrier(self, async_op: bool = False) -> Any:
+        t = torch.zeros(1, dtype=torch.int32)
+        desc = {"k": "barrier"}
+        return self._submit(lambda: self._reduce(t, ReduceOp.SUM, desc, None), async_op)
+
+    def send(self, tensor: Any, dst: int, tag: int = 0, async_op: bool = False) -> Any:
+        t = _as_tensor(tensor, "send tensor")
+        return self._submit(lambda: self._p2p_op(t, dst, tag, True), async_op)
+
+    def recv(self, tensor: Any, src: int, tag: int = 0, async_op: bool = False) -> Any:
+        t = _as_tensor(tensor, "recv tensor")
+        return self._submit(lambda: self._p2p_op(t, src, tag, False), async_op)
+
+    @property
+    def members(self) -> list[str]:
+        return self._members()
+
+    @property
+    def rank(self) -> int:
+        return self._members().index(self.member_id)
+
+    @property
+    def size(self) -> int:
+        return len(self._members())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._unsub()
+        except Exception:  # noqa: BLE001
+            pass
+        self._pool.shutdown(wait=True)
+
+    # -- plumbing -----------------------------------------------------------------------
+
+    def _submit(self, fn: Callable[[], OpResult], async_op: bool) -> Any:
+        if self._closed:
+            raise ConfigError("the communicator is closed")
+        fut: Future = self._pool.submit(fn)
+        work = Work(fut)
+        if async_op:
+            return work
+        fut.result()
+        return work
+
+    def _slices_for(self, nbytes: int, n: int) -> int:
+        per_chunk = max(1, nbytes // max(1, n))
+        return max(1, min(self.max_slices, -(-per_chunk // self.slice_bytes)))
+
+    def _digest(self, desc: dict) -> int:
+        return zlib.crc32(json.dumps(desc, sort_keys=True).encode())
+
+    def _suspect(self, peer: str, reason: str) -> None:
+        try:
+            self.view.report_suspect(peer, reason)
+        except Exception as exc:  # noqa: BLE001 - the report is advisory
+            log.warning("could not report %s as suspect: %s", peer, exc)
+
+    def _run(self, desc: dict, build: Callable[[list[str], int, int, int], tuple[Ledger, Any]]) -> Ledger:
+        """Run one op with recovery; returns its completed ledger."""
+        seq = self._seq
+        self._seq += 1
+        digest = self._digest(desc)
+        if self.view.session_lost() and self.member_id not in (self.view.current() or self._epoch).members:
+            raise RemovedFromGroup(f"member {self.member_id} lost its lease; it is no longer in the job")
+        newest = self.view.current()
+        need_status = False
+        if newest is not None and newest.number > self._epoch.number:
+            if self.member_id not in newest.members:
+                raise RemovedFromGroup(f"member {self.member_id} is not in epoch {newest.number}: it was removed "
+                                       "from the job (lease expired or evicted); restart it as a joiner")
+            if self._removes(newest):
+                need_status = True
+            else:
+                self._enter(newest)
+        while True:
+            members = self._members()
+            L, algo = build(members, members.index(self.member_id), seq, digest)
+            L.enabled = self.ledger_enabled
+            ctx = OpContext(self.transport, L, self._op_of(desc), self.op_timeout, self._suspect, self._epoch.number)
+            try:
+                if need_status:
+                    need_status = False
+                    outcome = self._recover(ctx, awaiting=False)
+                else:
+                    try:
+                        algo.run(ctx)
+                        outcome = "done"
+                    except (OpMismatch, PeerReportedError) as exc:
+                        self._mismatch(seq, desc, exc)
+                    except TransportError as exc:
+                        ctx.settle()
+                        log.info("op #%d interrupted: %s", seq, exc)
+                        outcome = self._recover(ctx, awaiting=True)
+            except (OpMismatch, PeerReportedError) as exc:
+                self._mismatch(seq, desc, exc)
+            if outcome == "done":
+                break
+        L.done = True
+        if L.need is None:
+            L.need = [L.full] * len(L.pieces)
+        retained = L
+        retained.has_input = False
+        self._retained = retained
+        return L
+
+    @staticmethod
+    def _op_of(desc: dict) -> ReduceOp:
+        return ReduceOp.parse(desc.get("op", "sum"))
+
+    def _recover(self, ctx: OpContext, awaiting: bool) -> str:
+        """Finish (``"done"``) or ask to rerun (``"rerun"``) ``ctx``'s op; see :mod:`.resume`."""
+        from resilient.coordinator.epoch import EpochChanged
+
+        L = ctx.ledger
+        t0 = time.monotonic()
+        sent0 = self.transport.stats.bytes_sent
+        while True:
+            newest = self.view.current()
+            if awaiting or newest is None or newest.number <= self._epoch.number:
+                e = self._await_newer_epoch()
+            else:
+                e = newest
+            awaiting = True
+            if self.member_id not in e.members:
+                raise RemovedFromGroup(f"member {self.member_id} is not in epoch {e.number}: removed from the job")
+            self._enter(e)
+            ctx.epoch = e.number
+            survivors = [m for m in e.members if m in L.members]
+            self.view.put_blob(e.number, "ledger", encode_status(self.member_id, L, self._retained))
+            try:
+                raw = self.view.wait_blobs(e.number, "ledger", survivors, self.recovery_timeout)
+            except EpochChanged:
+                continue
+            except TimeoutError as exc:
+                raise CollectiveError(f"op #{L.seq}: recovery in epoch {e.number} did not get every survivor's "
+                                      f"ledger: {exc}") from None
+            self._status_epoch = e.number
+            statuses = {m: decode_status(v) for m, v in raw.items()}
+            inflight = [s["inflight"]["seq"] for s in statuses.values() if s.get("inflight")]
+            k = min(inflight) if inflight else L.seq
+            try:
+                if L.seq > k:
+                    R = self._retained
+                    if R is not None and R.seq == k:
+                        rctx = OpContext(self.transport, R, ctx.op, self.op_timeout, self._suspect, e.number)
+                        execute_plan(rctx, build_plan(R, survivors, statuses, self.policy))
+                    return "rerun"
+                progress = any(
+                    (s.get(key) or {}).get("seq") == L.seq and any((s.get(key) or {}).get("masks", []))
+                    for s in statuses.values() for key in ("inflight", "retained"))
+                if not progress:
+                    return "rerun"
+                plan = build_plan(L, survivors, statuses, self.policy)
+                execute_plan(ctx, plan)
+            except (OpMismatch, PeerReportedError):
+                raise
+            except TransportError as exc:
+                ctx.settle()
+                log.info("recovery of op #%d interrupted: %s", L.seq, exc)
+                continue
+            L.need = plan.need
+            self.last_recovery = {"seq": L.seq, "epoch": e.number, "seconds": time.monotonic() - t0,
+                                  "bytes_sent": self.transport.stats.bytes_sent - sent0,
+                                  "contributors": members_of(plan.need[0], L.members) if plan.need else []}
+            return "done"
+
+    def _mismatch(self, seq: int, desc: dict, exc: BaseException) -> None:
+        mine = json.dumps(desc, sort_keys=True)
+        if isinstance(exc, OpMismatch):
+            msg = json.dumps({"from": self.member_id, "descriptor": desc, "peer": exc.peer}).encode()
+            self.transport.post_error(self._members(), seq, msg)
+            self.transport.cancel_op(seq)
+            raise InputMismatch(
+                f"collective #{seq}: member {exc.peer} called a different collective/shape/dtype/op than this member "
+                f"({self.member_id}: {mine}); every member must call the same ops in the same order with matching "
+                "inputs") from None
+        assert isinstance(exc, PeerReportedError)
+        self.transport.cancel_op(seq)
+        try:
+            other = json.loads(exc.message.decode())
+        except ValueError:
+            other = {"from": exc.peer}
+        raise InputMismatch(
+            f"collective #{seq}: members disagree on the op — member {other.get('from')} ({other.get('descriptor')}) "
+            f"saw a different descriptor from member {other.get('peer')}; this member ({self.member_id}) called "
+            f"{mine}; every member must call the same ops in the same order with matching inputs") from None
+
+    def _result(self, L: Ledger) -> OpResult:
+        need = L.need or [L.full] * len(L.pieces)
+        sets = [tuple(members_of(m, L.members)) for m in need]
+        uniq = set(sets)
+        if len(uniq) <= 1:
+            return OpResult(sets[0] if sets else tuple(L.members), None, False)
+        union = tuple(m for m in L.members if any(m in s for s in sets))
+        return OpResult(union, sets, False)
+
+    # -- op bodies ----------------------------------------------------------------------
+
+    def _ring_or_rd(self, nbytes: int, n: int) -> bool:
+        return nbytes > self.small_bytes and n > 1
+
+    def _reduce(self, t: torch.Tensor, op: ReduceOp, desc: dict, policy: Any) -> OpResult:
+        inp = t.detach().reshape(-1).clone()
+        nbytes = inp.numel() * inp.element_size()
+
+        def build(members: list[str], me: int, seq: int, digest: int) -> tuple[Ledger, Any]:
+            n = len(members)
+            if self._ring_or_rd(nbytes, n) and inp.numel() >= n:
+                S = self._slices_for(nbytes, n)
+                pieces = [(s0 + a, s0 + b) for (s0, e0) in split(inp.numel(), n) for (a, b) in split(e0 - s0, S)]
+                algo: Any = RingReduceScatterAllgather(S)
+            else:
+                pieces = [(0, inp.numel())]
+                algo = RecursiveDoubling()
+            L = Ledger(seq, desc["k"], tuple(members), me, self._epoch.number, digest, inp, torch.empty_like(inp), pieces)
+            return L, algo
+
+        old = self.policy
+        if policy is not None:
+            self.policy = Policy.parse(policy)
+        try:
+            L = self._run(desc, build)
+        finally:
+            self.policy = old
+        t.copy_(self._finish_avg(L, op).view(t.shape))
+        return self._result(L)
+
+    def _finish_avg(self, L: Ledger, op: ReduceOp) -> torch.Tensor:
+        """The result to hand out (the ledger keeps the undivided sums: a slower survivor
+        may still need them to finish this op)."""
+        if op is not ReduceOp.AVG:
+            return L.out
+        res = L.out.clone()
+        need = L.need or [L.full] * len(L.pieces)
+        for p, m in enumerate(need):
+            s, e = L.pieces[p]
+            v = res[s:e]
+            k = bin(m).count("1")
+            if v.is_floating_point():
+                v.div_(k)
+            else:
+                v.copy_(torch.div(v, k, rounding_mode="trunc"))
+        return res
+
+    def _reduce_scatter(self, out: torch.Tensor, ins: list[torch.Tensor], op: ReduceOp, desc: dict, policy: Any) -> OpResult:
+        n0 = len(self._members())
+        if len(ins) != n0:
+            raise ConfigError(f"reduce_scatter needs one input per member ({n0}), got {len(ins)}")
+        for i, x in enumerate(ins):
+            if x.shape != out.shape or x.dtype != out.dtype:
+                raise ConfigError(f"reduce_scatter input {i} is {tuple(x.shape)}/{x.dtype}, output is {tuple(out.shape)}/{out.dtype}")
+        inp = torch.cat([x.detach().reshape(-1) for x in ins]) if ins else out.reshape(-1).clone()
+        m = out.numel()
+
+        def build(members: list[str], me: int, seq: int, digest: int) -> tuple[Ledger, Any]:
+            n = len(members)
+            if n != n0:
+                raise CollectiveError(f"reduce_scatter #{seq}: the group shrank from {n0} to {n} members before it "
+                                      "started; call it again with one input per current member")
+            S = max(1, min(self.max_slices, -(-m * out.element_size() // self.slice_bytes))) if m else 1
+            pieces = [(c * m + a, c * m + b) for c in range(n) for (a, b) in split(m, S)]
+            L = Ledger(seq, "reduce_scatter", tuple(members), me, self._epoch.number, digest, inp, torch.empty_like(inp), pieces,
+                       want=[c for c in range(n) for _ in range(S)])
+            return L, RingReduceScatterAllgather(S, shift=1, do_ag=False)
+
+        old = self.policy
+        if policy is not None:
+            self.policy = Policy.parse(policy)
+        try:
+            L = self._run(desc, build)
+        finally:
+            self.policy = old
+        res = self._finish_avg(L, op)
+        me = L.me
+        out.copy_(res[me * m:(me + 1) * m].view(out.shape))
+        return self._result(L)
+
+    def _allgather(self, outs: list[torch.Tensor], t: torch.Tensor, desc: dict) -> OpResult:
+        n0 = len(self._members())
+        if len(outs) != n0:
+            raise ConfigError(f"allgather needs one output per member ({n0}), got {len(outs)}")
+        m = t.numel()
+        own = t.detach().reshape(-1).clone()
+
+        def build(members: list[str], me: int, seq: int, digest: int) -> tuple[Ledger, Any]:
+            n = len(members)
+            if n != n0:
+                raise CollectiveError(f"allgather #{seq}: the group shrank from {n0} to {n} members; call it again "
+                                      "with one output per current member")
+            S = max(1, min(self.max_slices, -(-m * t.element_size() // self.slice_bytes))) if m else 1
+            pieces = [(c * m + a, c * m + b) for c in range(n) for (a, b) in split(m, S)]
+            out = torch.empty(n * m, dtype=t.dtype)
+            L = Ledger(seq, "allgather", tuple(members), me, self._epoch.number, digest, own, out, pieces,
+                       piece_kind=PieceKind.COPY, owners=[c for c in range(n) for _ in range(S)],
+                       inp_offset=[a for c in range(n) for (a, b) in split(m, S)])
+            out[me * m:(me + 1) * m].copy_(own)
+            for j in range(S):
+                L.set(me * S + j, 1 << me)
+            return L, RingReduceScatterAllgather(S, shift=1, do_rs=False)
+
+        L = self._run(desc, build)
+        for i, o in enumerate(outs):
+            o.copy_(L.out[i * m:(i + 1) * m].view(o.shape))
+        return OpResult(tuple(L.members))
+
+    def _broadcast(self, t: torch.Tensor, root: int, desc: dict) -> OpResult:
+        n0 = len(self._members())
+        if not 0 <= root < n0:
+            raise ConfigError(f"broadcast root {root} is not a rank of this {n0}-member group")
+        inp = t.detach().reshape(-1).clone()
+        root_id = self._members()[root]
+        nbytes = inp.numel() * inp.element_size()
+
+        def build(members: list[str], me: int, seq: int, digest: int) -> tuple[Ledger, Any]:
+            if root_id not in members:
+                from resilient.errors import DataLost
+
+                raise DataLost(f"broadcast #{seq}: the root {root_id} was lost before any survivor got its data")
+            r = members.index(root_id)
+            S = max(1, min(self.max_slices, -(-nbytes // self.slice_bytes))) if inp.numel() else 1
+            pieces = split(inp.numel(), S)
+            L = Ledger(seq, "broadcast", tuple(members), me, self._epoch.number, digest, inp, torch.empty_like(inp), pieces,
+                       piece_kind=PieceKind.COPY, owners=[r] * S)
+            return L, _BroadcastWithBarrier(r, S)
+
+        L = self._run(desc, build)
+        t.copy_(L.out.view(t.shape))
+        return OpResult((root_id,))
+
+    def _p2p_op(self, t: torch.Tensor, peer_rank: int, tag: int, is_send: bool) -> OpResult:
+        members = self._members()
+        if not 0 <= peer_rank < len(members):
+            raise ConfigError(f"rank {peer_rank} is not in this {len(members)}-member group")
+        peer = members[peer_rank]
+        key = (self.member_id, peer) if is_send else (peer, self.member_id)
+        n = self._p2p.get(key, 0)
+        self._p2p[key] = n + 1
+        seq = (1 << 62) | (n & ((1 << 40) - 1))
+        buf = t if t.is_contiguous() else t.contiguous()
+        desc = {"k": "p2p", "shape": list(t.shape), "dtype": str(t.dtype)}
+        d = self._digest(desc)
+        req = self.transport.isend(peer, buf, seq, tag, d) if is_send else self.transport.irecv(peer, buf, seq, tag, d)
+        while not self.transport.wait([req], timeout=self.op_timeout):
+            self._suspect(peer, f"point-to-point with {peer} waited more than {self.op_timeout}s")
+        if not is_send and buf is not t:
+            t.copy_(buf)
+        return OpResult((peer,))
+
+
+class _BroadcastWithBarrier:
+    """Chain broadcast, then a one-element recursive-doubling barrier in the same op."""
+
+    def __init__(self, root: int, slices: int) -> None:
+        self.chain = ChainBroadcast(root, slices)
+
+    def run(self, ctx: OpContext) -> None:
+        self.chain.run(ctx)
+        L = ctx.ledger
+        token = Ledger(ctx.seq, "barrier", L.members, L.me, L.epoch, L.digest, torch.zeros(1, dtype=torch.int32),
+                       torch.zeros(1, dtype=torch.int32), [(0, 1)])
+        sub = OpContext(ctx.transport, token, ReduceOp.SUM, ctx.op_timeout, ctx.on_suspect, ctx.epoch)
+        RecursiveDoubling().run(sub)

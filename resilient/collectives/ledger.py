@@ -1,0 +1,107 @@
+"""The ledger: partial progress of one op, exactly enough to finish it after a failure.
+
+An op's flat output buffer is cut into *pieces* (ring: chunk x pipelining slice; small
+ops: one piece). For every piece the ledger records the contributor mask (bit ``i`` =
+``members[i]``, the op's original members in ring order) of the accumulator this member
+holds in ``out`` for that piece (0: nothing usable). The member's own input is kept
+unchanged in ``inp`` until the op completes (out of place), so it can always add itself.
+
+A piece's mask is set only after its bytes are complete *and* reduced; a receive that
+may have written part of a region clears the mask first (see
+:meth:`~resilient.transport.base.Request.touched`). So whatever moment a peer dies or
+the transport is aborted, ``masks`` describe ``out`` exactly.
+
+Summaries are JSON (no pickle) published under ``epochs/<n>/data/ledger/<member>``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from resilient.collectives.recovery import PieceKind
+
+
+def split(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` near-equal [start, end) ranges covering ``range(n)`` (earlier ones longer)."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+@dataclass
+class Ledger:
+    seq: int
+    kind: str                       # allreduce | reduce_scatter | allgather | broadcast | barrier
+    members: tuple[str, ...]        # op's original members (mask bit order = ring order)
+    me: int
+    epoch: int                      # epoch the op started in
+    digest: int
+    inp: torch.Tensor               # flat, contiguous, kept until the op completes
+    out: torch.Tensor               # flat accumulators / results
+    pieces: list[tuple[int, int]]   # element ranges in ``out``
+    piece_kind: PieceKind = PieceKind.REDUCE
+    owners: list[int] | None = None  # copy pieces: index of the owner in ``members``
+    want: list[int | None] | None = None  # reduce_scatter: member index that needs the piece
+    inp_offset: list[int] | None = None  # element offset in ``inp`` of each piece's input (default: same as out)
+    masks: list[int] = field(default_factory=list)
+    has_input: bool = True
+    done: bool = False
+    need: list[int] | None = None   # final masks (after completion or recovery)
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.masks:
+            self.masks = [0] * len(self.pieces)
+
+    def view(self, p: int) -> torch.Tensor:
+        s, e = self.pieces[p]
+        return self.out[s:e]
+
+    def input_view(self, p: int) -> torch.Tensor:
+        s, e = self.pieces[p]
+        off = s if self.inp_offset is None else self.inp_offset[p]
+        return self.inp[off:off + (e - s)]
+
+    def set(self, p: int, mask: int) -> None:
+        if self.enabled:
+            self.masks[p] = mask
+
+    @property
+    def full(self) -> int:
+        return (1 << len(self.members)) - 1
+
+    def progressed(self) -> bool:
+        return any(self.masks)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "seq": self.seq, "kind": self.kind, "members": list(self.members), "epoch": self.epoch,
+            "digest": self.digest, "n_pieces": len(self.pieces), "masks": list(self.masks),
+            "has_input": self.has_input, "done": self.done,
+        }
+
+
+def encode_status(member: str, inflight: Ledger | None, retained: Ledger | None) -> bytes:
+    return json.dumps({
+        "member": member,
+        "inflight": inflight.summary() if inflight is not None else None,
+        "retained": retained.summary() if retained is not None else None,
+    }, separators=(",", ":")).encode()
+
+
+def decode_status(raw: bytes) -> dict[str, Any]:
+    from resilient.errors import CollectiveError
+
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+        assert isinstance(obj, dict)
+        return obj
+    except (UnicodeDecodeError, ValueError, AssertionError) as exc:
+        raise CollectiveError(f"a peer's ledger summary is not valid JSON: {exc}") from None

@@ -1,0 +1,82 @@
+"""Rank side of straggler detection: turn :class:`~resilient.transport.base.TransportStats`
+deltas into ``health/<member>`` windows (format: :mod:`resilient.coordinator.health`) at a
+low rate (default one write per second per member).
+
+Usage (the communicator's op loop, or a training loop around it)::
+
+    reporter = HealthReporter(store, job, member_id, lease_id, transport.stats)
+    ...
+    reporter.op_done(epoch_number, seconds_this_op)   # after every collective
+
+No thread: the write happens inside :meth:`op_done` when ``interval`` has passed, so a
+member that stops doing ops stops reporting (its last window goes stale and the detector
+ignores it; a hung member is the lease's business, not the detector's). Also records
+``resilient_peer_wait_seconds`` when rank metrics are available.
+
+Failure behaviour: a failed write (etcd unreachable, lease gone) is logged once per
+outage and swallowed — health reporting must never fail a collective; the window keeps
+accumulating and the next successful write covers it. :meth:`op_done` never raises.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from resilient.transport.base import TransportStats
+
+log = logging.getLogger(__name__)
+
+
+class HealthReporter:
+    def __init__(self, store: Any, job: str, member_id: str, lease_id: int | None, stats: TransportStats,
+                 interval: float = 1.0, extra: dict | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store, self.job, self.member_id, self.lease_id = store, job, member_id, lease_id
+        self.stats = stats
+        self.interval = float(interval)
+        self.extra = dict(extra or {})
+        self._clock = clock
+        self._start = clock()
+        self._wait0 = dict(stats.wait_s_by_peer)
+        self._ops = 0
+        self._op_times: list[float] = []
+        self.seq = 0
+        self._failing = False
+
+    def op_done(self, epoch: int, op_seconds: float | None = None) -> bool:
+        """Count one finished op; write a window if ``interval`` has passed. Returns True
+        when a record was written."""
+        self._ops += 1
+        if op_seconds is not None:
+            self._op_times.append(float(op_seconds))
+        now = self._clock()
+        if now - self._start < self.interval:
+            return False
+        from resilient.coordinator.health import make_record, write_health
+
+        waits = dict(self.stats.wait_s_by_peer)
+        delta = {p: s - self._wait0.get(p, 0.0) for p, s in waits.items()}
+        self.seq += 1
+        rec = make_record(self.member_id, epoch, self.seq, self._ops, now - self._start, delta,
+                          self._op_times, **self.extra)
+        try:
+            write_health(self.store, self.job, self.member_id, rec, self.lease_id)
+        except Exception as exc:  # never fail a collective for health reporting
+            if not self._failing:
+                log.warning("health report of %s failed (will retry next window): %s", self.member_id, exc)
+            self._failing = True
+            return False
+        self._failing = False
+        self._record_metrics(sum(v for v in delta.values() if v > 0))
+        self._start, self._wait0, self._ops, self._op_times = now, waits, 0, []
+        return True
+
+    @staticmethod
+    def _record_metrics(wait_s: float) -> None:
+        try:
+            from resilient.metrics import rank_metrics
+
+            rank_metrics().record_peer_wait(wait_s)
+        except Exception:  # metrics are optional here (no prometheus dir, other process model)
+            pass

@@ -1,0 +1,117 @@
+"""A real member process running collectives for the multi-process tests and benches.
+
+    python tests/workers/collective_worker.py --etcd E --job J --id m2 --world 4 --out DIR
+        --ops '[{"k": "allreduce", "numel": 1000, "dtype": "float32", "op": "sum"}, ...]'
+
+Registers a MemberSession (short TTL), waits for an epoch with ``--world`` members,
+builds a Communicator over the etcd group view and a TCP transport, runs the ops with
+inputs from ``inputs.make_input(member index, seq, seed)`` and writes, per op,
+``DIR/<id>.<seq>.npy`` (allow_pickle=False; bfloat16/float16 as float32) and a JSON line
+in ``DIR/<id>.jsonl``: {seq, ok, error, contributors, seconds}. Exit 0, or 4 when it
+raised RemovedFromGroup. Failpoints come from RESILIENT_FAILPOINTS.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--etcd", required=True)
+    ap.add_argument("--job", required=True)
+    ap.add_argument("--id", required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ops", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ttl", type=float, default=2.0)
+    ap.add_argument("--op-timeout", type=float, default=30.0)
+    ap.add_argument("--policy", default="default")
+    args = ap.parse_args()
+
+    import numpy as np
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from inputs import make_input
+
+    from resilient.collectives import Communicator
+    from resilient.collectives.group import EtcdGroupView
+    from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession, Store
+    from resilient.errors import RemovedFromGroup, ResilientError
+    from resilient.transport.tcp import TcpTransport
+
+    index = int(args.id.lstrip("m"))
+    store = Store(args.etcd)
+    transport = TcpTransport(args.id, args.job)
+    session = MemberSession.register(store, args.job, MemberInfo(member_id=args.id, address=transport.address), ttl=args.ttl)
+    watcher = EpochWatcher(store, args.job)
+    watcher.wait_for(lambda e: len(e.members) == args.world and args.id in e.members, 60)
+    comm = Communicator(EtcdGroupView(store, args.job, session, watcher), transport,
+                        op_timeout=args.op_timeout, policy=args.policy)
+    ops = json.loads(args.ops)
+    rc = 0
+    with open(os.path.join(args.out, f"{args.id}.jsonl"), "a") as log:
+        print(f"READY {args.id} {os.getpid()}", flush=True)
+        for seq, spec in enumerate(ops):
+            t0 = time.monotonic()
+            rec = {"seq": seq, "ok": False, "error": None, "contributors": None}
+            try:
+                k = spec["k"]
+                numel, dtype = spec.get("numel", 1), spec.get("dtype", "float32")
+                n_in = spec.get("numel_override", {}).get(args.id, numel)
+                x = make_input(index, seq, args.seed, n_in, dtype)
+                if k == "allreduce":
+                    w = comm.allreduce(x, op=spec.get("op", "sum"), async_op=True)
+                    w.wait()
+                    out = x
+                elif k == "reduce_scatter":
+                    n = comm.size
+                    ins = [make_input(index, seq * 100 + c, args.seed, n_in, dtype) for c in range(n)]
+                    out = torch.empty(n_in, dtype=x.dtype)
+                    w = comm.reduce_scatter(out, ins, op=spec.get("op", "sum"), async_op=True)
+                    w.wait()
+                elif k == "allgather":
+                    outs = [torch.empty(n_in, dtype=x.dtype) for _ in range(comm.size)]
+                    w = comm.allgather(outs, x, async_op=True)
+                    w.wait()
+                    out = torch.stack(outs)
+                elif k == "broadcast":
+                    w = comm.broadcast(x, root=spec.get("root", 0), async_op=True)
+                    w.wait()
+                    out = x
+                elif k == "barrier":
+                    w = comm.barrier(async_op=True)
+                    w.wait()
+                    out = torch.zeros(0)
+                else:
+                    raise SystemExit(f"unknown op {k}")
+                rec.update(ok=True, contributors=list(w.contributors), members=comm.members,
+                           recovery=comm.last_recovery if comm.last_recovery and comm.last_recovery["seq"] == seq else None)
+                arr = out.to(torch.float32) if out.dtype in (torch.float16, torch.bfloat16) else out
+                np.save(os.path.join(args.out, f"{args.id}.{seq}.npy"), arr.numpy(), allow_pickle=False)
+            except RemovedFromGroup as exc:
+                rec["error"] = f"RemovedFromGroup: {exc}"
+                rc = 4
+            except ResilientError as exc:
+                rec["error"] = f"{type(exc).__name__}: {exc}"
+            rec["seconds"] = time.monotonic() - t0
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            if rc:
+                break
+    print(f"DONE {args.id}", flush=True)
+    if rc == 0:
+        sys.stdin.read()  # stay a member (peers may still need our retained result) until told to go
+        session.close(revoke=True, reason="done")
+    os._exit(rc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
