@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-dir", default="", help="also write the JSON lines to <dir>/<pid>.jsonl")
     ap.add_argument("--checkpoint", default="", help="gloo only: checkpoint file (saved every step)")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra 'compute' per step")
-    ap.add_argument("--exit-at-step", type=int, default=-1, help="this rank (see --exit-rank) exits at that step")
+    ap.add_argument("--exit-at-step", type=int, default=-1,
+                    help="the worker launched with RANK=--exit-rank exits (code 17) at that step, first incarnation only")
     ap.add_argument("--exit-rank", type=int, default=-1)
     args = ap.parse_args(argv)
 
@@ -62,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     from resilient.ddp import ContributorTracker, make_elastic
     from resilient.elastic import ElasticSampler, State
 
+    t_init = time.time()
     dist.init_process_group(args.backend)
+    t_init_done = time.time()
     torch.manual_seed(int(os.environ.get("RANK", "0")))  # different inits: sync() aligns them
     model = torch.nn.Sequential(torch.nn.Linear(DIM, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
     x, y = dataset()
@@ -92,8 +95,20 @@ def main(argv: list[str] | None = None) -> int:
     step = start_step
     while True:
         if args.backend == "resilient":
-            state.sync()
+            received = state.syncs_received
+            t_sync = time.time()
+            changed = state.sync()
             step = state.step
+            if changed and step > 0:  # the world changed or a joiner got the live state
+                ev = {"event": "synced" if state.syncs_received != received else "world_changed", "step": step,
+                      "params_sha": params_sha(model), "pid": os.getpid(), "t_sync_start": t_sync,
+                      "sync_phases": {k: round(v, 4) for k, v in state.last_sync.items()},
+                      "init_s": round(t_init_done - t_init, 3), "t_init_done": t_init_done,
+                      "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "t": time.time()}
+                print(json.dumps(ev), flush=True)
+                if log:
+                    log.write(json.dumps(ev) + "\n")
+                    log.flush()
             if step >= args.steps:
                 break
             from resilient.world import world
@@ -110,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             g = torch.Generator().manual_seed(step)
             perm = torch.randperm(N_SAMPLES, generator=g)[: n * BATCH]
             idx = perm[r * BATCH:(r + 1) * BATCH].tolist()
-        if step == args.exit_at_step and dist.get_rank() == args.exit_rank:
+        if (step == args.exit_at_step and int(os.environ.get("RANK", "-1")) == args.exit_rank
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
             os._exit(17)  # a worker failure at a known step (used by bench/restart_vs_resume.py)
         if args.step_sleep:
             time.sleep(args.step_sleep)

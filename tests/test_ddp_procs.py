@@ -3,8 +3,8 @@ coordinator, worker processes, sockets) with one worker SIGKILLed at a random st
 
 Asserted: training completes; at every step, every member that logged it has bitwise
 identical parameters (``params_sha``); the loss keeps decreasing; the killed worker is
-restarted as a joiner (``--max-restarts 1``) and, if it takes part, its parameters equal
-the survivors' from its first step on."""
+restarted as a joiner (``--max-restarts 1``), is synced from a healthy member before its
+first step (its parameters then equal the survivors') and trains on in the world of 4."""
 from __future__ import annotations
 
 import json
@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = [sys.executable, "-c", "import sys; from resilient.launcher.cli import main; sys.exit(main())"]
 
 
-def read_logs(d: Path) -> dict[int, list[dict]]:
+def read_logs(d: Path, events: dict | None = None) -> dict[int, list[dict]]:
+    events = {} if events is None else events
     out: dict[int, list[dict]] = {}
     for f in d.glob("*.jsonl"):
         recs = []
@@ -31,7 +32,8 @@ def read_logs(d: Path) -> dict[int, list[dict]]:
                 recs.append(json.loads(line))
             except ValueError:
                 pass  # a line cut by the kill
-        out[int(f.stem)] = recs
+        out[int(f.stem)] = [r for r in recs if "event" not in r]
+        events.setdefault(int(f.stem), []).extend(r for r in recs if "event" in r)
     return out
 
 
@@ -57,6 +59,7 @@ def test_ddp_4_workers_one_sigkilled_at_random_step(tmp_path):
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         def victim():
+            assert agent.poll() is None, f"resilient-run exited early: {agent.stdout.read()[-4000:]}"
             logs = read_logs(tmp_path)
             for pid, recs in logs.items():
                 if recs and recs[-1]["rank"] == 2 and recs[-1]["step"] >= kill_step:
@@ -70,7 +73,8 @@ def test_ddp_4_workers_one_sigkilled_at_random_step(tmp_path):
         if agent.poll() is None:
             os.killpg(agent.pid, signal.SIGTERM)
             agent.wait(30)
-    logs = read_logs(tmp_path)
+    events: dict[int, list[dict]] = {}
+    logs = read_logs(tmp_path, events)
     by_step: dict[int, list[dict]] = {}
     for pid_, recs in logs.items():
         for r in recs:
@@ -88,7 +92,12 @@ def test_ddp_4_workers_one_sigkilled_at_random_step(tmp_path):
     assert sum(mean[s] for s in range(steps - 10, steps)) < 0.7 * sum(mean[s] for s in range(10))
     # the killed worker came back as a joiner (restart count 1) and matched the survivors
     joiner = [r for recs in logs.values() for r in recs if r["restart"] == 1]
-    if not joiner:
-        pytest.xfail("known gap: the Communicator never admits a new member into its group "
-                     "(Communicator._group only shrinks), so the restarted joiner cannot take part")
+    assert joiner, "the restarted worker never took part"
     assert agent.returncode == 0, out[-4000:]
+    # synced before taking part: its parameters right after sync() equal the survivors'
+    # after the step before its first one
+    synced = [e for evs in events.values() for e in evs if e["event"] == "synced" and e["restart"] == 1]
+    assert len(synced) == 1, events
+    s0 = synced[0]["step"]
+    assert synced[0]["params_sha"] == by_step[s0 - 1][0]["params_sha"]
+    assert min(r["step"] for r in joiner) == s0 and all(r["world"] == 4 for r in joiner)

@@ -359,6 +359,7 @@ class Communicator:
                 f"({self.member_id}: {mine}); every member must call the same ops in the same order with matching "
                 "inputs") from None
         assert isinstance(exc, PeerReportedError)
+        self.transport.post_error(self._members(), seq, exc.message)  # relay: reaches members without a direct link
         self.transport.cancel_op(seq)
         try:
             other = json.loads(exc.message.decode())

@@ -35,6 +35,7 @@ before re-raising. A payload that does not parse raises
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Callable
 
 import torch
@@ -86,6 +87,9 @@ class State:
         object.__setattr__(self, "_epoch_seen", None)
         object.__setattr__(self, "_callbacks", [])
         object.__setattr__(self, "syncs_received", 0)
+        #: seconds since the start of the last sync() at which each phase ended
+        #: (``exchange_s``, ``rebuild_s``, ``transfer_s``; only the phases that ran)
+        object.__setattr__(self, "last_sync", {})
 
     # -- fields as attributes ---------------------------------------------------------
 
@@ -166,11 +170,16 @@ class State:
         opts.rootTensor = 0
         self._pg().broadcast([t], opts).wait()
 
-    def _exchange(self, world: World) -> tuple[int, bool, int]:
+    def _engine(self) -> Any:
+        return getattr(self._pg(), "engine", None)
+
+    def _exchange(self, world: World) -> tuple[int, bool, int, bool]:
         needs = self._fresh or self.joiner
-        flags = torch.tensor([world.epoch, int(needs), self._commits], dtype=torch.int64)
+        engine = self._engine()
+        pending = bool(getattr(engine, "pending_joiners", lambda: False)())
+        flags = torch.tensor([world.epoch, int(needs), self._commits, int(pending)], dtype=torch.int64)
         self._allreduce(flags, dist.ReduceOp.MAX)
-        return int(flags[0]), bool(flags[1]), int(flags[2])
+        return int(flags[0]), bool(flags[1]), int(flags[2]), bool(flags[3])
 
     def _transfer(self, world: World, max_commits: int) -> None:
         healthy = not self.joiner and self._commits == max_commits
@@ -182,9 +191,9 @@ class State:
                               "(at least one member must hold the training state)")
         me = self._pg().rank()
         payload = encode(self.state_dict()) if me == src else b""
-        n = torch.tensor([len(payload)], dtype=torch.int64)
+        n = torch.tensor([len(payload), self._commits], dtype=torch.int64)
         self._broadcast(n, src)
-        size = int(n[0])
+        size, max_commits = int(n[0]), int(n[1])
         buf = torch.zeros((size + 7) // 8 * 8, dtype=torch.uint8)  # sent as int64 words (a dtype every engine takes)
         if me == src and size:
             buf[:size].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
@@ -199,19 +208,41 @@ class State:
     def sync(self) -> bool:
         """The step-boundary agreement (see the module docstring). Collective: every live
         member must call it at the same point."""
+        engine = self._engine()
+        rebuilds = hasattr(engine, "rebuild")
+        t0 = time.monotonic()
+        timing: dict[str, float] = {}
         for attempt in (0, 1):
             world = _live_world(self.group)
             if world is None:
                 raise ConfigError("State.sync() needs torch.distributed initialised: call "
                                   "dist.init_process_group('resilient') first")
             try:
-                epoch, needed, max_commits = self._exchange(world)
-                if needed:
+                if self.joiner and rebuilds:
+                    # a joiner's communicator is fresh (op 0 over the epoch that admitted it);
+                    # the others rebuild theirs at their next sync() and meet it here
+                    epoch, needed = world.epoch, True
+                    if hasattr(engine, "announce_ready"):
+                        engine.announce_ready()
+                    self._transfer(world, 0)
+                    timing["transfer_s"] = time.monotonic() - t0
+                    break
+                epoch, needed, max_commits, pending = self._exchange(world)
+                timing["exchange_s"] = time.monotonic() - t0
+                if pending and rebuilds:
+                    engine.rebuild(epoch)
+                    timing["rebuild_s"] = time.monotonic() - t0
+                    self._transfer(_live_world(self.group), max_commits)
+                    timing["transfer_s"] = time.monotonic() - t0
+                    needed = True
+                elif needed:
                     self._transfer(world, max_commits)
+                    timing["transfer_s"] = time.monotonic() - t0
                 break
             except CollectiveError:
                 if attempt:
                     raise
+        object.__setattr__(self, "last_sync", timing)
         object.__setattr__(self, "_fresh", False)
         object.__setattr__(self, "joiner", False)
         changed = self._epoch_seen is not None and epoch != self._epoch_seen

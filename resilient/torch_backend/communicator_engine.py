@@ -37,23 +37,69 @@ from resilient.world import World
 class CommunicatorEngine:
     """Adapts a Communicator to the :class:`~.engine.Engine` protocol (in-place results)."""
 
-    def __init__(self, comm: Any, watcher: Any, session: Any, member_id: str, closers: Sequence[Any] = ()) -> None:
+    def __init__(self, comm: Any, watcher: Any, session: Any, member_id: str, closers: Sequence[Any] = (),
+                 store: Any = None, job: str = "", transport: Any = None) -> None:
         self.comm = comm
         self.watcher = watcher
         self.session = session
         self.member_id = member_id
         self._closers = list(closers)
+        self.store, self.job, self.transport = store, job, transport
+
+    def _comm_members(self) -> list[str]:
+        m = self.comm.members
+        return list(m() if callable(m) else m)
+
+    # -- admitting joiners ----------------------------------------------------------------
+
+    def _ready_prefix(self) -> str:
+        from resilient.coordinator import keys
+
+        return keys.root(self.job).rstrip("/") + "/sync-ready/"
+
+    def announce_ready(self) -> None:
+        """A joiner says it is waiting in ``State.sync()`` (key on its own lease, so it
+        vanishes with it). Until then the others keep training instead of waiting for it."""
+        self.store.put(self._ready_prefix() + self.member_id, b"1", lease=self.session.lease_id)
+
+    def pending_joiners(self) -> bool:
+        """True when the newest epoch has members this communicator does not run ops with
+        (joiners the coordinator admitted; the Communicator's group only shrinks) and all
+        of them announced they are ready to sync. Failure behaviour: etcd errors propagate
+        (StoreError) — the caller's sync() fails rather than guess."""
+        epoch = self.watcher.current()
+        if epoch is None or self.member_id not in epoch.members:
+            return False
+        group = set(self._comm_members())
+        new = [m for m in epoch.members if m not in group]
+        if not new:
+            return False
+        from resilient.coordinator import keys
+
+        ready = {keys.last_segment(kv.key) for kv in self.store.get_prefix(self._ready_prefix())}
+        return all(m in ready for m in new)
+
+    def rebuild(self, min_epoch: int, timeout: float = 60.0) -> None:
+        """Replace the Communicator by a fresh one over the members of the newest epoch
+        (numbered at least ``min_epoch``); op sequence numbers restart at 0, as they do in
+        a joiner's fresh Communicator. Called by every member at the same point
+        (``State.sync()`` agrees on it). Failure behaviour: no such epoch within
+        ``timeout`` -> TimeoutError; the old Communicator is closed either way only after
+        the new one exists."""
+        self.watcher.wait_for(lambda e: e.number >= min_epoch and self.member_id in e.members, timeout)
+        old = self.comm
+        self.comm = _make_communicator(self.store, self.job, self.session, self.watcher, self.transport)
+        old.close()
 
     def world(self) -> World:
         epoch = self.watcher.current()
         if epoch is None:
             raise ConfigError("no epoch published yet for this job; is a coordinator running?")
         members = epoch.members
-        group = getattr(self.comm, "members", None)
-        if callable(group) and self.member_id in epoch.members:
+        if self.member_id in epoch.members:
             # the members the communicator actually runs ops with (a member it has not
             # admitted yet is not counted: ranks/sizes never include someone not in the ops)
-            admitted = set(group())
+            admitted = set(self._comm_members())
             members = tuple(m for m in epoch.members if m in admitted)
         return World.from_members(self.member_id, epoch.number, members)
 
@@ -122,7 +168,8 @@ def from_environment(store: Any = None, rank: int = 0, size: int = 1,
     watcher = EpochWatcher(st, job)
     watcher.wait_for(lambda e: member_id in e.members, timeout.total_seconds())
     comm = _make_communicator(st, job, session, watcher, transport)
-    return CommunicatorEngine(comm, watcher, session, member_id, closers=[transport, session])
+    return CommunicatorEngine(comm, watcher, session, member_id, closers=[transport, session],
+                              store=st, job=job, transport=transport)
 
 
 def _make_communicator(store: Any, job: str, session: Any, watcher: Any, transport: Any) -> Any:

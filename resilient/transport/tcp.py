@@ -159,6 +159,7 @@ class TcpTransport(Transport):
         self._abort_handled = False
         self._op_errors: dict[int, BaseException] = {}
         self._cancelled: set[int] = set()
+        self._posted_errors: dict[int, bytes] = {}
         self._scratch = memoryview(bytearray(_SCRATCH))
         self._closed = False
 
@@ -205,6 +206,7 @@ class TcpTransport(Transport):
         self._addresses = addresses
         self._op_errors.clear()
         self._cancelled.clear()
+        self._posted_errors.clear()
         with self._abort_lock:
             self._abort_reason = None
             self._abort_handled = False
@@ -276,6 +278,7 @@ class TcpTransport(Transport):
             conn.connecting = err != 0
             hello = frames.encode_json({"job": self.job, "epoch": self._epoch, "token": self._token, "member": self.member_id})
             conn.raw_out.append(memoryview(frames.encode_header(frames.Header(frames.HELLO, self._epoch, 0, 0, len(hello))) + hello))
+            conn.raw_out.extend(memoryview(m) for m in self._posted_errors.values())
             self._sel.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
             conn.mask = selectors.EVENT_READ | selectors.EVENT_WRITE
         self._conns[peer] = conn
@@ -345,18 +348,21 @@ class TcpTransport(Transport):
 
     def post_error(self, peers: Sequence[str], op_seq: int, message: bytes, timeout: float = 2.0) -> None:
         header = frames.encode_header(frames.Header(frames.ERROR, self._epoch, op_seq, 0, len(message)))
+        self._posted_errors[op_seq] = header + message  # also sent on connections opened later
         conns = []
         for peer in peers:
-            if peer == self.member_id or peer not in self._addresses:
+            if peer == self.member_id or peer not in self._addresses or self._closed:
                 continue
-            probe = _Req(peer, memoryview(b""), op_seq, 0, 0, True)
-            conn = self._conn_for(probe)
-            if conn is None:
-                continue
+            conn = self._conns.get(peer)
+            if conn is None and self.member_id < peer:
+                conn = self._dial(peer)
+            if conn is None or conn.failed is not None:
+                continue  # no connection and the peer dials us: it learns through the others (relay)
             conn.raw_out.append(memoryview(header + message))
+            self._try_write(conn)
             conns.append(conn)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(c.raw_out and c.failed is None for c in conns):
+        while time.monotonic() < deadline and any(c.raw_out and c.failed is None and c.sock is not None for c in conns):
             self._progress(0.05)
 
     # -- progress ---------------------------------------------------------------------
@@ -500,12 +506,13 @@ class TcpTransport(Transport):
         old = self._conns.get(member)
         if old is not None:
             if old.sock is None and old.failed is None:  # placeholder with waiting requests
-                conn.sendq, conn.recvq = old.sendq, old.recvq
+                conn.sendq, conn.recvq, conn.raw_out = old.sendq, old.recvq, old.raw_out
                 for req in conn.sendq:
                     if not req.header:
                         req.header = frames.encode_header(frames.Header(frames.DATA, self._epoch, req.op_seq, req.tag, req.nbytes, req.digest))
             else:
                 self._fail_conn(old, TransportError(f"member {member} reconnected; the old connection is closed"))
+        conn.raw_out.extend(memoryview(m) for m in self._posted_errors.values())
         self._conns[member] = conn
 
     # -- writing ----------------------------------------------------------------------
@@ -635,6 +642,9 @@ class TcpTransport(Transport):
         req = conn.recvq[0] if conn.recvq else None
         if req is None:
             conn.target, conn.target_got, conn.target_req = memoryview(bytearray(h.length)), 0, None
+            return
+        if h.op_seq < req.op_seq and (h.op_seq >> 62) == (req.op_seq >> 62):
+            conn.discard, conn.cur = h.length, None  # left over from an op this side already ended
             return
         self._check_match(conn, req, h)
         if req.error is not None:

@@ -35,8 +35,13 @@ def main() -> int:
     ap.add_argument("--policy", default="default")
     args = ap.parse_args()
 
+    import faulthandler
+    import signal
+
     import numpy as np
     import torch
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from inputs import make_input

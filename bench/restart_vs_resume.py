@@ -1,0 +1,106 @@
+"""Time lost to one worker failure: torchrun's whole-job restart vs resilient's resume.
+
+Runs the same script (examples/train.py, 4 workers, a small DDP model) four ways in this
+one invocation and prints one JSON line:
+
+* ``torchrun --standalone --max-restarts 1`` with gloo, fault-free, and with the worker of
+  RANK 2 exiting at step ``--fail-step`` (user code checkpoints every step and resumes from
+  the checkpoint, as torchrun users must);
+* ``resilient-run --standalone --max-restarts 1`` on the resilient backend, fault-free and
+  with the same failure (survivors resume; the worker restarts as a joiner and is synced).
+
+``*_lost_s`` = wall time of the failing run minus the same launcher's fault-free wall time.
+If torchrun does not recover (its restart round fails, e.g. gloo ``connectFullMesh``
+refused — seen with torch 2.13), ``torchrun_recovered`` is false and ``torchrun_lost_s``
+is measured for what its user then does: relaunch from the last checkpoint (failed run +
+relaunch - fault-free). ``ratio`` = torchrun_lost_s / resilient_lost_s (null when
+resilient lost no measurable time). Every process started is ended by PID (its session).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = str(ROOT / "examples" / "train.py")
+
+
+def run(cmd: list[str], timeout: float) -> tuple[float, int, str]:
+    t0 = time.monotonic()
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        return time.monotonic() - t0, 124, out
+    return time.monotonic() - t0, p.returncode, out
+
+
+def last_step(out: str) -> int:
+    best = -1
+    for line in out.splitlines():
+        i = line.find("{")
+        if i < 0:
+            continue
+        try:
+            rec = json.loads(line[i:])
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and "step" in rec and "event" not in rec:
+            best = max(best, int(rec["step"]))
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--fail-step", type=int, default=20)
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--step-sleep", type=float, default=0.05, help="seconds of simulated compute per step")
+    ap.add_argument("--timeout", type=float, default=240)
+    args = ap.parse_args(argv)
+    py = sys.executable
+    common = [TRAIN, "--steps", str(args.steps), "--step-sleep", str(args.step_sleep)]
+    fail = ["--exit-at-step", str(args.fail_step), "--exit-rank", "2"]
+    torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--max-restarts", "1",
+                "--nproc-per-node", str(args.nproc)]
+    resil = [py, "-c", "import sys; from resilient.launcher.cli import main; sys.exit(main())", "--standalone",
+             "--max-restarts", "1", "--nproc-per-node", str(args.nproc)]
+    res: dict = {"steps": args.steps, "fail_step": args.fail_step, "nproc": args.nproc}
+    with tempfile.TemporaryDirectory(prefix="restart-vs-resume-") as tmp:
+        ck = str(Path(tmp) / "ck.pt")
+        t_ok, rc, out = run(torchrun + common + ["--backend", "gloo", "--checkpoint", ck + ".ok"], args.timeout)
+        assert rc == 0, f"fault-free torchrun run failed (rc {rc}):\n{out[-3000:]}"
+        t_fail, rc, out = run(torchrun + common + ["--backend", "gloo", "--checkpoint", ck] + fail, args.timeout)
+        recovered = rc == 0 and last_step(out) == args.steps - 1
+        res.update(torchrun_fault_free_s=round(t_ok, 3), torchrun_failed_run_s=round(t_fail, 3),
+                   torchrun_recovered=recovered, torchrun_exit_code=rc)
+        if recovered:
+            res["torchrun_lost_s"] = round(t_fail - t_ok, 3)
+        else:  # the user relaunches from the last checkpoint
+            t_re, rc2, out2 = run(torchrun + common + ["--backend", "gloo", "--checkpoint", ck], args.timeout)
+            assert rc2 == 0, f"torchrun relaunch from checkpoint failed (rc {rc2}):\n{out2[-3000:]}"
+            res.update(torchrun_relaunch_s=round(t_re, 3), torchrun_lost_s=round(t_fail + t_re - t_ok, 3))
+        r_ok, rc, out = run(resil + common, args.timeout)
+        assert rc == 0, f"fault-free resilient-run failed (rc {rc}):\n{out[-3000:]}"
+        r_fail, rc, out = run(resil + common + fail, args.timeout)
+        assert rc == 0 and last_step(out) == args.steps - 1, f"resilient-run with a failure did not finish:\n{out[-3000:]}"
+        res.update(resilient_fault_free_s=round(r_ok, 3), resilient_failed_run_s=round(r_fail, 3),
+                   resilient_lost_s=round(r_fail - r_ok, 3))
+    lost = res["resilient_lost_s"]
+    res["ratio"] = round(res["torchrun_lost_s"] / lost, 2) if lost > 0 else None
+    print(json.dumps(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

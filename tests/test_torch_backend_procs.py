@@ -1,0 +1,106 @@
+"""``dist.init_process_group("resilient")`` in real worker processes under ``resilient-run
+--standalone`` (real etcd, coordinator, TCP transport): every supported ``torch.distributed``
+op gives the right result on every rank; a member SIGKILLed while the others are in an
+allreduce leaves an exact AVG over the reported contributors; afterwards
+``dist.get_rank()/get_world_size()`` and ``resilient.world()`` report the live world."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = [sys.executable, "-c", "import sys; from resilient.launcher.cli import main; sys.exit(main())"]
+
+WORKER = r'''
+import json, os, signal, sys
+import torch, torch.distributed as dist
+import resilient
+from resilient.torch_backend import UnsupportedOperation
+from resilient.world import world
+
+out_dir = sys.argv[1]
+if os.environ.get("RESILIENT_JOINER") == "1":
+    sys.exit(0)  # the restarted victim: nothing to do here
+dist.init_process_group("resilient")
+r, n = dist.get_rank(), dist.get_world_size()
+res = {"rank": r, "size": n, "member": world().member_id}
+for name in ["SUM", "AVG", "MIN", "MAX", "PRODUCT"]:
+    t = torch.full((3000,), float(r + 1))
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, name))
+    res[name] = sorted(set(t.tolist()))
+b = torch.full((5,), float(r)); dist.broadcast(b, 2); res["broadcast"] = sorted(set(b.tolist()))
+gl = [torch.zeros(3) for _ in range(n)]; dist.all_gather(gl, torch.full((3,), float(r)))
+res["all_gather"] = [g.tolist() for g in gl]
+ag = torch.zeros(3 * n); dist.all_gather_into_tensor(ag, torch.full((3,), float(r))); res["all_gather_into_tensor"] = ag.tolist()
+rs = torch.zeros(2); dist.reduce_scatter_tensor(rs, torch.arange(2 * n, dtype=torch.float32) + r)
+res["reduce_scatter_tensor"] = rs.tolist()
+dist.barrier()
+if r == 0:
+    dist.send(torch.tensor([42.0, 43.0]), 1)
+if r == 1:
+    t = torch.zeros(2); dist.recv(t, 0); res["recv"] = t.tolist()
+w = dist.all_reduce(torch.ones(10), async_op=True); w.wait()
+res["async_contributors"] = list(w.contributors)
+try:
+    dist.reduce(torch.ones(1), 0)
+except UnsupportedOperation as exc:
+    res["reduce_error"] = str(exc)
+dist.barrier()
+# phase 2: rank 3 dies while the others are in an allreduce
+if r == 3:
+    os.kill(os.getpid(), signal.SIGKILL)
+t = torch.full((100000,), float(r + 1))
+w = dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True); w.wait()
+res["after_kill"] = {"values": sorted(set(t.tolist())), "contributors": list(w.contributors),
+                     "rank": dist.get_rank(), "size": dist.get_world_size(), "world_members": list(world().members)}
+json.dump(res, open(os.path.join(out_dir, f"{r}.json"), "w"))
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_dist_ops_and_live_world_under_resilient_run(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    agent = subprocess.Popen(RUN + ["--standalone", "--nproc-per-node", "4", "--max-restarts", "1", "--lease-ttl", "3",
+                                    str(script), str(out)],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = agent.communicate(timeout=150)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGTERM)
+            agent.wait(30)
+    assert agent.returncode == 0, log[-4000:]
+    res = {int(f.stem): json.loads(f.read_text()) for f in out.glob("*.json")}
+    assert sorted(res) == [0, 1, 2], log[-4000:]
+    members = [None] * 4
+    for r, d in res.items():
+        members[r] = d["member"]
+        assert d["size"] == 4
+        assert (d["SUM"], d["AVG"], d["MIN"], d["MAX"], d["PRODUCT"]) == ([10.0], [2.5], [1.0], [4.0], [24.0])
+        assert d["broadcast"] == [2.0]
+        assert d["all_gather"] == [[float(i)] * 3 for i in range(4)]
+        assert d["all_gather_into_tensor"] == [float(i) for i in range(4) for _ in range(3)]
+        # chunk r of sum_k (arange(8) + k) = 4 * arange + 6
+        assert d["reduce_scatter_tensor"] == [4.0 * (2 * r) + 6, 4.0 * (2 * r + 1) + 6]
+        assert len(d["async_contributors"]) == 4
+        assert "reduce" in d["reduce_error"] and "resilient" in d["reduce_error"]
+    assert res[1]["recv"] == [42.0, 43.0]
+    survivors = [res[r]["member"] for r in (0, 1, 2)]
+    for r, d in res.items():
+        k = d["after_kill"]
+        assert sorted(k["contributors"]) == sorted(survivors)
+        assert k["values"] == [2.0]  # (1 + 2 + 3) / 3: the mean over the contributors
+        assert k["size"] == 3 and k["world_members"] == [m for m in k["world_members"] if m in survivors]
+        assert k["rank"] == k["world_members"].index(d["member"])

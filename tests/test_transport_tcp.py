@@ -1,0 +1,159 @@
+"""TCP transport over real loopback sockets: framing, zero-copy receive, abort, resync of
+kept connections after an abort, digest mismatch, refused handshakes, corrupt frames,
+peer death (a real child process, SIGKILLed)."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from resilient.errors import FrameError, TransportAborted, TransportError
+from resilient.transport import frames
+from resilient.transport.base import OpMismatch
+from resilient.transport.tcp import TcpTransport
+
+
+@pytest.fixture
+def pair():
+    a, b = TcpTransport("a", "job"), TcpTransport("b", "job")
+    addrs = {"a": a.address, "b": b.address}
+    a.configure(1, "tok", addrs)
+    b.configure(1, "tok", addrs)
+    yield a, b, addrs
+    a.close()
+    b.close()
+
+
+def _both(a, ra, b, rb):
+    t = threading.Thread(target=lambda: a.wait([ra]))
+    t.start()
+    b.wait([rb])
+    t.join(10)
+    assert not t.is_alive()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.float16])
+def test_roundtrip_into_preallocated_buffer(pair, dtype):
+    a, b, _ = pair
+    x = (torch.arange(100_003) % 251).to(dtype)
+    y = torch.zeros_like(x)
+    _both(a, a.isend("b", x, 1, 7), b, b.irecv("a", y, 1, 7))
+    assert torch.equal(x, y)
+    assert a.stats.bytes_sent == b.stats.bytes_received == x.numel() * x.element_size()
+
+
+def test_zero_size_and_numpy(pair):
+    a, b, _ = pair
+    _both(a, a.isend("b", np.zeros(0, np.float32), 1, 0), b, b.irecv("a", np.zeros(0, np.float32), 1, 0))
+    x = np.arange(10, dtype=np.int32)
+    y = np.zeros_like(x)
+    _both(b, b.isend("a", x, 2, 0), a, a.irecv("b", y, 2, 0))
+    assert (x == y).all()
+
+
+def test_abort_unblocks_a_waiting_recv(pair):
+    a, b, _ = pair
+    y = np.zeros(10, np.float32)
+    threading.Timer(0.2, b.abort, args=("epoch 2 removed a",)).start()
+    with pytest.raises(TransportAborted, match="epoch 2"):
+        b.recv_into("a", y, 3, 0)  # a never sends: only the abort can end this
+
+
+def test_kept_connection_resyncs_after_mid_frame_abort(pair):
+    a, b, addrs = pair
+    big = np.ones(32 << 20, np.uint8)
+    sink = np.zeros_like(big)
+    s = a.isend("b", big, 0, 0)
+    r = b.irecv("a", sink, 0, 0)
+    b.wait([r], timeout=0.005)
+    a.wait([s], timeout=0.005)
+    a.abort("x")
+    b.abort("x")
+    for tr, req in ((a, s), (b, r)):
+        with pytest.raises(TransportAborted):
+            tr.wait([req])
+    conn_before = a._conns["b"].sock
+    a.configure(2, "tok2", addrs)
+    b.configure(2, "tok2", addrs)
+    z = np.arange(1000, dtype=np.int64)
+    rz = np.zeros_like(z)
+    _both(a, a.isend("b", z, 0, 5), b, b.irecv("a", rz, 0, 5))
+    assert (z == rz).all()
+    assert a._conns["b"].sock is conn_before  # the connection was kept, not rebuilt
+
+
+def test_digest_mismatch_fails_the_receive(pair):
+    a, b, _ = pair
+    y = np.zeros(4, np.float32)
+    s = a.isend("b", np.zeros(4, np.float32), 5, 0, digest=1)
+    t = threading.Thread(target=lambda: a.wait([s], timeout=5), daemon=True)
+    t.start()
+    with pytest.raises(OpMismatch):
+        b.wait([b.irecv("a", y, 5, 0, digest=2)])
+    t.join(10)
+
+
+def test_wrong_token_is_refused():
+    a, b = TcpTransport("a", "job"), TcpTransport("b", "job")
+    try:
+        addrs = {"a": a.address, "b": b.address}
+        a.configure(1, "good", addrs)
+        b.configure(1, "bad", addrs)
+        threading.Thread(target=lambda: b.wait([b.irecv("a", np.zeros(1), 1, 0)], timeout=5), daemon=True).start()
+        with pytest.raises(TransportError):
+            a.send("b", np.zeros(1 << 22), 1, 0)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_corrupt_header_is_a_frame_error(pair):
+    with pytest.raises(FrameError):
+        frames.decode_header(b"X" * frames.HEADER_SIZE)
+    raw = bytearray(frames.encode_header(frames.Header(frames.DATA, 1, 2, 3, 4)))
+    raw[20] ^= 0xFF
+    with pytest.raises(FrameError, match="checksum"):
+        frames.decode_header(bytes(raw))
+    # on the wire: a valid HELLO then garbage -> the waiting receive fails, nothing is written
+    a, b, addrs = pair
+    host, port = b.address.split(":")
+    s = socket.create_connection((host, int(port)))
+    hello = frames.encode_json({"job": "job", "epoch": 1, "token": "tok", "member": "a"})
+    s.sendall(frames.encode_header(frames.Header(frames.HELLO, 1, 0, 0, len(hello))) + hello + b"\x00" * 48)
+    y = np.zeros(4, np.float32)
+    with pytest.raises((FrameError, TransportError)):
+        b.recv_into("a", y, 1, 0)
+    assert not y.any()
+    s.close()
+
+
+def test_peer_killed_fails_requests_naming_it(tmp_path):
+    b = TcpTransport("b", "job")
+    code = (
+        "import sys, time, numpy as np\n"
+        "from resilient.transport.tcp import TcpTransport\n"
+        "a = TcpTransport('a', 'job'); print(a.address, flush=True)\n"
+        "baddr = sys.stdin.readline().strip()\n"
+        "a.configure(1, 't', {'a': a.address, 'b': baddr})\n"
+        "a.send('b', np.zeros(8), 1, 0); print('SENT', flush=True); time.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        aaddr = p.stdout.readline().strip()
+        b.configure(1, "t", {"a": aaddr, "b": b.address})
+        p.stdin.write(b.address + "\n")
+        p.stdin.flush()
+        b.recv_into("a", np.zeros(8), 1, 0)
+        assert p.stdout.readline().strip() == "SENT"
+        p.kill()
+        with pytest.raises(TransportError, match="member a"):
+            b.recv_into("a", np.zeros(8), 1, 1)
+    finally:
+        p.kill()
+        p.wait()
+        b.close()
