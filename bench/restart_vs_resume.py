@@ -32,17 +32,61 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "examples" / "train.py")
 
 
-def run(cmd: list[str], timeout: float) -> tuple[float, int, str]:
-    t0 = time.monotonic()
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    return kids
+
+
+def _start_time(pid: int) -> str | None:
     try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        return time.monotonic() - t0, 124, out
-    return time.monotonic() - t0, p.returncode, out
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def run(cmd: list[str], timeout: float) -> tuple[float, int, str]:
+    """Run a launcher; returns (wall seconds, exit code, output). Every process it spawned
+    (seen while it ran: a launcher may leave hung workers behind when it gives up) is
+    SIGKILLed by PID at the end if still alive (start time checked against PID reuse)."""
+    seen: dict[int, str] = {}
+    with tempfile.TemporaryFile("w+") as out:
+        t0 = time.monotonic()
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        rc = None
+        while rc is None:
+            kids, todo = _children(), [p.pid]
+            while todo:
+                for c in kids.get(todo.pop(), []):
+                    if c not in seen:
+                        st = _start_time(c)
+                        if st is not None:
+                            seen[c] = st
+                    todo.append(c)
+            try:
+                rc = p.wait(0.2)
+            except subprocess.TimeoutExpired:
+                if time.monotonic() - t0 > timeout:
+                    p.kill()
+                    rc = 124
+                    p.wait()
+        wall = time.monotonic() - t0
+        for pid, st in seen.items():
+            if _start_time(pid) == st:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        out.seek(0)
+        return wall, rc, out.read()
 
 
 def last_step(out: str) -> int:

@@ -13,12 +13,17 @@ How faults are injected (every signal goes to a PID this runner started):
 - time-triggered ``kill``/``hang``: SIGKILL / SIGSTOP (+ SIGCONT) at ``t0 + time_s``;
 - ``etcd_kill``: SIGKILL that etcd member (restarted after ``restart_after_s``);
 - ``coordinator_kill``: SIGKILL the coordinator whose id is under ``leader`` in etcd;
-- ``slow``, ``drop_link``, ``partition``: recorded as *skipped* until the transport exposes
-  fault hooks; ``netem``: skipped without root (the scenario's ``requires: [root]`` makes
-  ``resilient chaos run`` skip the whole scenario with a clear message first).
+- ``slow``, ``drop_link``, ``partition``: written into each affected member's shaping
+  file (``RESILIENT_SHAPING_FILE`` of :mod:`resilient.transport.shaping`, re-read by the
+  member's transport within 0.2 s): ``delay=``/``bw=`` for slow, ``drop=m<j>`` on both
+  ends of each cut link; removed again after ``duration_s`` (resilient backend only —
+  the oracle backend has no transport, so there they are recorded as skipped);
+  ``netem``: not implemented (skipped; without root the scenario's ``requires: [root]``
+  makes ``resilient chaos run`` skip the whole scenario with a clear message first).
 
 Like a node agent, the runner revokes the lease of a member whose process died, so the
-coordinator publishes the next epoch at once. ``t0`` (time zero of every time in the
+coordinator publishes the next epoch at once — unless the scenario says
+``detection: ttl``, which leaves the lease to expire after ``lease_ttl_s``. ``t0`` (time zero of every time in the
 log) is when the first epoch holding every member was seen; the runner then writes the
 ``go`` file the members wait for (protocol in :mod:`resilient.chaos.worker`).
 
@@ -45,7 +50,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from resilient.chaos.faults import Fault, FaultKind
 from resilient.chaos.scenario import Scenario, resolve_faults
@@ -53,13 +58,13 @@ from resilient.chaos.verifier import EpochEvent, FaultEvent, OpRecord, RunLog
 from resilient.chaos.worker import member_id, member_index
 from resilient.errors import ConfigError, ResilientError
 
-#: Faults the runner cannot inject yet, with the reason recorded in the report.
+#: Faults the runner cannot inject, with the reason recorded in the report.
 UNSUPPORTED = {
-    FaultKind.SLOW: "the transport exposes no delay/bandwidth hook yet",
-    FaultKind.DROP_LINK: "the transport exposes no link-drop hook yet",
-    FaultKind.PARTITION: "the transport exposes no partition hook yet",
     FaultKind.NETEM: "tc netem in network namespaces is not implemented in the runner yet",
 }
+#: Faults injected through the members' transport shaping files (resilient backend only).
+SHAPING_KINDS = frozenset({FaultKind.SLOW, FaultKind.DROP_LINK, FaultKind.PARTITION})
+ORACLE_NO_TRANSPORT = "the oracle backend has no transport to shape; run with the resilient backend"
 
 
 #: Duration workloads end this many ops past the furthest member when the time is up.
@@ -78,12 +83,10 @@ def runner_unavailable_reason(backend: str = "resilient") -> str | None:
     """``None`` when the runner can run with ``backend``; otherwise why not."""
     if backend == "oracle":
         return None
-    if importlib.util.find_spec("resilient.collectives.communicator") is None:
-        return ("the chaos runner's `resilient` backend is not available yet: it needs "
-                "resilient.collectives.Communicator, which is still being built. `--backend oracle` runs the "
-                "runner, fault injection and verifier end to end without it; `chaos check` and `chaos k8s` work now")
-    return ("the worker harness does not drive resilient.collectives.Communicator yet "
-            "(resilient/chaos/worker.py, backend `resilient`); use `--backend oracle` meanwhile")
+    if importlib.util.find_spec("torch") is None:
+        return ("the chaos runner's `resilient` backend needs torch (resilient.collectives.Communicator); "
+                "install the package with its dependencies, or use `--backend oracle` for a self-test of the runner")
+    return None
 
 
 def skip_reason(scenario: Scenario) -> str | None:
@@ -134,7 +137,19 @@ class ChaosRunner:
     """Runs one seed of one scenario; see the module docstring."""
 
     def __init__(self, scenario: Scenario, seed: int, workdir: str | os.PathLike | None = None,
-                 backend: str = "resilient", worker_args: Sequence[str] = (), start_timeout: float = 60.0) -> None:
+                 backend: str = "resilient", worker_args: Sequence[str] = (), start_timeout: float = 60.0,
+                 end_condition: Callable[["ChaosRunner"], bool] | None = None, end_deadline_s: float = 60.0,
+                 metrics: bool = False, on_finished: Callable[["ChaosRunner"], None] | None = None) -> None:
+        """``end_condition`` (duration workloads): the end is named only once the duration
+        is up *and* ``end_condition(runner)`` holds (e.g. "an epoch without member 2 was
+        published"), or ``end_deadline_s`` after the duration at the latest — so a test
+        waits on the condition instead of hoping it happens within a fixed time.
+
+        ``metrics``: serve real Prometheus endpoints — one node-agent ``/metrics``
+        (prometheus-client multiprocess mode) per member, as if each member ran on its own
+        node (:attr:`metrics_urls` ``member index -> URL``), and each coordinator's own
+        (:meth:`coordinator_metrics_url`). ``on_finished(runner)`` is called when every
+        op is done, while members, coordinators and endpoints are still up (to scrape)."""
         reason = runner_unavailable_reason(backend)
         if reason is not None:
             raise RunnerUnavailable(reason)
@@ -142,6 +157,10 @@ class ChaosRunner:
             raise RunnerUnavailable("training-script workloads need the launcher integration, not built yet")
         self.sc, self.seed, self.backend = scenario, seed, backend
         self.worker_args = list(worker_args)
+        self.end_condition, self.end_deadline_s = end_condition, end_deadline_s
+        self.metrics, self.on_finished = metrics, on_finished
+        self.metrics_urls: dict[int, str] = {}
+        self._metrics_servers: dict[int, object] = {}
         self.start_timeout = start_timeout
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix=f"resilient-chaos-{scenario.name}-"))
@@ -159,6 +178,8 @@ class ChaosRunner:
         self.end_op: int | None = None
         self.etcd = None
         self.store = None
+        self._shaping: dict[int, dict[int, str]] = {}  # member -> {fault id: spec items}
+        self._resuming: set[int] = set()  # stopped members a SIGCONT is scheduled for
 
     # -- processes ---------------------------------------------------------------------
 
@@ -177,17 +198,40 @@ class ChaosRunner:
             f"coordinator-{cid}", ["-c", "import sys; from resilient.cli import main; sys.exit(main())",
                                    "coordinator", "--etcd", self.etcd.endpoint_arg, "--job", self.job, "--id", cid,
                                    "--ttl", str(ttl), "--min-members", str(self.sc.world_size),
-                                   "--metrics-port", "-1"])
+                                   *(["--metrics-port", "0", "--metrics-host", "127.0.0.1"] if self.metrics
+                                     else ["--metrics-port", "-1"])])
+
+    def coordinator_metrics_url(self, cid: str, timeout: float = 10.0) -> str:
+        """The ``/metrics`` URL coordinator ``cid`` printed on start (``metrics=True``).
+        Raises :class:`RunnerError` when it printed none within ``timeout``."""
+        proc = self.coordinators[cid]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in proc.log_tail(200).splitlines():
+                if line.startswith("coordinator ") and " metrics http://" in line:
+                    return line.rsplit(" metrics ", 1)[1].strip() + "/metrics"
+            time.sleep(0.05)
+        raise RunnerError(f"coordinator {cid} printed no metrics URL within {timeout:g}s:\n{proc.log_tail()}")
 
     def _start_worker(self, i: int, scenario_path: Path) -> None:
         fps = [f.failpoint_spec() for f in self.faults
                if f.member == i and f.trigger.in_process]
-        env = {"RESILIENT_FAILPOINTS": ";".join(fps)} if fps else {"RESILIENT_FAILPOINTS": ""}
+        env = {"RESILIENT_FAILPOINTS": ";".join(fps), "RESILIENT_SHAPING_FILE": str(self._shaping_file(i))}
+        extra: list[str] = []
+        if self.metrics:
+            from resilient.metrics import prepare_multiprocess_dir, serve_node_metrics, worker_env
+
+            mdir = prepare_multiprocess_dir(self.workdir / "metrics" / member_id(i))
+            server = serve_node_metrics(mdir, port=0, addr="127.0.0.1")
+            self._metrics_servers[i] = server
+            self.metrics_urls[i] = f"http://127.0.0.1:{server.port}/metrics"
+            env.update(worker_env(mdir))
+            extra = ["--metrics"]
         proc = self._spawn(f"member-{i}", ["-m", "resilient.chaos.worker", "--scenario", str(scenario_path),
                                            "--member", str(i), "--seed", str(self.seed),
                                            "--etcd", self.etcd.endpoint_arg, "--job", self.job,
                                            "--records", str(self.records), "--backend", self.backend,
-                                           *self.worker_args], env=env, pipe=True)
+                                           *extra, *self.worker_args], env=env, pipe=True)
 
         def read_ready() -> None:
             for line in proc.popen.stdout:  # type: ignore[union-attr]
@@ -244,6 +288,8 @@ class ChaosRunner:
             if self.sc.workload.duration_s is not None:
                 self._later(self.sc.workload.duration_s, self._name_the_end)
             self._monitor()
+            if self.on_finished is not None:
+                self.on_finished(self)
             self._stop.set()
             injector.join(timeout=10)
         finally:
@@ -265,6 +311,11 @@ class ChaosRunner:
     def _name_the_end(self) -> None:
         """Duration is up: the op count is a few ops past the furthest member, so every
         member runs exactly the same ops (members read the ``end`` file before each op)."""
+        if self.end_condition is not None:
+            deadline = time.monotonic() + self.end_deadline_s
+            while not self.end_condition(self) and time.monotonic() < deadline:
+                if self._stop.wait(0.05):
+                    return
         furthest = -1
         for i in range(self.sc.world_size):
             path = self.records / f"member-{i}.jsonl"
@@ -315,6 +366,8 @@ class ChaosRunner:
         k, p, now = fault.kind, fault.params, self._now()
         if k in UNSUPPORTED:
             self._record(FaultEvent(k.value, now, fault.target_text(), skipped=UNSUPPORTED[k]))
+        elif k in SHAPING_KINDS:
+            self._inject_shaping(fault, now)
         elif k is FaultKind.KILL:
             proc = self.workers[p["member"]]
             self._record(FaultEvent(k.value, now, f"member {p['member']}", victim=p["member"]))
@@ -344,12 +397,67 @@ class ChaosRunner:
             if end is not None:
                 self._later(p["restart_after_s"], lambda: self._start_coordinator(f"{leader}r"))
 
+    def _shaping_file(self, member: int) -> Path:
+        return self.records / f"shaping-{member}"
+
+    def _set_shaping(self, member: int, key: int, items: str | None) -> None:
+        """Add (``items``) or remove (``None``) one fault's shaping on ``member``; the file
+        is replaced atomically so the member never reads half of it."""
+        with self._lock:
+            mine = self._shaping.setdefault(member, {})
+            if items is None:
+                mine.pop(key, None)
+            else:
+                mine[key] = items
+            text = ",".join(mine.values())
+            path = self._shaping_file(member)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(text)
+            tmp.rename(path)
+
+    def _inject_shaping(self, fault: Fault, now: float) -> None:
+        k, p = fault.kind, fault.params
+        if self.backend == "oracle":
+            self._record(FaultEvent(k.value, now, fault.target_text(), skipped=ORACLE_NO_TRANSPORT))
+            return
+        per_member: dict[int, list[str]] = {}
+        if k is FaultKind.SLOW:
+            items = []
+            if p.get("delay_ms"):
+                items.append(f"delay={float(p['delay_ms']):g}ms")
+            if p.get("bandwidth_mbit"):
+                items.append(f"bw={float(p['bandwidth_mbit']) * 125000:.0f}B/s")
+            per_member[p["member"]] = items or ["delay=0ms"]
+        elif k is FaultKind.DROP_LINK:
+            a, b = p["link"]
+            per_member = {a: [f"drop={member_id(b)}"], b: [f"drop={member_id(a)}"]}
+        else:  # partition: every member drops every member of the other groups
+            groups = [list(g) for g in p["groups"]]
+            for g in groups:
+                others = [m for h in groups if h is not g for m in h]
+                for m in g:
+                    per_member[m] = [f"drop={member_id(o)}" for o in others]
+        key = id(fault)
+        for m, items in per_member.items():
+            self._set_shaping(m, key, ",".join(items))
+        dur = fault.duration_s
+        self._record(FaultEvent(k.value, now, fault.target_text(), end_s=now + dur if dur else None))
+        if dur:
+            self._later(dur, lambda: [self._set_shaping(m, key, None) for m in per_member])
+
     def _hung(self, member: int, fault: Fault, at: float) -> None:
         resume = fault.params.get("resume_after_s")
         self._record(FaultEvent("hang", at, f"member {member}", victim=member,
                                 end_s=at + resume if resume else None))
         if resume:
-            self._later(resume, lambda: _signal(self.workers[member], signal.SIGCONT))
+            with self._lock:
+                self._resuming.add(member)
+
+            def resume_it() -> None:
+                _signal(self.workers[member], signal.SIGCONT)
+                with self._lock:
+                    self._resuming.discard(member)
+            self._later(resume, resume_it)
 
     def _monitor(self) -> None:
         """Watch members until every running member has finished or exited (a stopped one
@@ -368,9 +476,14 @@ class ChaosRunner:
                 code = proc.popen.poll()
                 if code is not None and i not in seen_dead:
                     seen_dead.add(i)
+                    if i in self._metrics_servers:  # node-agent duty: drop its live gauges
+                        from resilient.metrics import mark_worker_dead
+
+                        mark_worker_dead(proc.pid, self._metrics_servers[i].path)
                     if code == -signal.SIGKILL and i not in victims and i in in_process:
                         self._record(FaultEvent("kill", self._now(), f"member {i}", victim=i))
-                    if code != 0 and proc.lease_id is not None:  # node-agent duty: revoke at once
+                    if code != 0 and proc.lease_id is not None and self.sc.detection == "revoke":
+                        # node-agent duty: revoke at once
                         try:
                             revoke_member(self.store, self.job, member_id(i), proc.lease_id,
                                           reason=f"exit {code}")
@@ -385,7 +498,10 @@ class ChaosRunner:
                     sizes[i] = size
                     last_progress = time.monotonic()
             # live: running, not finished, not stopped (a resumed hang victim is waited for)
-            live = [i for i, p in self.workers.items() if p.alive() and not p.stopped()
+            # (and a stopped one whose SIGCONT is scheduled: what it does after it resumes counts)
+            with self._lock:
+                resuming = set(self._resuming)
+            live = [i for i, p in self.workers.items() if p.alive() and (not p.stopped() or i in resuming)
                     and not (self.records / f"done-{i}").exists()]
             if not live:
                 return
@@ -413,6 +529,8 @@ class ChaosRunner:
             except subprocess.TimeoutExpired:
                 _signal(proc, signal.SIGKILL)
                 proc.popen.wait(timeout=5)
+        for server in self._metrics_servers.values():
+            server.close()
         if self.store is not None:
             try:
                 self.store.close()
@@ -439,7 +557,10 @@ class ChaosRunner:
                                     end_s=None if end is None else end - self.t0,
                                     contributors=tuple(d["contributors"]) if d.get("contributors") else None,
                                     epoch=d.get("epoch"), error=d.get("error"), check=d.get("check"),
-                                    control=bool(d.get("control"))))
+                                    control=bool(d.get("control")),
+                                    out_range=tuple(d["out_range"]) if d.get("out_range") else None,
+                                    recovered=bool(d.get("recovered")),
+                                    bytes_after_fault=d.get("bytes_after_fault")))
         return out
 
 

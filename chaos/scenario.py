@@ -76,6 +76,10 @@ class Scenario:
     lease_ttl_s: float = 2.0
     requires: tuple[str, ...] = ()
     source: str = "<string>"
+    #: How a killed member's death reaches the coordinator: ``revoke`` (the runner revokes
+    #: its lease the moment it sees the exit, as the node agent does) or ``ttl`` (nobody
+    #: revokes; the lease expires after ``lease_ttl_s`` — the hang/node-loss path).
+    detection: str = "revoke"
 
     def fault_kinds(self) -> set[FaultKind]:
         return {f.kind for f in self.faults}
@@ -196,7 +200,7 @@ def _show(v: Any) -> str:
 # ---------------------------------------------------------------------------------------
 
 _TOP = ("name", "description", "world_size", "etcd_members", "coordinators", "seeds", "op_timeout_s",
-        "lease_ttl_s", "requires", "workload", "faults")
+        "lease_ttl_s", "detection", "requires", "workload", "faults")
 _WORKLOAD = ("ops", "duration_s", "mix", "script", "args")
 _OPSPEC = ("collective", "op", "dtype", "numel", "root", "weight")
 _TRIGGER = ("time_s", "op", "phase", "progress")
@@ -229,6 +233,7 @@ def parse_scenario(text: str, source: str = "<string>") -> Scenario:
     seeds = p.integer(top["seeds"][1], "seeds", 1) if "seeds" in top else 2
     op_timeout = p.number(top["op_timeout_s"][1], "op_timeout_s", 0, exclusive_min=True) if "op_timeout_s" in top else 30.0
     ttl = p.number(top["lease_ttl_s"][1], "lease_ttl_s", 0, exclusive_min=True) if "lease_ttl_s" in top else 2.0
+    detection = p.string(top["detection"][1], "detection", ("revoke", "ttl")) if "detection" in top else "revoke"
     requires: list[str] = []
     if "requires" in top:
         for i, n in enumerate(p.sequence(top["requires"][1], "requires")):
@@ -242,7 +247,8 @@ def parse_scenario(text: str, source: str = "<string>") -> Scenario:
             faults.append(_parse_fault(p, n, f"faults[{i}]", world, etcd_members, coordinators, requires))
     return Scenario(name=name, description=description, world_size=world, workload=workload,
                     faults=tuple(faults), etcd_members=etcd_members, coordinators=coordinators, seeds=seeds,
-                    op_timeout_s=op_timeout, lease_ttl_s=ttl, requires=tuple(requires), source=source)
+                    op_timeout_s=op_timeout, lease_ttl_s=ttl, requires=tuple(requires), source=source,
+                    detection=detection)
 
 
 def _parse_workload(p: _Parser, node: yaml.Node, world: int) -> Workload:

@@ -68,6 +68,23 @@ def _failpoints(member: int) -> dict[int, str]:
     return out
 
 
+def _take_op_start_failpoints() -> dict[int, str]:
+    """Remove phase-less entries (``kill@op=N``: fire as op N starts) from
+    ``RESILIENT_FAILPOINTS`` and return them as ``op -> action``: the worker fires those
+    itself; the rest (with a phase) are left for :mod:`resilient.collectives.failpoints`,
+    which must be imported only after this ran."""
+    keep, out = [], {}
+    for entry in filter(None, (e.strip() for e in os.environ.get("RESILIENT_FAILPOINTS", "").split(";"))):
+        action, _, rest = entry.partition("@")
+        fields = dict(kv.split("=", 1) for kv in rest.split(",") if "=" in kv)
+        if "phase" in fields:
+            keep.append(entry)
+        elif "op" in fields:
+            out[int(fields["op"])] = action
+    os.environ["RESILIENT_FAILPOINTS"] = ";".join(keep)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scenario", required=True)
@@ -79,6 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", choices=("resilient", "oracle"), default="resilient")
     p.add_argument("--pace-s", type=float, default=0.02, help="oracle: seconds per op")
     p.add_argument("--oracle-bug", choices=("contributors",), default=None)
+    p.add_argument("--bug", choices=("full-contributors",), default=None,
+                   help="resilient: DELIBERATELY BROKEN BUILD for the checker's self-test — report the op's full "
+                        "original member set instead of the contributors the communicator's ledger reported")
+    p.add_argument("--comm-op-timeout", type=float, default=5.0,
+                   help="resilient: seconds a peer wait lasts before the peer is reported suspect")
+    p.add_argument("--metrics", action="store_true",
+                   help="resilient: record rank metrics (PROMETHEUS_MULTIPROC_DIR names where) via the Communicator")
     args = p.parse_args(argv)
 
     from resilient.coordinator.epoch import EpochWatcher
@@ -89,8 +113,18 @@ def main(argv: list[str] | None = None) -> int:
     records = Path(args.records)
     out = open(records / f"member-{args.member}.jsonl", "a", buffering=1)
     mid = member_id(args.member)
+    transport = None
+    op_start: dict[int, str] = {}
+    if args.backend == "resilient":
+        op_start = _take_op_start_failpoints()  # before resilient.collectives parses the rest
+        from resilient.transport.shaping import shaped_from_env
+        from resilient.transport.tcp import TcpTransport
+
+        transport = shaped_from_env(TcpTransport(mid, args.job))
+        import resilient.collectives  # noqa: F401  (torch: paid before READY, not inside the timed run)
     store = Store(args.etcd)
-    session = MemberSession.register(store, args.job, MemberInfo(member_id=mid), ttl=sc.lease_ttl_s)
+    info = MemberInfo(member_id=mid, address=transport.address if transport is not None else "")
+    session = MemberSession.register(store, args.job, info, ttl=sc.lease_ttl_s)
     watcher = EpochWatcher(store, args.job)
     print(f"READY {mid} {session.lease_id} {os.getpid()}", flush=True)
     go = records / "go"
@@ -100,12 +134,12 @@ def main(argv: list[str] | None = None) -> int:
             print("no go file from the runner within 120 s (or the runner died)", file=sys.stderr)
             return 2
         time.sleep(0.01)
-    if args.backend != "oracle":
-        raise SystemExit("the resilient backend needs resilient.collectives.Communicator, which is not built yet")
 
     progress = {"seq": 0}
     try:
-        return _run_ops(args, sc, out, session, watcher, records, progress)
+        if args.backend == "oracle":
+            return _run_ops(args, sc, out, session, watcher, records, progress)
+        return _run_ops_resilient(args, sc, out, session, watcher, store, transport, records, progress, op_start)
     except Exception as exc:  # record why, and exit now: lingering threads must not keep us alive
         out.write(json.dumps({"seq": progress["seq"], "start": time.time(), "end": None,
                               "error": f"{type(exc).__name__}: {exc}"}) + "\n")
@@ -115,6 +149,132 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
+
+
+def _run_one(comm, spec, x, member: int):
+    """Run one op on the real communicator. Returns ``(result numpy array or None,
+    contributor member ids, out_range or None)``. Exceptions propagate."""
+    import numpy as np
+    import torch
+
+    if spec.collective == "allreduce":
+        t = torch.from_numpy(x.copy())
+        w = comm.allreduce(t, op=spec.op or "sum")
+        return t.numpy(), w.contributors, None
+    if spec.collective == "reduce_scatter":
+        n, rank = comm.size, comm.rank
+        m = -(-spec.numel // n)
+        padded = np.zeros(n * m, dtype=x.dtype)
+        padded[:spec.numel] = x
+        ins = [torch.from_numpy(padded[c * m:(c + 1) * m].copy()) for c in range(n)]
+        out = torch.empty(m, dtype=ins[0].dtype)
+        w = comm.reduce_scatter(out, ins, op=spec.op or "sum")
+        start, stop = min(rank * m, spec.numel), min((rank + 1) * m, spec.numel)
+        return out.numpy()[:stop - start], w.contributors, (start, stop)
+    if spec.collective == "allgather":
+        t = torch.from_numpy(x.copy())
+        outs = [torch.empty_like(t) for _ in range(comm.size)]
+        w = comm.allgather(outs, t)
+        return torch.cat(outs).numpy(), w.contributors, None
+    if spec.collective == "broadcast":
+        # the scenario's root if it is still a member, else the first member (every
+        # member sees the same member list between ops)
+        members = comm.members
+        root = member_id(spec.root) if member_id(spec.root) in members else members[0]
+        t = torch.from_numpy(x.copy())
+        w = comm.broadcast(t, root=members.index(root))
+        return t.numpy(), w.contributors, None
+    if spec.collective == "barrier":
+        w = comm.barrier()
+        return None, w.contributors, None
+    raise ValueError(f"unknown collective {spec.collective!r}")
+
+
+def _run_ops_resilient(args, sc, out, session, watcher, store, transport, records: Path, progress: dict,
+                       op_start: dict[int, str]) -> int:
+    """The ``resilient`` backend: every op through a real
+    :class:`~resilient.collectives.Communicator` over etcd + TCP (+ shaping)."""
+    from resilient.collectives import Communicator
+    from resilient.collectives.group import EtcdGroupView
+    from resilient.errors import RemovedFromGroup
+
+    kwargs = {}
+    if args.metrics:
+        from resilient.metrics import rank_metrics
+
+        kwargs["metrics"] = rank_metrics()
+    comm = Communicator(EtcdGroupView(store, args.job, session, watcher), transport,
+                        op_timeout=args.comm_op_timeout, epoch_timeout=max(60.0, sc.op_timeout_s), **kwargs)
+    end_file, end = records / "end", sc.workload.ops
+    seq, rc = -1, 0
+    while True:
+        seq += 1
+        if end is None and end_file.exists():
+            end = int(end_file.read_text())
+        if end is not None and seq >= end:
+            break
+        if _orphaned():
+            os._exit(4)
+        start = time.time()
+        progress["seq"] = seq
+        out.write(json.dumps({"seq": seq, "start": start}) + "\n")
+        action = op_start.get(seq)
+        if action is not None:
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGSTOP)
+        spec = op_spec_for(seq, args.seed, sc.workload.mix)
+        x = make_input(args.member, seq, args.seed, spec)
+        original = tuple(member_index(m) for m in comm.members)
+        sent0 = transport.stats.bytes_sent
+        try:
+            result, contributors, out_range = _run_one(comm, spec, x, args.member)
+        except RemovedFromGroup as exc:
+            out.write(json.dumps({"seq": seq, "start": start, "end": None,
+                                  "error": f"RemovedFromGroup: {exc}"}) + "\n")
+            rc = 3
+            break
+        except Exception as exc:  # an op that raised is a lost op: record it, go on with the next
+            out.write(json.dumps({"seq": seq, "start": start, "end": None,
+                                  "error": f"{type(exc).__name__}: {exc}"}) + "\n")
+            continue
+        end_t = time.time()
+        reported = tuple(member_index(m) for m in contributors)
+        if args.bug == "full-contributors" and spec.collective != "broadcast":
+            reported = original  # the deliberately broken build: ledger contributor tracking ignored
+        check = "ok"
+        if result is not None:
+            try:
+                mismatch = compare(result, expected_output(spec, seq, args.seed, reported, out_range), spec.dtype)
+            except ValueError as exc:
+                mismatch = None
+                check = str(exc)
+            if mismatch is not None:
+                check = mismatch.reason
+                if mismatch.index is not None:
+                    check += f"; first at [{mismatch.index}]: got {mismatch.got!r}, expected {mismatch.want!r}"
+        rec = comm.last_recovery if comm.last_recovery and comm.last_recovery.get("seq") == seq else None
+        current = watcher.current()
+        out.write(json.dumps({
+            "seq": seq, "start": start, "end": end_t, "contributors": list(reported),
+            "epoch": current.number if current else None, "check": check,
+            "out_range": list(out_range) if out_range else None, "recovered": rec is not None,
+            "bytes_after_fault": int(rec["bytes_sent"]) if rec else None,
+            "bytes_sent": transport.stats.bytes_sent - sent0,
+            "recovery_s": float(rec["seconds"]) if rec else None}) + "\n")
+    out.close()
+    (records / f"done-{args.member}").write_text("")
+    stop_file = records / "stop"  # stay a member: peers may still need our retained ledger
+    while rc == 0 and not stop_file.exists() and not session.lost.is_set() and not _orphaned():
+        time.sleep(0.02)
+    try:
+        comm.close()
+        watcher.close()
+        session.close(revoke=True, reason="finished")
+        transport.close()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)  # lingering transport / watch threads must not keep a finished member alive
 
 
 def _run_ops(args, sc, out, session, watcher, records: Path, progress: dict) -> int:

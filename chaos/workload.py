@@ -21,7 +21,9 @@ Semantics the verifier assumes (the collectives' contract, DESIGN §3):
 - ``allreduce``: output = reduce over the contributors' inputs (``avg``: sum / k).
 - ``reduce_scatter``: output = that reduction, sliced ``[start:stop]`` as the member reports.
 - ``allgather``: output = the contributors' inputs concatenated in the reported order.
-- ``broadcast``: output = the root's input (the contributor set is ``(root,)``).
+- ``broadcast``: output = the root's input; the contributor set is exactly the root that
+  broadcast — the spec's ``root``, or (when that member was lost before the op) the
+  member the harness broadcast from instead.
 - ``barrier``: no output; only completion is checked.
 """
 from __future__ import annotations
@@ -100,16 +102,17 @@ def expected_output(spec: OpSpec, seq: int, seed: int, contributors: Sequence[in
     """Independent expected output of op ``seq`` for ``contributors``.
 
     Raises ``ValueError`` for an empty contributor set, a broadcast whose contributor set
-    is not exactly its root, or an ``out_range`` outside the reduced vector.
+    is not exactly one member, or an ``out_range`` outside the reduced vector.
     """
     if spec.collective == "barrier":
         return Expected(None)
     if not contributors:
         raise ValueError("an empty contributor set has no defined result")
     if spec.collective == "broadcast":
-        if tuple(contributors) != (spec.root,):
-            raise ValueError(f"broadcast from root {spec.root} reported contributors {tuple(contributors)}")
-        return Expected(make_input(spec.root, seq, seed, spec))
+        if len(contributors) != 1:
+            raise ValueError(f"broadcast (root {spec.root}) reported contributors {tuple(contributors)}; "
+                             "a broadcast has exactly one: its root")
+        return Expected(make_input(contributors[0], seq, seed, spec))
     inputs = np.stack([make_input(m, seq, seed, spec) for m in contributors])
     if spec.collective == "allgather":
         return Expected(inputs.reshape(-1))

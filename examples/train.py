@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import resilient  # noqa: F401 - registers the backend
     from resilient.ddp import ContributorTracker, make_elastic
-    from resilient.elastic import ElasticSampler, State
+    from resilient.elastic import ElasticSampler, State, TrainingFinished
 
     t_init = time.time()
     dist.init_process_group(args.backend)
@@ -97,7 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.backend == "resilient":
             received = state.syncs_received
             t_sync = time.time()
-            changed = state.sync()
+            try:
+                changed = state.sync()
+            except TrainingFinished as exc:  # restarted after the others were done
+                print(f"[train] {exc}", flush=True)
+                break
             step = state.step
             if changed and step > 0:  # the world changed or a joiner got the live state
                 ev = {"event": "synced" if state.syncs_received != received else "world_changed", "step": step,
@@ -162,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         if log:
             log.write(line + "\n")
             log.flush()
+    if args.backend == "resilient":
+        state.finish()
     if log:
         log.close()
     dist.destroy_process_group()

@@ -122,8 +122,11 @@ def test_reduce_scatter_allgather_broadcast_expectations():
     assert compare(got, expected_output(ag, 1, 2, (0, 2)), "int32") is not None
     bc = OpSpec("broadcast", "float32", 10, root=1)
     assert compare(make_input(1, 1, 2, bc), expected_output(bc, 1, 2, (1,)), "float32") is None
-    with pytest.raises(ValueError, match="root 1"):
-        expected_output(bc, 1, 2, (0,))
+    # the root was lost before the op: the member broadcast from instead is the contributor
+    assert compare(make_input(0, 1, 2, bc), expected_output(bc, 1, 2, (0,)), "float32") is None
+    assert compare(make_input(1, 1, 2, bc), expected_output(bc, 1, 2, (0,)), "float32") is not None
+    with pytest.raises(ValueError, match="exactly one"):
+        expected_output(bc, 1, 2, (0, 1))
 
 
 # ---- the verifier over whole runs -------------------------------------------------------

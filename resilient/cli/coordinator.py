@@ -30,7 +30,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-host", default="0.0.0.0", help="address for /metrics and /healthz")
     parser.add_argument("--metrics-port", type=int, default=9401,
                         help="port for /metrics and /healthz (default 9401; 0 = any free port; -1 = off)")
+    parser.add_argument("--straggler-policy", choices=("off", "demote"), default="demote",
+                        help="demote: confirmed stragglers move to a leaf position (their input still "
+                             "counts; promoted back when healthy) and slow links are kept out of the ring; "
+                             "off: health records are ignored (default demote)")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+
+
+def health_policy_from_args(args: argparse.Namespace):
+    """``--straggler-policy``: ``demote`` -> a :class:`StragglerPolicy` with the default
+    :class:`StragglerConfig` (sustained >= 10 % shift for 3 windows to suspect, 5 clear
+    windows to promote back); ``off`` -> :func:`no_demotion`.
+
+    Why ``demote`` is the default: demotion is lossless (the leaf path keeps the member's
+    input in every result and ``contributors``), it needs a sustained shift over several
+    windows (one hiccup never flaps the ring), promotion back has its own hysteresis, and
+    without health records (no reporter running) it never acts. ``off`` is for A/B runs
+    (``bench/straggler.py``) and for jobs that must never re-plan for health."""
+    from resilient.coordinator.health import StragglerPolicy, no_demotion
+    from resilient.coordinator.straggler import StragglerConfig
+
+    if getattr(args, "straggler_policy", "demote") == "off":
+        return no_demotion
+    return StragglerPolicy(StragglerConfig())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     store = store_from_args(args)
     store.revision()  # fail fast (StoreUnavailable after --etcd-timeout) on a wrong endpoint
     metrics = CoordinatorMetrics()
-    coordinator = Coordinator(store, args.job, coordinator_id=args.id, config=config, metrics=metrics)
+    coordinator = Coordinator(store, args.job, coordinator_id=args.id, config=config, metrics=metrics,
+                              health_policy=health_policy_from_args(args))
     server = None
     if args.metrics_port >= 0:
         try:

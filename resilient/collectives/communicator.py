@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from resilient.collectives.algorithms import ChainBroadcast, OpContext, RecursiveDoubling, RingReduceScatterAllgather
+from resilient.collectives.algorithms.leaf import LeafPath
 from resilient.collectives.group import GroupView, addresses_of
 from resilient.collectives.ledger import Ledger, decode_status, encode_status, split
 from resilient.collectives.recovery import PieceKind, Policy, members_of
@@ -86,7 +87,8 @@ class Communicator:
     def __init__(self, view: GroupView, transport: Transport, *, policy: Policy | str = Policy.DEFAULT,
                  op_timeout: float | None = 30.0, small_bytes: int = 64 << 10, slice_bytes: int = 1 << 20,
                  max_slices: int = 64, recovery_timeout: float = 300.0, epoch_timeout: float = 60.0,
-                 ledger: bool = True) -> None:
+                 ledger: bool = True, joining: bool | None = None, health_reporter: Any = None,
+                 metrics: Any = None) -> None:
         self.view, self.transport = view, transport
         self.member_id = view.member_id
         self.policy = Policy.parse(policy)
@@ -98,9 +100,25 @@ class Communicator:
         self._group = set(epoch.members)
         self._epoch = epoch
         self._lock = threading.Lock()
+        self.health_reporter = health_reporter
+        self._metrics = metrics
+        self._published: dict[int, int] = {}  # epoch -> the next op seq this member announced there
+        self._switch: tuple[int, Any] | None = None  # (op seq, epoch) at which to adopt a growing epoch
         self._enter(epoch)
         self._status_epoch = epoch.number
         self._seq = 0
+        if joining is None:
+            joining = getattr(epoch, "cause", "initial") != "initial" and self.member_id in (getattr(epoch, "added", ()) or ())
+        if joining:
+            # Admitted at an op boundary: the group's members announce under epochs/<n>/
+            # the op seq at which they adopt this epoch; we start there.
+            olds = [m for m in epoch.members if m not in (getattr(epoch, "added", ()) or ())]
+            raw = view.wait_blobs(epoch.number, "joinseq", olds, epoch_timeout) if olds else {}
+            self._seq = max((int(json.loads(v)["seq"]) for v in raw.values()), default=0)
+            log.info("member %s joins epoch %d at op #%d", self.member_id, epoch.number, self._seq)
+        else:
+            self._announce(epoch.number)
+        self._set_epoch_metrics()
         self._p2p: dict[tuple[str, str], int] = {}
         self._retained: Ledger | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"resilient-ops:{self.member_id}")
@@ -120,6 +138,34 @@ class Communicator:
         """Watch thread: abort the transport at once when an epoch removes a member."""
         if e.number > self._epoch.number and self._removes(e):
             self.transport.abort(f"epoch {e.number} removed {sorted(set(self._members()) - set(e.members))}")
+        elif e.number > self._epoch.number:
+            try:
+                self._announce(e.number)
+            except Exception as exc:  # noqa: BLE001 - the op thread announces at its next boundary
+                log.warning("could not announce op seq for epoch %d: %s", e.number, exc)
+
+    def _announce(self, number: int) -> int:
+        """Publish (once per epoch) the first op seq this member has not started yet; from
+        then on it starts no op of that seq or later in an older epoch."""
+        with self._lock:
+            if number in self._published:
+                return self._published[number]
+            self._published[number] = seq = self._seq
+        self.view.put_blob(number, "joinseq", json.dumps({"seq": seq}).encode())
+        return seq
+
+    def _adopt_growing(self, e: Any) -> None:
+        """At an op boundary: agree with the group on the op seq at which the epoch ``e``
+        (which removes no member of ours: joiners, role changes) takes effect — the
+        largest seq any member announced — and adopt it there. Raises ``EpochChanged``
+        (a StoreError) when a newer epoch supersedes ``e`` meanwhile, TimeoutError after
+        ``epoch_timeout`` if a member never announces (its lease then expires and the
+        next epoch removes it)."""
+        self._announce(e.number)
+        olds = [m for m in self._members() if m in e.members]
+        raw = self.view.wait_blobs(e.number, "joinseq", olds, self.epoch_timeout)
+        at = max(int(json.loads(v)["seq"]) for v in raw.values())
+        self._switch = (at, e)
 
     def _enter(self, e: Any) -> None:
         self._epoch = e
@@ -158,7 +204,7 @@ class Communicator:
         t = _as_tensor(tensor, "allreduce tensor")
         rop = ReduceOp.parse(op)
         desc = {"k": "allreduce", "shape": list(t.shape), "dtype": str(t.dtype), "op": rop.value}
-        return self._submit(lambda: self._reduce(t, rop, desc, policy), async_op)
+        return self._submit(lambda: self._reduce(t, rop, desc, policy), async_op, "allreduce", t.numel() * t.element_size())
 
     def reduce_scatter(self, output: Any, inputs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM,
                        async_op: bool = False, policy: Policy | str | None = None) -> Any:
@@ -166,23 +212,25 @@ class Communicator:
         ins = [_as_tensor(x, f"reduce_scatter input {i}") for i, x in enumerate(inputs)]
         rop = ReduceOp.parse(op)
         desc = {"k": "reduce_scatter", "shape": list(out.shape), "dtype": str(out.dtype), "op": rop.value, "n": len(ins)}
-        return self._submit(lambda: self._reduce_scatter(out, ins, rop, desc, policy), async_op)
+        return self._submit(lambda: self._reduce_scatter(out, ins, rop, desc, policy), async_op, "reduce_scatter",
+                            sum(x.numel() * x.element_size() for x in ins))
 
     def allgather(self, outputs: Sequence[Any], tensor: Any, async_op: bool = False) -> Any:
         t = _as_tensor(tensor, "allgather tensor")
         outs = [_as_tensor(x, f"allgather output {i}") for i, x in enumerate(outputs)]
         desc = {"k": "allgather", "shape": list(t.shape), "dtype": str(t.dtype), "n": len(outs)}
-        return self._submit(lambda: self._allgather(outs, t, desc), async_op)
+        return self._submit(lambda: self._allgather(outs, t, desc), async_op, "allgather",
+                            t.numel() * t.element_size() * len(outs))
 
     def broadcast(self, tensor: Any, root: int = 0, async_op: bool = False) -> Any:
         t = _as_tensor(tensor, "broadcast tensor")
         desc = {"k": "broadcast", "shape": list(t.shape), "dtype": str(t.dtype), "root": int(root)}
-        return self._submit(lambda: self._broadcast(t, int(root), desc), async_op)
+        return self._submit(lambda: self._broadcast(t, int(root), desc), async_op, "broadcast", t.numel() * t.element_size())
 
     def barrier(self, async_op: bool = False) -> Any:
         t = torch.zeros(1, dtype=torch.int32)
         desc = {"k": "barrier"}
-        return self._submit(lambda: self._reduce(t, ReduceOp.SUM, desc, None), async_op)
+        return self._submit(lambda: self._reduce(t, ReduceOp.SUM, desc, None), async_op, "barrier")
 
     def send(self, tensor: Any, dst: int, tag: int = 0, async_op: bool = False) -> Any:
         t = _as_tensor(tensor, "send tensor")
@@ -201,30 +249,120 @@ class Communicator:
         return self._members().index(self.member_id)
 
     @property
+    def next_seq(self) -> int:
+        """The sequence number the next collective will get (a joiner starts at the
+        group's; all members call ops in the same order)."""
+        return self._seq
+
+    @property
     def size(self) -> int:
         return len(self._members())
 
-    def close(self) -> None:
+    def close(self, linger: float = 0.0, leave: bool = False) -> None:
+        """Finish the queued ops, then make leaving safe for the peers.
+
+        A peer may still be finishing our last op after a failure and need our kept
+        result: if an epoch that removes a member is already published (or arrives within
+        ``linger`` seconds), this member first takes part in that recovery from its
+        retained result (:meth:`_serve_retained`). With ``leave=True`` it then ends its
+        membership (revokes its lease through the group view), so peers that would need
+        it later see an epoch change at once instead of waiting for it. Never raises for
+        a failed peer; bounded by ``linger`` + one recovery."""
         if self._closed:
             return
         self._closed = True
+        self._pool.shutdown(wait=True)
+        try:
+            self._serve_retained(linger)
+        except Exception as exc:  # noqa: BLE001 - best effort on the way out
+            log.info("close: serving the retained result of op #%s failed: %s",
+                     self._retained.seq if self._retained else None, exc)
         try:
             self._unsub()
         except Exception:  # noqa: BLE001
             pass
-        self._pool.shutdown(wait=True)
+        if leave and hasattr(self.view, "leave"):
+            try:
+                self.view.leave("closed")
+            except Exception as exc:  # noqa: BLE001
+                log.info("close: leaving failed (the lease TTL removes this member): %s", exc)
+
+    def _serve_retained(self, linger: float) -> None:
+        """Join a recovery of our last op from its retained result (see :meth:`close`)."""
+        from resilient.collectives.algorithms import OpContext as _Ctx
+        from resilient.coordinator.epoch import EpochChanged
+
+        R = self._retained
+        if R is None:
+            return
+        end = time.monotonic() + linger
+        while True:
+            e = self.view.current()
+            if e is None or e.number <= self._status_epoch or self.member_id not in e.members or not self._removes(e):
+                if time.monotonic() >= end:
+                    return
+                try:
+                    self.view.wait_for(lambda x: x.number > max(self._status_epoch, self._epoch.number),
+                                       max(0.01, end - time.monotonic()))
+                except TimeoutError:
+                    return
+                continue
+            self._enter(e)
+            survivors = [m for m in e.members if m in R.members]
+            self.view.put_blob(e.number, "ledger", encode_status(self.member_id, None, R))
+            try:
+                raw = self.view.wait_blobs(e.number, "ledger", survivors, max(1.0, end - time.monotonic()))
+            except EpochChanged:
+                continue
+            except TimeoutError:
+                return
+            self._status_epoch = e.number
+            statuses = {m: decode_status(v) for m, v in raw.items()}
+            inflight = [st["inflight"]["seq"] for st in statuses.values() if st.get("inflight")]
+            if inflight and min(inflight) == R.seq:
+                ctx = _Ctx(self.transport, R, ReduceOp.SUM, self.op_timeout, self._suspect, e.number)
+                execute_plan(ctx, build_plan(R, survivors, statuses, self.policy))
+            return
 
     # -- plumbing -----------------------------------------------------------------------
 
-    def _submit(self, fn: Callable[[], OpResult], async_op: bool) -> Any:
+    def _submit(self, fn: Callable[[], OpResult], async_op: bool, kind: str = "", nbytes: int = 0) -> Any:
         if self._closed:
             raise ConfigError("the communicator is closed")
+        if kind:
+            inner = fn
+
+            def fn() -> OpResult:  # noqa: F811 - timed wrapper
+                t0 = time.monotonic()
+                res = inner()
+                self._op_finished(kind, time.monotonic() - t0, nbytes)
+                return res
         fut: Future = self._pool.submit(fn)
         work = Work(fut)
         if async_op:
             return work
         fut.result()
         return work
+
+    def _op_finished(self, kind: str, seconds: float, nbytes: int) -> None:
+        """Per op (never per slice): metrics and the health reporter; neither may fail an op."""
+        if self._metrics is not None:
+            try:
+                self._metrics.record_collective(kind, seconds, nbytes)
+            except Exception as exc:  # noqa: BLE001
+                log.debug("metrics: %s", exc)
+        if self.health_reporter is not None:
+            try:
+                self.health_reporter.op_done(self._epoch.number, seconds)
+            except Exception as exc:  # noqa: BLE001
+                log.debug("health reporter: %s", exc)
+
+    def _set_epoch_metrics(self) -> None:
+        if self._metrics is not None:
+            try:
+                self._metrics.set_epoch(self._epoch.number, len(self._members()))
+            except Exception as exc:  # noqa: BLE001
+                log.debug("metrics: %s", exc)
 
     def _slices_for(self, nbytes: int, n: int) -> int:
         per_chunk = max(1, nbytes // max(1, n))
@@ -239,23 +377,57 @@ class Communicator:
         except Exception as exc:  # noqa: BLE001 - the report is advisory
             log.warning("could not report %s as suspect: %s", peer, exc)
 
-    def _run(self, desc: dict, build: Callable[[list[str], int, int, int], tuple[Ledger, Any]]) -> Ledger:
-        """Run one op with recovery; returns its completed ledger."""
-        seq = self._seq
-        self._seq += 1
-        digest = self._digest(desc)
+    def _boundary(self) -> bool:
+        """Before an op: adopt newer epochs. Returns whether the op must start with a
+        ledger-status exchange (an epoch removed a member)."""
+        from resilient.coordinator.epoch import EpochChanged
+
         if self.view.session_lost() and self.member_id not in (self.view.current() or self._epoch).members:
             raise RemovedFromGroup(f"member {self.member_id} lost its lease; it is no longer in the job")
-        newest = self.view.current()
-        need_status = False
-        if newest is not None and newest.number > self._epoch.number:
+        while True:
+            newest = self.view.current()
+            if newest is None or newest.number <= self._epoch.number:
+                break
             if self.member_id not in newest.members:
                 raise RemovedFromGroup(f"member {self.member_id} is not in epoch {newest.number}: it was removed "
                                        "from the job (lease expired or evicted); restart it as a joiner")
             if self._removes(newest):
-                need_status = True
-            else:
-                self._enter(newest)
+                self._switch = None
+                return True
+            if self._switch is not None and self._switch[1].number == newest.number:
+                break
+            try:
+                self._adopt_growing(newest)
+            except EpochChanged:
+                continue
+            except TimeoutError as exc:
+                raise CollectiveError(f"epoch {newest.number} adds members but not every member announced its op "
+                                      f"sequence number within {self.epoch_timeout}s: {exc}") from None
+            break
+        if self._switch is not None and self._seq >= self._switch[0]:
+            e = self._switch[1]
+            self._switch = None
+            self._group |= set(e.members)
+            self._enter(e)
+            self._set_epoch_metrics()
+            log.info("member %s adopted epoch %d at op #%d (members %s)", self.member_id, e.number, self._seq,
+                     list(e.members))
+        return False
+
+    def _run(self, desc: dict, build: Callable[[list[str], int, int, int], tuple[Ledger, Any]]) -> Ledger:
+        """Run one op with recovery; returns its completed ledger."""
+        while True:
+            need_status = self._boundary()
+            with self._lock:
+                # an epoch announced (by the watch thread) after _boundary looked: resolve it
+                # first, this op must not start in the older epoch
+                late = [n for n, v in self._published.items() if n > self._epoch.number and v <= self._seq
+                        and not (self._switch is not None and self._switch[1].number >= n)]
+                if need_status or not late:
+                    seq = self._seq
+                    self._seq += 1
+                    break
+        digest = self._digest(desc)
         while True:
             members = self._members()
             L, algo = build(members, members.index(self.member_id), seq, digest)
@@ -346,7 +518,24 @@ class Communicator:
             self.last_recovery = {"seq": L.seq, "epoch": e.number, "seconds": time.monotonic() - t0,
                                   "bytes_sent": self.transport.stats.bytes_sent - sent0,
                                   "contributors": members_of(plan.need[0], L.members) if plan.need else []}
+            self._record_recovery(e, L)
             return "done"
+
+    def _record_recovery(self, e: Any, L: Ledger) -> None:
+        """Metrics of one finished recovery: cause (from the epoch), time, bytes resent and
+        bytes saved versus redoing the op from scratch (2(n-1)/n of the op's bytes each)."""
+        self._set_epoch_metrics()
+        if self._metrics is None or self.last_recovery is None:
+            return
+        cause = {"member_lost": "member_lost", "lease_expired": "lease_expired",
+                 "suspect_confirmed": "suspect_confirmed", "health": "demoted"}.get(getattr(e, "cause", ""), "member_lost")
+        n = max(1, len(self._members()))
+        scratch = int(2 * (n - 1) / n * L.inp.numel() * L.inp.element_size())
+        resent = int(self.last_recovery["bytes_sent"])
+        try:
+            self._metrics.record_recovery(cause, self.last_recovery["seconds"], resent, max(0, scratch - resent))
+        except Exception as exc:  # noqa: BLE001
+            log.debug("metrics: %s", exc)
 
     def _mismatch(self, seq: int, desc: dict, exc: BaseException) -> None:
         mine = json.dumps(desc, sort_keys=True)
@@ -390,13 +579,17 @@ class Communicator:
 
         def build(members: list[str], me: int, seq: int, digest: int) -> tuple[Ledger, Any]:
             n = len(members)
-            if self._ring_or_rd(nbytes, n) and inp.numel() >= n:
-                S = self._slices_for(nbytes, n)
-                pieces = [(s0 + a, s0 + b) for (s0, e0) in split(inp.numel(), n) for (a, b) in split(e0 - s0, S)]
+            leaf = LeafPath.for_epoch(members, self._epoch)   # demoted members: leaf path (algorithms/leaf.py)
+            nr = leaf.ring_size if leaf else n
+            if self._ring_or_rd(nbytes, nr) and inp.numel() >= nr:
+                S = self._slices_for(nbytes, nr)
+                pieces = [(s0 + a, s0 + b) for (s0, e0) in split(inp.numel(), nr) for (a, b) in split(e0 - s0, S)]
                 algo: Any = RingReduceScatterAllgather(S)
             else:
                 pieces = [(0, inp.numel())]
                 algo = RecursiveDoubling()
+            if leaf:
+                algo = leaf.wrap(algo)
             L = Ledger(seq, desc["k"], tuple(members), me, self._epoch.number, digest, inp, torch.empty_like(inp), pieces)
             return L, algo
 

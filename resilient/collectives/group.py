@@ -78,3 +78,8 @@ class EtcdGroupView:
 
     def session_lost(self) -> bool:
         return bool(self.session.lost.is_set())
+
+    def leave(self, reason: str = "left") -> None:
+        """End this member's membership now (revoke its lease): peers see an epoch
+        without it at once. Raises StoreUnavailable if etcd cannot be reached."""
+        self.session.close(revoke=True, reason=reason)

@@ -9,22 +9,28 @@ tensors), reachable as attributes (``state.step += 1``).
 * ``restore()`` rolls back to the last commit (after a step that failed as a whole, e.g.
   under the ``strict`` policy);
 * ``sync()`` is the step-boundary agreement. **Every live member calls it at the same
-  point of each step** (before the forward pass). It costs one 3-element allreduce when
-  nothing changed. Members agree (through that allreduce) on the newest membership epoch
-  any of them has seen and on whether a member still needs the state (a joiner, or every
-  member on the first call). If one does, the state is sent from a healthy member — the
-  lowest-ranked of those with the most commits; on the first call of a fresh job that is
-  rank 0 — with two broadcasts (length, then the payload), and every member that needed
-  it loads it before it takes part in training. If the epoch changed, the
-  ``on_membership_change(world)`` callbacks run on every member, in registration order,
-  at that same step boundary (re-shard the sampler there). ``sync()`` returns True when
-  the world changed or state was transferred.
+  point of each step** (before the forward pass). It costs one 4-element int64 allreduce
+  (MAX) when nothing changed: the newest membership epoch any member has seen, whether a
+  member still needs the state (every member on the first call of a fresh job), the most
+  commits, and whether admitted joiners are waiting. If state must move, the source is
+  the lowest-ranked healthy member with the most commits (rank 0 on the first call) and
+  it is sent with two broadcasts (length + commit count, then the payload as int64
+  words); every member that needed it loads it before it takes part in training. If the
+  epoch changed, the ``on_membership_change(world)`` callbacks run on every member, in
+  registration order, at that same step boundary (re-shard the sampler there). ``sync()``
+  returns True when the world changed or state was transferred; ``last_sync`` has the
+  seconds each phase took.
+* ``finish()`` after the last step: a joiner that arrives later gets
+  :class:`TrainingFinished` from ``sync()`` (exit normally) instead of an error.
 
-A restarted worker (``RESILIENT_JOINER=1`` from ``resilient-run``) starts as a joiner:
-its first collective is the ``sync()`` exchange, so it takes part in no gradient
-allreduce before it holds the healthy members' parameters. (This relies on the
-collectives admitting a new member at an op boundary the others reach by calling
-``sync()``; see docs/internals.md.)
+Joiners. A restarted worker (``RESILIENT_JOINER=1`` from ``resilient-run``) starts with a
+fresh Communicator over the epoch that admitted it. The Communicator's group never
+grows, so the others admit it by rebuilding theirs (``CommunicatorEngine.rebuild``) at
+the ``sync()`` where the exchange says a joiner is waiting; the joiner announces it is
+waiting (an etcd key on its lease) when it enters ``sync()``, so the others never stall
+on its start-up, only on the transfer itself. The joiner's first op is the transfer: it
+takes part in no gradient allreduce before it holds the healthy members' parameters.
+On the in-process test engine (no ``rebuild``) a joiner takes part in the exchange.
 
 Failure behaviour: a member dying during ``sync()`` is absorbed by the collectives; if the
 chosen source dies before the payload arrives the broadcast fails with
@@ -41,7 +47,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from resilient.errors import CollectiveError, ConfigError
+from resilient.errors import CollectiveError, ConfigError, ResilientError
 from resilient.torch_backend.codec import decode, encode
 from resilient.world import World
 
@@ -63,6 +69,11 @@ def _live_world(group: Any = None) -> World | None:
             return World(rank=dist.get_rank(), size=len(members), epoch=0, members=members,
                          member_id=str(dist.get_rank()))
         return None
+
+
+class TrainingFinished(ResilientError):
+    """A joiner arrived after the other members called :meth:`State.finish`: there is no
+    training left to take part in (exit normally)."""
 
 
 class State:
@@ -148,6 +159,14 @@ class State:
             raise ConfigError("State.restore() before any commit(); call commit() after each good step")
         self.load_state_dict(decode(self._snapshot))
 
+    def finish(self) -> None:
+        """Training is over: tell joiners that arrive from now on (they get
+        :class:`TrainingFinished` from :meth:`sync` instead of waiting or failing). Call it
+        on every member after the last step. Failure: StoreError if etcd is unreachable."""
+        engine = self._engine()
+        if hasattr(engine, "mark_done"):
+            engine.mark_done()
+
     # -- membership ---------------------------------------------------------------------
 
     def on_membership_change(self, callback: Callable[[World], None]) -> Callable[[World], None]:
@@ -187,6 +206,10 @@ class State:
         self._allreduce(cand, dist.ReduceOp.MIN)
         src = int(cand[0])
         if src == _BIG:
+            engine = self._engine()
+            if getattr(engine, "job_done", lambda: False)():
+                raise TrainingFinished("the other members finished training before this joiner could sync; "
+                                       "nothing is left to do")
             raise ConfigError("State.sync(): every live member is a joiner with no state; restart the job "
                               "(at least one member must hold the training state)")
         me = self._pg().rank()

@@ -62,6 +62,14 @@ class CommunicatorEngine:
         vanishes with it). Until then the others keep training instead of waiting for it."""
         self.store.put(self._ready_prefix() + self.member_id, b"1", lease=self.session.lease_id)
 
+    def mark_done(self) -> None:
+        """Record that training finished (a key under the job, no lease), so a joiner that
+        arrives too late learns it instead of failing. Failure: StoreError propagates."""
+        self.store.put(self._ready_prefix() + "~done", b"1")
+
+    def job_done(self) -> bool:
+        return self.store.get(self._ready_prefix() + "~done") is not None
+
     def pending_joiners(self) -> bool:
         """True when the newest epoch has members this communicator does not run ops with
         (joiners the coordinator admitted; the Communicator's group only shrinks) and all
@@ -77,6 +85,8 @@ class CommunicatorEngine:
         from resilient.coordinator import keys
 
         ready = {keys.last_segment(kv.key) for kv in self.store.get_prefix(self._ready_prefix())}
+        if "~done" in ready:  # training finished: admit no one any more
+            return False
         return all(m in ready for m in new)
 
     def rebuild(self, min_epoch: int, timeout: float = 60.0) -> None:
@@ -172,10 +182,52 @@ def from_environment(store: Any = None, rank: int = 0, size: int = 1,
                               store=st, job=job, transport=transport)
 
 
+class AdmittedView:
+    """A GroupView that shows each epoch with only the *admitted* members (the newest
+    epoch's members when the Communicator was built; members leave it by dying, never
+    join it). So the Communicator never adopts a growing epoch by itself at an arbitrary
+    op boundary: a joiner takes part only from the ``State.sync()`` where every member
+    rebuilds its Communicator over the grown epoch (op seq 0 on all of them, joiner
+    included). Everything else is delegated to the etcd-backed view."""
+
+    def __init__(self, inner: Any, admitted: set[str]) -> None:
+        self.inner = inner
+        self.member_id = inner.member_id
+        self.admitted = frozenset(admitted)
+
+    def _filter(self, e: Any) -> Any:
+        if e is None:
+            return None
+        members = tuple(m for m in e.members if m in self.admitted)
+        if members == tuple(e.members):
+            return e
+        import dataclasses
+
+        return dataclasses.replace(e, members=members, added=tuple(m for m in e.added if m in self.admitted))
+
+    def current(self) -> Any:
+        return self._filter(self.inner.current())
+
+    def wait_for(self, pred: Any, timeout: float) -> Any:
+        return self._filter(self.inner.wait_for(lambda e: pred(self._filter(e)), timeout))
+
+    def subscribe(self, callback: Any) -> Any:
+        return self.inner.subscribe(lambda e: callback(self._filter(e)))
+
+    def __getattr__(self, name: str) -> Any:  # report_suspect, put_blob, wait_blobs, session_lost, leave
+        return getattr(self.inner, name)
+
+
 def _make_communicator(store: Any, job: str, session: Any, watcher: Any, transport: Any) -> Any:
-    """The one place that knows the Communicator's constructor."""
+    """The one place that knows the Communicator's constructor: a fresh Communicator (op
+    seq 0) over the newest epoch's members, which it never grows by itself (see
+    :class:`AdmittedView`)."""
+    import inspect
+
     from resilient.collectives import Communicator
     from resilient.collectives.group import EtcdGroupView
 
-    view = EtcdGroupView(store, job, session, watcher)
-    return Communicator(view, transport)
+    epoch = watcher.current()
+    view = AdmittedView(EtcdGroupView(store, job, session, watcher), set(epoch.members) if epoch else set())
+    kwargs = {"joining": False} if "joining" in inspect.signature(Communicator).parameters else {}
+    return Communicator(view, transport, **kwargs)

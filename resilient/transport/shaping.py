@@ -10,6 +10,8 @@ Spec (``RESILIENT_SHAPING``, items separated by ``,`` or ``;``)::
     ref_bw=1GB/s       reference bandwidth for slow=/link= (default 1GB/s)
     ref_lat=50us       reference per-message latency for slow=/link= (default 50us)
     drop=m3            the link to m3 is down: requests to/from it fail (TransportError)
+    jitter=30%         every hold is scaled by a random factor in [0.7, 1.3] (noise, not
+                       a straggler; seeded per member id, or by seed=N)
 
 A send to ``peer`` of ``n`` bytes is held for
 ``delay + (slow * link[peer] - 1) * (ref_lat + n / ref_bw) + n / bw`` seconds before it
@@ -31,8 +33,10 @@ from __future__ import annotations
 
 import collections
 import os
+import random
 import re
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -41,7 +45,7 @@ from resilient.transport.base import Buffer, Request, Transport, TransportStats
 
 ENV = "RESILIENT_SHAPING"
 ENV_FILE = "RESILIENT_SHAPING_FILE"
-_SYNTAX = "use e.g. 'slow=3x', 'link=m2:3x', 'delay=5ms', 'bw=100MB/s', 'drop=m3' (comma-separated)"
+_SYNTAX = "use e.g. 'slow=3x', 'link=m2:3x', 'delay=5ms', 'bw=100MB/s', 'jitter=30%', 'drop=m3' (comma-separated)"
 _TIME = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 _SIZE = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 1024, "mib": 1 << 20, "gib": 1 << 30}
 
@@ -55,6 +59,8 @@ class ShapingSpec:
     ref_bw: float = 1e9
     ref_lat: float = 50e-6
     drop: frozenset[str] = frozenset()
+    jitter: float = 0.0        # fraction: hold *= uniform(1 - jitter, 1 + jitter)
+    seed: int | None = None
     text: str = ""
 
     @property
@@ -117,6 +123,16 @@ def parse_shaping(text: str | None) -> ShapingSpec:
             kw["ref_bw"] = _rate(item, value)
         elif key == "ref_lat":
             kw["ref_lat"] = _seconds(item, value)
+        elif key == "jitter":
+            m = re.fullmatch(r"([0-9]*\.?[0-9]+)(%?)", value.strip())
+            j = (float(m.group(1)) / (100.0 if m.group(2) else 1.0)) if m else -1.0
+            if not 0.0 <= j < 1.0:
+                raise ConfigError(f"shaping item {item!r}: jitter is a fraction in [0, 1) like '30%' or '0.3'; {_SYNTAX}")
+            kw["jitter"] = j
+        elif key == "seed":
+            if not value.strip().isdigit():
+                raise ConfigError(f"shaping item {item!r}: seed is a non-negative integer; {_SYNTAX}")
+            kw["seed"] = int(value)
         elif key == "drop":
             if not value.strip():
                 raise ConfigError(f"shaping item {item!r}: name the peer, like 'drop=m3'; {_SYNTAX}")
@@ -178,6 +194,9 @@ class ShapedTransport(Transport):
         self._file_checked = 0.0
         self._queues: dict[str, collections.deque[_Held]] = {}
         self._busy_until: dict[str, float] = {}
+        self._idle = 0.0
+        self._rng = random.Random()
+        self._rng_seed: object = object()
         self._reload()
 
     # -- shaping control ----------------------------------------------------------------
@@ -232,6 +251,12 @@ class ShapedTransport(Transport):
         q = self._queues.get(peer)
         nbytes = _nbytes(buf)
         hold = spec.hold_s(peer, nbytes) if spec.active else 0.0
+        if spec.jitter and hold > 0:
+            seed = spec.seed if spec.seed is not None else zlib.crc32(self.member_id.encode())
+            if seed != self._rng_seed:
+                self._rng.seed(seed)
+                self._rng_seed = seed
+            hold *= 1.0 + spec.jitter * self._rng.uniform(-1.0, 1.0)
         if hold <= 0 and not q:
             return self.inner.isend(peer, buf, op_seq, tag, digest)
         if self.inner.aborted:
@@ -260,6 +285,7 @@ class ShapedTransport(Transport):
 
     def wait(self, requests: Sequence[Request], timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._idle = 0.0
         while True:
             self._release()
             if self.inner.aborted:
@@ -282,20 +308,20 @@ class ShapedTransport(Transport):
             now = time.monotonic()
             if next_due is None and not held_pending:
                 left = None if deadline is None else max(0.0, deadline - now)
-                return self.inner.wait(inner, left)
+                return self._inner_wait(inner, left)
             slice_end = next_due if next_due is not None else now + 0.01
             if deadline is not None:
                 if now >= deadline:
                     return False
                 slice_end = min(slice_end, deadline)
             if inner and not held_pending:
-                if self.inner.wait(inner, max(0.0, slice_end - now)):
+                if self._inner_wait(inner, max(0.0, slice_end - now)):
                     return True
             else:
                 # Nothing of ours is on the wire yet: keep the wrapped transport's other
                 # requests moving while the held ones come due.
                 if inner:
-                    self.inner.wait(inner, max(0.0, slice_end - now))
+                    self._inner_wait(inner, max(0.0, slice_end - now))
                 else:
                     time.sleep(max(0.0, min(slice_end - now, 0.01)))
 
@@ -307,6 +333,28 @@ class ShapedTransport(Transport):
         self.inner.close()
 
     # -- internals ------------------------------------------------------------------------
+
+    def _inner_wait(self, inner: list[Request], timeout: float | None) -> bool:
+        """One slice of a wait. ``wait_s`` per peer (straggler detection) must mean "blocked
+        on that peer while idle": time in which this member still had held sends queued
+        is *busy* (a slow NIC transmitting), not waiting. The wrapped transport counts a
+        receive's wait from the start of the slice it completed in; this corrects that to
+        the idle slices of the whole call."""
+        recvs = [r for r in inner if getattr(r, "is_send", True) is False and not r.done()]
+        busy = self._next_due() is not None
+        t_slice = time.monotonic()
+        try:
+            return self.inner.wait(inner, timeout)
+        finally:
+            now = time.monotonic()
+            for r in recvs:
+                if r.done():
+                    counted = max(0.0, min(getattr(r, "t_done", now) or now, now) - t_slice)
+                    fix = self._idle - (counted if busy else 0.0)
+                    if fix:
+                        self.inner.stats.add_wait(r.peer, fix)
+            if not busy:
+                self._idle += now - t_slice
 
     def _next_due(self) -> float | None:
         dues = [q[0].due for q in self._queues.values() if q]

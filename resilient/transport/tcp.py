@@ -109,6 +109,7 @@ class _Conn:
         self.sendq: collections.deque[_Req] = collections.deque()
         self.raw_out: collections.deque[memoryview] = collections.deque()  # HELLO / ERROR frames
         self.pad = 0
+        self.pad_head: memoryview | None = None  # rest of a cut frame's header, sent before its padding
         self.recvq: collections.deque[_Req] = collections.deque()
         self.unexpected: collections.deque[tuple[frames.Header, bytearray]] = collections.deque()
         self.hdr = bytearray(frames.HEADER_SIZE)
@@ -123,7 +124,7 @@ class _Conn:
         self.mask = 0
 
     def wants_write(self) -> bool:
-        return self.connecting or bool(self.raw_out) or self.pad > 0 or bool(self.sendq)
+        return self.connecting or bool(self.raw_out) or self.pad > 0 or self.pad_head is not None or bool(self.sendq)
 
 
 class TcpTransport(Transport):
@@ -320,8 +321,11 @@ class TcpTransport(Transport):
                 keep.append(req)
                 continue
             req._fail(exc)
-            if req.offset > 0:  # half written: finish the frame with zeros
-                conn.pad += len(req.header) + req.nbytes - req.offset
+            if req.offset > 0:  # half written: finish the frame (header first) with zeros
+                hl = len(req.header)
+                if req.offset < hl:
+                    conn.pad_head = memoryview(req.header)[req.offset:]
+                conn.pad += req.nbytes - max(0, req.offset - hl)
         conn.sendq = keep
         for req in [r for r in conn.recvq if which(r)]:
             req._fail(exc)
@@ -536,17 +540,28 @@ class TcpTransport(Transport):
                 return
         try:
             while True:
-                if conn.raw_out:
+                # Control frames (HELLO/ERROR) go out only at a frame boundary: never inside
+                # the padding of a cut frame or a half-written DATA frame (that would
+                # desynchronise the peer's byte stream).
+                if conn.pad_head is not None:
+                    n = sock.send(conn.pad_head)
+                    conn.pad_head = conn.pad_head[n:] if n < len(conn.pad_head) else None
+                    if n == 0:
+                        return
+                    continue
+                if conn.pad > 0:
+                    n = sock.send(self._zeros(min(conn.pad, _SCRATCH)))
+                    conn.pad -= n
+                    if n == 0:
+                        return
+                    continue
+                if conn.raw_out and not (conn.sendq and conn.sendq[0].offset > 0):
                     mv = conn.raw_out[0]
                     n = sock.send(mv)
                     if n < len(mv):
                         conn.raw_out[0] = mv[n:]
                         return
                     conn.raw_out.popleft()
-                    continue
-                if conn.pad > 0:
-                    n = sock.send(self._zeros(min(conn.pad, _SCRATCH)))
-                    conn.pad -= n
                     continue
                 if not conn.sendq:
                     return
@@ -643,8 +658,11 @@ class TcpTransport(Transport):
         if req is None:
             conn.target, conn.target_got, conn.target_req = memoryview(bytearray(h.length)), 0, None
             return
-        if h.op_seq < req.op_seq and (h.op_seq >> 62) == (req.op_seq >> 62):
-            conn.discard, conn.cur = h.length, None  # left over from an op this side already ended
+        if (h.op_seq >> 62) == (req.op_seq >> 62) and h.op_seq != req.op_seq:
+            if h.op_seq < req.op_seq:
+                conn.discard, conn.cur = h.length, None  # left over from an op this side already ended
+            else:  # a later op's frame (the sender finished or abandoned this op): keep it for that op
+                conn.target, conn.target_got, conn.target_req = memoryview(bytearray(h.length)), 0, None
             return
         self._check_match(conn, req, h)
         if req.error is not None:
@@ -689,9 +707,14 @@ class TcpTransport(Transport):
     def _match_unexpected(self, conn: _Conn) -> None:
         while conn.recvq and conn.unexpected:
             req = conn.recvq[0]
-            h, payload = conn.unexpected.popleft()
+            h, payload = conn.unexpected[0]
+            if (h.op_seq >> 62) == (req.op_seq >> 62) and h.op_seq > req.op_seq:
+                return  # for a later op; ``req`` waits (it fails on error/cancel/abort)
+            conn.unexpected.popleft()
             if h.epoch < self._epoch or h.op_seq in self._cancelled:
                 continue
+            if (h.op_seq >> 62) == (req.op_seq >> 62) and h.op_seq < req.op_seq:
+                continue  # stale: an op this side already ended
             try:
                 self._check_match(conn, req, h)
             except FrameError as exc:

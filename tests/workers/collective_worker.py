@@ -33,6 +33,8 @@ def main() -> int:
     ap.add_argument("--ttl", type=float, default=2.0)
     ap.add_argument("--op-timeout", type=float, default=30.0)
     ap.add_argument("--policy", default="default")
+    ap.add_argument("--join", action="store_true",
+                    help="register later than the others: wait to be admitted, start at the group's next op")
     args = ap.parse_args()
 
     import faulthandler
@@ -56,15 +58,25 @@ def main() -> int:
     store = Store(args.etcd)
     transport = TcpTransport(args.id, args.job)
     session = MemberSession.register(store, args.job, MemberInfo(member_id=args.id, address=transport.address), ttl=args.ttl)
+    print(f"LEASE {args.id} {session.lease_id}", flush=True)  # the harness revokes it when we exit
     watcher = EpochWatcher(store, args.job)
-    watcher.wait_for(lambda e: len(e.members) == args.world and args.id in e.members, 60)
+    if args.join:
+        watcher.wait_for(lambda e: args.id in e.members, 60)
+    else:
+        watcher.wait_for(lambda e: len(e.members) == args.world and args.id in e.members, 60)
     comm = Communicator(EtcdGroupView(store, args.job, session, watcher), transport,
-                        op_timeout=args.op_timeout, policy=args.policy)
+                        op_timeout=args.op_timeout, policy=args.policy, joining=True if args.join else None)
     ops = json.loads(args.ops)
     rc = 0
+    first = comm.next_seq  # a joiner starts at the group's next op
     with open(os.path.join(args.out, f"{args.id}.jsonl"), "a") as log:
-        print(f"READY {args.id} {os.getpid()}", flush=True)
+        print(f"READY {args.id} {os.getpid()} {first}", flush=True)
         for seq, spec in enumerate(ops):
+            if seq < first:
+                continue
+            if spec["k"] == "wait_world":  # block until the group has n members, then a barrier
+                watcher.wait_for(lambda e: len(e.members) >= spec["n"], 60)
+                spec = {"k": "barrier"}
             t0 = time.monotonic()
             rec = {"seq": seq, "ok": False, "error": None, "contributors": None}
             try:
@@ -114,7 +126,7 @@ def main() -> int:
     print(f"DONE {args.id}", flush=True)
     if rc == 0:
         sys.stdin.read()  # stay a member (peers may still need our retained result) until told to go
-        session.close(revoke=True, reason="done")
+        comm.close(linger=0.0, leave=True)  # serves a recovery already under way, then revokes
     os._exit(rc)
 
 

@@ -1,0 +1,237 @@
+"""Shared plumbing of the data-plane benchmarks (bench/collectives.py, bench/recovery.py).
+
+Driver side: :class:`BenchCluster` starts a real local etcd, a real coordinator process
+(``resilient coordinator``) and N real member processes (the bench script itself in
+``--worker`` mode). Like the node agent, the driver grants each member's lease and
+revokes it the moment it sees that process exit (:meth:`BenchCluster.watch_exit`).
+Every process started here is ended here, by PID (its own session), also on errors.
+
+Worker side: :func:`join` registers the member on the lease it was given, waits for the
+epoch with the whole world and returns a :class:`Communicator` over a TCP transport.
+Workers speak to the driver with one JSON object per stdout line; the driver answers
+on stdin ("go"-style lines), so driver and workers proceed in lockstep without sleeps.
+
+Failure behaviour: a worker that dies or prints something that is not JSON makes the
+driver raise :class:`BenchError` with the worker's stderr tail; a worker whose stdin
+closes (driver gone) exits.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class BenchError(RuntimeError):
+    """A benchmark could not run (a member died unexpectedly, a timeout)."""
+
+
+def parse_size(text: str) -> int:
+    """``64K`` / ``1M`` / ``16M`` / ``1G`` / ``4096`` -> bytes (binary multiples)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise SystemExit(f"bad size {text!r}: use bytes or a K/M/G suffix, e.g. 64K,1M,16M") from None
+
+
+def busbw(size_bytes: int, seconds: float, n: int) -> float:
+    """Allreduce bus bandwidth in bytes/s, NCCL tests' definition: 2(n-1)/n * size / time."""
+    return 2 * (n - 1) / n * size_bytes / seconds
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+class BenchCluster:
+    """etcd + coordinator + ``world`` worker processes of ``script --worker``."""
+
+    def __init__(self, script: str, world: int, job: str = "bench", ttl: float = 30.0,
+                 worker_args: list[str] | None = None, env_for: Callable[[str], dict[str, str]] | None = None) -> None:
+        self.script, self.world, self.job, self.ttl = script, world, job, ttl
+        self.worker_args = worker_args or []
+        self.env_for = env_for or (lambda mid: {})
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.leases: dict[str, int] = {}
+        self.exit_at: dict[str, float] = {}
+        self._tmp = tempfile.TemporaryDirectory(prefix="resilient-bench-")
+        self._etcd = None
+        self._coord: subprocess.Popen | None = None
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def __enter__(self) -> "BenchCluster":
+        from resilient.coordinator import LocalEtcd, Store
+
+        try:
+            self._etcd = LocalEtcd().start()
+            self.store = Store(self._etcd.endpoints)
+            self._coord = subprocess.Popen(
+                [sys.executable, "-c", "import sys; from resilient.cli import main; sys.exit(main())",
+                 "coordinator", "--etcd", self._etcd.endpoint_arg, "--job", self.job, "--ttl", str(self.ttl),
+                 "--metrics-port", "-1", "--log-level", "WARNING", "--join-debounce-ms", "100"],
+                stdout=subprocess.DEVNULL, stderr=open(Path(self._tmp.name) / "coordinator.stderr", "w"),
+                cwd=ROOT, start_new_session=True)
+            for i in range(self.world):
+                self._spawn(f"m{i}")
+            for mid in self.procs:
+                self.expect(mid, "ready", timeout=120)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _spawn(self, mid: str) -> None:
+        lease = self.store.grant(self.ttl)
+        self.leases[mid] = lease
+        env = dict(os.environ, PYTHONPATH=str(ROOT), **self.env_for(mid))
+        if "RESILIENT_FAILPOINTS" not in self.env_for(mid):
+            env.pop("RESILIENT_FAILPOINTS", None)
+        cmd = [sys.executable, self.script, "--worker", "--etcd", self._etcd.endpoint_arg, "--job", self.job,
+               "--id", mid, "--lease-id", str(lease), "--world", str(self.world), *self.worker_args]
+        self.procs[mid] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           stderr=open(Path(self._tmp.name) / f"{mid}.stderr", "w"),
+                                           cwd=ROOT, env=env, text=True, bufsize=1, start_new_session=True)
+
+    def watch_exit(self, mid: str, on_exit: Callable[[str, float], None] | None = None) -> None:
+        """Like the node agent: when ``mid``'s process exits, record the wall time and
+        revoke its lease at once (then call ``on_exit(mid, t_exit)``)."""
+        def run() -> None:
+            from resilient.coordinator.membership import revoke_member
+
+            self.procs[mid].wait()
+            t = time.time()
+            self.exit_at[mid] = t
+            try:
+                revoke_member(self.store, self.job, mid, self.leases[mid], reason="bench: process exited")
+            except Exception as exc:  # noqa: BLE001 - the lease then expires after its TTL
+                print(f"bench: could not revoke {mid}: {exc}", file=sys.stderr)
+            if on_exit is not None:
+                on_exit(mid, t)
+
+        th = threading.Thread(target=run, name=f"agent:{mid}", daemon=True)
+        th.start()
+        self._threads.append(th)
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    p.stdin.close()
+                except OSError:
+                    pass
+        deadline = time.monotonic() + 10
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGCONT)
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        if self._coord is not None and self._coord.poll() is None:
+            self._coord.terminate()
+            try:
+                self._coord.wait(10)
+            except subprocess.TimeoutExpired:
+                self._coord.kill()
+                self._coord.wait()
+        if self._etcd is not None:
+            self._etcd.stop()
+            self._etcd = None
+        self._tmp.cleanup()
+
+    # -- talking to workers -------------------------------------------------------------
+
+    def stderr_tail(self, mid: str, n: int = 3000) -> str:
+        try:
+            return (Path(self._tmp.name) / f"{mid}.stderr").read_text()[-n:]
+        except OSError:
+            return ""
+
+    def send(self, mids: list[str], line: str) -> None:
+        for mid in mids:
+            self.procs[mid].stdin.write(line + "\n")
+            self.procs[mid].stdin.flush()
+
+    def expect(self, mid: str, event: str, timeout: float = 300) -> dict[str, Any]:
+        """The next JSON line of ``mid`` (must carry ``"event": event``)."""
+        p = self.procs[mid]
+        result: list[str] = []
+        th = threading.Thread(target=lambda: result.append(p.stdout.readline()), daemon=True)
+        th.start()
+        th.join(timeout)
+        if not result or not result[0]:
+            raise BenchError(f"member {mid} sent no {event!r} within {timeout}s (exit code {p.poll()}): "
+                             f"{self.stderr_tail(mid)}")
+        try:
+            msg = json.loads(result[0])
+        except ValueError:
+            raise BenchError(f"member {mid} printed {result[0]!r} instead of a JSON line: {self.stderr_tail(mid)}") from None
+        if msg.get("event") != event:
+            raise BenchError(f"member {mid} sent {msg} where {event!r} was expected: {self.stderr_tail(mid)}")
+        return msg
+
+    def expect_all(self, mids: list[str], event: str, timeout: float = 300) -> dict[str, dict[str, Any]]:
+        return {m: self.expect(m, event, timeout) for m in mids}
+
+
+# -- worker side ------------------------------------------------------------------------
+
+def worker_argparser(description: str):
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--etcd", help=argparse.SUPPRESS)
+    ap.add_argument("--job", default="bench", help=argparse.SUPPRESS)
+    ap.add_argument("--id", help=argparse.SUPPRESS)
+    ap.add_argument("--lease-id", type=int, help=argparse.SUPPRESS)
+    return ap
+
+
+def join(args: Any, **comm_kwargs: Any) -> tuple[Any, Any, Any, int]:
+    """Worker: register on the driver's lease, wait for the full world; (comm, transport,
+    session, index)."""
+    from resilient.collectives import Communicator
+    from resilient.collectives.group import EtcdGroupView
+    from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession, Store
+    from resilient.transport.tcp import TcpTransport
+
+    store = Store(args.etcd)
+    transport = TcpTransport(args.id, args.job)
+    session = MemberSession.register(store, args.job, MemberInfo(member_id=args.id, address=transport.address),
+                                     lease_id=args.lease_id)
+    watcher = EpochWatcher(store, args.job)
+    watcher.wait_for(lambda e: len(e.members) == args.world and args.id in e.members, 120)
+    comm = Communicator(EtcdGroupView(store, args.job, session, watcher), transport, **comm_kwargs)
+    return comm, transport, session, int(args.id.lstrip("m"))
+
+
+def emit(event: str, **fields: Any) -> None:
+    """Worker: one JSON line to the driver."""
+    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
+    sys.stdout.flush()
+
+
+def wait_go() -> str:
+    """Worker: block until the driver writes a line (EOF: the driver is gone -> exit)."""
+    line = sys.stdin.readline()
+    if not line:
+        os._exit(0)
+    return line.strip()

@@ -1,0 +1,141 @@
+"""Allreduce bandwidth: resilient's TCP ring vs torch's gloo, in the same processes.
+
+    python bench/collectives.py --world 4 --sizes 64K,1M,16M,64M [--rounds 9]
+
+Starts a real etcd, a real coordinator and ``--world`` member processes. Each member
+joins the job (a :class:`~resilient.collectives.Communicator` over the TCP transport) and
+also ``dist.init_process_group("gloo")`` (a TCPStore hosted by member 0), both with
+``torch.set_num_threads(1)``. For every size, rounds alternate (order rotated each round)
+between gloo's ``all_reduce``, ours with the ledger on and ours with the ledger off
+(``Communicator.ledger_enabled``, toggled on every member between ops); every timing
+starts after a gloo barrier and runs ``iters`` back-to-back float32 SUM allreduces. A
+round's time is the slowest member's. One JSON line per size::
+
+    {"size_bytes", "busbw_resilient", "busbw_gloo", "ratio_vs_gloo", "ledger_overhead", ...}
+
+busbw = 2(n-1)/n * size / time (NCCL tests' definition) in bytes/s from the median round;
+``cpu_per_op_*_s`` = median process CPU seconds (all threads, user+sys) per op on one member
+(on a machine with fewer cores than members, busbw is bounded by this);
+``ledger_overhead`` = median over rounds of t(ledger on) / t(ledger off) - 1.
+Failure behaviour: a member that dies or hangs makes the run fail with its stderr tail.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _common import BenchCluster, busbw, emit, join, median, parse_size, wait_go, worker_argparser  # noqa: E402
+
+VARIANTS = ("gloo", "ledger_on", "ledger_off")
+
+
+def iters_for(size: int) -> int:
+    """Back-to-back ops per timing: ~64 MiB of payload per timing, 1..64 ops."""
+    return max(1, min(64, (64 << 20) // max(1, size)))
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    kw = {"slice_bytes": args.slice_bytes} if args.slice_bytes else {}
+    comm, transport, session, index = join(args, **kw)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.gloo_port}", rank=index,
+                            world_size=args.world)
+    emit("ready")
+    while True:
+        cmd = wait_go()
+        if cmd == "quit":
+            break
+        spec = json.loads(cmd)
+        size, rounds = spec["size"], spec["rounds"]
+        numel = size // 4
+        x = torch.ones(numel, dtype=torch.float32)
+        k = iters_for(size)
+
+        def run(variant: str, iters: int) -> tuple[float, float]:
+            """(wall seconds, this process's CPU seconds, all threads) for ``iters`` ops."""
+            if variant != "gloo":
+                comm.ledger_enabled = variant == "ledger_on"
+            dist.barrier()
+            c0, t0 = time.process_time(), time.perf_counter()
+            for _ in range(iters):
+                if variant == "gloo":
+                    dist.all_reduce(x)
+                else:
+                    comm.allreduce(x)
+            return time.perf_counter() - t0, time.process_time() - c0
+
+        for v in VARIANTS:  # warm-up: connections, allocator, page faults
+            run(v, min(k, 2))
+        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        for r in range(rounds):
+            order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
+            for v in order:
+                wall, c = run(v, k)
+                times[v].append(wall / k)
+                cpu[v].append(c / k)
+        comm.ledger_enabled = True
+        emit("times", size=size, iters=k, times=times, cpu=cpu)
+    dist.destroy_process_group()
+    comm.close()
+    session.close(revoke=True, reason="bench done")
+    transport.close()
+
+
+def main() -> None:
+    ap = worker_argparser(__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--sizes", default="64K,1M,16M,64M", help="comma-separated message sizes (K/M/G suffixes)")
+    ap.add_argument("--rounds", type=int, default=9, help="alternating rounds per size (medians are reported)")
+    ap.add_argument("--slice-bytes", type=int, default=0,
+                    help="override the communicator's pipelining slice size (default: its own)")
+    ap.add_argument("--gloo-port", type=int, default=0, help=argparse_hidden())
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        os._exit(0)
+    if args.world < 2:
+        raise SystemExit("--world must be >= 2")
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    from resilient.coordinator.local_etcd import free_port
+
+    port = free_port()
+    with BenchCluster(os.path.abspath(__file__), args.world, job="bench-collectives",
+                      worker_args=["--gloo-port", str(port), "--slice-bytes", str(args.slice_bytes)]) as cl:
+        mids = sorted(cl.procs)
+        for size in sizes:
+            size -= size % 4
+            cl.send(mids, json.dumps({"size": size, "rounds": args.rounds}))
+            res = cl.expect_all(mids, "times", timeout=600)
+            per_round = {v: [max(res[m]["times"][v][r] for m in mids) for r in range(args.rounds)] for v in VARIANTS}
+            t_ours, t_gloo = median(per_round["ledger_on"]), median(per_round["gloo"])
+            overhead = median([on / off - 1 for on, off in zip(per_round["ledger_on"], per_round["ledger_off"])])
+            bw_ours, bw_gloo = busbw(size, t_ours, args.world), busbw(size, t_gloo, args.world)
+            print(json.dumps({
+                "size_bytes": size, "busbw_resilient": round(bw_ours), "busbw_gloo": round(bw_gloo),
+                "ratio_vs_gloo": round(bw_ours / bw_gloo, 3), "ledger_overhead": round(overhead, 4),
+                "world": args.world, "rounds": args.rounds, "iters_per_round": res[mids[0]]["iters"],
+                "t_resilient_s": t_ours, "t_gloo_s": t_gloo, "t_ledger_off_s": median(per_round["ledger_off"]),
+                "cpu_per_op_resilient_s": median([c for m in mids for c in res[m]["cpu"]["ledger_on"]]),
+                "cpu_per_op_gloo_s": median([c for m in mids for c in res[m]["cpu"]["gloo"]]),
+                "load_avg_1m": os.getloadavg()[0],
+            }), flush=True)
+        cl.send(mids, "quit")
+
+
+def argparse_hidden() -> str:
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Resume vs restart after a SIGKILL in the middle of a large allreduce.
+
+    python bench/recovery.py --world 4 --size 64M [--victim 2] [--phases rs,ag]
+
+For each phase (reduce-scatter ``rs``, all-gather ``ag``) a fresh real etcd, coordinator
+and ``--world`` member processes. Ops: #0 allreduce (warm-up, connections), #1 barrier,
+#2 the measured ``--size`` float32 SUM allreduce, during which member ``m<victim>``
+SIGKILLs itself (failpoint ``kill@op=2,phase=<phase>,frac=0.5``). This script plays the
+node agent: it sees the exit and revokes the dead member's lease at once. Then the
+survivors run #3 barrier and #4 a fresh allreduce of the same size in the new epoch: the
+from-scratch redo a restart would do. One JSON line per phase::
+
+    {"phase", "recovery_s", "resent_fraction", "restart_s", ...}
+
+(medians over ``--repeat`` fresh runs; each run's values are listed under ``runs``)
+
+* ``recovery_s`` = kill (the agent sees the exit) -> op #2 complete on every survivor;
+* ``restart_s`` = ``detect_s`` (kill -> the epoch without the victim is seen here) +
+  the slowest survivor's time for op #4;
+* ``resent_fraction`` = bytes the survivors sent in recovery (``Communicator.
+  last_recovery["bytes_sent"]``, summed) / bytes they sent in op #4 (``TransportStats``);
+  ``op_sent_fraction`` = all bytes the survivors sent during op #2 / 2x op #4's bytes,
+  for context. ``expected_resent`` is DESIGN §3's count of what is possible.
+Each survivor also checks its result equals the reduction over the reported
+contributors (inputs are ``member index + 1``), reported as ``exact``.
+Failure behaviour: a survivor that raises or hangs makes the run fail with its stderr.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _common import BenchCluster, emit, join, parse_size, wait_go, worker_argparser  # noqa: E402
+
+
+def worker(args) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    comm, transport, session, index = join(args, op_timeout=30.0)
+    numel = args.size // 4
+    emit("ready")
+    wait_go()
+    x = torch.full((numel,), float(index + 1))
+    comm.allreduce(x)                                     # op 0
+    comm.barrier()                                        # op 1
+    x = torch.full((numel,), float(index + 1))
+    sent0 = transport.stats.bytes_sent
+    t0 = time.perf_counter()
+    w = comm.allreduce(x)                                 # op 2 (victim dies in it)
+    t_done = time.time()
+    op_s = time.perf_counter() - t0
+    op_bytes = transport.stats.bytes_sent - sent0
+    rec = comm.last_recovery if comm.last_recovery and comm.last_recovery["seq"] == 2 else None
+    contributors = list(w.contributors)
+    expect = float(sum(int(m.lstrip("m")) + 1 for m in contributors))
+    exact = bool(torch.all(x == expect).item())
+    emit("op", t_done=t_done, op_s=op_s, op_bytes=op_bytes, recovery=rec, contributors=contributors, exact=exact)
+    comm.barrier()                                        # op 3, new epoch
+    x = torch.full((numel,), float(index + 1))
+    sent0 = transport.stats.bytes_sent
+    t0 = time.perf_counter()
+    comm.allreduce(x)                                     # op 4: from scratch among survivors
+    emit("redo", seconds=time.perf_counter() - t0, bytes=transport.stats.bytes_sent - sent0)
+    wait_go()
+    comm.close()
+    session.close(revoke=True, reason="bench done")
+    transport.close()
+
+
+EXPECTED = {"rs": 0.8, "ag": 0.2}  # DESIGN §3, n = 4, failure at 50 % of the phase
+
+
+def run_case(args, phase: str) -> dict:
+    from resilient.coordinator import EpochWatcher
+
+    victim = f"m{args.victim}"
+    spec = f"kill@op=2,phase={phase},frac={args.frac}"
+    env_for = (lambda mid: {"RESILIENT_FAILPOINTS": spec} if mid == victim else {})
+    with BenchCluster(os.path.abspath(__file__), args.world, job=f"bench-recovery-{phase}",
+                      worker_args=["--size", str(args.size)], env_for=env_for) as cl:
+        survivors = [m for m in sorted(cl.procs) if m != victim]
+        watcher = EpochWatcher(cl.store, cl.job)
+        epoch_seen: list[float] = []
+
+        def watch_epoch() -> None:
+            watcher.wait_for(lambda e: victim not in e.members, 600)
+            epoch_seen.append(time.time())
+
+        th = threading.Thread(target=watch_epoch, daemon=True)
+        th.start()
+        cl.watch_exit(victim)
+        cl.send(sorted(cl.procs), "go")
+        ops = cl.expect_all(survivors, "op", timeout=600)
+        redo = cl.expect_all(survivors, "redo", timeout=600)
+        th.join(10)
+        if victim not in cl.exit_at:
+            raise SystemExit(f"the victim {victim} did not die: is the failpoint {spec!r} reached?")
+        t_kill = cl.exit_at[victim]
+        detect_s = epoch_seen[0] - t_kill if epoch_seen else None
+        recovery_s = max(o["t_done"] for o in ops.values()) - t_kill
+        redo_s = max(r["seconds"] for r in redo.values())
+        redo_bytes = sum(r["bytes"] for r in redo.values())
+        recs = [o["recovery"] for o in ops.values()]
+        resent = sum(r["bytes_sent"] for r in recs if r) if any(recs) else None
+        cl.send(survivors, "quit")
+        return {
+            "phase": phase,
+            "recovery_s": round(recovery_s, 4),
+            "resent_fraction": round(resent / redo_bytes, 4) if resent is not None else None,
+            "restart_s": round((detect_s or 0.0) + redo_s, 4),
+            "detect_s": round(detect_s, 4) if detect_s is not None else None,
+            "redo_allreduce_s": round(redo_s, 4),
+            "expected_resent": EXPECTED.get(phase) if args.world == 4 else None,
+            "op_sent_fraction": round(sum(o["op_bytes"] for o in ops.values()) / redo_bytes, 4),
+            "recovered_on": sorted(m for m, o in ops.items() if o["recovery"]),
+            "recovery_protocol_s": max((r["seconds"] for r in recs if r), default=None),
+            "contributors": sorted({tuple(o["contributors"]) for o in ops.values()}),
+            "exact": all(o["exact"] for o in ops.values()),
+            "world": args.world, "size_bytes": args.size, "victim": victim, "failpoint": spec,
+        }
+
+
+def main() -> None:
+    ap = worker_argparser(__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--size", default="64M", help="allreduce size (K/M/G suffixes)")
+    ap.add_argument("--victim", type=int, default=2, help="index of the member that is killed")
+    ap.add_argument("--frac", type=float, default=0.5, help="progress in the phase at which it is killed")
+    ap.add_argument("--phases", default="rs,ag")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="fresh clusters per phase; recovery_s/restart_s/resent_fraction are their medians")
+    args = ap.parse_args()
+    args.size = parse_size(str(args.size))
+    args.size -= args.size % 4
+    if args.worker:
+        worker(args)
+        os._exit(0)
+    if args.world < 3 or not 0 <= args.victim < args.world:
+        raise SystemExit("--world must be >= 3 and --victim a member index below it")
+    for phase in args.phases.split(","):
+        runs = [run_case(args, phase.strip()) for _ in range(max(1, args.repeat))]
+        print(json.dumps(summarize(runs)), flush=True)
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Medians of the headline numbers over ``runs``; every run's own values listed."""
+    def med(key: str):
+        vals = [r[key] for r in runs if r[key] is not None]
+        return round(statistics.median(vals), 4) if vals else None
+
+    head = {"phase": runs[0]["phase"], "recovery_s": med("recovery_s"), "resent_fraction": med("resent_fraction"),
+            "restart_s": med("restart_s"), "detect_s": med("detect_s"), "redo_allreduce_s": med("redo_allreduce_s"),
+            "expected_resent": runs[0]["expected_resent"], "repeat": len(runs),
+            "recovery_lt_restart": sum(r["recovery_s"] < r["restart_s"] for r in runs),
+            "full_set_kept": sum(len(r["contributors"]) == 1 and len(r["contributors"][0]) == r["world"] for r in runs),
+            "exact": all(r["exact"] for r in runs)}
+    keep = ("recovery_s", "resent_fraction", "restart_s", "detect_s", "op_sent_fraction", "contributors")
+    head["runs"] = [{k: r[k] for k in keep} for r in runs]
+    for k in ("world", "size_bytes", "victim", "failpoint"):
+        head[k] = runs[0][k]
+    return head
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""Leaf path for demoted members (stragglers), wrapped around the allreduce algorithm.
+
+A member the coordinator demoted (``epoch.roles[m] == "demoted"``) stays out of the ring:
+it sends its input to its tree parent (``members[plan["tree_parent"][i]]``, an active
+member) and receives the final result from it. The ring (or recursive doubling for small
+messages) runs over the *active* members only, so the straggler is off its per-step
+critical path: it sends its input once instead of taking part in ``2(n-1)`` ring steps.
+
+How the leaf's input gets everywhere without gating the ring (a slow member sends slowly,
+so nothing may wait for its input before it has to):
+
+* the ring over the active members starts at once on their own inputs;
+* the leaf streams its input to its parent in sub-slices (``SUB_BYTES``); every leaf's
+  stream is forwarded parent -> next active -> ... around the active ring (a pipelined
+  chain: every link carries it once), forwarding as data arrives, also while the ring
+  runs (from the ledger's ``set`` hook, never blocking);
+* after the ring, each active adds every leaf's piece to the ring result (leaves in
+  member order, so every member ends with identical bits) and the parent streams the
+  final pieces to its leaves as they are done.
+
+The op then costs about ``max(leaf's input at its own speed, ring + chain)`` plus a
+short tail, instead of the slow member's speed on every one of ``2(n-1)`` ring steps.
+
+Ledger: the op's ledger keeps bit order = the op's members (leaves included) and the
+member's own input in ``inp``. The inner algorithm runs on a view of the ledger over the
+active members whose mask updates are translated to the op's bits; a piece gets the
+leaves' bits only when every leaf's data for it was added (no transport call between the
+first addition and the mask update, so an abort never leaves a half-added piece). A leaf
+holds nothing (mask 0) until all sub-slices of a result piece arrived (mask full). So at
+any abort the masks describe ``out`` exactly and the recovery planner finishes the op from
+them, whoever died: a leaf mid-stream (pieces with and without its bit exist; the planner
+picks one contributor set), or a parent (its leaves still hold their inputs and take part
+in recovery as survivors).
+
+Failure behaviour: a transport error (peer died, epoch aborted the transport) propagates
+after the inner ring's receives were settled into the ledger; the communicator then runs
+recovery. Nothing here blocks past the transport's abort.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from resilient.collectives.algorithms.base import OpContext, tag
+from resilient.collectives.ledger import Ledger
+from resilient.kernels import reduce_into
+
+SPACE = 4   # tag space (ring 0, recursive doubling 1, chain 2, recovery 3)
+
+
+def leaf_assignment(members: Sequence[str], ring: Sequence[str], roles: Mapping[str, str],
+                    tree_parent: Sequence[Any]) -> dict[str, str]:
+    """``{leaf: parent}`` for the demoted members among ``members`` (the op's members in
+    ring order). ``ring``/``tree_parent``: the epoch's ring and ``plan["tree_parent"]``
+    (indices into ``ring``). A leaf whose planned parent is not an active member of the op
+    (it died, or the plan is malformed) gets ``actives[j % len(actives)]`` — deterministic,
+    so every member computes the same map. ``{}`` when there is no leaf or no active
+    member (then everyone stays in the ring)."""
+    leaves = [m for m in members if roles.get(m) == "demoted"]
+    actives = [m for m in members if roles.get(m) != "demoted"]
+    if not leaves or not actives:
+        return {}
+    active_set = set(actives)
+    pos = {m: i for i, m in enumerate(ring)}
+    out: dict[str, str] = {}
+    for j, m in enumerate(leaves):
+        parent = None
+        i = pos.get(m)
+        if i is not None and i < len(tree_parent):
+            try:
+                k = int(tree_parent[i])
+            except (TypeError, ValueError):
+                k = -1
+            if 0 <= k < len(ring) and ring[k] in active_set:
+                parent = ring[k]
+        out[m] = parent if parent is not None else actives[j % len(actives)]
+    return out
+
+
+def items_of(pieces: Sequence[tuple[int, int]], elem_bytes: int, sub_bytes: int) -> list[tuple[int, int, int]]:
+    """The leaf stream's units: every ledger piece cut into sub-slices of about
+    ``sub_bytes`` (fine grain keeps the pipeline tail short), as ``(piece, start, end)``."""
+    out = []
+    per = max(1, sub_bytes // max(1, elem_bytes))
+    for q, (s, e) in enumerate(pieces):
+        k = max(1, -(-(e - s) // per))
+        base, extra = divmod(e - s, k)
+        a = s
+        for i in range(k):
+            b = a + base + (1 if i < extra else 0)
+            out.append((q, a, b))
+            a = b
+    return out
+
+
+class _ActiveLedger(Ledger):
+    """The ledger as the inner algorithm sees it: members = the active members; every
+    ``set`` is mirrored into the op's ledger (active ``k`` -> its bit in the op's member
+    order) and then runs ``pump`` (forwarding leaf data that arrived meanwhile)."""
+
+    outer: Ledger
+    bits: list[int]
+    pump: Callable[[], None]
+
+    def set(self, p: int, mask: int) -> None:
+        super().set(p, mask)
+        outer = 0
+        for k, b in enumerate(self.bits):
+            if mask >> k & 1:
+                outer |= b
+        self.outer.set(p, outer)
+        self.pump()
+
+
+class LeafPath:
+    """Runs ``inner`` (ring or recursive doubling, built for ``len(actives)`` members)
+    over the active members' own inputs, and the leaf streams around it (see the module
+    docstring)."""
+
+    SUB_BYTES = 32 << 10
+
+    def __init__(self, inner: Any, leaves: Mapping[str, str], actives: Sequence[str]) -> None:
+        self.inner, self.leaves, self.actives = inner, dict(leaves), list(actives)
+
+    @classmethod
+    def for_epoch(cls, members: Sequence[str], epoch: Any) -> "LeafPlan | None":
+        """The leaf plan for an op over ``members`` in ``epoch``, or None (no leaf)."""
+        roles = getattr(epoch, "roles", None) or {}
+        plan = getattr(epoch, "plan", None) or {}
+        leaves = leaf_assignment(members, list(epoch.members), roles, plan.get("tree_parent") or [])
+        if not leaves:
+            return None
+        return LeafPlan(leaves, [m for m in members if m not in leaves])
+
+    def run(self, ctx: OpContext) -> None:
+        L = ctx.ledger
+        items = items_of(L.pieces, L.inp.element_size(), self.SUB_BYTES)
+        if L.members[L.me] in self.leaves:
+            self._run_leaf(ctx, items)
+        else:
+            self._run_active(ctx, items)
+
+    def _run_leaf(self, ctx: OpContext, items: list[tuple[int, int, int]]) -> None:
+        L, tr = ctx.ledger, ctx.transport
+        parent = self.leaves[L.members[L.me]]
+        # Result sub-slices land straight in ``out``; a piece's mask turns full only when
+        # all of them arrived (a partly received piece keeps mask 0: exact after an abort).
+        results = [(q, tr.irecv(parent, L.out[s:e], ctx.seq, tag(1, k, SPACE), ctx.digest))
+                   for k, (q, s, e) in enumerate(items)]
+        if L.enabled:
+            ctx.failpoint("leaf", 0.0)
+        sends = [tr.isend(parent, L.inp[s:e], ctx.seq, tag(0, k, SPACE), ctx.digest)
+                 for k, (q, s, e) in enumerate(items)]
+        ctx.wait(sends)
+        for i, (q, req) in enumerate(results):
+            ctx.wait([req])
+            if i + 1 == len(results) or results[i + 1][0] != q:
+                L.set(q, L.full)
+
+    def _run_active(self, ctx: OpContext, items: list[tuple[int, int, int]]) -> None:
+        L, tr = ctx.ledger, ctx.transport
+        me = L.members[L.me]
+        index = {m: i for i, m in enumerate(L.members)}
+        n_a = len(self.actives)
+        ia = self.actives.index(me)
+        succ, pred = self.actives[(ia + 1) % n_a], self.actives[(ia - 1) % n_a]
+        leaves = sorted(self.leaves, key=index.__getitem__)
+        NL = len(leaves)
+        mine = [l for l in leaves if self.leaves[l] == me]
+        stage = {l: torch.empty_like(L.inp) for l in leaves}
+        # Every leaf's input travels parent -> parent+1 -> ... around the active ring (a
+        # chain), one canonical order per link: (item, leaf). Receives are posted up front.
+        recvs: list[tuple[int, str, Any, bool]] = []   # (item, leaf, request, forward?)
+        for k, (q, s, e) in enumerate(items):
+            for li, l in enumerate(leaves):
+                p_l = self.actives.index(self.leaves[l])
+                hop = (ia - p_l) % n_a                 # 0: the parent itself
+                src = l if hop == 0 else pred
+                t = tag(0, k, SPACE) if hop == 0 else tag(2, k * NL + li, SPACE)
+                req = tr.irecv(src, stage[l][s:e], ctx.seq, t, ctx.digest)
+                recvs.append((k, l, req, hop < n_a - 1))
+        sends: list[Any] = []
+        cursor = [0]
+
+        def pump() -> None:
+            """Forward, in order, the leaf data that has arrived (never blocks)."""
+            while cursor[0] < len(recvs) and recvs[cursor[0]][2].done():
+                k, l, _req, fwd = recvs[cursor[0]]
+                cursor[0] += 1
+                if fwd:
+                    q, s, e = items[k]
+                    sends.append(tr.isend(succ, stage[l][s:e], ctx.seq, tag(2, k * NL + leaves.index(l), SPACE),
+                                          ctx.digest))
+
+        inner = _ActiveLedger(L.seq, L.kind, tuple(self.actives), ia, L.epoch, L.digest, L.inp, L.out, L.pieces)
+        inner.enabled = L.enabled
+        inner.outer = L
+        inner.bits = [1 << index[a] for a in self.actives]
+        inner.pump = pump
+        sub = OpContext(tr, inner, ctx.op, ctx.op_timeout, ctx.on_suspect, ctx.epoch)
+        try:
+            self.inner.run(sub)
+        except BaseException:
+            sub.settle()
+            raise
+        leaf_bits = sum(1 << index[l] for l in leaves)
+        by_piece: dict[int, list[int]] = {}
+        for k, (q, s, e) in enumerate(items):
+            by_piece.setdefault(q, []).append(k)
+        i = 0
+        for q in range(len(L.pieces)):
+            ks = by_piece.get(q, [])
+            # wait for every leaf's sub-slices of this piece, forwarding as they come ...
+            while i < len(recvs) and recvs[i][0] <= (ks[-1] if ks else -1):
+                ctx.wait([recvs[i][2]])
+                pump()
+                i += 1
+            # ... then fold them with no transport call in between: the mask stays exact
+            for k in ks:
+                _q, s, e = items[k]
+                for l in leaves:
+                    reduce_into(L.out[s:e], stage[l][s:e], ctx.op)
+            L.set(q, L.masks[q] | leaf_bits if L.enabled else 0)
+            for k in ks:
+                _q, s, e = items[k]
+                for l in mine:
+                    sends.append(tr.isend(l, L.out[s:e], ctx.seq, tag(1, k, SPACE), ctx.digest))
+        pump()
+        ctx.wait(sends)
+
+
+class LeafPlan:
+    """Who is a leaf of whom for one op: ``ring_size`` = number of active members (what
+    the inner algorithm and the piece layout are built for); :meth:`wrap` the inner
+    algorithm."""
+
+    def __init__(self, leaves: Mapping[str, str], actives: Sequence[str]) -> None:
+        self.leaves, self.actives = dict(leaves), list(actives)
+
+    @property
+    def ring_size(self) -> int:
+        return len(self.actives)
+
+    def wrap(self, inner: Any) -> LeafPath:
+        return LeafPath(inner, self.leaves, self.actives)

@@ -1,0 +1,175 @@
+"""The leaf path (resilient/collectives/algorithms/leaf.py): demoted members send their
+input to their tree parent and get the result back, the ring runs over the active members.
+
+Pure parts (assignment, orders) are tested directly; the data path runs real
+Communicators over real TCP transports on loopback, one thread per member, with an
+in-memory group view holding one static epoch (the control plane is not under test
+here: tests/test_straggler_procs.py runs the whole thing with real processes and etcd).
+Results are checked exactly (integer-valued float inputs)."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from resilient.collectives.algorithms.leaf import LeafPath, items_of, leaf_assignment
+from resilient.collectives.communicator import Communicator
+from resilient.transport.tcp import TcpTransport
+
+pytestmark = pytest.mark.timeout(90)
+
+
+# -- pure -------------------------------------------------------------------------------
+
+def test_assignment_uses_the_plans_tree_parent_and_falls_back_deterministically():
+    ring = ["a", "b", "c", "d", "e"]
+    roles = {"d": "demoted", "e": "demoted"}
+    assert leaf_assignment(ring, ring, roles, [-1, 0, 0, 0, 1]) == {"d": "a", "e": "b"}
+    # e's planned parent b is not in the op (died): first fallback active by index
+    assert leaf_assignment(["a", "c", "d", "e"], ring, roles, [-1, 0, 0, 0, 1]) == {"d": "a", "e": "c"}
+    # a planned parent that is itself demoted is refused
+    assert leaf_assignment(ring, ring, roles, [-1, 0, 0, 4, 1]) == {"d": "a", "e": "b"}
+    # no leaf, or nobody active: no leaf path
+    assert leaf_assignment(ring, ring, {}, [-1, 0, 0, 1, 1]) == {}
+    assert leaf_assignment(["d", "e"], ring, roles, [-1, 0, 0, 0, 1]) == {}
+    # malformed plan: still a valid map
+    assert leaf_assignment(ring, ring, roles, ["x"]) == {"d": "a", "e": "b"}
+
+
+def test_items_cut_every_piece_into_sub_slices_covering_it_exactly():
+    pieces = [(0, 10), (10, 11), (11, 40)]
+    its = items_of(pieces, 4, 16)            # 4 elements per sub-slice
+    assert [(q, a, b) for q, a, b in its if q == 1] == [(1, 10, 11)]
+    for q, (s, e) in enumerate(pieces):
+        mine = [(a, b) for p, a, b in its if p == q]
+        assert mine[0][0] == s and mine[-1][1] == e
+        assert all(x[1] == y[0] for x, y in zip(mine, mine[1:]))
+        assert all(0 < b - a <= 4 for a, b in mine)
+
+
+# -- data path ---------------------------------------------------------------------------
+
+@dataclass
+class _Info:
+    address: str
+
+
+@dataclass
+class _Epoch:
+    number: int
+    members: tuple[str, ...]
+    token: str
+    infos: dict[str, Any]
+    roles: dict[str, str] = field(default_factory=dict)
+    plan: dict[str, Any] = field(default_factory=dict)
+
+
+class _StaticView:
+    """In-memory GroupView with one epoch (unit tests of the algorithm only)."""
+
+    def __init__(self, member_id: str, epoch: _Epoch) -> None:
+        self.member_id, self.epoch = member_id, epoch
+
+    def current(self):
+        return self.epoch
+
+    def wait_for(self, pred, timeout):
+        if pred(self.epoch):
+            return self.epoch
+        raise TimeoutError("static view: no such epoch")
+
+    def subscribe(self, cb):
+        return lambda: None
+
+    def report_suspect(self, suspect_id, reason):
+        pass
+
+    def put_blob(self, epoch, name, payload):
+        import sys
+        raise AssertionError(f"no recovery expected in this test: {sys.exc_info()[1]!r}")
+
+    def wait_blobs(self, epoch, name, members, timeout):
+        raise AssertionError("no recovery expected in this test")
+
+    def session_lost(self):
+        return False
+
+
+def _inp(i: int, seq: int, n: int) -> torch.Tensor:
+    return (torch.arange(n, dtype=torch.float32) % 97) * (i + 1) + seq * 10 + i
+
+
+def _run(world: int, demoted: set[str], tree_parent: list[int], numel: int, ops: list[str],
+         small_bytes: int = 64 << 10, slice_bytes: int = 1 << 20):
+    ids = [f"m{i}" for i in range(world)]
+    trs = {m: TcpTransport(m, "leafjob") for m in ids}
+    ep = _Epoch(1, tuple(ids), "tok", {m: _Info(trs[m].address) for m in ids},
+                roles={m: ("demoted" if m in demoted else "active") for m in ids},
+                plan={"tree_parent": tree_parent})
+    results: dict[str, list] = {m: [] for m in ids}
+    errors: list[BaseException] = []
+    comms: dict[str, Communicator] = {}
+
+    def member(m: str) -> None:
+        try:
+            c = Communicator(_StaticView(m, ep), trs[m], op_timeout=20, small_bytes=small_bytes,
+                             slice_bytes=slice_bytes)
+            comms[m] = c
+            for seq, op in enumerate(ops):
+                t = _inp(ids.index(m), seq, numel)
+                w = c.allreduce(t, op)
+                results[m].append((t, w.contributors))
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    ths = [threading.Thread(target=member, args=(m,)) for m in ids]
+    try:
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(60)
+        assert not any(th.is_alive() for th in ths), "a member hung"
+        assert not errors, errors
+    finally:
+        for c in comms.values():
+            c.close()
+        for t in trs.values():
+            t.close()
+    sent = {m: {p: n for p, n in trs[m].stats.sent_by_peer.items() if n} for m in ids}
+    return ids, results, sent
+
+
+@pytest.mark.parametrize("numel,slice_bytes", [(10_001, 4096), (257, 1 << 20), (3, 1 << 20)])
+def test_leaf_results_are_exact_and_include_the_leaf(numel, slice_bytes):
+    # m4 demoted under m0 (ring over m0..m3), m3 demoted under m1: two leaves, two parents
+    ops = ["sum", "avg", "max"]
+    ids, results, sent = _run(5, {"m3", "m4"}, [-1, 0, 0, 1, 0], numel, ops, small_bytes=1024,
+                              slice_bytes=slice_bytes)
+    # the leaves talk to their parents only, exactly their input once per op
+    assert sent["m4"] == {"m0": 4 * numel * len(ops)} and sent["m3"] == {"m1": 4 * numel * len(ops)}
+    assert sent["m2"].keys() <= {"m0", "m1"}
+    for seq, op in enumerate(ops):
+        stack = torch.stack([_inp(i, seq, numel) for i in range(5)])
+        want = {"sum": stack.sum(0), "avg": stack.sum(0) / 5, "max": stack.max(0).values}[op]
+        for m in ids:
+            out, contributors = results[m][seq]
+            assert tuple(contributors) == tuple(ids), (m, contributors)
+            assert torch.equal(out, want), (m, op, (out - want).abs().max())
+
+
+def test_one_active_member_serves_every_leaf():
+    ids, results, _ = _run(3, {"m1", "m2"}, [-1, 0, 0], 5000, ["sum"], small_bytes=1024, slice_bytes=2048)
+    want = torch.stack([_inp(i, 0, 5000) for i in range(3)]).sum(0)
+    for m in ids:
+        assert torch.equal(results[m][0][0], want)
+        assert tuple(results[m][0][1]) == tuple(ids)
+
+
+def test_for_epoch_builds_the_ring_over_active_members_only():
+    ep = _Epoch(3, ("a", "b", "c", "d"), "t", {}, roles={"d": "demoted"}, plan={"tree_parent": [-1, 0, 0, 1]})
+    lp = LeafPath.for_epoch(["a", "b", "c", "d"], ep)
+    assert lp is not None and lp.ring_size == 3 and lp.leaves == {"d": "b"}
+    assert LeafPath.for_epoch(["a", "b", "c"], ep) is None
