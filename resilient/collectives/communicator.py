@@ -537,6 +537,13 @@ class Communicator:
         except Exception as exc:  # noqa: BLE001
             log.debug("metrics: %s", exc)
 
+    def _abandon(self, members: list[str], seq: int, reason: str) -> None:
+        """This member cannot take part in op ``seq``: tell the others (an ERROR frame, so
+        they raise InputMismatch instead of waiting for us) and drop the op."""
+        msg = json.dumps({"from": self.member_id, "descriptor": reason, "peer": self.member_id}).encode()
+        self.transport.post_error(members, seq, msg)
+        self.transport.cancel_op(seq)
+
     def _mismatch(self, seq: int, desc: dict, exc: BaseException) -> None:
         mine = json.dumps(desc, sort_keys=True)
         if isinstance(exc, OpMismatch):
@@ -633,6 +640,7 @@ class Communicator:
         def build(members: list[str], me: int, seq: int, digest: int) -> tuple[Ledger, Any]:
             n = len(members)
             if n != n0:
+                self._abandon(members, seq, f"the group changed from {n0} to {n} members")
                 raise CollectiveError(f"reduce_scatter #{seq}: the group shrank from {n0} to {n} members before it "
                                       "started; call it again with one input per current member")
             S = max(1, min(self.max_slices, -(-m * out.element_size() // self.slice_bytes))) if m else 1
@@ -663,6 +671,7 @@ class Communicator:
         def build(members: list[str], me: int, seq: int, digest: int) -> tuple[Ledger, Any]:
             n = len(members)
             if n != n0:
+                self._abandon(members, seq, f"the group changed from {n0} to {n} members")
                 raise CollectiveError(f"allgather #{seq}: the group shrank from {n0} to {n} members; call it again "
                                       "with one output per current member")
             S = max(1, min(self.max_slices, -(-m * t.element_size() // self.slice_bytes))) if m else 1

@@ -247,6 +247,7 @@ class State:
                     epoch, needed = world.epoch, True
                     if hasattr(engine, "announce_ready"):
                         engine.announce_ready()
+                        engine.wait_admitted()
                     self._transfer(world, 0)
                     timing["transfer_s"] = time.monotonic() - t0
                     break

@@ -100,6 +100,48 @@ class CommunicatorEngine:
         old = self.comm
         self.comm = _make_communicator(self.store, self.job, self.session, self.watcher, self.transport)
         old.close()
+        # tell the joiners our transport now accepts them (see wait_admitted)
+        self.store.put(self._rebuilt_prefix() + self.member_id, str(self._comm_epoch()).encode(),
+                       lease=self.session.lease_id)
+
+    def _rebuilt_prefix(self) -> str:
+        from resilient.coordinator import keys
+
+        return keys.root(self.job).rstrip("/") + "/sync-rebuilt/"
+
+    def _comm_epoch(self) -> int:
+        return int(getattr(getattr(self.comm, "_epoch", None), "number", 0) or self.watcher.current().number)
+
+    def wait_admitted(self, timeout: float = 120.0) -> None:
+        """Joiner side: wait until every other member of our Communicator has rebuilt its
+        own over our epoch (before that their transports refuse our connections). Polls
+        etcd every 20 ms. Failure behaviour: TimeoutError naming the members that did not
+        rebuild; a member that dies meanwhile is dropped from the wait when an epoch
+        removes it."""
+        import time
+
+        from resilient.coordinator import keys
+
+        mine = self._comm_epoch()
+        deadline = time.monotonic() + timeout
+        while True:
+            others = [m for m in self._comm_members() if m != self.member_id]
+            current = self.watcher.current()
+            if current is not None:
+                others = [m for m in others if m in current.members]
+            have = {}
+            for kv in self.store.get_prefix(self._rebuilt_prefix()):
+                try:
+                    have[keys.last_segment(kv.key)] = int(kv.value)
+                except ValueError:
+                    continue
+            missing = [m for m in others if have.get(m, -1) < mine]
+            if not missing or self.job_done():
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"joiner {self.member_id}: members {missing} did not admit it (rebuild their "
+                                   f"communicator over epoch {mine}) within {timeout:.0f}s")
+            time.sleep(0.02)
 
     def world(self) -> World:
         epoch = self.watcher.current()
