@@ -102,6 +102,37 @@ def model_resent(n: int, phase: str, frac: float, victim: int, slices: int = 16)
     return len(plan.transfers()) / (2 * (n - 2) * n * slices)
 
 
+def ledger_state(cl: BenchCluster, epochs: list[int], survivors: list[str]) -> dict | None:
+    """From the ledger statuses the survivors published for the recovery (epochs/<n>/data/
+    ledger/<member>): how many pieces of op #2 no survivor held fully reduced, per chunk
+    (the chunks whose loss forces the survivors' set in all-gather)."""
+    from resilient.coordinator import EpochData
+    from resilient.collectives.ledger import decode_status
+
+    if not epochs:
+        return None
+    raw = EpochData(cl.store, cl.job, min(epochs)).get_all("ledger")
+    masks = {}
+    for m in survivors:
+        if m in raw:
+            st = decode_status(raw[m])
+            for key in ("inflight", "retained"):
+                if st.get(key) and st[key]["seq"] == 2:
+                    masks[m] = (st[key]["masks"], (1 << len(st[key]["members"])) - 1)
+                    break
+    if not masks:
+        return None
+    n_pieces = len(next(iter(masks.values()))[0])
+    full = next(iter(masks.values()))[1]
+    chunks = full.bit_length()
+    per_chunk = n_pieces // chunks
+    missing: dict[str, int] = {}
+    for q in range(n_pieces):
+        if not any(ms[q] == full for ms, _ in masks.values()):
+            missing[str(q // per_chunk)] = missing.get(str(q // per_chunk), 0) + 1
+    return {"slices_per_chunk": per_chunk, "missing_by_chunk": missing}
+
+
 def run_case(args, phase: str) -> dict:
     from resilient.coordinator import EpochWatcher
 
@@ -134,6 +165,7 @@ def run_case(args, phase: str) -> dict:
         redo_bytes = sum(r["bytes"] for r in redo.values())
         recs = [o["recovery"] for o in ops.values()]
         resent = sum(r["bytes_sent"] for r in recs if r) if any(recs) else None
+        held = ledger_state(cl, [o["recovery"]["epoch"] for o in ops.values() if o["recovery"]], survivors)
         cl.send(survivors, "quit")
         return {
             "phase": phase,
@@ -148,6 +180,7 @@ def run_case(args, phase: str) -> dict:
             "recovery_protocol_s": max((r["seconds"] for r in recs if r), default=None),
             "contributors": sorted({tuple(o["contributors"]) for o in ops.values()}),
             "exact": all(o["exact"] for o in ops.values()),
+            "pieces_without_full_copy": held,
             "world": args.world, "size_bytes": args.size, "victim": victim, "failpoint": spec,
         }
 
@@ -186,7 +219,8 @@ def summarize(runs: list[dict]) -> dict:
             "recovery_lt_restart": sum(r["recovery_s"] < r["restart_s"] for r in runs),
             "full_set_kept": sum(len(r["contributors"]) == 1 and len(r["contributors"][0]) == r["world"] for r in runs),
             "exact": all(r["exact"] for r in runs)}
-    keep = ("recovery_s", "resent_fraction", "restart_s", "detect_s", "op_sent_fraction", "contributors")
+    keep = ("recovery_s", "resent_fraction", "restart_s", "detect_s", "op_sent_fraction", "contributors",
+            "pieces_without_full_copy")
     head["runs"] = [{k: r[k] for k in keep} for r in runs]
     for k in ("world", "size_bytes", "victim", "failpoint"):
         head[k] = runs[0][k]

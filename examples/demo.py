@@ -53,7 +53,7 @@ def main() -> int:
         logs = Path(tmp)
         cmd = [sys.executable, "-c", "import sys; from resilient.launcher.cli import main; sys.exit(main())",
                "--standalone", "--nproc-per-node", "4", "--max-restarts", "1", "--lease-ttl", "3",
-               str(ROOT / "examples" / "train.py"), "--steps", str(STEPS), "--step-sleep", "0.1",
+               str(ROOT / "examples" / "train.py"), "--steps", str(STEPS), "--step-sleep", "0.1", "--min-final-world", "4",
                "--log-dir", str(logs)]
         say("== resilient demo: 4 workers train a small model with DDP on the 'resilient' backend")
         say("   $ resilient-run --standalone --nproc-per-node 4 --max-restarts 1 examples/train.py --steps "
@@ -121,13 +121,13 @@ def main() -> int:
     say(f"\n== REPLICAS: parameters bitwise identical on every live worker after every one of the {len(by_step)} "
         f"steps: {identical}")
     say("\n== LOSS (mean over workers; world size in brackets):")
-    for s in range(0, STEPS, 5):
+    for s in range(0, max(by_step) + 1, 5):
         rs = by_step.get(s, [])
         if not rs:
             continue
         loss = sum(r["loss"] for r in rs) / len(rs)
         mark = "  <- kill" if s <= victim["step"] + 1 < s + 5 else ""
-        say(f"   step {s:3d} [{len(rs)}] {loss:8.4f} " + "#" * int(min(60, loss * 100)) + mark)
+        say(f"   step {s:3d} [{len(rs)}] {loss:8.4f} " + "#" * int(min(60, loss * 60)) + mark)
     say(f"\n== done in {time.time() - t_start:.1f} s; resilient-run exited with code {agent.returncode}")
     return 0 if agent.returncode == 0 and identical else 1
 

@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-dir", default="", help="also write the JSON lines to <dir>/<pid>.jsonl")
     ap.add_argument("--checkpoint", default="", help="gloo only: checkpoint file (saved every step)")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra 'compute' per step")
+    ap.add_argument("--min-final-world", type=int, default=0,
+                    help="keep training past --steps until the world has this many members again "
+                         "(tests/demo: let a restarted worker rejoin before the end)")
     ap.add_argument("--exit-at-step", type=int, default=-1,
                     help="the worker launched with RANK=--exit-rank exits (code 17) at that step, first incarnation only")
     ap.add_argument("--exit-rank", type=int, default=-1)
@@ -113,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 if log:
                     log.write(json.dumps(ev) + "\n")
                     log.flush()
-            if step >= args.steps:
+            if step >= args.steps and dist.get_world_size() >= args.min_final_world:
                 break
             from resilient.world import world
 
