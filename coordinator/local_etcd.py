@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -31,6 +32,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
+    """Ask Linux to SIGKILL this child when the process that started it dies, so a test
+    runner killed by a timeout or a signal never leaves an etcd behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def etcd_binary() -> str:
@@ -161,7 +173,11 @@ class LocalEtcd:
         log = open(m.log_path, "ab")
         # Own process group, so that a test's Ctrl-C does not reach it first and so that
         # stop() can signal exactly the processes we started.
-        m.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # The parent-death signal follows the *thread* that forks, so it is only asked for
+        # from the main thread (a chaos injector thread restarting a member ends early).
+        on_main = threading.current_thread() is threading.main_thread()
+        m.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                  preexec_fn=_die_with_parent if on_main else None)
         log.close()
 
     def wait_healthy(self, members: Sequence[EtcdMember], timeout: float | None = None) -> None:
