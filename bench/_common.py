@@ -70,6 +70,7 @@ class BenchCluster:
         self._etcd = None
         self._coord: subprocess.Popen | None = None
         self._threads: list[threading.Thread] = []
+        self._files: list[Any] = []
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -83,8 +84,7 @@ class BenchCluster:
                 [sys.executable, "-c", "import sys; from resilient.cli import main; sys.exit(main())",
                  "coordinator", "--etcd", self._etcd.endpoint_arg, "--job", self.job, "--ttl", str(self.ttl),
                  "--metrics-port", "-1", "--log-level", "WARNING", "--join-debounce-ms", "100"],
-                stdout=subprocess.DEVNULL, stderr=open(Path(self._tmp.name) / "coordinator.stderr", "w"),
-                cwd=ROOT, start_new_session=True)
+                stdout=subprocess.DEVNULL, stderr=self._open("coordinator.stderr"), cwd=ROOT, start_new_session=True)
             for i in range(self.world):
                 self._spawn(f"m{i}")
             for mid in self.procs:
@@ -97,6 +97,11 @@ class BenchCluster:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _open(self, name: str) -> Any:
+        f = open(Path(self._tmp.name) / name, "w")
+        self._files.append(f)
+        return f
+
     def _spawn(self, mid: str) -> None:
         lease = self.store.grant(self.ttl)
         self.leases[mid] = lease
@@ -106,7 +111,7 @@ class BenchCluster:
         cmd = [sys.executable, self.script, "--worker", "--etcd", self._etcd.endpoint_arg, "--job", self.job,
                "--id", mid, "--lease-id", str(lease), "--world", str(self.world), *self.worker_args]
         self.procs[mid] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                           stderr=open(Path(self._tmp.name) / f"{mid}.stderr", "w"),
+                                           stderr=self._open(f"{mid}.stderr"),
                                            cwd=ROOT, env=env, text=True, bufsize=1, start_new_session=True)
 
     def watch_exit(self, mid: str, on_exit: Callable[[str, float], None] | None = None) -> None:
@@ -154,6 +159,8 @@ class BenchCluster:
         if self._etcd is not None:
             self._etcd.stop()
             self._etcd = None
+        for f in self._files:
+            f.close()
         self._tmp.cleanup()
 
     # -- talking to workers -------------------------------------------------------------

@@ -1,13 +1,13 @@
 """Allreduce bandwidth: resilient's TCP ring vs torch's gloo, in the same processes.
 
-    python bench/collectives.py --world 4 --sizes 64K,1M,16M,64M [--rounds 9]
+    python bench/collectives.py --world 4 --sizes 64K,1M,16M,64M [--rounds 10]
 
 Starts a real etcd, a real coordinator and ``--world`` member processes. Each member
 joins the job (a :class:`~resilient.collectives.Communicator` over the TCP transport) and
 also ``dist.init_process_group("gloo")`` (a TCPStore hosted by member 0), both with
-``torch.set_num_threads(1)``. For every size, rounds alternate (order rotated each round)
-between gloo's ``all_reduce``, ours with the ledger on and ours with the ledger off
-(``Communicator.ledger_enabled``, toggled on every member between ops); every timing
+``torch.set_num_threads(1)``. For every size, each round times gloo's ``all_reduce``, then
+ours with the ledger on and off (``Communicator.ledger_enabled``, toggled on every member
+between ops) in an order that alternates between rounds; every timing
 starts after a gloo barrier and runs ``iters`` back-to-back float32 SUM allreduces. A
 round's time is the slowest member's. One JSON line per size::
 
@@ -45,6 +45,8 @@ def worker(args) -> None:
 
     torch.set_num_threads(1)
     kw = {"slice_bytes": args.slice_bytes} if args.slice_bytes else {}
+    if args.small_bytes:
+        kw["small_bytes"] = args.small_bytes
     comm, transport, session, index = join(args, **kw)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.gloo_port}", rank=index,
                             world_size=args.world)
@@ -77,7 +79,9 @@ def worker(args) -> None:
         times: dict[str, list[float]] = {v: [] for v in VARIANTS}
         cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
         for r in range(rounds):
-            order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
+            # gloo first, then the ledger pair in alternating order: on and off are
+            # adjacent (paired) and each follows gloo equally often.
+            order = ("gloo", "ledger_on", "ledger_off") if r % 2 == 0 else ("gloo", "ledger_off", "ledger_on")
             for v in order:
                 wall, c = run(v, k)
                 times[v].append(wall / k)
@@ -94,9 +98,11 @@ def main() -> None:
     ap = worker_argparser(__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--sizes", default="64K,1M,16M,64M", help="comma-separated message sizes (K/M/G suffixes)")
-    ap.add_argument("--rounds", type=int, default=9, help="alternating rounds per size (medians are reported)")
+    ap.add_argument("--rounds", type=int, default=10, help="alternating rounds per size (medians are reported)")
     ap.add_argument("--slice-bytes", type=int, default=0,
                     help="override the communicator's pipelining slice size (default: its own)")
+    ap.add_argument("--small-bytes", type=int, default=0,
+                    help="override the size up to which recursive doubling is used (default: the communicator's)")
     ap.add_argument("--gloo-port", type=int, default=0, help=argparse_hidden())
     args = ap.parse_args()
     if args.worker:
@@ -109,7 +115,8 @@ def main() -> None:
 
     port = free_port()
     with BenchCluster(os.path.abspath(__file__), args.world, job="bench-collectives",
-                      worker_args=["--gloo-port", str(port), "--slice-bytes", str(args.slice_bytes)]) as cl:
+                      worker_args=["--gloo-port", str(port), "--slice-bytes", str(args.slice_bytes),
+                                   "--small-bytes", str(args.small_bytes)]) as cl:
         mids = sorted(cl.procs)
         for size in sizes:
             size -= size % 4

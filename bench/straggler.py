@@ -73,7 +73,8 @@ def worker(args: argparse.Namespace) -> int:
     watcher = EpochWatcher(store, args.job)
     watcher.wait_for(lambda e: len(e.members) == args.world and args.id in e.members, 60)
     comm = Communicator(EtcdGroupView(store, args.job, session, watcher), transport, op_timeout=30)
-    reporter = HealthReporter(store, args.job, args.id, session.lease_id, transport.stats, interval=args.report_s)
+    reporter = HealthReporter(store, args.job, args.id, session.lease_id, transport.stats, interval=args.report_s,
+                              min_ops=3)
     (out / f"READY-{args.id}").write_text(str(os.getpid()))
     while not (out / "go").exists():
         time.sleep(0.01)
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=5)
     ap.add_argument("--numel", type=int, default=1 << 18, help="float32 elements per allreduce (default 262144 = 1 MiB)")
-    ap.add_argument("--bw", default="40MB/s", help="per-link bandwidth cap of every member (default 40MB/s)")
+    ap.add_argument("--bw", default="20MB/s", help="per-link bandwidth cap of every member (default 20MB/s)")
     ap.add_argument("--seconds", type=float, default=8.0, help="measured seconds per run (after detection when on)")
     ap.add_argument("--warmup-s", type=float, default=1.0)
     ap.add_argument("--late-ms", type=float, default=40.0, help="case c: the victim's delay per op")

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint", default="", help="gloo only: checkpoint file (saved every step)")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra 'compute' per step")
     ap.add_argument("--min-final-world", type=int, default=0,
-                    help="keep training past --steps until the world has this many members again "
+                    help="keep training past --steps until a step has run with this many members again "
                          "(tests/demo: let a restarted worker rejoin before the end)")
     ap.add_argument("--exit-at-step", type=int, default=-1,
                     help="the worker launched with RANK=--exit-rank exits (code 17) at that step, first incarnation only")
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         make_elastic(ddp, tracker)
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
         sampler = ElasticSampler(N_SAMPLES, BATCH, rank=dist.get_rank(), world_size=dist.get_world_size(), seed=7)
-        state = State(model=model, optimizer=opt, sampler=sampler, step=0)
+        state = State(model=model, optimizer=opt, sampler=sampler, step=0, last_world=0)
 
         @state.on_membership_change
         def _reshard(world) -> None:
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 if log:
                     log.write(json.dumps(ev) + "\n")
                     log.flush()
-            if step >= args.steps and dist.get_world_size() >= args.min_final_world:
+            if step >= args.steps and state.last_world >= args.min_final_world:
                 break
             from resilient.world import world
 
@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             if sampler.steps_left == 0:
                 sampler.set_epoch(sampler.epoch + 1)
             state.step = step + 1
+            state.last_world = len(members_at_start)  # synced like the rest: every member decides alike
             state.commit()
             record.update(epoch=w.epoch, member=w.member_id, contributors=sorted(contributors))
         else:

@@ -1,6 +1,8 @@
 """Rank side of straggler detection: turn :class:`~resilient.transport.base.TransportStats`
 deltas into ``health/<member>`` windows (format: :mod:`resilient.coordinator.health`) at a
-low rate (default one write per second per member).
+low rate (default one write per second per member; with ``min_ops`` a window also waits
+for that many ops, up to 5 intervals, so slow ops still give the detector usable windows —
+it ignores windows of fewer than ``StragglerConfig.min_ops``, default 3).
 
 Usage (the communicator's op loop, or a training loop around it)::
 
@@ -31,10 +33,11 @@ log = logging.getLogger(__name__)
 class HealthReporter:
     def __init__(self, store: Any, job: str, member_id: str, lease_id: int | None, stats: TransportStats,
                  interval: float = 1.0, extra: dict | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, min_ops: int = 1) -> None:
         self.store, self.job, self.member_id, self.lease_id = store, job, member_id, lease_id
         self.stats = stats
         self.interval = float(interval)
+        self.min_ops = max(1, int(min_ops))
         self.extra = dict(extra or {})
         self._clock = clock
         self._start = clock()
@@ -51,7 +54,8 @@ class HealthReporter:
         if op_seconds is not None:
             self._op_times.append(float(op_seconds))
         now = self._clock()
-        if now - self._start < self.interval:
+        age = now - self._start
+        if age < self.interval or (self._ops < self.min_ops and age < 5 * self.interval):
             return False
         from resilient.coordinator.health import make_record, write_health
 

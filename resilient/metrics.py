@@ -131,6 +131,10 @@ class RankMetrics:
             "recoveries",
             "Ops finished by the survivors after a membership change, by cause.",
             ["cause"], namespace=NAMESPACE, registry=reg))
+        self.ops_resumed = add(Counter(
+            "ops_resumed",
+            "Ops this rank finished from its ledger after a failure interrupted them (resumed, not rerun).",
+            namespace=NAMESPACE, registry=reg))
         self.recovery_duration = add(Histogram(
             "recovery_duration_seconds",
             "Time from noticing a failure to the interrupted op completing on this rank.",
@@ -205,6 +209,25 @@ class RankMetrics:
                 "be >= 0 (saved = bytes a restart would send minus bytes resent, floored at 0)"
             )
         self.recoveries.labels(cause).inc()
+        self.recovery_duration.observe(seconds)
+        self.recovery_resent_bytes.inc(resent_bytes)
+        self.recovery_saved_bytes.inc(saved_bytes)
+
+    def record_membership_recovery(self, cause: str) -> None:
+        """This rank adopted an epoch that removed members of its group (one per epoch,
+        whether or not an op was in flight): ``resilient_recoveries_total{cause}``."""
+        _check("resilient_recoveries_total", "cause", cause, RECOVERY_CAUSES, "RECOVERY_CAUSES")
+        self.recoveries.labels(cause).inc()
+
+    def record_op_resumed(self, seconds: float, resent_bytes: int, saved_bytes: int) -> None:
+        """One interrupted op finished from the ledger: ``resilient_ops_resumed_total``,
+        its recovery time, bytes resent and bytes saved versus a restart."""
+        if resent_bytes < 0 or saved_bytes < 0:
+            raise ConfigError(
+                f"record_op_resumed: resent_bytes={resent_bytes}, saved_bytes={saved_bytes} must "
+                "be >= 0 (saved = bytes a restart would send minus bytes resent, floored at 0)"
+            )
+        self.ops_resumed.inc()
         self.recovery_duration.observe(seconds)
         self.recovery_resent_bytes.inc(resent_bytes)
         self.recovery_saved_bytes.inc(saved_bytes)

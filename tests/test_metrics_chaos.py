@@ -8,13 +8,12 @@ etcd, coordinator processes, member processes driving the Communicator over TCP,
 SIGKILLs fired inside ops (reduce-scatter of op 3, all-gather of op 6). Scrapes happen
 before the workload starts and after every op finished, while every process is still up.
 
-Asserted: the leader coordinator's `resilient_epoch` equals the epoch number in etcd (and
-every survivor's `resilient_rank_epoch` — a strict xfail until the Communicator sets it on
-every epoch it enters); every survivor's
-`resilient_recoveries_total` (summed over causes) rose by exactly the number of ops it
-finished through a recovery, and both kills were recovered from. Issue 8's literal
-"rose by exactly K on every survivor" is a strict xfail until the Communicator counts a
-recovery on survivors whose op completed before they saw the membership change."""
+Asserted: the leader coordinator's `resilient_epoch` and every survivor's
+`resilient_rank_epoch` equal the epoch number in etcd (the Communicator sets the gauge on
+every epoch it enters); every survivor's `resilient_ops_resumed_total` rose by exactly the
+number of ops it finished through a recovery, and both kills were recovered from; issue 8:
+`resilient_recoveries_total` (one per adopted epoch that removed members, summed over
+causes) rose by exactly K on every survivor, whether or not its op was in flight."""
 from __future__ import annotations
 
 import textwrap
@@ -103,9 +102,9 @@ def run(tmp_path_factory):
 SURVIVORS = {0, 2, 4}
 
 
-def _rose(run, i: int) -> float:
+def _rose(run, i: int, name: str = "resilient_recoveries_total") -> float:
     _, before, after = run
-    return total(after["members"][i], "resilient_recoveries_total") - total(before[i], "resilient_recoveries_total")
+    return total(after["members"][i], name) - total(before[i], name)
 
 
 def test_coordinator_epoch_gauge_matches_etcd(run):
@@ -116,31 +115,23 @@ def test_coordinator_epoch_gauge_matches_etcd(run):
     assert total(after["coordinator"], "resilient_coordinator_is_leader") == 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "waits on the Communicator: resilient_rank_epoch is set only after a finished recovery or a joiner "
-    "switch, not in _enter(); a survivor that entered the newest epoch without recovering (its op had "
-    "completed, or the recovery ended in 'rerun') keeps reporting the older epoch"))
 def test_rank_epoch_gauges_match_etcd(run):
     _, _, after = run
     for i in SURVIVORS:
         assert total(after["members"][i], "resilient_rank_epoch") == after["etcd_epoch"], f"member {i}"
 
 
-def test_recoveries_metric_counts_every_recovered_op(run):
-    """Each survivor's counter rose by exactly the ops it finished through a recovery
-    (as its own records say), and over all survivors every kill shows up."""
+def test_ops_resumed_metric_counts_every_recovered_op(run):
+    """Each survivor's resilient_ops_resumed_total rose by exactly the ops it finished
+    through a recovery (as its own records say), and over all survivors every kill shows up."""
     log, _, _ = run
     for i in SURVIVORS:
         recovered = [r.seq for r in log.records if r.member == i and r.recovered]
-        assert _rose(run, i) == len(recovered), f"member {i}: recovered ops {recovered}"
+        assert _rose(run, i, "resilient_ops_resumed_total") == len(recovered), f"member {i}: recovered ops {recovered}"
     recovered_ops = {r.seq for r in log.records if r.recovered and r.member in SURVIVORS}
     assert recovered_ops == {3, 6}  # both kills were recovered from
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "waits on the Communicator: a survivor whose op completed before it saw the epoch that removed a "
-    "member (e.g. downstream of an all-gather kill) records no recovery, so per-member counts are "
-    "<= K, not == K"))
 def test_recoveries_total_rose_by_exactly_k_on_every_survivor(run):
     for i in SURVIVORS:
         assert _rose(run, i) == K, f"member {i}: resilient_recoveries_total rose by {_rose(run, i)}, expected {K}"

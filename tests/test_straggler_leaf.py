@@ -182,3 +182,94 @@ def test_for_epoch_builds_the_ring_over_active_members_only():
     lp = LeafPath.for_epoch(["a", "b", "c", "d"], ep)
     assert lp is not None and lp.ring_size == 3 and lp.leaves == {"d": "b"}
     assert LeafPath.for_epoch(["a", "b", "c"], ep) is None
+
+
+@pytest.mark.parametrize("numel", [6000, 2])
+def test_two_active_members_chain_after_the_ring(numel):
+    # 2 actives: the ring uses both directions of their link, so the leaves' data follows it
+    ids, results, sent = _run(4, {"m2", "m3"}, [-1, 0, 0, 1], numel, ["sum", "min"], small_bytes=1024,
+                              slice_bytes=4096)
+    for seq, op in enumerate(["sum", "min"]):
+        stack = torch.stack([_inp(i, seq, numel) for i in range(4)])
+        want = stack.sum(0) if op == "sum" else stack.min(0).values
+        for m in ids:
+            assert torch.equal(results[m][seq][0], want) and tuple(results[m][seq][1]) == tuple(ids)
+    assert sent["m2"].keys() == {"m0"} and sent["m3"].keys() == {"m1"}
+
+
+class _AbortAfter:
+    """Delegates to a real transport; the ``k``-th send of this member aborts every
+    member's transport (as an epoch that removes someone does)."""
+
+    def __init__(self, inner, k: int, everyone: list) -> None:
+        self.inner, self.k, self.everyone, self.n = inner, k, everyone, 0
+
+    def isend(self, *a, **kw):
+        self.n += 1
+        if self.n == self.k:
+            for t in self.everyone:
+                t.abort("test: member lost")
+        return self.inner.isend(*a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("who,k", [("m4", 3), ("m4", 25), ("m0", 5), ("m0", 30), ("m1", 12), ("m2", 20)])
+def test_masks_describe_out_exactly_whenever_the_op_is_aborted(who, k):
+    """Abort the leaf-path allreduce at many points (a leaf's, a parent's, a plain active's
+    k-th send): on every member, every piece whose mask is non-zero holds exactly the sum
+    of the inputs of the members in the mask — what the recovery planner relies on."""
+    from resilient.collectives.algorithms.base import OpContext
+    from resilient.collectives.ledger import Ledger, split
+    from resilient.errors import TransportError
+    from resilient.kernels import ReduceOp
+
+    ids = [f"m{i}" for i in range(5)]
+    leaves = {"m3": "m1", "m4": "m0"}
+    actives = ["m0", "m1", "m2"]
+    numel, S = 200_000, 2
+    trs = {m: TcpTransport(m, "leafabort") for m in ids}
+    addrs = {m: trs[m].address for m in ids}
+    for t in trs.values():
+        t.configure(1, "tok", addrs)
+    tr = dict(trs)
+    tr[who] = _AbortAfter(trs[who], k, list(trs.values()))
+    pieces = [(s0 + a, s0 + b) for (s0, e0) in split(numel, 3) for (a, b) in split(e0 - s0, S)]
+    inputs = {m: _inp(i, 0, numel) for i, m in enumerate(ids)}
+    ledgers: dict = {}
+    errors: list = []
+
+    def member(m: str) -> None:
+        L = Ledger(0, "allreduce", tuple(ids), ids.index(m), 1, 7, inputs[m].clone(), torch.zeros(numel), pieces)
+        ledgers[m] = L
+        ctx = OpContext(tr[m], L, ReduceOp.SUM, 20, lambda *a: None, 1)
+        algo = LeafPath(__import__("resilient.collectives.algorithms.ring", fromlist=["x"]).RingReduceScatterAllgather(S),
+                        leaves, actives)
+        try:
+            algo.run(ctx)
+        except TransportError:
+            ctx.settle()
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    ths = [threading.Thread(target=member, args=(m,)) for m in ids]
+    try:
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(30)
+        assert not any(th.is_alive() for th in ths), "a member hung after the abort"
+    finally:
+        for t in trs.values():
+            t.close()
+    assert not errors, errors
+    nonzero = 0
+    for m, L in ledgers.items():
+        for q, mask in enumerate(L.masks):
+            if mask:
+                nonzero += 1
+                s, e = pieces[q]
+                want = sum(inputs[ids[b]][s:e] for b in range(5) if mask >> b & 1)
+                assert torch.equal(L.out[s:e], want), (m, q, bin(mask))
+    assert tr[who].n >= k   # the abort really happened at the k-th send

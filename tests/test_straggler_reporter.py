@@ -82,3 +82,22 @@ def test_a_failed_write_is_swallowed_and_retried(etcd_session, job_name):
     finally:
         t.close()
         store.close()
+
+
+def test_min_ops_holds_a_window_until_it_is_usable_or_five_intervals_passed():
+    class _Store:                      # records puts (pure logic: when a window is written)
+        def __init__(self) -> None:
+            self.puts: list = []
+
+        def put(self, key, value, lease=None) -> None:
+            self.puts.append((key, value))
+
+    from resilient.transport.base import TransportStats
+
+    store, clock = _Store(), Clock()
+    rep = HealthReporter(store, "job", "a", None, TransportStats(), interval=1.0, clock=clock, min_ops=3)
+    clock.t = 1.5
+    assert not rep.op_done(1) and not rep.op_done(1)      # 2 ops: interval passed, too few ops
+    assert rep.op_done(1)                                  # the 3rd op completes the window
+    clock.t = 7.0                                          # 5.5 intervals: written with 1 op
+    assert rep.op_done(1) and len(store.puts) == 2

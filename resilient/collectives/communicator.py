@@ -14,6 +14,11 @@ Failure behaviour:
   settled and :mod:`.resume` finishes the op with the survivors. ``contributors`` tells
   the exact set. A wait longer than ``op_timeout`` reports the peer as *suspect* (the
   coordinator confirms by lease state) and keeps waiting.
+* a link fails but no member died (reset connection, dropped link): the peer is reported
+  as suspect and the transfer is re-posted with backoff on the same epoch
+  (:mod:`.retry`); a link down longer than ``op_timeout`` raises
+  :class:`~.retry.PeerUnreachable` (a CollectiveError naming the peer) on this member and,
+  through an ERROR frame, on the others.
 * this member was removed (SIGSTOPped past its TTL, evicted): every op raises
   :class:`~resilient.errors.RemovedFromGroup`; nothing it holds is sent to survivors
   (new epoch token in the handshake, epoch number in every frame).
@@ -44,6 +49,7 @@ from resilient.collectives.group import GroupView, addresses_of
 from resilient.collectives.ledger import Ledger, decode_status, encode_status, split
 from resilient.collectives.recovery import PieceKind, Policy, members_of
 from resilient.collectives.resume import build_plan, execute_plan
+from resilient.collectives.retry import PeerUnreachable, RetryingTransport
 from resilient.collectives.work import Work
 from resilient.errors import (
     CollectiveError, ConfigError, InputMismatch, RemovedFromGroup, StoreError, TransportError,
@@ -83,6 +89,12 @@ def _as_tensor(x: Any, what: str) -> torch.Tensor:
     return t
 
 
+def _cause_of(e: Any) -> str:
+    """The ``resilient_recoveries_total`` cause label of an epoch that removed members."""
+    return {"member_lost": "member_lost", "lease_expired": "lease_expired", "suspect_confirmed": "suspect_confirmed",
+            "health": "demoted", "demoted": "demoted"}.get(getattr(e, "cause", ""), "member_lost")
+
+
 class Communicator:
     def __init__(self, view: GroupView, transport: Transport, *, policy: Policy | str = Policy.DEFAULT,
                  op_timeout: float | None = 30.0, small_bytes: int = 64 << 10, slice_bytes: int = 1 << 20,
@@ -90,6 +102,9 @@ class Communicator:
                  ledger: bool = True, joining: bool | None = None, health_reporter: Any = None,
                  metrics: Any = None) -> None:
         self.view, self.transport = view, transport
+        # ops post through this: a failed link to a live member is retried (issue 5)
+        self._op_transport = RetryingTransport(transport, give_up_s=op_timeout, on_suspect=self._suspect,
+                                               is_member=lambda peer: peer in self._epoch.members)
         self.member_id = view.member_id
         self.policy = Policy.parse(policy)
         self.op_timeout, self.small_bytes, self.slice_bytes, self.max_slices = op_timeout, small_bytes, slice_bytes, max_slices
@@ -168,9 +183,18 @@ class Communicator:
         self._switch = (at, e)
 
     def _enter(self, e: Any) -> None:
+        """Adopt epoch ``e``: transport configured, epoch/world-size gauges set, and one
+        membership recovery counted (cause from the epoch) when it removed members of ours."""
+        removed = self._group - set(e.members) if hasattr(self, "_epoch") else set()
         self._epoch = e
         self._group &= set(e.members)
         self.transport.configure(e.number, e.token, addresses_of(e))
+        self._set_epoch_metrics()
+        if removed and self.member_id in e.members and self._metrics is not None:
+            try:
+                self._metrics.record_membership_recovery(_cause_of(e))
+            except Exception as exc:  # noqa: BLE001
+                log.debug("metrics: %s", exc)
         newest = self.view.current()
         if newest is not None and newest.number > e.number and self._removes(newest):
             self.transport.abort(f"epoch {newest.number} superseded {e.number}")
@@ -320,7 +344,7 @@ class Communicator:
             statuses = {m: decode_status(v) for m, v in raw.items()}
             inflight = [st["inflight"]["seq"] for st in statuses.values() if st.get("inflight")]
             if inflight and min(inflight) == R.seq:
-                ctx = _Ctx(self.transport, R, ReduceOp.SUM, self.op_timeout, self._suspect, e.number)
+                ctx = _Ctx(self._op_transport, R, ReduceOp.SUM, self.op_timeout, self._suspect, e.number)
                 execute_plan(ctx, build_plan(R, survivors, statuses, self.policy))
             return
 
@@ -432,7 +456,7 @@ class Communicator:
             members = self._members()
             L, algo = build(members, members.index(self.member_id), seq, digest)
             L.enabled = self.ledger_enabled
-            ctx = OpContext(self.transport, L, self._op_of(desc), self.op_timeout, self._suspect, self._epoch.number)
+            ctx = OpContext(self._op_transport, L, self._op_of(desc), self.op_timeout, self._suspect, self._epoch.number)
             try:
                 if need_status:
                     need_status = False
@@ -449,6 +473,12 @@ class Communicator:
                         outcome = self._recover(ctx, awaiting=True)
             except (OpMismatch, PeerReportedError) as exc:
                 self._mismatch(seq, desc, exc)
+            except PeerUnreachable as exc:
+                # tell the members beyond the broken link (they would wait for us), then raise
+                msg = json.dumps({"from": self.member_id, "unreachable": exc.peer, "reason": str(exc)}).encode()
+                self.transport.post_error(self._members(), seq, msg)
+                self._op_transport.cancel_op(seq)
+                raise
             if outcome == "done":
                 break
         L.done = True
@@ -498,7 +528,7 @@ class Communicator:
                 if L.seq > k:
                     R = self._retained
                     if R is not None and R.seq == k:
-                        rctx = OpContext(self.transport, R, ctx.op, self.op_timeout, self._suspect, e.number)
+                        rctx = OpContext(self._op_transport, R, ctx.op, self.op_timeout, self._suspect, e.number)
                         execute_plan(rctx, build_plan(R, survivors, statuses, self.policy))
                     return "rerun"
                 progress = any(
@@ -524,16 +554,13 @@ class Communicator:
     def _record_recovery(self, e: Any, L: Ledger) -> None:
         """Metrics of one finished recovery: cause (from the epoch), time, bytes resent and
         bytes saved versus redoing the op from scratch (2(n-1)/n of the op's bytes each)."""
-        self._set_epoch_metrics()
         if self._metrics is None or self.last_recovery is None:
             return
-        cause = {"member_lost": "member_lost", "lease_expired": "lease_expired",
-                 "suspect_confirmed": "suspect_confirmed", "health": "demoted"}.get(getattr(e, "cause", ""), "member_lost")
         n = max(1, len(self._members()))
         scratch = int(2 * (n - 1) / n * L.inp.numel() * L.inp.element_size())
         resent = int(self.last_recovery["bytes_sent"])
         try:
-            self._metrics.record_recovery(cause, self.last_recovery["seconds"], resent, max(0, scratch - resent))
+            self._metrics.record_op_resumed(self.last_recovery["seconds"], resent, max(0, scratch - resent))
         except Exception as exc:  # noqa: BLE001
             log.debug("metrics: %s", exc)
 
@@ -542,25 +569,29 @@ class Communicator:
         they raise InputMismatch instead of waiting for us) and drop the op."""
         msg = json.dumps({"from": self.member_id, "descriptor": reason, "peer": self.member_id}).encode()
         self.transport.post_error(members, seq, msg)
-        self.transport.cancel_op(seq)
+        self._op_transport.cancel_op(seq)
 
     def _mismatch(self, seq: int, desc: dict, exc: BaseException) -> None:
         mine = json.dumps(desc, sort_keys=True)
         if isinstance(exc, OpMismatch):
             msg = json.dumps({"from": self.member_id, "descriptor": desc, "peer": exc.peer}).encode()
             self.transport.post_error(self._members(), seq, msg)
-            self.transport.cancel_op(seq)
+            self._op_transport.cancel_op(seq)
             raise InputMismatch(
                 f"collective #{seq}: member {exc.peer} called a different collective/shape/dtype/op than this member "
                 f"({self.member_id}: {mine}); every member must call the same ops in the same order with matching "
                 "inputs") from None
         assert isinstance(exc, PeerReportedError)
         self.transport.post_error(self._members(), seq, exc.message)  # relay: reaches members without a direct link
-        self.transport.cancel_op(seq)
+        self._op_transport.cancel_op(seq)
         try:
             other = json.loads(exc.message.decode())
         except ValueError:
             other = {"from": exc.peer}
+        if isinstance(other, dict) and other.get("unreachable"):
+            raise PeerUnreachable(str(other["unreachable"]), (
+                f"collective #{seq}: member {other.get('from')} gave up on its link to member {other['unreachable']}: "
+                f"{other.get('reason')}")) from None
         raise InputMismatch(
             f"collective #{seq}: members disagree on the op — member {other.get('from')} ({other.get('descriptor')}) "
             f"saw a different descriptor from member {other.get('peer')}; this member ({self.member_id}) called "

@@ -85,6 +85,7 @@ class Ledger:
             "seq": self.seq, "kind": self.kind, "members": list(self.members), "epoch": self.epoch,
             "digest": self.digest, "n_pieces": len(self.pieces), "masks": list(self.masks),
             "has_input": self.has_input, "done": self.done,
+            "need": list(self.need) if self.done and self.need is not None else None,
         }
 
 

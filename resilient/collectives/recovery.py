@@ -160,6 +160,7 @@ def plan_recovery(
     owners: Sequence[int] | None = None,
     policy: Policy | str = Policy.DEFAULT,
     has_input: Mapping[str, bool] | None = None,
+    decided: Sequence[int | None] | None = None,
 ) -> RecoveryPlan:
     """Plan how the survivors finish an op.
 
@@ -170,6 +171,11 @@ def plan_recovery(
     reduce_scatter, the piece's owner). ``owners[p]`` (copies only): index in ``members``
     of the piece's owner. ``has_input[m]``: whether ``m`` still has its input (False for a
     member that had finished the op and kept only the result; default True).
+    ``decided[p]``: the mask piece ``p`` was completed with by a survivor that already
+    finished the op and holds it final (its retained result; ``None``: no such survivor);
+    it overrides the policy's choice for that piece, so every
+    member reports the same contributor set (a member still recovering after a second
+    failure receives the finished copy instead of reducing over whoever is left).
 
     Raises :class:`CollectiveAborted` under ``strict`` when the full set is impossible,
     :class:`DataLost` when a copy piece exists nowhere, ``ValueError`` on inconsistent
@@ -204,17 +210,23 @@ def plan_recovery(
                     "no survivor holds a copy"
                 )
     else:
-        has_full = [any(held[m][p] == full for m in ring) for p in range(n_pieces)]
+        if decided is not None and len(decided) != n_pieces:
+            raise ValueError("plan_recovery: decided masks disagree with the number of pieces")
+        fixed = [None] * n_pieces if decided is None else list(decided)
+        open_ = [p for p in range(n_pieces) if fixed[p] is None]
+        has_full = {p: any(held[m][p] == full for m in ring) for p in open_}
         if policy is Policy.PER_SEGMENT:
-            need = [full if has_full[p] else survivors for p in range(n_pieces)]
+            need = [full if has_full[p] else survivors for p in open_]
         else:
-            t = full if all(has_full) else survivors
-            need = [t] * n_pieces
-            if policy is Policy.STRICT and t != full:
-                lost = members_of(full & ~survivors, members)
-                raise CollectiveAborted(
-                    f"strict policy: the op cannot include every member; lost contributions of {lost}"
-                )
+            t = full if all(has_full.values()) else survivors
+            need = [t] * len(open_)
+        chosen = dict(zip(open_, need))
+        need = [chosen[p] if fixed[p] is None else int(fixed[p]) for p in range(n_pieces)]
+        if policy is Policy.STRICT and any(t != full for t in need):
+            lost = members_of(full & ~next(t for t in need if t != full), members)
+            raise CollectiveAborted(
+                f"strict policy: the op cannot include every member; lost contributions of {lost}"
+            )
 
     plan = RecoveryPlan(need=need, final_holders=[frozenset()] * n_pieces)
     pos = {m: i for i, m in enumerate(ring)}
@@ -225,7 +237,15 @@ def plan_recovery(
         hops: list[Transfer] = []
         finals = [m for m in ring if held[m][p] == t]
         if not finals and kind is PieceKind.REDUCE:
-            finals = [_chain(p, t, ring, pos, index, held, inputs, plan, hops)]
+            try:
+                finals = [_chain(p, t, ring, pos, index, held, inputs, plan, hops)]
+            except AssertionError:
+                if decided is None:
+                    raise
+                raise CollectiveAborted(
+                    f"piece {p}: other members already finished this op over {members_of(t, members)}, but no "
+                    "survivor holds that result or the contributions to rebuild it; the op cannot be completed "
+                    "consistently") from None
         elif not finals:  # copy piece: any holder of the owner's data
             finals = [m for m in ring if held[m][p] & t]
         have = _forward(p, t, ring, pos, set(finals), wants[p], base=len(hops), hops=hops)

@@ -34,6 +34,7 @@ def build_plan(ledger: Ledger, ring: list[str], statuses: dict[str, dict], polic
     seq = ledger.seq
     held: dict[str, list[int]] = {}
     has_input: dict[str, bool] = {}
+    decided: list[int | None] | None = None  # the contributor sets of members that already finished the op
     index = {m: i for i, m in enumerate(ledger.members)}
     for m in ring:
         st = statuses[m]
@@ -51,12 +52,20 @@ def build_plan(ledger: Ledger, ring: list[str], statuses: dict[str, dict], polic
         else:
             held[m] = [int(x) for x in summ["masks"]]
             has_input[m] = bool(summ["has_input"])
+            if summ.get("done") and summ.get("need") is not None and len(summ["need"]) == len(ledger.pieces):
+                # pieces it holds final fix the op's contributor set there (reduce_scatter:
+                # only its own chunk is final; the rest stays the policy's choice)
+                decided = decided or [None] * len(ledger.pieces)
+                for p, (t, mk) in enumerate(zip(summ["need"], held[m])):
+                    if decided[p] is None and int(t) == mk:
+                        decided[p] = int(t)
     want = None
     if ledger.want is not None:
         want = [frozenset([ledger.members[w]]) & frozenset(ring) if w is not None else None for w in ledger.want]
     return plan_recovery(
         ledger.members, [m for m in ring if m in index], held,
-        kind=ledger.piece_kind, want=want, owners=ledger.owners, policy=policy, has_input=has_input)
+        kind=ledger.piece_kind, want=want, owners=ledger.owners, policy=policy, has_input=has_input,
+        decided=decided)
 
 
 def execute_plan(ctx: OpContext, plan: RecoveryPlan) -> None:

@@ -11,9 +11,12 @@ so nothing may wait for its input before it has to):
 
 * the ring over the active members starts at once on their own inputs;
 * the leaf streams its input to its parent in sub-slices (``SUB_BYTES``); every leaf's
-  stream is forwarded parent -> next active -> ... around the active ring (a pipelined
-  chain: every link carries it once), forwarding as data arrives, also while the ring
-  runs (from the ledger's ``set`` hook, never blocking);
+  stream is forwarded parent -> previous active -> ... around the active ring against
+  the ring's direction (a pipelined chain on the links the ring leaves idle: every link
+  carries it once), forwarding as data arrives, also while the ring runs (from the
+  ledger's ``set`` hook, never blocking). Messages between two members match in posting
+  order, so with 2 actives or recursive doubling (no idle direction) the chain runs
+  after the inner algorithm instead;
 * after the ring, each active adds every leaf's piece to the ring result (leaves in
   member order, so every member ends with identical bits) and the parent streams the
   final pieces to its leaves as they are done.
@@ -24,8 +27,8 @@ short tail, instead of the slow member's speed on every one of ``2(n-1)`` ring s
 Ledger: the op's ledger keeps bit order = the op's members (leaves included) and the
 member's own input in ``inp``. The inner algorithm runs on a view of the ledger over the
 active members whose mask updates are translated to the op's bits; a piece gets the
-leaves' bits only when every leaf's data for it was added (no transport call between the
-first addition and the mask update, so an abort never leaves a half-added piece). A leaf
+leaves' bits only when every leaf's data for it was added (between the piece's first addition and its mask update its mask is 0, "nothing usable", so an
+abort never leaves a half-added piece described as anything). A leaf
 holds nothing (mask 0) until all sub-slices of a result piece arrived (mask full). So at
 any abort the masks describe ``out`` exactly and the recovery planner finishes the op from
 them, whoever died: a leaf mid-stream (pieces with and without its bit exist; the planner
@@ -43,6 +46,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from resilient.collectives.algorithms.base import OpContext, tag
+from resilient.collectives.algorithms.ring import RingReduceScatterAllgather
 from resilient.collectives.ledger import Ledger
 from resilient.kernels import reduce_into
 
@@ -164,35 +168,49 @@ class LeafPath:
         index = {m: i for i, m in enumerate(L.members)}
         n_a = len(self.actives)
         ia = self.actives.index(me)
-        succ, pred = self.actives[(ia + 1) % n_a], self.actives[(ia - 1) % n_a]
+        # Messages between two members match in posting order, so the chain may share no
+        # link with the inner algorithm while both run: with a ring of >= 3 it runs
+        # against the ring's direction (links the ring leaves idle) *concurrently*;
+        # otherwise (2 actives, recursive doubling) it runs after the inner algorithm.
+        concurrent = isinstance(self.inner, RingReduceScatterAllgather) and n_a >= 3
+        d = -1 if concurrent else 1
+        nxt, prv = self.actives[(ia + d) % n_a], self.actives[(ia - d) % n_a]
         leaves = sorted(self.leaves, key=index.__getitem__)
         NL = len(leaves)
         mine = [l for l in leaves if self.leaves[l] == me]
         stage = {l: torch.empty_like(L.inp) for l in leaves}
-        # Every leaf's input travels parent -> parent+1 -> ... around the active ring (a
-        # chain), one canonical order per link: (item, leaf). Receives are posted up front.
-        recvs: list[tuple[int, str, Any, bool]] = []   # (item, leaf, request, forward?)
+        # Every leaf's input travels parent -> next -> ... around the actives (a chain),
+        # in one canonical order per link: (item, leaf).
+        entries: list[list] = []   # [item, leaf, request or None, forward?, hop]
         for k, (q, s, e) in enumerate(items):
-            for li, l in enumerate(leaves):
-                p_l = self.actives.index(self.leaves[l])
-                hop = (ia - p_l) % n_a                 # 0: the parent itself
-                src = l if hop == 0 else pred
-                t = tag(0, k, SPACE) if hop == 0 else tag(2, k * NL + li, SPACE)
-                req = tr.irecv(src, stage[l][s:e], ctx.seq, t, ctx.digest)
-                recvs.append((k, l, req, hop < n_a - 1))
+            for l in leaves:
+                hop = ((ia - self.actives.index(self.leaves[l])) * d) % n_a   # 0: the parent itself
+                req = tr.irecv(l, stage[l][s:e], ctx.seq, tag(0, k, SPACE), ctx.digest) if hop == 0 else None
+                entries.append([k, l, req, hop < n_a - 1, hop])
+
+        def post_chain() -> None:
+            for ent in entries:
+                k, l, req, _fwd, hop = ent
+                if req is None:
+                    q, s, e = items[k]
+                    ent[2] = tr.irecv(prv, stage[l][s:e], ctx.seq, tag(2, k * NL + leaves.index(l), SPACE), ctx.digest)
+
         sends: list[Any] = []
         cursor = [0]
+        live = [concurrent]
 
         def pump() -> None:
             """Forward, in order, the leaf data that has arrived (never blocks)."""
-            while cursor[0] < len(recvs) and recvs[cursor[0]][2].done():
-                k, l, _req, fwd = recvs[cursor[0]]
+            while live[0] and cursor[0] < len(entries) and entries[cursor[0]][2].done():
+                k, l, _req, fwd, _hop = entries[cursor[0]]
                 cursor[0] += 1
                 if fwd:
                     q, s, e = items[k]
-                    sends.append(tr.isend(succ, stage[l][s:e], ctx.seq, tag(2, k * NL + leaves.index(l), SPACE),
+                    sends.append(tr.isend(nxt, stage[l][s:e], ctx.seq, tag(2, k * NL + leaves.index(l), SPACE),
                                           ctx.digest))
 
+        if concurrent:
+            post_chain()
         inner = _ActiveLedger(L.seq, L.kind, tuple(self.actives), ia, L.epoch, L.digest, L.inp, L.out, L.pieces)
         inner.enabled = L.enabled
         inner.outer = L
@@ -204,28 +222,29 @@ class LeafPath:
         except BaseException:
             sub.settle()
             raise
+        if not concurrent:
+            post_chain()
+            live[0] = True
         leaf_bits = sum(1 << index[l] for l in leaves)
-        by_piece: dict[int, list[int]] = {}
-        for k, (q, s, e) in enumerate(items):
-            by_piece.setdefault(q, []).append(k)
+        last_of = {q: k for k, (q, _s, _e) in enumerate(items)}
         i = 0
-        for q in range(len(L.pieces)):
-            ks = by_piece.get(q, [])
-            # wait for every leaf's sub-slices of this piece, forwarding as they come ...
-            while i < len(recvs) and recvs[i][0] <= (ks[-1] if ks else -1):
-                ctx.wait([recvs[i][2]])
+        for k, (q, s, e) in enumerate(items):
+            # wait for every leaf's sub-slice k, forwarding as data comes ...
+            while i < len(entries) and entries[i][0] <= k:
+                ctx.wait([entries[i][2]])
                 pump()
                 i += 1
-            # ... then fold them with no transport call in between: the mask stays exact
-            for k in ks:
-                _q, s, e = items[k]
-                for l in leaves:
-                    reduce_into(L.out[s:e], stage[l][s:e], ctx.op)
-            L.set(q, L.masks[q] | leaf_bits if L.enabled else 0)
-            for k in ks:
-                _q, s, e = items[k]
-                for l in mine:
-                    sends.append(tr.isend(l, L.out[s:e], ctx.seq, tag(1, k, SPACE), ctx.digest))
+            # ... add it and stream the result on. While a piece is partly added its mask
+            # says "nothing usable" (0), so an abort in between leaves the ledger exact.
+            if k == 0 or items[k - 1][0] != q:
+                done_mask = (L.masks[q] | leaf_bits) if L.enabled else 0
+                L.set(q, 0)
+            for l in leaves:
+                reduce_into(L.out[s:e], stage[l][s:e], ctx.op)
+            for l in mine:
+                sends.append(tr.isend(l, L.out[s:e], ctx.seq, tag(1, k, SPACE), ctx.digest))
+            if last_of[q] == k:
+                L.set(q, done_mask)
         pump()
         ctx.wait(sends)
 
