@@ -486,7 +486,10 @@ class Communicator:
             L.need = [L.full] * len(L.pieces)
         retained = L
         retained.has_input = False
-        self._retained = retained
+        prev, self._retained = self._retained, retained
+        if prev is not None:
+            self._release(prev.out)  # nobody can need the op before the retained one
+        self._release(L.inp)  # retained ledgers have no input (has_input=False)
         return L
 
     @staticmethod
@@ -599,6 +602,8 @@ class Communicator:
 
     def _result(self, L: Ledger) -> OpResult:
         need = L.need or [L.full] * len(L.pieces)
+        if L.want is not None:  # reduce_scatter: this member's output is its own chunk only
+            need = [m for m, w in zip(need, L.want) if w == L.me] or need
         sets = [tuple(members_of(m, L.members)) for m in need]
         uniq = set(sets)
         if len(uniq) <= 1:
@@ -606,13 +611,35 @@ class Communicator:
         union = tuple(m for m in L.members if any(m in s for s in sets))
         return OpResult(union, sets, False)
 
+    # -- buffers ------------------------------------------------------------------------
+
+    def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat buffer from the pool (two deep per (numel, dtype)) or a new one: fresh
+        64 MiB allocations cost ~7x a copy in page faults."""
+        pool = self.__dict__.setdefault("_pool_bufs", {})
+        free = pool.get((numel, dtype))
+        buf = free.pop() if free else torch.empty(numel, dtype=dtype)
+        self.__dict__.setdefault("_owned", set()).add(buf.data_ptr())
+        return buf
+
+    def _release(self, buf: torch.Tensor) -> None:
+        """Return a buffer that :meth:`_buffer` handed out (never a user tensor)."""
+        if buf.data_ptr() in self.__dict__.get("_owned", ()) and buf.numel() * buf.element_size() >= (1 << 20):
+            free = self.__dict__.setdefault("_pool_bufs", {}).setdefault((buf.numel(), buf.dtype), [])
+            if len(free) < 2 and all(b.data_ptr() != buf.data_ptr() for b in free):
+                free.append(buf)
+
     # -- op bodies ----------------------------------------------------------------------
 
     def _ring_or_rd(self, nbytes: int, n: int) -> bool:
         return nbytes > self.small_bytes and n > 1
 
     def _reduce(self, t: torch.Tensor, op: ReduceOp, desc: dict, policy: Any) -> OpResult:
-        inp = t.detach().reshape(-1).clone()
+        if t.is_contiguous():
+            inp = t.detach().view(-1)  # the ledger's kept input: t is not written before the op completes
+        else:
+            inp = self._buffer(t.numel(), t.dtype)
+            inp.copy_(t.detach().reshape(-1))
         nbytes = inp.numel() * inp.element_size()
 
         def build(members: list[str], me: int, seq: int, digest: int) -> tuple[Ledger, Any]:
@@ -628,7 +655,7 @@ class Communicator:
                 algo = RecursiveDoubling()
             if leaf:
                 algo = leaf.wrap(algo)
-            L = Ledger(seq, desc["k"], tuple(members), me, self._epoch.number, digest, inp, torch.empty_like(inp), pieces)
+            L = Ledger(seq, desc["k"], tuple(members), me, self._epoch.number, digest, inp, self._buffer(inp.numel(), inp.dtype), pieces)
             return L, algo
 
         old = self.policy
