@@ -1,9 +1,9 @@
 """DDP communication hook: average gradients over the members that actually contributed.
 
-Usage::
+Usage (see :func:`make_elastic` for why the DDP arguments)::
 
-    model = DistributedDataParallel(net)
-    model.register_comm_hook(state=None, hook=resilient.ddp_comm_hook)
+    model = DistributedDataParallel(net, init_sync=False, forward_sync_buffers=False)
+    resilient.ddp.make_elastic(model)          # = register_comm_hook(None, ddp_comm_hook) + no bucket rebuild
 
 For every gradient bucket the hook runs a SUM allreduce on the resilient backend and
 divides by the number of members whose gradients are in the sum (the op's

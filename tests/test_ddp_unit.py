@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from resilient.ddp import ContributorTracker, ddp_comm_hook, make_elastic

@@ -485,7 +485,7 @@ class Communicator:
         if L.need is None:
             L.need = [L.full] * len(L.pieces)
         retained = L
-        retained.has_input = False
+        retained.has_input = True  # the kept input (a private copy) can still be added: a finished member stays a contributor
         prev, self._retained = self._retained, retained
         if prev is not None:
             self._release(prev.out)  # nobody can need the op before the retained one

@@ -65,7 +65,7 @@ def build_plan(ledger: Ledger, ring: list[str], statuses: dict[str, dict], polic
     return plan_recovery(
         ledger.members, [m for m in ring if m in index], held,
         kind=ledger.piece_kind, want=want, owners=ledger.owners, policy=policy, has_input=has_input,
-        decided=None)
+        decided=decided)
 
 
 def execute_plan(ctx: OpContext, plan: RecoveryPlan) -> None:

@@ -51,7 +51,6 @@ from resilient.errors import CollectiveError, ConfigError, ResilientError
 from resilient.torch_backend.codec import decode, encode
 from resilient.world import World
 
-_RESERVED = {"model", "optimizer"}
 _BIG = 1 << 62
 
 

@@ -156,10 +156,8 @@ class InProcEngine:
 
     def allreduce(self, tensor: torch.Tensor, op: str) -> _Handle:
         me = self.member_id
-        slot_ref: dict = {}
 
         def compute(slot, contributors):
-            slot_ref["slot"] = slot
             return _reduce([slot["inputs"][m] for m in contributors], op)
 
         h = self.w._run(me, f"allreduce-{op}-{tuple(tensor.shape)}", tensor.clone(), compute)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from resilient.errors import ResilientError
 from resilient.torch_backend.engine import Engine
-from resilient.torch_backend.work import ResilientWork, completed_work
+from resilient.torch_backend.work import ResilientWork
 
 BACKEND_NAME = "resilient"
 
@@ -208,6 +208,3 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def abort(self) -> None:  # type: ignore[override]
         self.engine.close()
 
-
-def completed(result=None) -> ResilientWork:  # re-export for engines
-    return completed_work(result)

@@ -13,7 +13,6 @@ import threading
 from datetime import timedelta
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 from torch.futures import Future
 
