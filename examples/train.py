@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                     log.flush()
             if step >= args.steps and state.last_world >= args.min_final_world:
                 break
-            from resilient.world import world
+            from resilient.live_world import world
 
             w = world()
             members_at_start = w.members

@@ -13,7 +13,7 @@ from resilient.torch_backend import autoregister as _autoregister_torch_backend 
 
 _autoregister_torch_backend()
 
-__all__ = ["Communicator", "Work", "ReduceOp", "Policy", "errors", "ResilientError", "CollectiveError",
+__all__ = ["Communicator", "Work", "ReduceOp", "Policy", "world", "World", "errors", "ResilientError", "CollectiveError",
            "CollectiveAborted", "InputMismatch", "DataLost", "RemovedFromGroup"]
 
 
@@ -22,6 +22,11 @@ def __getattr__(name: str) -> Any:
         import resilient.collectives as c
 
         return getattr(c, name)
+    if name in ("world", "World"):
+        # the live view (rank, size, epoch, members), kept right by the torch backend
+        import resilient.live_world as w
+
+        return getattr(w, name)
     if name == "ReduceOp":
         from resilient.kernels import ReduceOp
 

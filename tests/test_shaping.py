@@ -149,3 +149,58 @@ def test_spec_file_slows_and_heals_a_running_transport(trio, tmp_path):
     s0._reload()
     assert not s0.spec.active
     assert isinstance(ShapingSpec().links, dict)
+
+
+def test_jitter_scales_each_hold_within_its_band_reproducibly():
+    assert parse_shaping("jitter=30%").jitter == pytest.approx(0.3) == parse_shaping("jitter=0.3").jitter
+    for bad in ("jitter=1.5", "jitter=-1", "jitter=x", "seed=abc"):
+        with pytest.raises(ConfigError, match="jitter|seed"):
+            parse_shaping(bad)
+
+    class _Inner:   # records nothing, accepts sends (pure logic: the computed due times)
+        member_id, address, aborted = "m0", "x", False
+
+        def isend(self, *a):
+            return None
+
+    holds = []
+    for _ in range(2):
+        t = ShapedTransport(_Inner(), "delay=10ms,jitter=30%,seed=7")
+        dues = []
+        for i in range(50):
+            t0 = time.monotonic()
+            req = t.isend(f"p{i}", np.zeros(4, dtype=np.uint8), 0, i)
+            dues.append(req.due - t0)
+        holds.append(dues)
+    assert all(0.007 - 1e-3 <= h <= 0.013 + 1e-3 for h in holds[0])
+    assert max(holds[0]) - min(holds[0]) > 0.003                   # it does vary
+    assert [round(h, 3) for h in holds[0]] == [round(h, 3) for h in holds[1]]   # same seed, same draws
+
+
+def test_time_spent_transmitting_held_sends_is_busy_not_waiting():
+    """A member whose own sends are held (slow NIC) while it waits on a receive is busy:
+    that time must not be charged to the peer in ``wait_s`` (straggler detection)."""
+    a, b = TcpTransport("a", "shapejob"), TcpTransport("b", "shapejob")
+    addrs = {"a": a.address, "b": b.address}
+    a.configure(1, "t", addrs)
+    b.configure(1, "t", addrs)
+    sa = ShapedTransport(a, "delay=2s")   # far longer than b's answer, even on a loaded box
+    try:
+        buf = np.zeros(8, dtype=np.uint8)
+        send = sa.isend("b", np.ones(8, dtype=np.uint8), 0, 1)   # held 2 s
+        recv = sa.irecv("b", buf, 0, 2)
+        threading.Timer(0.25, lambda: b.wait([b.isend("a", np.ones(8, dtype=np.uint8), 0, 2)], 5)).start()
+        assert sa.wait([recv], timeout=5)                          # done at ~250 ms, while busy
+        assert buf.all() and not send.done()                       # really while the send was held
+        assert a.stats.wait_s_by_peer.get("b", 0.0) < 0.1          # not ~0.25 s of "waiting on b"
+        assert sa.wait([send], timeout=5)
+        # idle waiting still counts: nothing held now, b answers >= 200 ms later
+        recv2 = sa.irecv("b", buf, 0, 3)
+        threading.Timer(0.2, lambda: b.wait([b.isend("a", np.ones(8, dtype=np.uint8), 0, 3)], 5)).start()
+        w0 = a.stats.wait_s_by_peer.get("b", 0.0)
+        assert sa.wait([recv2], timeout=5)
+        assert a.stats.wait_s_by_peer["b"] - w0 >= 0.15
+        assert b.wait([b.irecv("a", np.zeros(8, dtype=np.uint8), 0, 1)], 5)
+    finally:
+        a.close()
+        b.close()

@@ -276,3 +276,18 @@ def test_planner_separates_avoided_pairs_and_keeps_demoted_at_the_tail():
     assert sorted(p.ring) == sorted(base.ring)
     assert plan(members, demoted={"m5"}, avoid={(a, b)}) == p     # deterministic
     assert plan(members, avoid=()) == plan(members)               # no avoidance: unchanged
+
+
+def test_cli_straggler_policy_flag_defaults_to_demote_and_off_disables():
+    import argparse
+
+    from resilient.cli import coordinator as cli
+    from resilient.coordinator.health import StragglerPolicy, no_demotion
+
+    ap = argparse.ArgumentParser()
+    cli.add_arguments(ap)
+    base = ["--etcd", "127.0.0.1:1", "--job", "j"]
+    assert isinstance(cli.health_policy_from_args(ap.parse_args(base)), StragglerPolicy)
+    assert cli.health_policy_from_args(ap.parse_args(base + ["--straggler-policy", "off"])) is no_demotion
+    with pytest.raises(SystemExit):
+        ap.parse_args(base + ["--straggler-policy", "evict"])

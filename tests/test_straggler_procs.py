@@ -90,3 +90,52 @@ def test_slow_member_is_demoted_kept_exact_and_promoted_back_to_the_optimal_ring
     assert len(leaf_ops) >= 10 and all(sorted(r["contributors"]) == ["m0", "m1", "m2", "m3"] for r in leaf_ops)
     assert all(sorted(r["contributors"]) == ["m0", "m1", "m2", "m3"] for log in logs.values() for r in log)
     assert t0 < demoted["at"]
+
+
+@pytest.mark.parametrize("victim", ["m2", "parent"])
+def test_leaf_or_its_parent_killed_on_the_leaf_path_survivors_finish_exactly(etcd_session, victim):
+    """SIGKILL (by PID) the demoted leaf, or its tree parent, while ops run on the leaf
+    path: the coordinator removes it, the survivors finish the interrupted op from their
+    ledgers and go on; every result of every survivor is exact over its contributors."""
+    import os
+    import signal
+
+    bench = _bench()
+    args = argparse.Namespace(world=4, numel=1 << 16, report_s=0.5, ops=0, keep=False)
+    cap = "bw=20MB/s,ref_bw=20MB/s"
+    specs = {f"m{i}": cap for i in range(4)}
+    specs["m2"] = cap + ",slow=3x"
+    run = bench.Run(",".join(etcd_session.endpoints), "demote", specs, args, 0.0)
+    try:
+        run.start()
+        demoted = _wait(lambda r: r["roles"].get("m2") == "demoted", 40, "m2 is demoted", run)
+        ring = demoted["members"]
+        dead = "m2" if victim == "m2" else ring[0]     # the planner hangs the only leaf under ring[0]
+        p = run.dir / "m0.jsonl"
+        deadline = time.monotonic() + 30
+        while sum(1 for l in p.read_text().splitlines() if f'"epoch": {demoted["number"]}' in l) < 5:
+            assert time.monotonic() < deadline, "no ops on the leaf path"
+            time.sleep(0.05)
+        os.kill(run.procs[1 + int(dead[1:])].pid, signal.SIGKILL)
+        _wait(lambda r: dead not in r["members"], 30, f"{dead} is removed", run)
+        survivors = [m for m in ("m0", "m1", "m2", "m3") if m != dead]
+        # survivors keep running ops in the new epoch
+        p = run.dir / f"{survivors[0]}.jsonl"
+        n0 = len(p.read_text().splitlines())
+        deadline = time.monotonic() + 30
+        while len(p.read_text().splitlines()) < n0 + 5:
+            assert time.monotonic() < deadline, "survivors made no progress after the kill"
+            time.sleep(0.05)
+        (run.dir / "stop").write_text("1")
+        deadline = time.monotonic() + 60
+        while not all((run.dir / f"done-{m}").exists() for m in survivors):
+            assert time.monotonic() < deadline, "survivors did not finish"
+            time.sleep(0.05)
+        logs = {m: [__import__("json").loads(l) for l in (run.dir / f"{m}.jsonl").read_text().splitlines() if l]
+                for m in survivors}
+    finally:
+        run.close()
+    assert all(r["ok"] for log in logs.values() for r in log), "a wrong result"
+    last = [log[-1]["contributors"] for log in logs.values()]
+    assert all(sorted(c) == sorted(survivors) for c in last)
+    assert len({len(log) for log in logs.values()}) == 1

@@ -22,7 +22,7 @@ import json, os, signal, sys
 import torch, torch.distributed as dist
 import resilient
 from resilient.torch_backend import UnsupportedOperation
-from resilient.world import world
+from resilient.live_world import world
 
 out_dir = sys.argv[1]
 if os.environ.get("RESILIENT_JOINER") == "1":

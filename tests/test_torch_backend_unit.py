@@ -14,7 +14,7 @@ from resilient.errors import ConfigError, RemovedFromGroup
 from resilient.torch_backend import set_engine_factory
 from resilient.torch_backend.inproc import InProcWorld
 from resilient.torch_backend.process_group import ResilientProcessGroup, UnsupportedOperation
-from resilient.world import World
+from resilient.live_world import World
 
 MEMBERS = ["m0", "m1", "m2", "m3"]
 
@@ -164,7 +164,7 @@ def test_world_from_members():
 def test_init_process_group_registers_and_dist_api_reports_live_world():
     """``dist.init_process_group("resilient")`` after ``import resilient``: the dist API
     dispatches to our group, and get_rank/get_world_size follow membership changes."""
-    from resilient.world import world
+    from resilient.live_world import world
 
     w = InProcWorld(["solo"])
     set_engine_factory(lambda **kw: w.engine("solo"))
@@ -189,7 +189,7 @@ def test_init_process_group_registers_and_dist_api_reports_live_world():
         set_engine_factory(None)
         if dist.is_initialized():
             dist.destroy_process_group()
-        from resilient import world as world_mod
+        from resilient import live_world as world_mod
 
         world_mod.install(None)
     with pytest.raises(ConfigError, match="init_process_group"):

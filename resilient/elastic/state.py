@@ -49,13 +49,13 @@ import torch.distributed as dist
 
 from resilient.errors import CollectiveError, ConfigError, ResilientError
 from resilient.torch_backend.codec import decode, encode
-from resilient.world import World
+from resilient.live_world import World
 
 _BIG = 1 << 62
 
 
 def _live_world(group: Any = None) -> World | None:
-    from resilient.world import world
+    from resilient.live_world import world
 
     engine = getattr(group, "engine", None)
     if engine is not None:

@@ -60,7 +60,7 @@ def __getattr__(name: str) -> Any:
 
 def _create(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
     global _current
-    from resilient import world as world_mod
+    from resilient import live_world as world_mod
     from resilient.torch_backend.process_group import ResilientProcessGroup
 
     factory = _engine_factory

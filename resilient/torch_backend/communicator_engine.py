@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import torch
 
 from resilient.errors import ConfigError
-from resilient.world import World
+from resilient.live_world import World
 
 
 class CommunicatorEngine:

@@ -20,7 +20,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from resilient.world import World
+from resilient.live_world import World
 
 #: reduce ops every engine accepts (names, as the Communicator spells them)
 REDUCE_OPS = ("sum", "avg", "min", "max", "prod")

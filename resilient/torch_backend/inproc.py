@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from resilient.errors import InputMismatch, RemovedFromGroup
-from resilient.world import World
+from resilient.live_world import World
 
 
 class _Handle:

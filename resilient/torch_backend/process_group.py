@@ -11,7 +11,7 @@ instead; so do CUDA tensors and reduce ops other than the five above.
 
 Ranks and sizes: ``rank()`` / ``size()`` — hence ``dist.get_rank()`` /
 ``dist.get_world_size()`` — are the live values of the newest epoch (see
-:mod:`resilient.world`), not the launch-time ones. Ranks passed to ``broadcast(src=)``,
+:mod:`resilient.live_world`), not the launch-time ones. Ranks passed to ``broadcast(src=)``,
 ``send(dst=)``, ``recv(src=)`` are ranks of that live world.
 
 Failure behaviour: a member that dies during an op is handled by the engine (the op is
