@@ -485,7 +485,11 @@ class Communicator:
         if L.need is None:
             L.need = [L.full] * len(L.pieces)
         retained = L
-        retained.has_input = True  # the kept input (a private copy) can still be added: a finished member stays a contributor
+        # reduce_scatter's kept input is a private concatenation, still valid: a member that
+        # finished the op can still add its input to the others' chunks and stays a
+        # contributor. allreduce's may be the caller's tensor (now the result) or a pooled
+        # buffer released below: no input.
+        retained.has_input = L.kind == "reduce_scatter"
         prev, self._retained = self._retained, retained
         if prev is not None:
             self._release(prev.out)  # nobody can need the op before the retained one
