@@ -265,8 +265,13 @@ def rank_metrics() -> RankMetrics:
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
-def _multiprocess_enabled() -> bool:
+def multiprocess_enabled() -> bool:
+    """Whether this process writes metrics for a node agent's multiprocess ``/metrics``
+    (``resilient-run --metrics-port`` sets ``PROMETHEUS_MULTIPROC_DIR`` for its workers)."""
     return bool(os.environ.get(MULTIPROC_ENV) or os.environ.get("prometheus_multiproc_dir"))
+
+
+_multiprocess_enabled = multiprocess_enabled
 
 
 def prepare_multiprocess_dir(path: str | os.PathLike[str]) -> str:

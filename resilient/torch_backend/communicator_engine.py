@@ -272,4 +272,13 @@ def _make_communicator(store: Any, job: str, session: Any, watcher: Any, transpo
     epoch = watcher.current()
     view = AdmittedView(EtcdGroupView(store, job, session, watcher), set(epoch.members) if epoch else set())
     kwargs = {"joining": False} if "joining" in inspect.signature(Communicator).parameters else {}
+    from resilient.health_reporter import HealthReporter
+    from resilient.metrics import multiprocess_enabled, rank_metrics
+
+    # per-op health windows feed the coordinator's straggler detector (low rate, never
+    # fails an op); metrics only where the node agent serves them (resilient-run
+    # --metrics-port sets PROMETHEUS_MULTIPROC_DIR for its workers)
+    kwargs["health_reporter"] = HealthReporter(store, job, session.member_id, session.lease_id, transport.stats)
+    if multiprocess_enabled():
+        kwargs["metrics"] = rank_metrics()
     return Communicator(view, transport, **kwargs)
