@@ -151,6 +151,8 @@ class Agent:
             self.cfg.max_restarts, w.streams.error_file, ids, self.cfg.job, joiner,
             self.cfg.virtual_local_rank,
         )
+        if self.cfg.local_addr and "RESILIENT_HOST" not in env:
+            env["RESILIENT_HOST"] = self.cfg.local_addr  # the data-plane listener binds where the node lives
         if self.metrics_dir:
             from resilient.metrics import worker_env as metrics_env
 
