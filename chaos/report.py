@@ -33,6 +33,7 @@ def summarize(verdicts: Sequence[Verdict], max_findings: int = 20) -> dict[str, 
         "recovery_p50_s": _round(percentile(recoveries, 50)),
         "recovery_p99_s": _round(percentile(recoveries, 99)),
         "lost": sum(len(v.lost) for v in verdicts),
+        "vacuous": sum(len(v.vacuous) for v in verdicts),
         "passed": all(v.passed for v in verdicts) and bool(verdicts),
         "scenario": verdicts[0].scenario if verdicts else None,
         "seeds": [v.seed for v in verdicts],
@@ -44,6 +45,7 @@ def summarize(verdicts: Sequence[Verdict], max_findings: int = 20) -> dict[str, 
     }
     findings = [f"seed {v.seed}: {kind}: {f}" for v in verdicts
                 for kind, fs in (("wrong", v.wrong), ("hang", v.hangs), ("lost", v.lost)) for f in fs]
+    findings += [f"seed {v.seed}: vacuous fault: {f}" for v in verdicts for f in v.vacuous]
     out["findings"] = findings[:max_findings]
     return out
 
@@ -70,6 +72,7 @@ def render_table(verdicts: Sequence[Verdict]) -> str:
     for v in verdicts:
         for kind, fs in (("WRONG", v.wrong), ("HANG", v.hangs), ("LOST", v.lost)):
             out += [f"  seed {v.seed} {kind}: {f}" for f in fs[:10]]
+        out += [f"  seed {v.seed} VACUOUS (the fault hit no op; the run is not a pass): {f}" for f in v.vacuous]
         out += [f"  seed {v.seed} skipped: {s}" for s in v.skipped]
     return "\n".join(out)
 

@@ -6,7 +6,7 @@ JSON summary line per scenario plus a Markdown table (for docs/chaos.md).
 
 Not part of ``make test`` (the whole set takes many minutes). Scenarios that need root
 (netem) are reported as SKIPPED with the reason. Exit 0 only if every scenario that ran
-held every invariant (0 wrong, 0 hangs, 0 lost) on every seed.
+held every invariant (0 wrong, 0 hangs, 0 lost, no vacuous fault) on every seed.
 
 Failure behaviour: a scenario whose runner raised (a process did not come up) is reported
 as ERROR with the message and counts as a failure; the next scenario still runs.
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         skip = runner.skip_reason(sc)
         if skip is not None:
-            rows.append(f"| {sc.name} | - | SKIPPED: {skip} |")
+            rows.append(f"| {sc.name} | - | SKIPPED: {skip} |" + " - |" * 7)
             print(json.dumps({"scenario": sc.name, "skipped": skip}), flush=True)
             continue
         t0 = time.monotonic()
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                 verdicts.append(verify(runner.run_scenario(sc, seed, backend=args.backend)))
         except ResilientError as exc:
             ok = False
-            rows.append(f"| {sc.name} | {len(verdicts)}/{args.seeds} | ERROR: {exc} |")
+            rows.append(f"| {sc.name} | {len(verdicts)}/{args.seeds} | ERROR: {exc} |" + " - |" * 7)
             print(json.dumps({"scenario": sc.name, "error": str(exc)}), flush=True)
             continue
         s = report.summarize(verdicts)
@@ -59,13 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         skipped = f"; skipped: {'; '.join(s['skipped'])}" if s["skipped"] else ""
         result = "FAIL" if not s["passed"] else "SKIPPED (no fault injected)" if sc.faults and not s["faults"] \
             else "PASS, but not every fault was injected" if s["skipped"] else "PASS"
-        rows.append(f"| {sc.name} | {args.seeds} | {result}: ops {s['ops']}, "
-                    f"faults {s['faults']}, wrong {s['wrong']}, hangs {s['hangs']}, lost {s['lost']}, "
-                    f"recovery p50/p99 {s['recovery_p50_s']}/{s['recovery_p99_s']} s{skipped} |")
+        rows.append(f"| {sc.name} | {args.seeds} | {result}{skipped} | {s['ops']} | {s['faults']} | {s['wrong']} | "
+                    f"{s['hangs']} | {s['lost']} | {s['vacuous']} | {s['recovery_p50_s']} / {s['recovery_p99_s']} |")
         print(json.dumps(s), flush=True)
         for f in s.get("findings", [])[:5]:
             print(f"  {f}", file=sys.stderr)
-    print("| scenario | seeds | result |\n|---|---|---|")
+    print("| scenario | seeds | result | ops | faults | wrong | hangs | lost | vacuous | recovery p50 / p99 s |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -10,7 +10,11 @@ How faults are injected (every signal goes to a PID this runner started):
   environment (:meth:`~resilient.chaos.faults.Fault.failpoint_spec`); the victim stops
   itself at that exact point; the runner sees it (exit by SIGKILL, or state ``T``),
   records the fault and, for a hang with ``resume_after_s``, sends SIGCONT later;
-- time-triggered ``kill``/``hang``: SIGKILL / SIGSTOP (+ SIGCONT) at ``t0 + time_s``;
+- time-triggered faults fire ``time_s`` after *every member has started op 0* (not after
+  the run's start: members take seconds to reach their first op on a loaded machine, and a
+  fault before op 0 would prove nothing); a ``duration_s`` workload is timed from that
+  moment too. ``kill``/``hang``: SIGKILL / SIGSTOP (+ SIGCONT). A time-triggered fault
+  whose time had not come when the run ended is recorded as never fired;
 - ``etcd_kill``: SIGKILL that etcd member (restarted after ``restart_after_s``);
 - ``coordinator_kill``: SIGKILL the coordinator whose id is under ``leader`` in etcd;
 - ``slow``, ``drop_link``, ``partition``: written into each affected member's shaping
@@ -23,7 +27,7 @@ How faults are injected (every signal goes to a PID this runner started):
 
 Like a node agent, the runner revokes the lease of a member whose process died, so the
 coordinator publishes the next epoch at once — unless the scenario says
-``detection: ttl``, which leaves the lease to expire after ``lease_ttl_s``. ``t0`` (time zero of every time in the
+``detection: ttl``, which leaves the lease to expire after ``lease_ttl_s``. ``t0`` (time zero of every time in the log; ``RunLog.ops_start_s`` is the time triggers' zero on that scale)
 log) is when the first epoch holding every member was seen; the runner then writes the
 ``go`` file the members wait for (protocol in :mod:`resilient.chaos.worker`).
 
@@ -54,7 +58,7 @@ from typing import Callable, Sequence
 
 from resilient.chaos.faults import Fault, FaultKind
 from resilient.chaos.scenario import Scenario, resolve_faults
-from resilient.chaos.verifier import EpochEvent, FaultEvent, OpRecord, RunLog
+from resilient.chaos.verifier import NEVER_FIRED, EpochEvent, FaultEvent, OpRecord, RunLog
 from resilient.chaos.worker import member_id, member_index
 from resilient.errors import ConfigError, ResilientError
 
@@ -77,6 +81,13 @@ class RunnerUnavailable(ConfigError):
 
 class RunnerError(ResilientError):
     """A process the runner started did not come up; the message carries its log tail."""
+
+
+class StartFailed(RunnerError):
+    """A member that no fault touched left (or never started op 0) before every member had
+    started op 0 — typically its lease expired while an overloaded machine starved it
+    during start-up. Nothing under test ran yet, so :func:`run_scenario` starts the seed
+    again (``start_attempts``); the message names the member and carries its log tail."""
 
 
 def runner_unavailable_reason(backend: str = "resilient") -> str | None:
@@ -180,6 +191,9 @@ class ChaosRunner:
         self.store = None
         self._shaping: dict[int, dict[int, str]] = {}  # member -> {fault id: spec items}
         self._resuming: set[int] = set()  # stopped members a SIGCONT is scheduled for
+        self.ops_t0: float | None = None  # wall time every member had started op 0 (time triggers' zero)
+        self._fired: set[int] = set()  # id() of time-triggered faults whose time came
+        self.start_failure: str | None = None  # why the members did not all reach op 0 (StartFailed)
 
     # -- processes ---------------------------------------------------------------------
 
@@ -283,11 +297,12 @@ class ChaosRunner:
             tmp.write_text(repr(self.t0))
             tmp.rename(self.records / "go")
             watcher.subscribe(self._on_epoch, replay=True)
+            # time triggers and the duration count from op 0 (see _inject_timed)
             injector = threading.Thread(target=self._inject_timed, name="injector", daemon=True)
             injector.start()
-            if self.sc.workload.duration_s is not None:
-                self._later(self.sc.workload.duration_s, self._name_the_end)
             self._monitor()
+            if self.start_failure is not None:
+                raise StartFailed(self.start_failure)
             if self.on_finished is not None:
                 self.on_finished(self)
             self._stop.set()
@@ -302,11 +317,19 @@ class ChaosRunner:
         for f in self.faults:  # a planned fault that never fired proves nothing: say so
             if f.trigger.in_process and (f.kind.value, f.member) not in fired:
                 self._record(FaultEvent(f.kind.value, self.sc.op_timeout_s, f"member {f.member}",
-                                        skipped=f"never fired: the victim did not reach {f.trigger.describe()}"))
+                                        skipped=f"{NEVER_FIRED}: the victim did not reach {f.trigger.describe()}"))
+        with self._lock:
+            unfired = [f for f in self.faults if not f.trigger.in_process and id(f) not in self._fired]
+        ops_zero = self.ops_t0 if self.ops_t0 is not None else time.time()
+        for f in unfired:  # e.g. the workload ended before its time came
+            self._record(FaultEvent(f.kind.value, ops_zero + f.trigger.time_s - self.t0, f.target_text(),
+                                    skipped=f"{NEVER_FIRED}: the run ended before {f.trigger.describe()} "
+                                            f"(time triggers count from op 0)"))
         return RunLog(scenario=self.sc, seed=self.seed, records=self._read_records(), faults=sorted(
             self.events, key=lambda e: e.time_s), epochs=sorted(self.epochs, key=lambda e: e.number),
             ops_planned=self.sc.workload.ops if self.sc.workload.ops is not None else self.end_op,
-            duration_s=time.time() - self.t0)
+            duration_s=time.time() - self.t0,
+            ops_start_s=None if self.ops_t0 is None else self.ops_t0 - self.t0)
 
     def _name_the_end(self) -> None:
         """Duration is up: the op count is a few ops past the furthest member, so every
@@ -352,10 +375,57 @@ class ChaosRunner:
                 action()
         threading.Thread(target=run, daemon=True).start()
 
+    def _await_op0(self) -> float:
+        """Wall time at which every member had started op 0 (the latest ``start`` of their
+        op-0 records). A member that exited before op 0 is not waited for; after
+        ``start_timeout`` the members seen so far count (the verifier reports the others'
+        ops as lost). Returns early (with the current time) when the run is stopped."""
+        deadline = time.monotonic() + self.start_timeout
+        starts: dict[int, float] = {}
+        while True:
+            for i, proc in self.workers.items():
+                if i not in starts:
+                    t = _op0_start(self.records / f"member-{i}.jsonl")
+                    if t is not None:
+                        starts[i] = t
+            with self._lock:
+                victims = set(self.victims)
+            gone = [i for i, p in self.workers.items() if i not in starts and not p.alive() and i not in victims]
+            waiting = [i for i, p in self.workers.items() if i not in starts and p.alive()]
+            late = waiting if time.monotonic() > deadline else []
+            if gone or late:
+                i = (gone or late)[0]
+                proc = self.workers[i]
+                what = (f"exited (code {proc.popen.poll()})" if gone else
+                        f"had not started it after {self.start_timeout:.0f}s")
+                with self._lock:
+                    self.start_failure = (f"member {i} {what} before every member had started op 0 — start-up, "
+                                          f"not the scenario, failed (an overloaded machine can starve a member "
+                                          f"past its {self.sc.lease_ttl_s:g}s lease):\n{proc.log_tail()}")
+                return time.time()
+            if not waiting or self._stop.is_set():
+                return max(starts.values(), default=time.time())
+            time.sleep(0.01)
+
     def _inject_timed(self) -> None:
+        """Wait until every member has started op 0, then name the end of a duration
+        workload after ``duration_s`` and fire each time-triggered fault at
+        ``time_s`` — both counted from that moment, so no fault lands before the first op
+        (members take seconds to start on a loaded machine). A fault whose time never
+        comes before the run ends is reported as never fired (the verifier counts it as
+        vacuous, a failure)."""
+        zero = self._await_op0()
+        with self._lock:
+            self.ops_t0 = zero
+        if self._stop.is_set() or self.start_failure is not None:
+            return
+        if self.sc.workload.duration_s is not None:
+            self._later(max(0.0, zero + self.sc.workload.duration_s - time.time()), self._name_the_end)
         for fault in sorted((f for f in self.faults if not f.trigger.in_process), key=lambda f: f.trigger.time_s):
-            if self._stop.wait(max(0.0, self.t0 + fault.trigger.time_s - time.time())):
+            if self._stop.wait(max(0.0, zero + fault.trigger.time_s - time.time())):
                 return
+            with self._lock:
+                self._fired.add(id(fault))
             try:
                 self._inject(fault)
             except Exception as exc:  # a failed injection is reported, never silently lost
@@ -503,7 +573,7 @@ class ChaosRunner:
                 resuming = set(self._resuming)
             live = [i for i, p in self.workers.items() if p.alive() and (not p.stopped() or i in resuming)
                     and not (self.records / f"done-{i}").exists()]
-            if not live:
+            if not live or self.start_failure is not None:
                 return
             if time.monotonic() - last_progress > self.sc.op_timeout_s:
                 return  # nobody progressed within the op bound: the verifier reports the hangs
@@ -564,6 +634,20 @@ class ChaosRunner:
         return out
 
 
+def _op0_start(path: Path) -> float | None:
+    """The ``start`` wall time of op 0 in a member's record file, once it is there."""
+    try:
+        with open(path) as f:
+            line = f.readline()
+    except OSError:
+        return None
+    try:
+        d = json.loads(line)
+    except ValueError:
+        return None  # not written yet, or written halfway
+    return float(d["start"]) if d.get("seq") == 0 and "start" in d else None
+
+
 def _size(path: Path) -> int:
     try:
         return path.stat().st_size
@@ -571,13 +655,29 @@ def _size(path: Path) -> int:
         return -1
 
 
+#: How often :func:`run_scenario` starts a seed whose start-up failed (:class:`StartFailed`).
+START_ATTEMPTS = 3
+
+
 def run_scenario(scenario: Scenario, seed: int, workdir: str | os.PathLike | None = None,
-                 backend: str = "resilient", worker_args: Sequence[str] = ()) -> RunLog:
+                 backend: str = "resilient", worker_args: Sequence[str] = (),
+                 start_attempts: int = START_ATTEMPTS) -> RunLog:
     """Run one seed of ``scenario`` for real and return its log (see :class:`ChaosRunner`).
-    Raises :class:`RunnerUnavailable` when the backend cannot run here."""
-    runner = ChaosRunner(scenario, seed, workdir, backend, worker_args)
-    try:
-        return runner.run()
-    finally:
-        if workdir is None:
-            shutil.rmtree(runner.workdir, ignore_errors=True)
+    Raises :class:`RunnerUnavailable` when the backend cannot run here. A seed whose
+    start-up failed before every member reached op 0 (:class:`StartFailed`: nothing under
+    test had run) is started again, up to ``start_attempts`` times in all, each retry noted
+    on stderr; the last :class:`StartFailed` propagates."""
+    for attempt in range(1, start_attempts + 1):
+        wd = None if workdir is None else Path(workdir) / f"attempt{attempt}" if attempt > 1 else workdir
+        runner = ChaosRunner(scenario, seed, wd, backend, worker_args)
+        try:
+            return runner.run()
+        except StartFailed as exc:
+            if attempt == start_attempts:
+                raise
+            print(f"chaos: {scenario.name} seed {seed}: start-up failed, starting the seed again "
+                  f"({attempt}/{start_attempts}): {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
+        finally:
+            if workdir is None:
+                shutil.rmtree(runner.workdir, ignore_errors=True)
+    raise AssertionError("unreachable")

@@ -12,6 +12,10 @@ injected (:class:`FaultEvent`) and the epochs the coordinator published
   of; a contributor that is not a member.
 - **hangs** — an op a live member started and did not finish within ``op_timeout_s``.
 - **lost** — an op a surviving member never completed (missing record or an error).
+- **vacuous** — an injected fault that did not overlap any op: its window (``time_s`` to
+  ``end_s``) ends before the first op of the run started or begins after the last op
+  ended; or a planned fault that never fired (``skipped`` starting with
+  :data:`NEVER_FIRED`). The scenario did not test what it names, so the run fails.
 - **recoveries** — for each injected fault, seconds from the fault until every surviving
   member finished the first op that completed after it.
 
@@ -30,6 +34,10 @@ import numpy as np
 from resilient.chaos.faults import NETWORK_KINDS, VICTIM_KINDS, FaultKind
 from resilient.chaos.scenario import Scenario
 from resilient.chaos.workload import REDUCING, compare, expected_output, op_spec_for
+
+
+#: Prefix of ``FaultEvent.skipped`` for a planned fault that never fired (vacuous).
+NEVER_FIRED = "never fired"
 
 
 @dataclass
@@ -93,6 +101,7 @@ class RunLog:
     epochs: list[EpochEvent] = field(default_factory=list)
     ops_planned: int | None = None
     duration_s: float = 0.0
+    ops_start_s: float | None = None  # when every member had started op 0 (time triggers' zero)
 
 
 @dataclass(frozen=True)
@@ -119,14 +128,16 @@ class Verdict:
     wrong: list[Finding] = field(default_factory=list)
     hangs: list[Finding] = field(default_factory=list)
     lost: list[Finding] = field(default_factory=list)
+    vacuous: list[str] = field(default_factory=list)
     recoveries: list[float] = field(default_factory=list)
     bytes_resent: int = 0
     bytes_restart: int = 0
 
     @property
     def passed(self) -> bool:
-        """Every invariant held: no wrong result, no hang, no lost op."""
-        return not (self.wrong or self.hangs or self.lost)
+        """Every invariant held (no wrong result, no hang, no lost op) and every planned
+        fault hit the workload (none vacuous)."""
+        return not (self.wrong or self.hangs or self.lost or self.vacuous)
 
 
 def verify(run: RunLog) -> Verdict:
@@ -135,7 +146,9 @@ def verify(run: RunLog) -> Verdict:
     sc = run.scenario
     v = Verdict(scenario=sc.name, seed=run.seed)
     v.faults = sum(1 for f in run.faults if f.skipped is None)
-    v.skipped = [f"{f.kind} {f.target}: {f.skipped}" for f in run.faults if f.skipped]
+    v.skipped = [f"{f.kind} {f.target}: {f.skipped}" for f in run.faults
+                 if f.skipped and not f.skipped.startswith(NEVER_FIRED)]
+    v.vacuous = _vacuous(run)
     excused = _excused_members(run)
 
     by_seq: dict[int, list[OpRecord]] = defaultdict(list)
@@ -174,6 +187,29 @@ def verify(run: RunLog) -> Verdict:
     v.ops = len({r.seq for r in run.records if r.end_s is not None and r.error is None})
     v.recoveries = _recoveries(run, survivors)
     return v
+
+
+def _vacuous(run: RunLog) -> list[str]:
+    """Faults that hit no op (see the module docstring), one readable line each."""
+    out = [f"{f.kind} {f.target}: {f.skipped}" for f in run.faults
+           if f.skipped and f.skipped.startswith(NEVER_FIRED)]
+    injected = [f for f in run.faults if f.skipped is None]
+    if not injected:
+        return out
+    starts = [r.start_s for r in run.records if r.seq >= 0]
+    ends = [float("inf") if r.end_s is None else r.end_s for r in run.records if r.seq >= 0]
+    first, last = (min(starts), max(ends)) if starts else (None, None)
+    for f in injected:
+        until = f.time_s if f.end_s is None else f.end_s
+        if first is None:
+            out.append(f"{f.kind} {f.target} at {f.time_s:.3f}s: did not overlap any op (no op ran)")
+        elif until < first:
+            out.append(f"{f.kind} {f.target} at {f.time_s:.3f}s: did not overlap any op "
+                       f"(it was over before op 0 started at {first:.3f}s)")
+        elif f.time_s > last:
+            out.append(f"{f.kind} {f.target} at {f.time_s:.3f}s: did not overlap any op "
+                       f"(every op had ended by {last:.3f}s)")
+    return out
 
 
 def _excused_members(run: RunLog) -> set[int]:

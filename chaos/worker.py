@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
                         "original member set instead of the contributors the communicator's ledger reported")
     p.add_argument("--comm-op-timeout", type=float, default=5.0,
                    help="resilient: seconds a peer wait lasts before the peer is reported suspect")
+    p.add_argument("--fail-start-once", metavar="PATH", default=None,
+                   help="test hook: the first member to create PATH exits 3 after `go`, before op 0 (a start-up "
+                        "failure the runner must retry, not count against the scenario)")
     p.add_argument("--metrics", action="store_true",
                    help="resilient: record rank metrics (PROMETHEUS_MULTIPROC_DIR names where) via the Communicator")
     args = p.parse_args(argv)
@@ -135,6 +138,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         time.sleep(0.01)
 
+    if args.fail_start_once:
+        try:
+            os.close(os.open(args.fail_start_once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            print("test hook --fail-start-once: exiting before op 0", file=sys.stderr, flush=True)
+            os._exit(3)
+        except FileExistsError:
+            pass
     progress = {"seq": 0}
     try:
         if args.backend == "oracle":

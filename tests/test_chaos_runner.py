@@ -73,6 +73,66 @@ def test_timed_hang_stops_and_resumes_the_member(tmp_path):
     assert verify(log).passed
 
 
+def test_time_triggers_count_from_the_moment_every_member_started_op_0(tmp_path):
+    sc = _scenario(tmp_path, """\
+        name: kill-at-zero
+        world_size: 3
+        workload:
+          ops: 40
+          mix: [{collective: allreduce, op: sum, dtype: int32, numel: 64}]
+        faults:
+          - {kind: kill, member: 2, at: {time_s: 0}}
+        """)
+    runner, log = _run(sc, tmp_path=tmp_path, worker_args=["--pace-s", "0.05"])
+    op0 = {r.member: r.start_s for r in log.records if r.seq == 0}
+    assert sorted(op0) == [0, 1, 2]  # the victim too had started op 0 before the fault
+    assert log.ops_start_s == pytest.approx(max(op0.values()))
+    (fault,) = log.faults
+    assert fault.kind == "kill" and fault.skipped is None and fault.time_s >= log.ops_start_s
+    assert runner.workers[2].popen.returncode == -9
+    v = verify(log)
+    assert v.passed and v.vacuous == [] and v.faults == 1
+
+
+def test_a_timed_fault_that_hit_no_op_fails_the_run(tmp_path):
+    """The workload ends long before the fault's time: the fault never fires, and the
+    run is reported as vacuous (exit 1), never as a pass."""
+    path = tmp_path / "late.yaml"
+    path.write_text(textwrap.dedent("""\
+        name: late-fault
+        world_size: 3
+        workload:
+          ops: 5
+          mix: [{collective: allreduce, op: sum, dtype: int64, numel: 64}]
+        faults:
+          - {kind: kill, member: 1, at: {time_s: 600}}
+        """))
+    cmd = [sys.executable, "-c", "import sys; from resilient.cli import main; sys.exit(main())", "chaos", "run",
+           str(path), "--seeds", "1", "--backend", "oracle"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "VACUOUS" in p.stdout and "the run ended before t=600s" in p.stdout
+    final = json.loads(p.stdout.strip().splitlines()[-1])
+    assert final["vacuous"] == 1 and final["passed"] is False and final["wrong"] == final["hangs"] == 0
+
+
+def test_a_member_lost_before_op_0_restarts_the_seed_not_fails_the_scenario(tmp_path, capfd):
+    """Start-up is not under test: a member that leaves before every member started op 0
+    (here the test hook makes one exit) is a StartFailed; run_scenario starts the seed again."""
+    from resilient.chaos.runner import StartFailed, run_scenario
+
+    sc = find_scenario("kill-reduce-scatter")
+    flag = tmp_path / "failed-once"
+    with pytest.raises(StartFailed, match=r"member \d exited \(code 3\) before every member had started op 0"):
+        run_scenario(sc, 0, tmp_path / "a", backend="oracle", worker_args=["--fail-start-once", str(flag)],
+                     start_attempts=1)
+    flag.unlink()
+    log = run_scenario(sc, 0, tmp_path / "b", backend="oracle", worker_args=["--fail-start-once", str(flag)])
+    assert "start-up failed, starting the seed again (1/3)" in capfd.readouterr().err
+    v = verify(log)
+    assert v.passed and v.ops == 8 and v.faults == 1
+
+
 def test_broken_contributor_reporting_fails_the_run(tmp_path):
     """Proof the pipeline can fail: members that report a wrong contributor set."""
     _, log = _run(find_scenario("kill-all-gather"), tmp_path=tmp_path, worker_args=["--oracle-bug", "contributors"])

@@ -255,3 +255,35 @@ def test_a_member_that_crashed_by_itself_is_not_excused():
     v = verify(RunLog(sc, seed=0, records=recs))
     assert not v.passed and not v.hangs
     assert {(f.seq, f.member) for f in v.lost} == {(0, 3), (1, 3), (-1, 2)}
+
+
+# ---- vacuous faults: a fault that hit no op is not a pass ---------------------------------
+
+def test_a_fault_before_op_0_or_after_the_last_op_is_vacuous():
+    sc = _scenario("{collective: allreduce, op: sum, dtype: int64, numel: 64}", ops=4)
+    recs = _records(sc, 0, (0, 1, 2), _honest(0, (0, 1, 2)))  # op k runs [k, k+0.5]; ops span [0, 3.5]
+    shift = _records(sc, 0, (0, 1, 2), _honest(0, (0, 1, 2)), t0=2.0)  # the same ops 2 s later
+    early = verify(RunLog(sc, seed=0, records=shift, faults=[FaultEvent("kill", 1.0, "member 3", victim=3)]))
+    assert not early.passed and (early.wrong, early.hangs, early.lost) == ([], [], [])
+    assert len(early.vacuous) == 1 and "before op 0 started at 2.000s" in early.vacuous[0]
+    late = verify(RunLog(sc, seed=0, records=recs, faults=[FaultEvent("kill", 9.0, "member 3", victim=3)]))
+    assert not late.passed and "every op had ended by 3.500s" in late.vacuous[0]
+    # a fault window that overlaps the ops (even one that started before op 0) is not vacuous
+    window = FaultEvent("etcd_kill", 1.0, "etcd member 0", end_s=2.5)
+    assert verify(RunLog(sc, seed=0, records=shift, faults=[window])).vacuous == []
+    assert verify(RunLog(sc, seed=0, records=recs, faults=[FaultEvent("kill", 2.25, "member 3", victim=3)])).passed
+
+
+def test_a_planned_fault_that_never_fired_is_vacuous_not_skipped():
+    from resilient.chaos.report import render_table, summarize
+    from resilient.chaos.verifier import NEVER_FIRED
+
+    sc = _scenario("{collective: allreduce, op: sum, dtype: int64, numel: 64}", ops=2)
+    recs = _records(sc, 0, (0, 1, 2, 3), _honest(0, (0, 1, 2, 3)))
+    never = FaultEvent("kill", 30.0, "member 1", skipped=f"{NEVER_FIRED}: the victim did not reach op 9")
+    v = verify(RunLog(sc, seed=0, records=recs, faults=[never]))
+    assert not v.passed and v.skipped == [] and v.faults == 0
+    assert v.vacuous == [f"kill member 1: {NEVER_FIRED}: the victim did not reach op 9"]
+    s = summarize([v])
+    assert s["vacuous"] == 1 and s["passed"] is False and any("vacuous fault" in f for f in s["findings"])
+    assert "VACUOUS" in render_table([v]) and "FAIL" in render_table([v])

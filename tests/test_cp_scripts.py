@@ -34,7 +34,7 @@ def test_control_plane_bench_prints_one_json_line():
 
 
 def test_demo_shows_the_epoch_change_after_a_kill():
-    out = run("examples/demo.py", timeout=240)
+    out = run("examples/control_plane_demo.py", timeout=240)
     assert out.returncode == 0, out.stderr
     assert "epoch 1 published (initial)" in out.stdout
     assert "epoch 2 published (member_lost, removed worker1)" in out.stdout

@@ -19,7 +19,7 @@ from resilient.launcher.logs import Std, parse_std
 
 pytestmark = pytest.mark.slow
 SCRIPT = os.path.join(SCRIPTS, "print_streams.py")
-_WORKER_LINE = re.compile(r"(out|err) \d \d$")
+_WORKER_TOKEN = re.compile(r"(\[[^\]\n]*\]:)?((?:out|err) \d \d)")
 
 
 def _run(cmd: list[str], log_dir: str) -> tuple[dict[str, str], list[str], list[str]]:
@@ -36,7 +36,10 @@ def _run(cmd: list[str], log_dir: str) -> tuple[dict[str, str], list[str], list[
                 files[os.path.relpath(path, os.path.join(log_dir, run_dir))] = f.read()
 
     def lines(text: str) -> list[str]:
-        return sorted(line for line in text.splitlines() if _WORKER_LINE.search(line))
+        # Worker lines with their prefix, if any. Two workers writing to one inherited
+        # stream can interleave within a line ("err 1 0err 0 0", seen from torchrun under
+        # load), so tokens are found anywhere, not per line.
+        return sorted("".join(m) for m in _WORKER_TOKEN.findall(text))
 
     return files, lines(p.stdout), lines(p.stderr)
 

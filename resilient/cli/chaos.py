@@ -6,7 +6,8 @@
     resilient chaos k8s FILE|NAME [--namespace NS] [--release R] [--flat] [-o PATH]
 
 ``run`` exits 0 only if every invariant held on every seed (0 wrong, 0 hangs, 0 lost),
-1 if one did not, 3 when the scenario was skipped here (netem without root, or none of its
+and every fault hit the workload; 1 if one did not (a vacuous fault — one that hit no op —
+is a failure), 3 when the scenario was skipped here (netem without root, or none of its
 faults could be injected), and 2 on a bad scenario or when the runner cannot start. Its last stdout line is the JSON summary.
 Heavy imports happen inside :func:`run`.
 """

@@ -59,8 +59,13 @@ class CommunicatorEngine:
 
     def announce_ready(self) -> None:
         """A joiner says it is waiting in ``State.sync()`` (key on its own lease, so it
-        vanishes with it). Until then the others keep training instead of waiting for it."""
+        vanishes with it). Until then the others keep training instead of waiting for it.
+        It also marks itself admitted over its own (fresh) epoch in ``sync-rebuilt/``: joiners
+        admitted in the same epoch (a whole node) are in each other's Communicator, and each
+        waits in :meth:`wait_admitted` only for members that are not fresh themselves."""
         self.store.put(self._ready_prefix() + self.member_id, b"1", lease=self.session.lease_id)
+        self.store.put(self._rebuilt_prefix() + self.member_id, str(self._comm_epoch()).encode(),
+                       lease=self.session.lease_id)
 
     def mark_done(self) -> None:
         """Record that training finished (a key under the job, no lease), so a joiner that
