@@ -293,7 +293,9 @@ def test_healthz_turns_503_while_etcd_is_down_and_recovers(etcd, job_name):
     try:
         url = coord.wait_line(r"metrics (http://\S+)", 30).group(1)
         wait_until(lambda: healthz(url) == 200, 15, "/healthz 200")
-        assert "resilient_coordinator_is_leader 1.0" in scrape(url + "/metrics")
+        # /healthz answers 200 on a standby too; leadership is won a moment later
+        wait_until(lambda: "resilient_coordinator_is_leader 1.0" in scrape(url + "/metrics"), 30,
+                   "the only coordinator to lead")
         etcd.kill(0)
         wait_until(lambda: healthz(url) == 503, 30, "/healthz 503 with etcd down", interval=0.2)
         etcd.restart(0)
