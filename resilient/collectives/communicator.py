@@ -104,7 +104,9 @@ class Communicator:
         self.view, self.transport = view, transport
         # ops post through this: a failed link to a live member is retried (issue 5)
         self._op_transport = RetryingTransport(transport, give_up_s=op_timeout, on_suspect=self._suspect,
-                                               is_member=lambda peer: peer in self._epoch.members)
+                                               is_member=lambda peer: peer in self._epoch.members,
+                                               is_alive=getattr(view, "peer_alive", lambda peer: True),
+                                               dead_wait_s=epoch_timeout)
         self.member_id = view.member_id
         self.policy = Policy.parse(policy)
         self.op_timeout, self.small_bytes, self.slice_bytes, self.max_slices = op_timeout, small_bytes, slice_bytes, max_slices

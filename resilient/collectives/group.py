@@ -79,6 +79,16 @@ class EtcdGroupView:
     def session_lost(self) -> bool:
         return bool(self.session.lost.is_set())
 
+    def peer_alive(self, member_id: str) -> bool:
+        """Whether ``member_id`` still holds its lease (its member key exists). True when
+        etcd cannot be asked (the caller then treats the peer as alive)."""
+        from resilient.coordinator import keys
+
+        try:
+            return self.store.get(keys.member(self.job, member_id)) is not None
+        except Exception:  # noqa: BLE001 - etcd unreachable: no evidence of death
+            return True
+
     def leave(self, reason: str = "left") -> None:
         """End this member's membership now (revoke its lease): peers see an epoch
         without it at once. Raises StoreUnavailable if etcd cannot be reached."""

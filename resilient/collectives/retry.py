@@ -15,6 +15,9 @@ Failure behaviour:
 * the peer really died: its lease goes, the coordinator publishes an epoch without it, the
   epoch callback aborts the transport and the wait raises
   :class:`~resilient.errors.TransportAborted` (the normal recovery path) — retries stop;
+* a peer whose lease is already gone but whose epoch has not come yet (a standby
+  coordinator taking over) is waited for up to ``dead_wait_s`` more, never reported as
+  unreachable;
 * the link stays down for ``give_up_s`` (the communicator's ``op_timeout``) with the peer
   still a member: :class:`PeerUnreachable` (a :class:`~resilient.errors.CollectiveError`)
   naming the peer and the last error; never a silent hang;
@@ -88,8 +91,13 @@ class RetryingTransport:
     """Wraps ``inner``; only ``isend``/``irecv``/``wait``/``configure``/``cancel_op`` differ."""
 
     def __init__(self, inner: Transport, *, give_up_s: float | None,
-                 on_suspect: Callable[[str, str], None], is_member: Callable[[str], bool]) -> None:
+                 on_suspect: Callable[[str, str], None], is_member: Callable[[str], bool],
+                 is_alive: Callable[[str], bool] = lambda peer: True, dead_wait_s: float = 60.0) -> None:
         self.inner, self.give_up_s, self.on_suspect, self.is_member = inner, give_up_s, on_suspect, is_member
+        #: whether the peer still holds its lease; a dead peer's link is not "unreachable":
+        #: the coordinator's epoch without it is on its way (a standby may be taking over),
+        #: so we keep waiting for it — the abort then starts the normal recovery
+        self.is_alive, self.dead_wait_s = is_alive, dead_wait_s
         self._broken: dict[str, _Broken] = {}
         #: transfers re-posted after a link failure (for tests and logs)
         self.retries = 0
@@ -137,6 +145,9 @@ class RetryingTransport:
             if now < b.next_try:
                 continue
             if self.give_up_s is not None and now - b.since > self.give_up_s:
+                if now - b.since <= self.give_up_s + self.dead_wait_s and not self.is_alive(peer):
+                    b.next_try = now + BACKOFF_MAX_S  # its lease is gone: wait for the new epoch
+                    continue
                 exc = PeerUnreachable(peer, f"the link to member {peer} has been down for {now - b.since:.1f}s "
                                             f"(more than op_timeout={self.give_up_s}s) while it is still a member; "
                                             f"last error: {b.error}. Check the network between the two members")
