@@ -20,7 +20,7 @@ def test_quickstart_runs_under_resilient_run_standalone():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # four processes share one stdout: lines may interleave, so match anywhere
     lines = re.findall(r"rank (\d)/4: \[([^\]]*)\] from (\d) members \(epoch (\d+)\)", proc.stdout)
-    assert sorted(int(r) for r, *_ in lines) == [0, 1, 2, 3]
+    assert sorted(int(r) for r, *_ in lines) == [0, 1, 2, 3], proc.stdout[-3000:] + proc.stderr[-3000:]
     for _, values, n, _ in lines:
         assert values == "6.0, 6.0, 6.0, 6.0" and n == "4"  # 0+1+2+3 from all four
 
