@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bug", choices=("full-contributors",), default=None,
                    help="resilient: DELIBERATELY BROKEN BUILD for the checker's self-test — report the op's full "
                         "original member set instead of the contributors the communicator's ledger reported")
-    p.add_argument("--comm-op-timeout", type=float, default=5.0,
-                   help="resilient: seconds a peer wait lasts before the peer is reported suspect")
+    p.add_argument("--comm-op-timeout", type=float, default=10.0,
+                   help="resilient: seconds a peer wait lasts before the peer is reported suspect, and a broken link to a live member is given up (PeerUnreachable); above the longest drop_link of the built-in scenarios")
     p.add_argument("--fail-start-once", metavar="PATH", default=None,
                    help="test hook: the first member to create PATH exits 3 after `go`, before op 0 (a start-up "
                         "failure the runner must retry, not count against the scenario)")

@@ -190,7 +190,7 @@ class Communicator:
         removed = self._group - set(e.members) if hasattr(self, "_epoch") else set()
         self._epoch = e
         self._group &= set(e.members)
-        self.transport.configure(e.number, e.token, addresses_of(e))
+        self._op_transport.configure(e.number, e.token, addresses_of(e))  # also forgets broken links of the old epoch
         self._set_epoch_metrics()
         if removed and self.member_id in e.members and self._metrics is not None:
             try:

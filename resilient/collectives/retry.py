@@ -144,6 +144,9 @@ class RetryingTransport:
         for peer, b in list(self._broken.items()):
             if now < b.next_try:
                 continue
+            if not self.is_member(peer):  # left the epoch: its requests end with the abort/cancel
+                del self._broken[peer]
+                continue
             if self.give_up_s is not None and now - b.since > self.give_up_s:
                 if now - b.since <= self.give_up_s + self.dead_wait_s and not self.is_alive(peer):
                     b.next_try = now + BACKOFF_MAX_S  # its lease is gone: wait for the new epoch
