@@ -43,10 +43,24 @@ class CoordinatorMetrics:
             "Seconds from a membership event (revoke, lease expiry, suspect report, join) to the epoch",
             ["path"], buckets=LATENCY_BUCKETS, registry=self.registry,
         )
+        # One series per member of this job: bounded by the world size (member ids are
+        # the job's ranks, never run ids); series of members that left are removed.
+        self.straggler_score = Gauge(
+            "resilient_straggler_score",
+            "Straggler score per member (busy time per op relative to the median; 0 = typical)",
+            ["member"], registry=self.registry)
         for state in MEMBER_STATES:
             self.members.labels(state=state).set(0)
         for path in DETECTION_PATHS:
             self.detection_latency.labels(path=path)
+
+    def set_straggler_scores(self, scores: dict[str, float]) -> None:
+        """Replace the per-member score series with ``scores`` (member id -> score)."""
+        for labels in list(self.straggler_score._metrics):  # drop members that left
+            if labels[0] not in scores:
+                self.straggler_score.remove(*labels)
+        for member, score in scores.items():
+            self.straggler_score.labels(member=member).set(float(score))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

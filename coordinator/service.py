@@ -384,6 +384,8 @@ class Coordinator:
             if isinstance(self.health_policy, StragglerPolicy):
                 verdict = self.health_policy.evaluate(records, epoch)
                 states = {m: s["state"] for m, s in verdict.scores.items()}
+                self.metrics.set_straggler_scores(
+                    {m: s.get("score", 0.0) or 0.0 for m, s in verdict.scores.items() if m in set(alive)})
                 if states != self._last_scores[0] or time.monotonic() - self._last_scores[1] > 5.0:
                     write_scores(self.store, self.job, verdict)
                     self._last_scores = (states, time.monotonic())

@@ -4,6 +4,8 @@ checks the epochs the coordinator publishes — probe, demotion, promotion back 
 topology-optimal ring — and what ``resilient status`` shows."""
 from __future__ import annotations
 
+import re
+
 import threading
 
 import pytest
@@ -95,6 +97,10 @@ def test_slow_member_is_demoted_then_promoted_back_to_the_optimal_ring(etcd_sess
         from resilient.cli.status import collect
         row = {r["id"]: r for r in collect(store, job_name)["members"]}[victim]
         assert row["state"] == "demoted" and row["straggler_state"] == "demoted" and row["straggler_score"] > 0.1
+        # the coordinator's /metrics carries the same scores (issue 8)
+        text = coord.metrics.render().decode()
+        score = re.search(rf'^resilient_straggler_score{{member="{victim}"}} ([0-9.e+-]+)$', text, re.M)
+        assert score is not None and float(score.group(1)) > 0.1, text
 
         n_before = len(seen)
         feeder.slow = set()
