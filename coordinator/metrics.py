@@ -43,24 +43,27 @@ class CoordinatorMetrics:
             "Seconds from a membership event (revoke, lease expiry, suspect report, join) to the epoch",
             ["path"], buckets=LATENCY_BUCKETS, registry=self.registry,
         )
-        # One series per member of this job: bounded by the world size (member ids are
-        # the job's ranks, never run ids); series of members that left are removed.
+        # Bounded labels only (member ids change with every restart): who is slow is in
+        # `resilient status`; here the distribution, for alerting and the dashboard.
         self.straggler_score = Gauge(
             "resilient_straggler_score",
-            "Straggler score per member (busy time per op relative to the median; 0 = typical)",
-            ["member"], registry=self.registry)
+            "Straggler scores of the live members (busy time per op relative to the median; 0 = typical), "
+            "by statistic: max or median",
+            ["stat"], registry=self.registry)
+        for stat in ("max", "median"):
+            self.straggler_score.labels(stat=stat).set(0)
         for state in MEMBER_STATES:
             self.members.labels(state=state).set(0)
         for path in DETECTION_PATHS:
             self.detection_latency.labels(path=path)
 
     def set_straggler_scores(self, scores: dict[str, float]) -> None:
-        """Replace the per-member score series with ``scores`` (member id -> score)."""
-        for labels in list(self.straggler_score._metrics):  # drop members that left
-            if labels[0] not in scores:
-                self.straggler_score.remove(*labels)
-        for member, score in scores.items():
-            self.straggler_score.labels(member=member).set(float(score))
+        """Publish the max and median of ``scores`` (member id -> score; empty -> 0)."""
+        import statistics
+
+        vals = sorted(float(v) for v in scores.values())
+        self.straggler_score.labels(stat="max").set(vals[-1] if vals else 0.0)
+        self.straggler_score.labels(stat="median").set(statistics.median(vals) if vals else 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
