@@ -189,16 +189,22 @@ def test_time_spent_transmitting_held_sends_is_busy_not_waiting():
         buf = np.zeros(8, dtype=np.uint8)
         send = sa.isend("b", np.ones(8, dtype=np.uint8), 0, 1)   # held 2 s
         recv = sa.irecv("b", buf, 0, 2)
-        threading.Timer(0.25, lambda: b.wait([b.isend("a", np.ones(8, dtype=np.uint8), 0, 2)], 5)).start()
+        # a transport is driven by one thread at a time: each timer is joined before b is
+        # used again
+        t1 = threading.Timer(0.25, lambda: b.wait([b.isend("a", np.ones(8, dtype=np.uint8), 0, 2)], 5))
+        t1.start()
         assert sa.wait([recv], timeout=5)                          # done at ~250 ms, while busy
         assert buf.all() and not send.done()                       # really while the send was held
         assert a.stats.wait_s_by_peer.get("b", 0.0) < 0.1          # not ~0.25 s of "waiting on b"
         assert sa.wait([send], timeout=5)
+        t1.join(10)
         # idle waiting still counts: nothing held now, b answers >= 200 ms later
         recv2 = sa.irecv("b", buf, 0, 3)
-        threading.Timer(0.2, lambda: b.wait([b.isend("a", np.ones(8, dtype=np.uint8), 0, 3)], 5)).start()
+        t2 = threading.Timer(0.2, lambda: b.wait([b.isend("a", np.ones(8, dtype=np.uint8), 0, 3)], 5))
+        t2.start()
         w0 = a.stats.wait_s_by_peer.get("b", 0.0)
         assert sa.wait([recv2], timeout=5)
+        t2.join(10)
         assert a.stats.wait_s_by_peer["b"] - w0 >= 0.15
         assert b.wait([b.irecv("a", np.zeros(8, dtype=np.uint8), 0, 1)], 5)
     finally:
