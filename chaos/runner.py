@@ -73,6 +73,7 @@ ORACLE_NO_TRANSPORT = "the oracle backend has no transport to shape; run with th
 
 #: Duration workloads end this many ops past the furthest member when the time is up.
 END_MARGIN_OPS = 5
+END_MARGIN_S = 2.0
 
 
 class RunnerUnavailable(ConfigError):
@@ -339,16 +340,26 @@ class ChaosRunner:
             while not self.end_condition(self) and time.monotonic() < deadline:
                 if self._stop.wait(0.05):
                     return
-        furthest = -1
+        furthest, rate = -1, 0.0
         for i in range(self.sc.world_size):
             path = self.records / f"member-{i}.jsonl"
             if path.exists():
-                for line in path.read_text().splitlines()[-4:]:
+                starts = []
+                for line in path.read_text().splitlines()[-64:]:
                     try:
-                        furthest = max(furthest, int(json.loads(line)["seq"]))
-                    except (ValueError, KeyError):
+                        rec = json.loads(line)
+                        furthest = max(furthest, int(rec["seq"]))
+                        if rec.get("start") is not None:
+                            starts.append((float(rec["start"]), int(rec["seq"])))
+                    except (ValueError, KeyError, TypeError):
                         pass
-        self.end_op = furthest + END_MARGIN_OPS
+                if len(starts) >= 2 and starts[-1][0] > starts[0][0]:
+                    rate = max(rate, (starts[-1][1] - starts[0][1]) / (starts[-1][0] - starts[0][0]))
+        # Members check the end file before each op; one that started an op past the end
+        # before the file appeared would wait forever for the others. So the margin covers
+        # END_MARGIN_S of ops at the fastest member's rate (tiny ops run ~1000/s), at least
+        # END_MARGIN_OPS.
+        self.end_op = furthest + max(END_MARGIN_OPS, int(rate * END_MARGIN_S) + 1)
         tmp = self.records / "end.tmp"
         tmp.write_text(str(self.end_op))
         tmp.rename(self.records / "end")
