@@ -390,9 +390,21 @@ class Communicator:
             except Exception as exc:  # noqa: BLE001
                 log.debug("metrics: %s", exc)
 
+    def _slices(self, chunk_bytes: int) -> int:
+        """Pipelining slices for one chunk of ``chunk_bytes`` (1 for an empty chunk)."""
+        return max(1, min(self.max_slices, -(-chunk_bytes // self.slice_bytes)))
+
     def _slices_for(self, nbytes: int, n: int) -> int:
-        per_chunk = max(1, nbytes // max(1, n))
-        return max(1, min(self.max_slices, -(-per_chunk // self.slice_bytes)))
+        return self._slices(max(1, nbytes // max(1, n)))
+
+    def _require_group_of(self, n0: int, members: list[str], seq: int, kind: str, what: str) -> None:
+        """Ops with one buffer per member cannot run over a changed group: every member is
+        told (so none waits) and the caller gets a CollectiveError saying what to do."""
+        n = len(members)
+        if n != n0:
+            self._abandon(members, seq, f"the group changed from {n0} to {n} members")
+            raise CollectiveError(f"{kind} #{seq}: the group shrank from {n0} to {n} members before it "
+                                  f"started; call it again with one {what} per current member")
 
     def _digest(self, desc: dict) -> int:
         return zlib.crc32(json.dumps(desc, sort_keys=True).encode())
@@ -702,12 +714,9 @@ class Communicator:
         m = out.numel()
 
         def build(members: list[str], me: int, seq: int, digest: int) -> tuple[Ledger, Any]:
-            n = len(members)
-            if n != n0:
-                self._abandon(members, seq, f"the group changed from {n0} to {n} members")
-                raise CollectiveError(f"reduce_scatter #{seq}: the group shrank from {n0} to {n} members before it "
-                                      "started; call it again with one input per current member")
-            S = max(1, min(self.max_slices, -(-m * out.element_size() // self.slice_bytes))) if m else 1
+            self._require_group_of(n0, members, seq, "reduce_scatter", "input")
+            n = n0
+            S = self._slices(m * out.element_size())
             pieces = [(c * m + a, c * m + b) for c in range(n) for (a, b) in split(m, S)]
             L = Ledger(seq, "reduce_scatter", tuple(members), me, self._epoch.number, digest, inp, torch.empty_like(inp), pieces,
                        want=[c for c in range(n) for _ in range(S)])
@@ -733,12 +742,9 @@ class Communicator:
         own = t.detach().reshape(-1).clone()
 
         def build(members: list[str], me: int, seq: int, digest: int) -> tuple[Ledger, Any]:
-            n = len(members)
-            if n != n0:
-                self._abandon(members, seq, f"the group changed from {n0} to {n} members")
-                raise CollectiveError(f"allgather #{seq}: the group shrank from {n0} to {n} members; call it again "
-                                      "with one output per current member")
-            S = max(1, min(self.max_slices, -(-m * t.element_size() // self.slice_bytes))) if m else 1
+            self._require_group_of(n0, members, seq, "allgather", "output")
+            n = n0
+            S = self._slices(m * t.element_size())
             pieces = [(c * m + a, c * m + b) for c in range(n) for (a, b) in split(m, S)]
             out = torch.empty(n * m, dtype=t.dtype)
             L = Ledger(seq, "allgather", tuple(members), me, self._epoch.number, digest, own, out, pieces,
@@ -768,7 +774,7 @@ class Communicator:
 
                 raise DataLost(f"broadcast #{seq}: the root {root_id} was lost before any survivor got its data")
             r = members.index(root_id)
-            S = max(1, min(self.max_slices, -(-nbytes // self.slice_bytes))) if inp.numel() else 1
+            S = self._slices(nbytes)
             pieces = split(inp.numel(), S)
             L = Ledger(seq, "broadcast", tuple(members), me, self._epoch.number, digest, inp, torch.empty_like(inp), pieces,
                        piece_kind=PieceKind.COPY, owners=[r] * S)
