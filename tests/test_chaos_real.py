@@ -88,7 +88,11 @@ def test_hang_past_the_ttl_then_resume_never_corrupts(tmp_path, seed):
     (op3,) = _contributors(log, 3)  # exact over what it reports (verified); may still include 2's
     assert {0, 1, 3} <= set(op3)    # contributions already forwarded before it stopped
     assert all(_contributors(log, seq) == {(0, 1, 3)} for seq in range(4, 10))
-    assert not [r for r in log.records if r.member == 2 and r.seq >= 3 and r.end_s is not None]
+    # op 3 may still complete on 2 when every byte it needed was already in its socket buffers
+    # before the stop (then it equals the survivors' result: verified above, same contributors);
+    # no later op completes on it
+    assert all(r.contributors == op3 for r in log.records if r.member == 2 and r.seq == 3 and r.end_s is not None)
+    assert not [r for r in log.records if r.member == 2 and r.seq >= 4 and r.end_s is not None]
 
 
 @pytest.mark.parametrize("seed", SEEDS)
