@@ -178,6 +178,10 @@ def run_case(args, phase: str) -> dict:
             "op_sent_fraction": round(sum(o["op_bytes"] for o in ops.values()) / redo_bytes, 4),
             "recovered_on": sorted(m for m, o in ops.items() if o["recovery"]),
             "recovery_protocol_s": max((r["seconds"] for r in recs if r), default=None),
+            # where the slowest survivor's recovery went: ledger-status exchange, planning, execution
+            "recovery_breakdown_s": {k: round(max((r.get(k, 0.0) for r in recs if r), default=0.0), 4)
+                                     for k in ("status_s", "plan_s", "execute_s", "wait_recv_s", "wait_send_s", "reduce_s")},
+            "plan_rounds": max((r.get("rounds", 0) for r in recs if r), default=None),
             "contributors": sorted({tuple(o["contributors"]) for o in ops.values()}),
             "exact": all(o["exact"] for o in ops.values()),
             "pieces_without_full_copy": held,
@@ -219,7 +223,7 @@ def summarize(runs: list[dict]) -> dict:
             "recovery_lt_restart": sum(r["recovery_s"] < r["restart_s"] for r in runs),
             "full_set_kept": sum(len(r["contributors"]) == 1 and len(r["contributors"][0]) == r["world"] for r in runs),
             "exact": all(r["exact"] for r in runs)}
-    keep = ("recovery_s", "resent_fraction", "restart_s", "detect_s", "op_sent_fraction", "contributors",
+    keep = ("recovery_s", "resent_fraction", "restart_s", "detect_s", "op_sent_fraction", "recovery_breakdown_s", "plan_rounds", "contributors",
             "pieces_without_full_copy")
     head["runs"] = [{k: r[k] for k in keep} for r in runs]
     for k in ("world", "size_bytes", "victim", "failpoint"):

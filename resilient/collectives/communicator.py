@@ -343,6 +343,7 @@ class Communicator:
             except TimeoutError:
                 return
             self._status_epoch = e.number
+            t_status = time.monotonic()
             statuses = {m: decode_status(v) for m, v in raw.items()}
             inflight = [st["inflight"]["seq"] for st in statuses.values() if st.get("inflight")]
             if inflight and min(inflight) == R.seq:
@@ -542,6 +543,7 @@ class Communicator:
                 raise CollectiveError(f"op #{L.seq}: recovery in epoch {e.number} did not get every survivor's "
                                       f"ledger: {exc}") from None
             self._status_epoch = e.number
+            t_status = time.monotonic()
             statuses = {m: decode_status(v) for m, v in raw.items()}
             inflight = [s["inflight"]["seq"] for s in statuses.values() if s.get("inflight")]
             k = min(inflight) if inflight else L.seq
@@ -558,7 +560,8 @@ class Communicator:
                 if not progress:
                     return "rerun"
                 plan = build_plan(L, survivors, statuses, self.policy)
-                execute_plan(ctx, plan)
+                t_plan = time.monotonic()
+                exec_stats = execute_plan(ctx, plan)
             except (OpMismatch, PeerReportedError):
                 raise
             except TransportError as exc:
@@ -566,7 +569,10 @@ class Communicator:
                 log.info("recovery of op #%d interrupted: %s", L.seq, exc)
                 continue
             L.need = plan.need
-            self.last_recovery = {"seq": L.seq, "epoch": e.number, "seconds": time.monotonic() - t0,
+            t_end = time.monotonic()
+            self.last_recovery = {"seq": L.seq, "epoch": e.number, "seconds": t_end - t0,
+                                  "status_s": t_status - t0, "plan_s": t_plan - t_status, "execute_s": t_end - t_plan,
+                                  "rounds": len(plan.rounds), "transfers": len(plan.transfers()), **exec_stats,
                                   "bytes_sent": self.transport.stats.bytes_sent - sent0,
                                   "contributors": members_of(plan.need[0], L.members) if plan.need else []}
             self._record_recovery(e, L)

@@ -19,6 +19,8 @@ the middle of an op after the transport was aborted, or at the start of the next
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from resilient.collectives.algorithms.base import OpContext, tag
@@ -68,8 +70,20 @@ def build_plan(ledger: Ledger, ring: list[str], statuses: dict[str, dict], polic
         decided=decided)
 
 
-def execute_plan(ctx: OpContext, plan: RecoveryPlan) -> None:
-    """Carry out this member's part of ``plan``; the ledger is exact after every round."""
+def execute_plan(ctx: OpContext, plan: RecoveryPlan) -> dict[str, float]:
+    """Carry out this member's part of ``plan``; the ledger is exact after every transfer.
+
+    Pipelined like the ring: the receives of round ``r+1`` are posted before round ``r``'s
+    are awaited; each receive of round ``r`` is reduced as soon as it arrived (overlapping
+    the others still in flight), and a round-``r+1`` send of that piece leaves at once —
+    in plan order per destination, because a connection matches frames to receives in
+    posting order. A piece is never modified while a send of it is in flight, and
+    received data lands in pooled staging buffers (never in the ledger's region before it
+    is complete), so an abort at any point leaves every mask describing ``out`` exactly.
+    Failure behaviour: a transport error propagates (the caller re-plans from the ledger);
+    nothing here blocks past the transport's abort. Returns seconds spent waiting for
+    receives, for sends, and reducing (diagnostics for ``Communicator.last_recovery``)."""
+    stats = {"wait_recv_s": 0.0, "wait_send_s": 0.0, "reduce_s": 0.0}
     L, tr, me = ctx.ledger, ctx.transport, ctx.ledger.members[ctx.ledger.me]
     for step in plan.prepare:
         if step.member != me:
@@ -81,17 +95,58 @@ def execute_plan(ctx: OpContext, plan: RecoveryPlan) -> None:
         else:
             v.copy_(L.input_view(step.piece))
             L.set(step.piece, 1 << L.me)
-    for r, rnd in enumerate(plan.rounds):
-        ctx.failpoint("recovery", r / max(1, len(plan.rounds)))
-        sends, recvs = [], []
-        for t in rnd:
-            if t.src == me:
-                sends.append(tr.isend(t.dst, L.view(t.piece), ctx.seq, tag(r, t.piece, SPACE), ctx.digest))
+    rounds = plan.rounds
+    if not rounds:
+        return stats
+    pool: dict[tuple, list] = {}
+    in_flight: dict[int, list] = {}  # piece -> its sends not yet known complete
+    all_sends: list = []
+
+    def stage_for(v):
+        free = pool.get((v.numel(), v.dtype))
+        return free.pop() if free else torch.empty_like(v)
+
+    def post_recvs(r: int) -> list:
+        out = []
+        for t in rounds[r]:
             if t.dst == me:
-                stage = torch.empty_like(L.view(t.piece))
-                recvs.append((tr.irecv(t.src, stage, ctx.seq, tag(r, t.piece, SPACE), ctx.digest), stage, t))
-        ctx.wait(sends + [x[0] for x in recvs])
-        for _, stage, t in recvs:
+                stage = stage_for(L.view(t.piece))
+                out.append((tr.irecv(t.src, stage, ctx.seq, tag(r, t.piece, SPACE), ctx.digest), stage, t))
+        return out
+
+    def post_send(r: int, t) -> None:
+        req = tr.isend(t.dst, L.view(t.piece), ctx.seq, tag(r, t.piece, SPACE), ctx.digest)
+        in_flight.setdefault(t.piece, []).append(req)
+        all_sends.append(req)
+
+    next_recvs = post_recvs(0)
+    early: dict[str, list] = {}  # round r+1's sends not yet posted, per destination, plan order
+    for r, rnd in enumerate(rounds):
+        ctx.failpoint("recovery", r / len(rounds))
+        for dst_queue in early.values():  # the rest of this round's sends, still in plan order
+            for t in dst_queue:
+                post_send(r, t)
+        if r == 0:
+            for t in rnd:
+                if t.src == me:
+                    post_send(r, t)
+        recvs, next_recvs = next_recvs, (post_recvs(r + 1) if r + 1 < len(rounds) else [])
+        early = {}
+        if r + 1 < len(rounds):
+            for t in rounds[r + 1]:
+                if t.src == me:
+                    early.setdefault(t.dst, []).append(t)
+        pending = {}  # piece -> receives of this round still to reduce into it
+        for _, _, t in recvs:
+            pending[t.piece] = pending.get(t.piece, 0) + 1
+        for req, stage, t in recvs:
+            t0 = time.perf_counter()
+            ctx.wait([req])
+            t1 = time.perf_counter()
+            sends = in_flight.pop(t.piece, None)
+            if sends:
+                ctx.wait(sends)  # the piece is about to change: its outgoing copies must be out
+            t2 = time.perf_counter()
             v = L.view(t.piece)
             if t.add_acc:
                 reduce_into(v, stage, ctx.op)
@@ -100,3 +155,18 @@ def execute_plan(ctx: OpContext, plan: RecoveryPlan) -> None:
             if t.add_input:
                 reduce_into(v, L.input_view(t.piece), ctx.op)
             L.set(t.piece, t.result_mask(L.me))
+            t3 = time.perf_counter()
+            stats["wait_recv_s"] += t1 - t0
+            stats["wait_send_s"] += t2 - t1
+            stats["reduce_s"] += t3 - t2
+            pool.setdefault((stage.numel(), stage.dtype), []).append(stage)
+            pending[t.piece] -= 1
+            for dst, queue in early.items():  # next round's sends whose pieces are final for it
+                while queue and not pending.get(queue[0].piece):
+                    post_send(r + 1, queue.pop(0))
+        # a round-r+1 send of a piece this round does not touch may still be queued behind
+        # one that is: the loop at the top of the next round posts them in order
+    t0 = time.perf_counter()
+    ctx.wait(all_sends)
+    stats["wait_send_s"] += time.perf_counter() - t0
+    return stats
