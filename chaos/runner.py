@@ -22,8 +22,16 @@ How faults are injected (every signal goes to a PID this runner started):
   member's transport within 0.2 s): ``delay=``/``bw=`` for slow, ``drop=m<j>`` on both
   ends of each cut link; removed again after ``duration_s`` (resilient backend only —
   the oracle backend has no transport, so there they are recorded as skipped);
-  ``netem``: not implemented (skipped; without root the scenario's ``requires: [root]``
-  makes ``resilient chaos run`` skip the whole scenario with a clear message first).
+- ``netem``: a scenario with a ``netem`` fault runs every member in its own network
+  namespace (:class:`~resilient.chaos.netns.NetnsLab`: one bridge, a veth per member;
+  etcd and the coordinators listen on the bridge's host IP, each member's transport on
+  its namespace IP through ``RESILIENT_HOST``). At the trigger the runner puts ``tc
+  netem`` delay/loss on the traffic between the two members of ``link`` only (htb + u32
+  on both namespace veths) and removes it after ``duration_s``. Where the kernel has no
+  netem qdisc (probed, :func:`~resilient.chaos.netns.netem_unavailable_reason`) the
+  members still run in their namespaces and the fault is recorded as skipped with the
+  probed reason; where namespaces cannot be made (not root, no ``ip``, ``ip netns add``
+  refused) :func:`skip_reason` skips the whole scenario with the probed reason.
 
 Like a node agent, the runner revokes the lease of a member whose process died, so the
 coordinator publishes the next epoch at once — unless the scenario says
@@ -63,9 +71,7 @@ from resilient.chaos.worker import member_id, member_index
 from resilient.errors import ConfigError, ResilientError
 
 #: Faults the runner cannot inject, with the reason recorded in the report.
-UNSUPPORTED = {
-    FaultKind.NETEM: "tc netem in network namespaces is not implemented in the runner yet",
-}
+UNSUPPORTED: dict[FaultKind, str] = {}
 #: Faults injected through the members' transport shaping files (resilient backend only).
 SHAPING_KINDS = frozenset({FaultKind.SLOW, FaultKind.DROP_LINK, FaultKind.PARTITION})
 ORACLE_NO_TRANSPORT = "the oracle backend has no transport to shape; run with the resilient backend"
@@ -105,6 +111,12 @@ def skip_reason(scenario: Scenario) -> str | None:
     """Why this scenario must be skipped on this machine (e.g. netem needs root), else ``None``."""
     if "root" in scenario.requires and os.geteuid() != 0:
         return f"scenario {scenario.name!r} needs root and `ip netns` for tc netem; run it as root"
+    if FaultKind.NETEM in scenario.fault_kinds():
+        from resilient.chaos.netns import netns_unavailable_reason
+
+        reason = netns_unavailable_reason()
+        if reason is not None:
+            return f"scenario {scenario.name!r} places its members in network namespaces for tc netem: {reason}"
     return None
 
 
@@ -195,14 +207,19 @@ class ChaosRunner:
         self.ops_t0: float | None = None  # wall time every member had started op 0 (time triggers' zero)
         self._fired: set[int] = set()  # id() of time-triggered faults whose time came
         self.start_failure: str | None = None  # why the members did not all reach op 0 (StartFailed)
+        #: members in network namespaces (netem scenarios, resilient backend); None: loopback
+        self.lab = None
+        self._netem_reason: str | None = None  # why netem cannot be injected here (probed)
 
     # -- processes ---------------------------------------------------------------------
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None, pipe: bool = False) -> _Proc:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None, pipe: bool = False,
+               prefix: Sequence[str] = ()) -> _Proc:
         log_path = self.workdir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(log_path, "ab")
-        popen = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE if pipe else log, stderr=log,
+        # prefix: `ip netns exec NS` (it execs python, so the PID is the member's own)
+        popen = subprocess.Popen([*prefix, sys.executable, *args], stdout=subprocess.PIPE if pipe else log, stderr=log,
                                  env={**os.environ, **(env or {})}, start_new_session=True, text=pipe or None)
         log.close()
         return _Proc(name, popen, log_path)
@@ -232,6 +249,10 @@ class ChaosRunner:
         fps = [f.failpoint_spec() for f in self.faults
                if f.member == i and f.trigger.in_process]
         env = {"RESILIENT_FAILPOINTS": ";".join(fps), "RESILIENT_SHAPING_FILE": str(self._shaping_file(i))}
+        prefix: list[str] = []
+        if self.lab is not None:
+            env["RESILIENT_HOST"] = self.lab.ips[i]
+            prefix = self.lab.exec_prefix(i)
         extra: list[str] = []
         if self.metrics:
             from resilient.metrics import prepare_multiprocess_dir, serve_node_metrics, worker_env
@@ -246,7 +267,7 @@ class ChaosRunner:
                                            "--member", str(i), "--seed", str(self.seed),
                                            "--etcd", self.etcd.endpoint_arg, "--job", self.job,
                                            "--records", str(self.records), "--backend", self.backend,
-                                           *extra, *self.worker_args], env=env, pipe=True)
+                                           *extra, *self.worker_args], env=env, pipe=True, prefix=prefix)
 
         def read_ready() -> None:
             for line in proc.popen.stdout:  # type: ignore[union-attr]
@@ -274,7 +295,14 @@ class ChaosRunner:
         shutil.copyfile(self.sc.source, scenario_path)
         watcher = None
         try:
-            self.etcd = LocalEtcd(size=self.sc.etcd_members).start()
+            host = "127.0.0.1"
+            if FaultKind.NETEM in self.sc.fault_kinds() and self.backend == "resilient":
+                from resilient.chaos.netns import NetnsLab, netem_unavailable_reason
+
+                self._netem_reason = netem_unavailable_reason()
+                self.lab = NetnsLab(self.sc.world_size).open()  # NetnsUnavailable: see skip_reason
+                host = self.lab.host_ip
+            self.etcd = LocalEtcd(size=self.sc.etcd_members, host=host).start()
             self.store = Store(self.etcd.endpoints)
             for c in range(self.sc.coordinators):
                 self._start_coordinator(f"c{c}")
@@ -447,6 +475,8 @@ class ChaosRunner:
         k, p, now = fault.kind, fault.params, self._now()
         if k in UNSUPPORTED:
             self._record(FaultEvent(k.value, now, fault.target_text(), skipped=UNSUPPORTED[k]))
+        elif k is FaultKind.NETEM:
+            self._inject_netem(fault, now)
         elif k in SHAPING_KINDS:
             self._inject_shaping(fault, now)
         elif k is FaultKind.KILL:
@@ -525,6 +555,35 @@ class ChaosRunner:
         self._record(FaultEvent(k.value, now, fault.target_text(), end_s=now + dur if dur else None))
         if dur:
             self._later(dur, lambda: [self._set_shaping(m, key, None) for m in per_member])
+
+    def _inject_netem(self, fault: Fault, now: float) -> None:
+        """``tc netem`` on the link between two members' namespaces, removed after
+        ``duration_s``; recorded as skipped (with the probed reason) where it cannot be."""
+        p = fault.params
+        if self.backend == "oracle":
+            self._record(FaultEvent(fault.kind.value, now, fault.target_text(), skipped=ORACLE_NO_TRANSPORT))
+            return
+        if self.lab is None or self._netem_reason is not None:
+            self._record(FaultEvent(fault.kind.value, now, fault.target_text(),
+                                    skipped=self._netem_reason or "the members are not in network namespaces"))
+            return
+        a, b = p["link"]
+        self.lab.apply_netem(a, b, delay_ms=float(p.get("delay_ms") or 0), loss_pct=float(p.get("loss_pct") or 0))
+        dur = fault.duration_s
+        self._record(FaultEvent(fault.kind.value, now, fault.target_text(), end_s=now + dur if dur else None))
+        if dur:
+            self._later(dur, lambda: self._clear_netem(a, b))
+
+    def _clear_netem(self, a: int, b: int) -> None:
+        from resilient.chaos.netns import NetnsError
+
+        try:
+            lab = self.lab
+            if lab is not None:
+                lab.clear_netem(a, b)
+        except NetnsError as exc:  # the run is ending and the lab going away: nothing to heal
+            if not self._stop.is_set():
+                print(f"chaos: could not remove netem from link {a}-{b}: {exc}", file=sys.stderr, flush=True)
 
     def _hung(self, member: int, fault: Fault, at: float) -> None:
         resume = fault.params.get("resume_after_s")
@@ -617,8 +676,13 @@ class ChaosRunner:
                 self.store.close()
             except Exception:
                 pass
-        if self.etcd is not None:
-            self.etcd.stop()
+        try:
+            if self.etcd is not None:
+                self.etcd.stop()
+        finally:
+            if self.lab is not None:  # after every process in it stopped
+                lab, self.lab = self.lab, None
+                lab.close()
 
     def _read_records(self) -> list[OpRecord]:
         out: list[OpRecord] = []

@@ -431,8 +431,14 @@ def find_scenario(ref: str) -> Scenario:
 
 def resolve_faults(scenario: Scenario, seed: int) -> tuple[Fault, ...]:
     """The scenario's faults for one seed: each ``member: random`` becomes a concrete
-    member chosen from ``seed`` (distinct victims where possible), the others unchanged."""
+    member chosen from ``seed`` (distinct victims where possible), and a trigger at a ring
+    phase of op N (``reduce_scatter``/``all_gather``) in a mixed workload moves to the first
+    op >= N whose collective has that phase for this seed (op N may be a barrier or a small
+    recursive-doubling allreduce, where the fault could never fire); the others unchanged."""
+    import dataclasses
     import random
+
+    from resilient.chaos.workload import op_spec_for, ring_phases
 
     rng = random.Random(seed * 7919 + 17)
     used = {f.member for f in scenario.faults if f.member is not None}
@@ -443,5 +449,12 @@ def resolve_faults(scenario: Scenario, seed: int) -> tuple[Fault, ...]:
             m = rng.choice(pool)
             used.add(m)
             f = f.resolve(m)
+        t = f.trigger
+        mix = scenario.workload.mix
+        if t.op is not None and t.phase is not None and t.phase.failpoint_name in ("rs", "ag") and len(mix) > 1:
+            op = t.op
+            while t.phase.failpoint_name not in ring_phases(op_spec_for(op, seed, mix)) and op < t.op + 1000:
+                op += 1
+            f = dataclasses.replace(f, trigger=dataclasses.replace(t, op=op))
         out.append(f)
     return tuple(out)

@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         from resilient.transport.shaping import shaped_from_env
         from resilient.transport.tcp import TcpTransport
 
-        transport = shaped_from_env(TcpTransport(mid, args.job))
+        # RESILIENT_HOST: the runner places a member in a network namespace and names its address there
+        transport = shaped_from_env(TcpTransport(mid, args.job, host=os.environ.get("RESILIENT_HOST", "127.0.0.1")))
         import resilient.collectives  # noqa: F401  (torch: paid before READY, not inside the timed run)
     store = Store(args.etcd)
     info = MemberInfo(member_id=mid, address=transport.address if transport is not None else "")

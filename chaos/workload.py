@@ -69,6 +69,21 @@ def op_spec_for(seq: int, seed: int, mix: Sequence[OpSpec]) -> OpSpec:
     return mix[int(rng.choice(len(mix), p=weights / weights.sum()))]
 
 
+#: The Communicator's default ``small_bytes``: allreduces up to it use recursive doubling.
+SMALL_BYTES = 64 << 10
+
+
+def ring_phases(spec: OpSpec, small_bytes: int = SMALL_BYTES) -> frozenset[str]:
+    """The ring phases (``"rs"``, ``"ag"``) an op of ``spec`` runs through, as the
+    Communicator picks its algorithm: allreduce above ``small_bytes`` = both, below =
+    none (recursive doubling); reduce_scatter = ``rs``; allgather = ``ag``; broadcast and
+    barrier = none. A phase trigger on an op without that phase could never fire."""
+    if spec.collective == "allreduce":
+        big = spec.numel * np.dtype(spec.dtype).itemsize > small_bytes
+        return frozenset({"rs", "ag"}) if big else frozenset()
+    return {"reduce_scatter": frozenset({"rs"}), "allgather": frozenset({"ag"})}.get(spec.collective, frozenset())
+
+
 def make_input(member: int, seq: int, seed: int, spec: OpSpec) -> np.ndarray:
     """The input member ``member`` feeds op ``seq``: deterministic in its arguments,
     independent across members and ops. Shape ``(spec.numel,)``, dtype ``spec.dtype``."""

@@ -180,3 +180,23 @@ def test_random_members_resolve_deterministically_per_seed():
 def test_find_scenario_unknown_name_suggests():
     with pytest.raises(ScenarioError, match="did you mean 'soak'"):
         find_scenario("soa")
+
+
+def test_phase_triggers_land_on_an_op_that_has_that_phase():
+    # soak's mix has barriers, broadcasts and small (recursive-doubling) allreduces: a
+    # phase trigger at such an op could never fire, so it moves to the next op that has it
+    from resilient.chaos.scenario import resolve_faults
+    from resilient.chaos.workload import op_spec_for, ring_phases
+
+    sc = find_scenario("soak")
+    declared = [f.trigger.op for f in sc.faults if f.trigger.phase is not None]
+    moved = 0
+    for seed in range(10):
+        phased = [f for f in resolve_faults(sc, seed) if f.trigger.phase is not None]
+        assert len(phased) == len(declared)
+        for f, op in zip(phased, declared):
+            spec = op_spec_for(f.trigger.op, seed, sc.workload.mix)
+            assert f.trigger.phase.failpoint_name in ring_phases(spec), (seed, f.trigger, spec)
+            assert op <= f.trigger.op < op + 50
+            moved += f.trigger.op != op
+    assert moved > 0  # the mix really does put phase-less ops at the declared numbers

@@ -287,3 +287,21 @@ def test_a_planned_fault_that_never_fired_is_vacuous_not_skipped():
     s = summarize([v])
     assert s["vacuous"] == 1 and s["passed"] is False and any("vacuous fault" in f for f in s["findings"])
     assert "VACUOUS" in render_table([v]) and "FAIL" in render_table([v])
+
+
+def test_reduce_scatter_shards_may_keep_a_superset_but_never_unrelated_sets():
+    # a member whose shard was final before the kill keeps the full set; the shards that
+    # recovery finished have the survivors' set: a chain of supersets is the contract,
+    # two unrelated sets are a disagreement
+    sc = _scenario("{collective: reduce_scatter, op: sum, dtype: float64, numel: 64}", ops=1)
+    full, survivors, other = (0, 1, 2, 3), (0, 2, 3), (0, 1, 3)
+
+    def rec(m, c):
+        return OpRecord(m, 0, 0.0, 0.1, c, None, check="ok")
+
+    v = verify(RunLog(sc, seed=0, records=[rec(0, full), rec(2, survivors), rec(3, survivors)],
+                      faults=[FaultEvent("kill", 0.05, "member 1", victim=1)]))
+    assert not any("disagree" in f.reason for f in v.wrong), v.wrong
+    v = verify(RunLog(sc, seed=0, records=[rec(0, other), rec(2, survivors), rec(3, survivors)],
+                      faults=[FaultEvent("kill", 0.05, "member 1", victim=1)]))
+    assert any("disagree" in f.reason for f in v.wrong)

@@ -1,9 +1,20 @@
 """Acceptance: node loss under elastic DDP training, two real ``resilient-run`` agents.
 
-One etcd (the session fixture), one ``resilient coordinator`` started here, and two node
-agents (``--rdzv-backend etcd --nnodes 1:2 --nproc-per-node 2``) on loopback with distinct
-``--local-addr`` (127.0.0.2 / 127.0.0.3: the agent-hosted TCPStore and the workers'
-data-plane listeners bind there), each running examples/train.py with ``--log-dir``.
+One etcd, one ``resilient coordinator`` started here, and two node agents
+(``--rdzv-backend etcd --nnodes 1:2 --nproc-per-node 2``), each running examples/train.py
+with ``--log-dir``, placed by the ``placement`` fixture — the only difference between the
+two ways it runs:
+
+- ``netns`` (root with working network namespaces, probed by
+  :func:`resilient.chaos.netns.netns_unavailable_reason`): each agent and its workers run
+  in their own namespace of a :class:`~resilient.chaos.netns.NetnsLab` (veth to a bridge),
+  ``--local-addr`` is that namespace's IP; etcd listens on the bridge's host IP, the
+  coordinator runs in the host namespace;
+- ``loopback`` (elsewhere, or ``RESILIENT_TEST_NETNS=0``): the session etcd on 127.0.0.1
+  and distinct ``--local-addr`` 127.0.0.2 / 127.0.0.3.
+
+Either way the agent-hosted TCPStore and the workers' data-plane listeners bind on the
+node's address (asserted through the members' addresses in etcd).
 Node A starts alone (MIN is 1: it does not wait); node B is admitted later (MAX is 2) as a
 joiner and synced. Once all four workers train in one world of 4, agent B and its two
 workers are SIGKILLed by PID (node loss: nobody revokes their leases, they expire).
@@ -21,9 +32,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dataclasses import dataclass
+
 import pytest
 
 from launcher_util import ROOT, alive, wait_for
+from resilient.chaos.netns import NetnsLab, netns_unavailable_reason
+from resilient.coordinator import keys
+from resilient.coordinator.local_etcd import LocalEtcd
+from resilient.coordinator.membership import MemberInfo
+from resilient.coordinator.store import Store
 
 TRAIN = os.path.join(ROOT, "examples", "train.py")
 RUN = [sys.executable, "-c", "import sys; from resilient.launcher.cli import main; sys.exit(main())"]
@@ -50,8 +68,32 @@ def read_records(log_dir: Path) -> dict[int, list[dict]]:
     return out
 
 
+@dataclass
+class Placement:
+    """Where the two nodes live: ``addr[node]`` (its --local-addr), ``prefix[node]`` (the
+    argv prefix that runs a command there: ``ip netns exec NS`` or nothing) and the etcd."""
+
+    kind: str
+    etcd: LocalEtcd
+    addr: dict[str, str]
+    prefix: dict[str, list[str]]
+
+
+@pytest.fixture
+def placement(request):
+    """Each node in its own network namespace where root allows, else loopback."""
+    if os.environ.get("RESILIENT_TEST_NETNS", "1") != "0" and netns_unavailable_reason() is None:
+        with NetnsLab(2) as lab, LocalEtcd(host=lab.host_ip) as etcd:
+            yield Placement("netns", etcd, {"a": lab.ips[0], "b": lab.ips[1]},
+                            {"a": lab.exec_prefix(0), "b": lab.exec_prefix(1)})
+    else:
+        yield Placement("loopback", request.getfixturevalue("etcd_session"),
+                        {"a": "127.0.0.2", "b": "127.0.0.3"}, {"a": [], "b": []})
+
+
 class Proc:
-    """A process in its own session with its output in a file; :meth:`kill` ends it by PID."""
+    """A process in its own session with its output in a file; :meth:`kill` ends it by PID
+    (``ip netns exec`` execs the command, so a prefixed command keeps its PID)."""
 
     def __init__(self, cmd: list[str], log_path: Path) -> None:
         self.log_path = log_path
@@ -72,16 +114,19 @@ class Proc:
 
 
 @pytest.mark.timeout(180)
-def test_node_loss_survivors_continue_without_restart(etcd_session, job_name, tmp_path):
+def test_node_loss_survivors_continue_without_restart(placement, job_name, tmp_path):
+    etcd = placement.etcd
     procs: list[Proc] = []
     worker_pids: set[int] = set()
     dirs = {n: tmp_path / n for n in ("a", "b")}
     for d in dirs.values():
         d.mkdir()
 
-    def agent(name: str, addr: str) -> Proc:
-        p = Proc(RUN + ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_session.endpoint_arg, "--rdzv-id", job_name,
-                        "--nnodes", "1:2", "--nproc-per-node", "2", "--local-addr", addr, "--lease-ttl", "2",
+    def agent(name: str) -> Proc:
+        p = Proc(placement.prefix[name] + RUN + [
+                        "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoint_arg, "--rdzv-id", job_name,
+                        "--nnodes", "1:2", "--nproc-per-node", "2", "--local-addr", placement.addr[name],
+                        "--lease-ttl", "2",
                         TRAIN, "--steps", str(STEPS), "--step-sleep", str(STEP_SLEEP), "--log-dir", str(dirs[name])],
                  tmp_path / f"agent-{name}.log")
         procs.append(p)
@@ -97,9 +142,9 @@ def test_node_loss_survivors_continue_without_restart(etcd_session, job_name, tm
             assert p.proc.poll() is None, f"an agent exited early (rc {p.proc.returncode}):\n{p.output()[-4000:]}"
 
     try:
-        procs.append(Proc(COORDINATOR + ["--etcd", etcd_session.endpoint_arg, "--job", job_name, "--min-members", "2",
+        procs.append(Proc(COORDINATOR + ["--etcd", etcd.endpoint_arg, "--job", job_name, "--min-members", "2",
                                          "--metrics-port", "-1", "--ttl", "2"], tmp_path / "coordinator.log"))
-        a = agent("a", "127.0.0.2")
+        a = agent("a")
 
         def a_training():
             running(a)
@@ -108,7 +153,7 @@ def test_node_loss_survivors_continue_without_restart(etcd_session, job_name, tm
 
         wait_for(a_training, 60, "node A's two workers to train (MIN is 1: A does not wait for B)")
         a_pids = set(records("a"))
-        b = agent("b", "127.0.0.3")
+        b = agent("b")
 
         def world_of_4():
             running(a, b)
@@ -126,6 +171,14 @@ def test_node_loss_survivors_continue_without_restart(etcd_session, job_name, tm
 
         joint_step = wait_for(world_of_4, 60, "both nodes' workers to train in one world of 4")
         b_pids = set(records("b"))
+        # each node's workers listen on that node's address (its namespace IP, or loopback alias)
+        store = Store(etcd.endpoints)
+        try:
+            hosts = sorted(MemberInfo.from_json(kv.value).address.rsplit(":", 1)[0]
+                           for kv in store.get_prefix(keys.members(job_name)))
+        finally:
+            store.close()
+        assert hosts == sorted([placement.addr["a"]] * 2 + [placement.addr["b"]] * 2), (placement.kind, hosts)
         assert not b_pids & a_pids
         # node loss: agent B and its workers, SIGKILLed by PID (workers run in their own sessions)
         os.kill(b.proc.pid, signal.SIGKILL)

@@ -140,6 +140,14 @@ class CommunicatorEngine:
                     have[keys.last_segment(kv.key)] = int(kv.value)
                 except ValueError:
                     continue
+            newer = [have[m] for m in others if have.get(m, -1) > mine]
+            if newer:
+                # they admitted us over a newer epoch than the one our Communicator was built
+                # on (a node's joiners admitted in two epochs, one by one): run with their
+                # members, or our first op (the transfer) waits on a different ring forever
+                self.rebuild(max(newer), timeout=max(1.0, deadline - time.monotonic()))
+                mine = self._comm_epoch()
+                continue
             missing = [m for m in others if have.get(m, -1) < mine]
             if not missing or self.job_done():
                 return
