@@ -201,6 +201,22 @@ def _run_one(comm, spec, x, member: int):
     raise ValueError(f"unknown collective {spec.collective!r}")
 
 
+def _run_one_retrying(comm, spec, x, member: int, attempts: int = 3):
+    """:func:`_run_one`, called again when the op raised ``GroupChanged`` — what a careful
+    program does: ops with one buffer per member are sized from ``comm.size`` before the
+    call, and an epoch adopted at the op's boundary can change it; every member raises it
+    for the same op, so every member calls again (with buffers for the current group)."""
+    from resilient.errors import GroupChanged
+
+    for attempt in range(attempts):
+        try:
+            return _run_one(comm, spec, x, member)
+        except GroupChanged:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def _run_ops_resilient(args, sc, out, session, watcher, store, transport, records: Path, progress: dict,
                        op_start: dict[int, str]) -> int:
     """The ``resilient`` backend: every op through a real
@@ -238,7 +254,7 @@ def _run_ops_resilient(args, sc, out, session, watcher, store, transport, record
         original = tuple(member_index(m) for m in comm.members)
         sent0 = transport.stats.bytes_sent
         try:
-            result, contributors, out_range = _run_one(comm, spec, x, args.member)
+            result, contributors, out_range = _run_one_retrying(comm, spec, x, args.member)
         except RemovedFromGroup as exc:
             out.write(json.dumps({"seq": seq, "start": start, "end": None,
                                   "error": f"RemovedFromGroup: {exc}"}) + "\n")

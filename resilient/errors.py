@@ -14,6 +14,7 @@ cause and the fix.
     │   ├── CollectiveAborted       `strict` policy: full contributor set impossible
     │   ├── InputMismatch           ranks called with different shape/dtype/op/collective
     │   ├── DataLost                a piece of a broadcast/allgather exists nowhere
+    │   ├── GroupChanged            per-member buffers sized for a group that changed; call again
     │   └── RemovedFromGroup        this member was removed from the epoch (e.g. after SIGSTOP)
     └── TransportError              a peer connection failed
         ├── TransportAborted        aborted because the epoch changed (expected, recoverable)
@@ -60,6 +61,19 @@ class InputMismatch(CollectiveError, ValueError):
 
 class DataLost(CollectiveError):
     """A chunk of a broadcast/allgather exists on no survivor; names the lost member."""
+
+
+class GroupChanged(CollectiveError):
+    """An op with one buffer per member (``allgather``, list ``reduce_scatter``) was called
+    with buffers for ``expected`` members, but the group changed to ``size`` members before
+    the op started (the new epoch is adopted at the op boundary, after the caller read
+    ``size``). Raised on *every* member for the same op (a member that sized its buffers
+    right is told by the others' ERROR frames), so all can simply call it again with one
+    buffer per current member; nothing was delivered."""
+
+    def __init__(self, message: str, expected: int | None = None, size: int | None = None) -> None:
+        super().__init__(message)
+        self.expected, self.size = expected, size
 
 
 class RemovedFromGroup(CollectiveError):

@@ -130,7 +130,7 @@ def test_allgather_reduce_scatter_broadcast_with_a_kill(etcd_session, job_name, 
                     # the op the victim died in may fail only as DataLost naming it; the next
                     # allgather/reduce_scatter, whose inputs a member sized for the old group
                     # before it saw the new epoch, fails on every member with a clear error
-                    shrank = seq == op + 1 and ("shrank" in rec["error"] or rec["error"].startswith("InputMismatch"))
+                    shrank = seq == op + 1 and rec["error"].startswith("GroupChanged")
                     lost = seq == op and rec["error"].startswith("DataLost") and victim in rec["error"]
                     assert shrank or lost, (mid, rec, fps)
                     continue

@@ -52,7 +52,7 @@ from resilient.collectives.resume import build_plan, execute_plan
 from resilient.collectives.retry import PeerUnreachable, RetryingTransport
 from resilient.collectives.work import Work
 from resilient.errors import (
-    CollectiveError, ConfigError, InputMismatch, RemovedFromGroup, StoreError, TransportError,
+    CollectiveError, ConfigError, GroupChanged, InputMismatch, RemovedFromGroup, StoreError, TransportError,
 )
 from resilient.kernels import ReduceOp
 from resilient.transport.base import OpMismatch, PeerReportedError, Transport
@@ -293,11 +293,16 @@ class Communicator:
         retained result (:meth:`_serve_retained`). With ``leave=True`` it then ends its
         membership (revokes its lease through the group view), so peers that would need
         it later see an epoch change at once instead of waiting for it. Never raises for
-        a failed peer; bounded by ``linger`` + one recovery."""
+        a failed peer; bounded by ``linger`` + one recovery. Under the deadline straggler
+        policy a parent first waits (at most ``op_timeout``) until its leaves finished the
+        last op (they may lag by one: ``algorithms/leaf_deadline.drain``)."""
         if self._closed:
             return
         self._closed = True
         self._pool.shutdown(wait=True)
+        from resilient.collectives.algorithms.leaf_deadline import drain
+
+        drain(self._op_transport, self._epoch.number, max(linger, self.op_timeout or 30.0))
         try:
             self._serve_retained(linger)
         except Exception as exc:  # noqa: BLE001 - best effort on the way out
@@ -403,9 +408,9 @@ class Communicator:
         told (so none waits) and the caller gets a CollectiveError saying what to do."""
         n = len(members)
         if n != n0:
-            self._abandon(members, seq, f"the group changed from {n0} to {n} members")
-            raise CollectiveError(f"{kind} #{seq}: the group shrank from {n0} to {n} members before it "
-                                  f"started; call it again with one {what} per current member")
+            self._abandon(members, seq, f"the group changed from {n0} to {n} members", group_changed=(n0, n))
+            raise GroupChanged(f"{kind} #{seq}: the group changed from {n0} to {n} members before it "
+                               f"started; call it again with one {what} per current member", n0, n)
 
     def _digest(self, desc: dict) -> int:
         return zlib.crc32(json.dumps(desc, sort_keys=True).encode())
@@ -591,10 +596,15 @@ class Communicator:
         except Exception as exc:  # noqa: BLE001
             log.debug("metrics: %s", exc)
 
-    def _abandon(self, members: list[str], seq: int, reason: str) -> None:
+    def _abandon(self, members: list[str], seq: int, reason: str,
+                 group_changed: tuple[int, int] | None = None) -> None:
         """This member cannot take part in op ``seq``: tell the others (an ERROR frame, so
-        they raise InputMismatch instead of waiting for us) and drop the op."""
-        msg = json.dumps({"from": self.member_id, "descriptor": reason, "peer": self.member_id}).encode()
+        they raise InputMismatch — or GroupChanged when ``group_changed`` = (buffers, size)
+        — instead of waiting for us) and drop the op."""
+        body: dict[str, Any] = {"from": self.member_id, "descriptor": reason, "peer": self.member_id}
+        if group_changed is not None:
+            body["group_changed"] = list(group_changed)
+        msg = json.dumps(body).encode()
         self.transport.post_error(members, seq, msg)
         self._op_transport.cancel_op(seq)
 
@@ -615,6 +625,11 @@ class Communicator:
             other = json.loads(exc.message.decode())
         except ValueError:
             other = {"from": exc.peer}
+        if isinstance(other, dict) and other.get("group_changed"):
+            n0, n = other["group_changed"]
+            raise GroupChanged(
+                f"collective #{seq}: member {other.get('from')} found that the group changed from {n0} to {n} members "
+                f"before the op started; call it again with one buffer per current member", n0, n) from None
         if isinstance(other, dict) and other.get("unreachable"):
             raise PeerUnreachable(str(other["unreachable"]), (
                 f"collective #{seq}: member {other.get('from')} gave up on its link to member {other['unreachable']}: "
