@@ -1,6 +1,7 @@
 """Straggler mitigation, measured: the same allreduce workload with mitigation off and on.
 
-    python bench/straggler.py --world 5                  # cases a, b, c: one JSON line each
+    python bench/straggler.py --world 5                  # cases a, b, c, c': one JSON line each
+    python bench/straggler.py --world 5 --cases late,late-deadline   # c with demote, then with deadline
     python bench/straggler.py --world 5 --jitter --ops 2000   # noise only: must demote nobody
 
 Real processes: a local etcd, one ``resilient coordinator`` (``--straggler-policy off`` or
@@ -11,7 +12,9 @@ the ring waits on); member ``m2`` is the victim:
 
 (a) ``slow``: ``slow=3x`` — every send of m2 takes 3x (``ref_bw`` = the cap);
 (b) ``link``: ``link=m3:3x`` — only m2's link to its ring successor m3 is slow;
-(c) ``late``: m2 starts every op ``--late-ms`` late (a fixed delay per op).
+(c) ``late``: m2 starts every op ``--late-ms`` late (a fixed delay per op);
+(c') ``late-deadline``: the same, with ``--straggler-policy deadline`` as the "on" policy
+     (``--leaf-deadline-ms``): ops finish without m2's input when it is late.
 
 Output per case: ``{"case", "throughput_off", "throughput_on", "speedup", "detect_s",
 "false_demotions", ...}``. ``throughput_on`` is ops/s after the mitigation epoch (1 s of
@@ -19,7 +22,10 @@ settling skipped), ``throughput_on_total`` over the whole run including detectio
 ``detect_s``: seconds from the start of the workload to the epoch that mitigates (a, c:
 m2 demoted; b: the m2-m3 link avoided). ``wrong`` counts outputs that differ from the
 exact sum over the op's reported contributors (every op of every member is checked);
-``leaf_contributors_ok``: every op after the demotion still counted m2.
+``leaf_contributors_ok``: every op after the demotion still counted m2 (demote);
+``leaf_excluded_ops``: the fraction of ops after the demotion that finished without m2
+(deadline), ``contributors_agree``: every member reported the same contributors for
+every op (the leaf included).
 
 Inputs are integer-valued float32 (exact sums). Every process started here is ended here,
 by PID. Failure behaviour: a member that does not come up or finish within its deadline
@@ -115,7 +121,8 @@ def worker(args: argparse.Namespace) -> int:
 class Run:
     """One job: coordinator + members, shaped per ``specs`` (member -> shaping text)."""
 
-    def __init__(self, etcd: str, policy: str, specs: dict[str, str], args: argparse.Namespace, late_ms: float) -> None:
+    def __init__(self, etcd: str, policy: str, specs: dict[str, str], args: argparse.Namespace, late_ms: float,
+                 leaf_deadline_ms: float | None = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="straggler-"))
         self.job = f"strag-{uuid.uuid4().hex[:8]}"
         self.etcd, self.args = etcd, args
@@ -124,7 +131,9 @@ class Run:
         self.coord = subprocess.Popen(
             [PY, "-c", "import sys; from resilient.cli import main; sys.exit(main())", "coordinator", "--etcd", etcd,
              "--job", self.job, "--ttl", "3", "--metrics-port", "-1", "--log-level", "WARNING",
-             "--straggler-policy", policy],
+             "--straggler-policy", policy]
+            + (["--leaf-deadline-ms", str(leaf_deadline_ms)] if policy == "deadline" and leaf_deadline_ms is not None
+               else []),
             stdout=subprocess.DEVNULL, stderr=open(self.dir / "coordinator.stderr", "w"), cwd=ROOT)
         self.procs.append(self.coord)
         for i in range(args.world):
@@ -231,9 +240,10 @@ def run_case(etcd: str, case: str, args: argparse.Namespace) -> dict:
         specs[VICTIM] = cap + ",slow=3x"
     elif case == "link":
         specs[VICTIM] = cap + ",link=m3:3x"
-    elif case == "late":
+    elif case in ("late", "late-deadline"):
         late_ms = args.late_ms
-    result: dict = {"case": case}
+    on_policy = "deadline" if case == "late-deadline" else "demote"
+    result: dict = {"case": case, "policy_on": on_policy}
     # mitigation off
     run = Run(etcd, "off", specs, args, late_ms)
     try:
@@ -252,7 +262,7 @@ def run_case(etcd: str, case: str, args: argparse.Namespace) -> dict:
     else:
         def mitigated(r):
             return r["roles"].get(VICTIM) == "demoted"
-    run = Run(etcd, "demote", specs, args, late_ms)
+    run = Run(etcd, on_policy, specs, args, late_ms, getattr(args, "leaf_deadline_ms", None))
     try:
         t0 = run.start()
         deadline = time.monotonic() + args.detect_timeout
@@ -270,10 +280,16 @@ def run_case(etcd: str, case: str, args: argparse.Namespace) -> dict:
         wrong += _wrong(logs)
         demoted_ever = {m for r in run.epochs for m, role in r["roles"].items() if role == "demoted"}
         false = sorted(demoted_ever - ({VICTIM} if case != "link" else set()))
-        leaf_ok = None
+        leaf_ok = excluded = None
         if hit and case != "link":
             after = [r for log in logs.values() for r in log if r["epoch"] >= hit["number"]]
             leaf_ok = bool(after) and all(VICTIM in r["contributors"] for r in after)
+            excluded = round(sum(VICTIM not in r["contributors"] for r in after) / len(after), 3) if after else None
+        by_seq: dict[int, set] = {}
+        for log in logs.values():
+            for r in log:
+                by_seq.setdefault(r["seq"], set()).add(tuple(r["contributors"]))
+        agree = all(len(v) == 1 for v in by_seq.values())
         result.update({
             "throughput_off": round(off, 2) if off else None,
             "throughput_on": round(on, 2) if on else None,
@@ -282,7 +298,8 @@ def run_case(etcd: str, case: str, args: argparse.Namespace) -> dict:
             "false_demotions": len(false),
             "throughput_on_total": round(on_total, 2) if on_total else None,
             "wrong": wrong, "ops_off": ops_off, "ops_on": len(logs["m0"]),
-            "exact": wrong == 0, "leaf_contributors_ok": leaf_ok,
+            "exact": wrong == 0, "leaf_contributors_ok": leaf_ok, "leaf_excluded_ops": excluded,
+            "contributors_agree": agree,
             "epochs_on": [{"n": r["number"], "t": round(r["at"] - t0, 2), "cause": r["cause"],
                            "demoted": sorted(m for m, v in r["roles"].items() if v == "demoted"),
                            "avoid": r["avoid"]} for r in run.epochs],
@@ -291,7 +308,8 @@ def run_case(etcd: str, case: str, args: argparse.Namespace) -> dict:
     finally:
         run.close()
     result.update({"world": args.world, "numel": args.numel, "bw": args.bw,
-                   "late_ms": late_ms if case == "late" else None})
+                   "late_ms": late_ms if case in ("late", "late-deadline") else None,
+                   "leaf_deadline_ms": getattr(args, "leaf_deadline_ms", None) if on_policy == "deadline" else None})
     return result
 
 
@@ -321,7 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--late-ms", type=float, default=40.0, help="case c: the victim's delay per op")
     ap.add_argument("--report-s", type=float, default=0.5, help="health window seconds")
     ap.add_argument("--detect-timeout", type=float, default=30.0)
-    ap.add_argument("--cases", default="slow,link,late")
+    ap.add_argument("--cases", default="slow,link,late,late-deadline",
+                    help="comma-separated: slow, link, late, late-deadline (default: all four)")
+    ap.add_argument("--leaf-deadline-ms", type=float, default=None,
+                    help="late-deadline: the coordinator's --leaf-deadline-ms (default: its own, 10)")
     ap.add_argument("--jitter", action="store_true", help="noise only (jitter=30%% on every member), --ops ops")
     ap.add_argument("--ops", type=int, default=0, help="with --jitter: ops to run (default 2000)")
     ap.add_argument("--jitter-timeout", type=float, default=600.0)
@@ -356,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                     res = {"case": case, "error": str(exc)[:2000]}
                     rc = 1
                 print(json.dumps(res), flush=True)
-                if res.get("wrong"):
+                if res.get("wrong") or res.get("contributors_agree") is False:
                     rc = 1
     return rc
 

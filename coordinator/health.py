@@ -119,14 +119,31 @@ class StragglerPolicy:
     with the health records and the current epoch on every reconcile pass.
 
     ``evaluate(records, epoch, now) -> Verdict``; the members serving demoted leaves (their
-    tree parents in the epoch's plan) are passed as exempt. Stateless across coordinator
-    failover by design: a new leader starts from the epoch's roles (demoted members stay
+    tree parents in the epoch's plan) are passed as exempt. ``leaf_deadline_ms`` (not
+    None): the deadline policy — the coordinator puts it into the plan of every epoch with
+    a demoted member, and the leaf path then finishes an op without a leaf whose input
+    is later than that after the ring (``resilient/collectives/algorithms/leaf_deadline.py``);
+    raises :class:`~resilient.errors.ConfigError` for a value outside [0, 600000].
+    Stateless across coordinator failover by design: a new leader starts from the epoch's roles (demoted members stay
     demoted until they have been clear for ``release_windows``)."""
 
-    def __init__(self, config: "StragglerConfig | None" = None) -> None:
+    def __init__(self, config: "StragglerConfig | None" = None, leaf_deadline_ms: float | None = None) -> None:
         from resilient.coordinator.straggler import StragglerDetector
+        from resilient.errors import ConfigError
 
+        if leaf_deadline_ms is not None:
+            try:
+                ok = 0.0 <= float(leaf_deadline_ms) <= 600_000.0
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise ConfigError(f"leaf deadline {leaf_deadline_ms!r} ms is not a number in [0, 600000]; "
+                                  "pass e.g. --leaf-deadline-ms 10")
+            leaf_deadline_ms = float(leaf_deadline_ms)
         self.detector = StragglerDetector(config)
+        #: ``--straggler-policy deadline``: published as ``plan["leaf_deadline_ms"]`` in
+        #: every epoch that demotes someone; None: the lossless ``demote`` policy
+        self.leaf_deadline_ms = leaf_deadline_ms
         self._seeded_from: int | None = None
 
     def evaluate(self, records: Mapping[str, dict], epoch: "Epoch | None", now: float | None = None) -> "Verdict":

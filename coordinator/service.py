@@ -340,6 +340,9 @@ class Coordinator:
         plan_dict = p.to_dict()
         if avoid:
             plan_dict["avoid"] = avoid
+        deadline_ms = getattr(self.health_policy, "leaf_deadline_ms", None)
+        if demoted and deadline_ms is not None:   # --straggler-policy deadline: every member applies this value
+            plan_dict["leaf_deadline_ms"] = deadline_ms
         number = (epoch.number if epoch else 0) + 1
         new = Epoch(
             number=number, members=p.ring, infos={m: alive[m][0] for m in p.ring}, roles=roles,

@@ -29,7 +29,11 @@ States per member, each transition needing a run of consecutive windows:
   ``probe`` --confirm_windows clear, new ring--> ``ok`` + that link recorded slow (a slow
   *link*: both ends are fine with other peers)
 ``demoted`` --release_windows clear--> ``ok`` (promoted back; the planner restores the
-topology-optimal order)
+topology-optimal order). A member demoted again within ``redemote_window_s`` of its
+promotion needs twice as many clear windows as last time (up to
+``max_release_windows``): on the leaf path a member that is *late* (not slow) stops
+costing the others and reads "clear", so without this it would flap between the ring and
+the leaf every few seconds.
 
 Why the probe: in a ring a member sends to exactly one peer, so "slow member" and "slow
 link to its successor" look the same in one ring order; re-pairing it is the cheapest
@@ -75,6 +79,8 @@ class StragglerConfig:
     link_hold_s: float = 60.0
     stale_s: float = 10.0
     link_probe: bool = True
+    redemote_window_s: float = 60.0
+    max_release_windows: int = 80
 
     def validate(self) -> None:
         if not 0 < self.release_shift < self.shift:
@@ -87,6 +93,9 @@ class StragglerConfig:
             raise ConfigError(f"straggler min_members must be >= 3 (a median needs a majority), got {self.min_members}")
         if self.mad_k < 0 or self.link_hold_s < 0 or self.stale_s <= 0:
             raise ConfigError("straggler mad_k and link_hold_s must be >= 0 and stale_s > 0")
+        if self.redemote_window_s < 0 or self.max_release_windows < self.release_windows:
+            raise ConfigError(f"straggler redemote_window_s must be >= 0 and max_release_windows "
+                              f"({self.max_release_windows}) >= release_windows ({self.release_windows})")
 
 
 @dataclass
@@ -99,6 +108,8 @@ class MemberState:
     probe_edge: tuple[str, str] | None = None
     probe_epoch: int = 0
     since: float = 0.0
+    release_windows: int = 0           # clear windows this demotion needs (0: the config's)
+    promoted_at: float | None = None   # when it was last promoted back
 
 
 @dataclass(frozen=True)
@@ -241,11 +252,13 @@ class StragglerDetector:
                 self.events.append((now, m, f"probe: slow; avoiding link {m}-{nxt}"))
             else:
                 st.state = DEMOTED
+                self._hold(st, now)
                 self.events.append((now, m, "demoted: slow member"))
             st.slow_run = st.clear_run = 0
             st.since = now
         elif st.state == PROBE and st.slow_run >= c.confirm_windows:
             st.state, st.probe_edge = DEMOTED, None
+            self._hold(st, now)
             st.slow_run = st.clear_run = 0
             st.since = now
             self.events.append((now, m, "demoted: slow with other peers too (slow member)"))
@@ -257,11 +270,19 @@ class StragglerDetector:
             st.state, st.probe_edge = OK, None
             st.slow_run = st.clear_run = 0
             st.since = now
-        elif st.state == DEMOTED and st.clear_run >= c.release_windows:
+        elif st.state == DEMOTED and st.clear_run >= (st.release_windows or c.release_windows):
             st.state = OK
             st.slow_run = st.clear_run = 0
-            st.since = now
+            st.since = st.promoted_at = now
             self.events.append((now, m, "promoted: healthy again"))
+
+    def _hold(self, st: MemberState, now: float) -> None:
+        """Clear windows the new demotion needs: doubled after a recent promotion."""
+        c = self.config
+        if st.promoted_at is not None and now - st.promoted_at < c.redemote_window_s:
+            st.release_windows = min(c.max_release_windows, 2 * (st.release_windows or c.release_windows))
+        else:
+            st.release_windows = c.release_windows
 
     def _enforce_cap(self, n: int, now: float) -> None:
         cap = max(0, (n - 1) // 2)

@@ -291,3 +291,50 @@ def test_cli_straggler_policy_flag_defaults_to_demote_and_off_disables():
     assert cli.health_policy_from_args(ap.parse_args(base + ["--straggler-policy", "off"])) is no_demotion
     with pytest.raises(SystemExit):
         ap.parse_args(base + ["--straggler-policy", "evict"])
+    # deadline: opt-in, its grace published by the policy; the flag alone is refused
+    dl = cli.health_policy_from_args(ap.parse_args(base + ["--straggler-policy", "deadline"]))
+    assert isinstance(dl, StragglerPolicy) and dl.leaf_deadline_ms == cli.DEFAULT_LEAF_DEADLINE_MS == 10.0
+    dl = cli.health_policy_from_args(ap.parse_args(base + ["--straggler-policy", "deadline", "--leaf-deadline-ms", "0"]))
+    assert dl.leaf_deadline_ms == 0.0
+    assert cli.health_policy_from_args(ap.parse_args(base)).leaf_deadline_ms is None
+    with pytest.raises(ConfigError, match="--straggler-policy deadline"):
+        cli.health_policy_from_args(ap.parse_args(base + ["--leaf-deadline-ms", "5"]))
+    with pytest.raises(ConfigError, match="leaf deadline"):
+        cli.health_policy_from_args(ap.parse_args(base + ["--straggler-policy", "deadline", "--leaf-deadline-ms", "-1"]))
+
+
+def test_a_member_demoted_again_soon_after_promotion_is_held_twice_as_long():
+    """Anti-flap: demoted -> promoted -> demoted again within redemote_window_s needs
+    2x the clear windows (then 4x...), capped; after a long healthy spell it is 1x again."""
+    cfg = StragglerConfig(link_probe=False, release_windows=2, max_release_windows=6, redemote_window_s=50)
+    det = StragglerDetector(cfg)
+    t = [100.0]
+    seq = [0]
+
+    def feed(busy_m0: float, n: int) -> frozenset:
+        v = None
+        for _ in range(n):
+            seq[0] += 1
+            t[0] += 1.0
+            recs = {m: {"seq": seq[0], "epoch": 1, "at": t[0], "ops": 10, "window_s": 0.1,
+                        "wait_s": {"x": 0.1 - (busy_m0 if m == "m0" else 0.001) * 10}} for m in IDS}
+            v = det.update(recs, IDS, 1, t[0])
+        return v.demoted
+
+    def clear_windows_to_promote() -> int:
+        for k in range(1, 50):
+            if feed(0.001, 1) == frozenset():
+                return k
+        raise AssertionError("never promoted")
+
+    assert feed(0.005, 3) == {"m0"}
+    assert clear_windows_to_promote() == 2
+    assert feed(0.005, 3) == {"m0"}              # again, soon: 2x
+    assert clear_windows_to_promote() == 4
+    assert feed(0.005, 3) == {"m0"}              # and again: capped at 6
+    assert clear_windows_to_promote() == 6
+    feed(0.001, 60)                              # a long healthy spell
+    assert feed(0.005, 3) == {"m0"}
+    assert clear_windows_to_promote() == 2
+    with pytest.raises(ConfigError, match="max_release_windows"):
+        StragglerDetector(StragglerConfig(release_windows=5, max_release_windows=4))

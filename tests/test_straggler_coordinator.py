@@ -120,3 +120,44 @@ def test_slow_member_is_demoted_then_promoted_back_to_the_optimal_ring(etcd_sess
         stop.set()
         thread.join(timeout=15)
         cstore.close()
+
+
+def test_deadline_policy_publishes_its_deadline_in_every_demoting_epochs_plan(etcd_session, store, job_name):
+    """``--straggler-policy deadline``: the same detection; the epoch that demotes carries
+    ``plan["leaf_deadline_ms"]`` (so every member applies the same value), the epoch that
+    promotes back does not (no leaf: nothing to apply). Bad values are refused up front."""
+    from resilient.errors import ConfigError
+
+    for bad in (-1, float("nan"), "x", 1e9):
+        with pytest.raises(ConfigError, match="leaf deadline"):
+            StragglerPolicy(StragglerConfig(), leaf_deadline_ms=bad)
+    infos = [MemberInfo(member_id=f"m{i}", host="h", local_rank=i, address=f"127.0.0.1:{22000 + i}")
+             for i in range(4)]
+    policy = StragglerPolicy(StragglerConfig(confirm_windows=3, release_windows=4), leaf_deadline_ms=25)
+    cstore = Store(etcd_session.endpoints)
+    coord = Coordinator(cstore, job_name, "c-deadline",
+                        CoordinatorConfig(join_debounce=0.2, resync_interval=0.2), health_policy=policy)
+    stop = threading.Event()
+    thread = threading.Thread(target=coord.run, args=(stop,), daemon=True)
+    thread.start()
+    sessions = [MemberSession.register(store, job_name, info, ttl=5.0) for info in infos]
+    watcher = EpochWatcher(store, job_name)
+    feeder = Feeder(store, job_name, sessions, watcher)
+    try:
+        first = watcher.wait_for(lambda e: len(e.members) == 4, 15)
+        assert "leaf_deadline_ms" not in first.plan
+        feeder.slow = {"m1"}
+        demoted = watcher.wait_for(lambda e: e.roles.get("m1") == "demoted", 30)
+        assert demoted.plan["leaf_deadline_ms"] == 25.0
+        feeder.slow = set()
+        back = watcher.wait_for(lambda e: e.number > demoted.number and set(e.roles.values()) == {"active"}, 30)
+        assert "leaf_deadline_ms" not in back.plan
+        assert not feeder.errors
+    finally:
+        feeder.close()
+        watcher.close()
+        for s in sessions:
+            s.close()
+        stop.set()
+        thread.join(timeout=15)
+        cstore.close()

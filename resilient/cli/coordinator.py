@@ -30,11 +30,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-host", default="0.0.0.0", help="address for /metrics and /healthz")
     parser.add_argument("--metrics-port", type=int, default=9401,
                         help="port for /metrics and /healthz (default 9401; 0 = any free port; -1 = off)")
-    parser.add_argument("--straggler-policy", choices=("off", "demote"), default="demote",
+    parser.add_argument("--straggler-policy", choices=("off", "demote", "deadline"), default="demote",
                         help="demote: confirmed stragglers move to a leaf position (their input still "
                              "counts; promoted back when healthy) and slow links are kept out of the ring; "
-                             "off: health records are ignored (default demote)")
+                             "deadline (opt-in): like demote, but an op finishes without a leaf whose input "
+                             "has not arrived --leaf-deadline-ms after the ring is done (every member then "
+                             "reports contributors without it); off: health records are ignored (default demote)")
+    parser.add_argument("--leaf-deadline-ms", type=float, default=None,
+                        help="with --straggler-policy deadline: how long a leaf's parent waits for the leaf's "
+                             "input after its own ring is done (default 10; published in the epoch plan)")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+
+
+#: ``--leaf-deadline-ms`` default (see :func:`health_policy_from_args`)
+DEFAULT_LEAF_DEADLINE_MS = 10.0
 
 
 def health_policy_from_args(args: argparse.Namespace):
@@ -46,12 +55,30 @@ def health_policy_from_args(args: argparse.Namespace):
     input in every result and ``contributors``), it needs a sustained shift over several
     windows (one hiccup never flaps the ring), promotion back has its own hysteresis, and
     without health records (no reporter running) it never acts. ``off`` is for A/B runs
-    (``bench/straggler.py``) and for jobs that must never re-plan for health."""
+    (``bench/straggler.py``) and for jobs that must never re-plan for health.
+
+    ``deadline`` is opt-in because it is lossy: a late leaf's contribution is dropped from
+    that op (reported in ``contributors``, never silently). Its default grace,
+    :data:`DEFAULT_LEAF_DEADLINE_MS` = 10 ms after the parent's ring is done, is a few
+    32 KiB sub-slices at the slowest link this project benchmarks (20 MB/s: 1.6 ms each)
+    plus scheduling noise of a loaded host: an input that is merely in flight is kept,
+    one that has not been sent is not waited for (docs/straggler.md has the measurements).
+    Raises :class:`~resilient.errors.ConfigError` for ``--leaf-deadline-ms`` without
+    ``deadline`` or outside [0, 600000]."""
     from resilient.coordinator.health import StragglerPolicy, no_demotion
     from resilient.coordinator.straggler import StragglerConfig
+    from resilient.errors import ConfigError
 
-    if getattr(args, "straggler_policy", "demote") == "off":
+    policy = getattr(args, "straggler_policy", "demote")
+    deadline_ms = getattr(args, "leaf_deadline_ms", None)
+    if deadline_ms is not None and policy != "deadline":
+        raise ConfigError(f"--leaf-deadline-ms only applies to --straggler-policy deadline (got {policy}); "
+                          "add --straggler-policy deadline or drop --leaf-deadline-ms")
+    if policy == "off":
         return no_demotion
+    if policy == "deadline":
+        return StragglerPolicy(StragglerConfig(),
+                               leaf_deadline_ms=DEFAULT_LEAF_DEADLINE_MS if deadline_ms is None else deadline_ms)
     return StragglerPolicy(StragglerConfig())
 
 

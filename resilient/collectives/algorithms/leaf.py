@@ -106,6 +106,7 @@ class _ActiveLedger(Ledger):
     outer: Ledger
     bits: list[int]
     pump: Callable[[], None]
+    final: Callable[[int], None] | None = None   # deadline mode: piece p holds the actives' result
 
     def set(self, p: int, mask: int) -> None:
         super().set(p, mask)
@@ -114,6 +115,8 @@ class _ActiveLedger(Ledger):
             if mask >> k & 1:
                 outer |= b
         self.outer.set(p, outer)
+        if self.final is not None and mask == self.full:
+            self.final(p)
         self.pump()
 
 
@@ -124,23 +127,32 @@ class LeafPath:
 
     SUB_BYTES = 32 << 10
 
-    def __init__(self, inner: Any, leaves: Mapping[str, str], actives: Sequence[str]) -> None:
+    def __init__(self, inner: Any, leaves: Mapping[str, str], actives: Sequence[str],
+                 deadline_s: float | None = None) -> None:
         self.inner, self.leaves, self.actives = inner, dict(leaves), list(actives)
+        self.deadline_s = deadline_s
 
     @classmethod
     def for_epoch(cls, members: Sequence[str], epoch: Any) -> "LeafPlan | None":
-        """The leaf plan for an op over ``members`` in ``epoch``, or None (no leaf)."""
+        """The leaf plan for an op over ``members`` in ``epoch``, or None (no leaf). The
+        epoch's ``plan["leaf_deadline_ms"]`` (set by ``--straggler-policy deadline``)
+        turns on the deadline mode (:mod:`.leaf_deadline`); every member reads the same
+        epoch, so every member runs the same mode with the same value."""
         roles = getattr(epoch, "roles", None) or {}
         plan = getattr(epoch, "plan", None) or {}
         leaves = leaf_assignment(members, list(epoch.members), roles, plan.get("tree_parent") or [])
         if not leaves:
             return None
-        return LeafPlan(leaves, [m for m in members if m not in leaves])
+        return LeafPlan(leaves, [m for m in members if m not in leaves], deadline_of(plan))
 
     def run(self, ctx: OpContext) -> None:
         L = ctx.ledger
         items = items_of(L.pieces, L.inp.element_size(), self.SUB_BYTES)
-        if L.members[L.me] in self.leaves:
+        if self.deadline_s is not None:
+            from resilient.collectives.algorithms.leaf_deadline import run_deadline
+
+            run_deadline(self, ctx, items)
+        elif L.members[L.me] in self.leaves:
             self._run_leaf(ctx, items)
         else:
             self._run_active(ctx, items)
@@ -254,12 +266,27 @@ class LeafPlan:
     the inner algorithm and the piece layout are built for); :meth:`wrap` the inner
     algorithm."""
 
-    def __init__(self, leaves: Mapping[str, str], actives: Sequence[str]) -> None:
-        self.leaves, self.actives = dict(leaves), list(actives)
+    def __init__(self, leaves: Mapping[str, str], actives: Sequence[str], deadline_s: float | None = None) -> None:
+        self.leaves, self.actives, self.deadline_s = dict(leaves), list(actives), deadline_s
 
     @property
     def ring_size(self) -> int:
         return len(self.actives)
 
     def wrap(self, inner: Any) -> LeafPath:
-        return LeafPath(inner, self.leaves, self.actives)
+        return LeafPath(inner, self.leaves, self.actives, self.deadline_s)
+
+
+def deadline_of(plan: Mapping[str, Any]) -> float | None:
+    """The deadline mode's grace in seconds from an epoch plan's ``leaf_deadline_ms``
+    (None: the plan carries none, or a value that is not a finite number >= 0 — the
+    coordinator validates it, so a bad value here means a foreign writer; the lossless
+    leaf path is the safe reading)."""
+    v = plan.get("leaf_deadline_ms") if isinstance(plan, Mapping) else None
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        ms = float(v)
+    except (TypeError, ValueError):
+        return None
+    return ms / 1000.0 if 0.0 <= ms < float("inf") else None
