@@ -33,6 +33,7 @@ def summarize(verdicts: Sequence[Verdict], max_findings: int = 20) -> dict[str, 
         "recovery_p50_s": _round(percentile(recoveries, 50)),
         "recovery_p99_s": _round(percentile(recoveries, 99)),
         "lost": sum(len(v.lost) for v in verdicts),
+        "data_lost": sum(len(v.data_lost) for v in verdicts),
         "vacuous": sum(len(v.vacuous) for v in verdicts),
         "passed": all(v.passed for v in verdicts) and bool(verdicts),
         "scenario": verdicts[0].scenario if verdicts else None,
@@ -46,6 +47,7 @@ def summarize(verdicts: Sequence[Verdict], max_findings: int = 20) -> dict[str, 
     findings = [f"seed {v.seed}: {kind}: {f}" for v in verdicts
                 for kind, fs in (("wrong", v.wrong), ("hang", v.hangs), ("lost", v.lost)) for f in fs]
     findings += [f"seed {v.seed}: vacuous fault: {f}" for v in verdicts for f in v.vacuous]
+    findings += [f"seed {v.seed}: data lost by contract (not a failure): {f}" for v in verdicts for f in v.data_lost]
     out["findings"] = findings[:max_findings]
     return out
 

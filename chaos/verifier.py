@@ -12,6 +12,10 @@ injected (:class:`FaultEvent`) and the epochs the coordinator published
   of; a contributor that is not a member.
 - **hangs** — an op a live member started and did not finish within ``op_timeout_s``.
 - **lost** — an op a surviving member never completed (missing record or an error).
+- **data lost** (reported, not a failure) — the contract's one allowed error: a
+  broadcast/allgather whose piece existed only on a killed member raises ``DataLost``
+  naming it (DESIGN §3). Counted here, not as lost, only when the member it names was a
+  kill victim and *no* non-excused member completed that op (all raised it, consistently).
 - **vacuous** — an injected fault that did not overlap any op: its window (``time_s`` to
   ``end_s``) ends before the first op of the run started or begins after the last op
   ended; or a planned fault that never fired (``skipped`` starting with
@@ -128,6 +132,7 @@ class Verdict:
     wrong: list[Finding] = field(default_factory=list)
     hangs: list[Finding] = field(default_factory=list)
     lost: list[Finding] = field(default_factory=list)
+    data_lost: list[Finding] = field(default_factory=list)
     vacuous: list[str] = field(default_factory=list)
     recoveries: list[float] = field(default_factory=list)
     bytes_resent: int = 0
@@ -162,12 +167,13 @@ def verify(run: RunLog) -> Verdict:
             continue
         if sc.workload.mix:
             _check_values(run, seq, recs, v)
+        data_lost = _data_lost_by_contract(run, recs, excused)
         for r in recs:
             if r.end_s is None or r.error is not None:
                 if r.member in excused:
                     continue
                 if r.error is not None:
-                    v.lost.append(Finding(seq, r.member, f"raised {r.error}"))
+                    (v.data_lost if data_lost else v.lost).append(Finding(seq, r.member, f"raised {r.error}"))
                 else:
                     v.hangs.append(Finding(seq, r.member, f"started at {r.start_s:.3f}s and never finished"))
             elif r.end_s - r.start_s > sc.op_timeout_s:
@@ -187,6 +193,26 @@ def verify(run: RunLog) -> Verdict:
     v.ops = len({r.seq for r in run.records if r.end_s is not None and r.error is None})
     v.recoveries = _recoveries(run, survivors)
     return v
+
+
+def _data_lost_by_contract(run: RunLog, recs: Sequence[OpRecord], excused: set[int]) -> bool:
+    """True when this op's failure is the contract's ``DataLost``: every non-excused
+    member's record of it is a ``DataLost`` error naming the same member, and that member
+    was killed by a fault (its piece existed nowhere else)."""
+    import re
+
+    killed = {f.victim for f in run.faults if f.kind == FaultKind.KILL.value and f.skipped is None}
+    named = set()
+    for r in recs:
+        if r.member in excused:
+            continue
+        if r.error is None or not r.error.startswith("DataLost"):
+            return False
+        found = re.findall(r"\bm(\d+)\b", r.error)
+        if not found:
+            return False
+        named.add(int(found[0]))
+    return len(named) == 1 and named <= killed
 
 
 def _vacuous(run: RunLog) -> list[str]:

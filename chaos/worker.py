@@ -201,14 +201,24 @@ def _run_one(comm, spec, x, member: int):
     raise ValueError(f"unknown collective {spec.collective!r}")
 
 
-def _run_one_retrying(comm, spec, x, member: int, attempts: int = 3):
+def _run_one_retrying(comm, spec, x, member: int, seq: int, attempts: int = 3):
     """:func:`_run_one`, called again when the op raised ``GroupChanged`` — what a careful
     program does: ops with one buffer per member are sized from ``comm.size`` before the
     call, and an epoch adopted at the op's boundary can change it; every member raises it
-    for the same op, so every member calls again (with buffers for the current group)."""
+    for the same op, so every member calls again (with buffers for the current group).
+
+    A call again takes the Communicator's next sequence number, so the workload's op
+    ``seq`` and the Communicator's drift apart; scenario failpoints name workload ops, so
+    before every attempt the failpoints of op ``seq`` are pointed at the sequence number
+    this attempt will run as."""
+    from resilient.collectives import failpoints
     from resilient.errors import GroupChanged
 
     for attempt in range(attempts):
+        if failpoints.ACTIVE:
+            for fp in failpoints.SPECS:
+                if fp.__dict__.setdefault("workload_op", fp.op) == seq:
+                    fp.op = comm.next_seq
         try:
             return _run_one(comm, spec, x, member)
         except GroupChanged:
@@ -254,7 +264,7 @@ def _run_ops_resilient(args, sc, out, session, watcher, store, transport, record
         original = tuple(member_index(m) for m in comm.members)
         sent0 = transport.stats.bytes_sent
         try:
-            result, contributors, out_range = _run_one_retrying(comm, spec, x, args.member)
+            result, contributors, out_range = _run_one_retrying(comm, spec, x, args.member, seq)
         except RemovedFromGroup as exc:
             out.write(json.dumps({"seq": seq, "start": start, "end": None,
                                   "error": f"RemovedFromGroup: {exc}"}) + "\n")

@@ -305,3 +305,22 @@ def test_reduce_scatter_shards_may_keep_a_superset_but_never_unrelated_sets():
     v = verify(RunLog(sc, seed=0, records=[rec(0, other), rec(2, survivors), rec(3, survivors)],
                       faults=[FaultEvent("kill", 0.05, "member 1", victim=1)]))
     assert any("disagree" in f.reason for f in v.wrong)
+
+
+def test_data_lost_is_the_contracts_error_only_when_every_member_raised_it_for_a_killed_member():
+    sc = _scenario("{collective: broadcast, dtype: int64, numel: 64, root: 0}", ops=1)
+    err = "DataLost: broadcast #0: the root m0 was lost before any survivor got its data"
+    kill0 = [FaultEvent("kill", 0.05, "member 0", victim=0)]
+
+    def rec(m, error=err):
+        return OpRecord(m, 0, 0.0, None, None, None, error=error)
+
+    v = verify(RunLog(sc, seed=0, records=[rec(1), rec(2), rec(3)], faults=kill0))
+    assert v.passed and not v.lost and [f.member for f in v.data_lost] == [1, 2, 3]
+    # one member completed the op: the others' DataLost is a lost op, not the contract
+    done = OpRecord(3, 0, 0.0, 0.1, (0,), None, check="ok")
+    v = verify(RunLog(sc, seed=0, records=[rec(1), rec(2), done], faults=kill0))
+    assert [f.member for f in v.lost] == [1, 2] and not v.data_lost
+    # the member it names was not killed: lost
+    v = verify(RunLog(sc, seed=0, records=[rec(1), rec(2), rec(3)], faults=[FaultEvent("kill", 0.05, "member 1", victim=1)]))
+    assert {2, 3} <= {f.member for f in v.lost} and not v.data_lost and not v.passed
