@@ -15,6 +15,9 @@ the ring waits on); member ``m2`` is the victim:
 (c) ``late``: m2 starts every op ``--late-ms`` late (a fixed delay per op);
 (c') ``late-deadline``: the same, with ``--straggler-policy deadline`` as the "on" policy
      (``--leaf-deadline-ms``): ops finish without m2's input when it is late.
+(a') ``slow-evict``: case (a) with ``--straggler-policy evict`` as the "on" policy
+     (``--evict-hold-s``): m2 is taken out of the epoch (it gets ``Evicted`` and calls
+     ``comm.rejoin()``), re-admitted after the hold, evicted again while still slow.
 
 Output per case: ``{"case", "throughput_off", "throughput_on", "speedup", "detect_s",
 "false_demotions", ...}``. ``throughput_on`` is ops/s after the mitigation epoch (1 s of
@@ -24,7 +27,8 @@ m2 demoted; b: the m2-m3 link avoided). ``wrong`` counts outputs that differ fro
 exact sum over the op's reported contributors (every op of every member is checked);
 ``leaf_contributors_ok``: every op after the demotion still counted m2 (demote);
 ``leaf_excluded_ops``: the fraction of ops after the demotion that finished without m2
-(deadline), ``contributors_agree``: every member reported the same contributors for
+(deadline; evict: while it is out), ``evictions`` / ``readmissions`` (epochs with that
+cause), ``recovered_ops`` (op results finished by recovery), ``contributors_agree``: every member reported the same contributors for
 every op (the leaf included).
 
 Inputs are integer-valued float32 (exact sums). Every process started here is ended here,
@@ -65,6 +69,7 @@ def worker(args: argparse.Namespace) -> int:
     from resilient.collectives import Communicator
     from resilient.collectives.group import EtcdGroupView
     from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession, Store
+    from resilient.errors import Evicted, ResilientError
     from resilient.health_reporter import HealthReporter
     from resilient.transport.shaping import shaped_from_env
     from resilient.transport.tcp import TcpTransport
@@ -88,6 +93,7 @@ def worker(args: argparse.Namespace) -> int:
     x = torch.empty(args.numel + 1, dtype=torch.float32)
     late = args.late_ms / 1000.0 if args.id == VICTIM else 0.0
     seq = 0
+    events = open(out / f"{args.id}.events.jsonl", "w")
     with open(out / f"{args.id}.jsonl", "w") as log:
         while True:
             x[:args.numel] = base[args.id] + (seq % 97)
@@ -95,18 +101,42 @@ def worker(args: argparse.Namespace) -> int:
             if late:
                 time.sleep(late)
             t0 = time.monotonic()
-            work = comm.allreduce(x, "sum")
+            try:
+                work = comm.allreduce(x, "sum")
+            except Evicted as exc:   # --straggler-policy evict: out for a while, then rejoin
+                events.write(json.dumps({"event": "evicted", "seq": seq, "t": time.time(), "epoch": exc.epoch,
+                                         "in_flight": comm.next_seq > seq, "readmit_at": exc.readmit_at,
+                                         "hold_s": exc.hold_s, "message": str(exc)}) + "\n")
+                events.flush()
+                comm = _rejoin(comm, stop)
+                if comm is None:      # told to stop while out
+                    break
+                seq = comm.next_seq
+                # fresh windows: the time spent out is not busy time of this member
+                reporter = HealthReporter(store, args.job, args.id, session.lease_id, transport.stats,
+                                          interval=args.report_s, min_ops=3)
+                events.write(json.dumps({"event": "rejoined", "seq": seq, "t": time.time(),
+                                         "epoch": comm._epoch.number}) + "\n")
+                events.flush()
+                continue
+            except ResilientError:
+                if stop.exists():     # the others left while this member was re-admitted: done
+                    break
+                raise
             dt = time.monotonic() - t0
             contributors = tuple(work.contributors)
             want = sum(base[m] for m in contributors) + len(contributors) * (seq % 97)
             ok = bool(torch.equal(x[:args.numel], want))
             e = watcher.current()
             reporter.op_done(e.number if e else 0, dt)
+            rec = (comm.last_recovery or {}).get("seq") == seq   # finished by recovery (a removal mid-op)
             log.write(json.dumps({"seq": seq, "t": time.time(), "dt": round(dt, 6), "ok": ok,
-                                  "contributors": list(contributors), "epoch": e.number if e else 0}) + "\n")
+                                  "contributors": list(contributors), "epoch": e.number if e else 0,
+                                  "recovered": rec}) + "\n")
             seq += 1
             if x[args.numel] > 0:
                 break
+    events.close()
     (out / f"done-{args.id}").write_text(str(seq))
     comm.close()
     session.close()
@@ -116,13 +146,32 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rejoin(comm, stop: Path):
+    """``comm.rejoin()`` in 1 s steps until re-admitted (the new Communicator) or told to
+    stop (None)."""
+    from resilient.errors import ResilientError
+
+    from resilient.errors import StoreError
+
+    while True:
+        try:
+            return comm.rejoin(timeout=1.0)
+        except (TimeoutError, StoreError):   # not yet / the epoch moved on while joining: ask again
+            if stop.exists():
+                return None
+        except ResilientError:
+            if stop.exists():
+                return None
+            raise
+
+
 # -- driver --------------------------------------------------------------------------------
 
 class Run:
     """One job: coordinator + members, shaped per ``specs`` (member -> shaping text)."""
 
     def __init__(self, etcd: str, policy: str, specs: dict[str, str], args: argparse.Namespace, late_ms: float,
-                 leaf_deadline_ms: float | None = None) -> None:
+                 leaf_deadline_ms: float | None = None, evict_hold_s: float | None = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="straggler-"))
         self.job = f"strag-{uuid.uuid4().hex[:8]}"
         self.etcd, self.args = etcd, args
@@ -133,7 +182,8 @@ class Run:
              "--job", self.job, "--ttl", "3", "--metrics-port", "-1", "--log-level", "WARNING",
              "--straggler-policy", policy]
             + (["--leaf-deadline-ms", str(leaf_deadline_ms)] if policy == "deadline" and leaf_deadline_ms is not None
-               else []),
+               else [])
+            + (["--evict-hold-s", str(evict_hold_s)] if policy == "evict" and evict_hold_s is not None else []),
             stdout=subprocess.DEVNULL, stderr=open(self.dir / "coordinator.stderr", "w"), cwd=ROOT)
         self.procs.append(self.coord)
         for i in range(args.world):
@@ -179,7 +229,8 @@ class Run:
             return
         self.epochs.append({"number": e.number, "at": time.time(), "published_at": e.published_at,
                             "cause": e.cause, "members": list(e.members), "roles": dict(e.roles),
-                            "avoid": [list(p) for p in (e.plan.get("avoid") or [])]})
+                            "avoid": [list(p) for p in (e.plan.get("avoid") or [])],
+                            "evicted": dict(e.plan.get("evicted") or {})})
 
     def first_epoch(self, pred) -> dict | None:
         for r in sorted(self.epochs, key=lambda r: r["number"]):
@@ -236,13 +287,13 @@ def run_case(etcd: str, case: str, args: argparse.Namespace) -> dict:
     cap = f"bw={args.bw},ref_bw={args.bw}"
     specs = {f"m{i}": cap for i in range(args.world)}
     late_ms = 0.0
-    if case == "slow":
+    if case in ("slow", "slow-evict"):
         specs[VICTIM] = cap + ",slow=3x"
     elif case == "link":
         specs[VICTIM] = cap + ",link=m3:3x"
     elif case in ("late", "late-deadline"):
         late_ms = args.late_ms
-    on_policy = "deadline" if case == "late-deadline" else "demote"
+    on_policy = {"late-deadline": "deadline", "slow-evict": "evict"}.get(case, "demote")
     result: dict = {"case": case, "policy_on": on_policy}
     # mitigation off
     run = Run(etcd, "off", specs, args, late_ms)
@@ -259,10 +310,14 @@ def run_case(etcd: str, case: str, args: argparse.Namespace) -> dict:
     if case == "link":
         def mitigated(r):
             return ["m2", "m3"] in r["avoid"]
+    elif on_policy == "evict":
+        def mitigated(r):
+            return r["cause"] == "evicted" and VICTIM not in r["members"]
     else:
         def mitigated(r):
             return r["roles"].get(VICTIM) == "demoted"
-    run = Run(etcd, on_policy, specs, args, late_ms, getattr(args, "leaf_deadline_ms", None))
+    run = Run(etcd, on_policy, specs, args, late_ms, getattr(args, "leaf_deadline_ms", None),
+              getattr(args, "evict_hold_s", None))
     try:
         t0 = run.start()
         deadline = time.monotonic() + args.detect_timeout
@@ -279,6 +334,8 @@ def run_case(etcd: str, case: str, args: argparse.Namespace) -> dict:
         on_total = _rate(logs["m0"], t0)
         wrong += _wrong(logs)
         demoted_ever = {m for r in run.epochs for m, role in r["roles"].items() if role == "demoted"}
+        demoted_ever |= {m for i, r in enumerate(run.epochs) if r["cause"] == "evicted"
+                         for m in (set(run.epochs[i - 1]["members"]) - set(r["members"]) if i else ())}
         false = sorted(demoted_ever - ({VICTIM} if case != "link" else set()))
         leaf_ok = excluded = None
         if hit and case != "link":
@@ -300,6 +357,9 @@ def run_case(etcd: str, case: str, args: argparse.Namespace) -> dict:
             "wrong": wrong, "ops_off": ops_off, "ops_on": len(logs["m0"]),
             "exact": wrong == 0, "leaf_contributors_ok": leaf_ok, "leaf_excluded_ops": excluded,
             "contributors_agree": agree,
+            "evictions": sum(1 for r in run.epochs if r["cause"] == "evicted"),
+            "readmissions": sum(1 for r in run.epochs if r["cause"] == "readmitted"),
+            "recovered_ops": sum(1 for log in logs.values() for r in log if r.get("recovered")),
             "epochs_on": [{"n": r["number"], "t": round(r["at"] - t0, 2), "cause": r["cause"],
                            "demoted": sorted(m for m, v in r["roles"].items() if v == "demoted"),
                            "avoid": r["avoid"]} for r in run.epochs],
@@ -309,7 +369,8 @@ def run_case(etcd: str, case: str, args: argparse.Namespace) -> dict:
         run.close()
     result.update({"world": args.world, "numel": args.numel, "bw": args.bw,
                    "late_ms": late_ms if case in ("late", "late-deadline") else None,
-                   "leaf_deadline_ms": getattr(args, "leaf_deadline_ms", None) if on_policy == "deadline" else None})
+                   "leaf_deadline_ms": getattr(args, "leaf_deadline_ms", None) if on_policy == "deadline" else None,
+                   "evict_hold_s": getattr(args, "evict_hold_s", None) if on_policy == "evict" else None})
     return result
 
 
@@ -340,7 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report-s", type=float, default=0.5, help="health window seconds")
     ap.add_argument("--detect-timeout", type=float, default=30.0)
     ap.add_argument("--cases", default="slow,link,late,late-deadline",
-                    help="comma-separated: slow, link, late, late-deadline (default: all four)")
+                    help="comma-separated: slow, link, late, late-deadline, slow-evict (default: the first four)")
+    ap.add_argument("--evict-hold-s", type=float, default=None,
+                    help="slow-evict: the coordinator's --evict-hold-s (default: its own, 30)")
     ap.add_argument("--leaf-deadline-ms", type=float, default=None,
                     help="late-deadline: the coordinator's --leaf-deadline-ms (default: its own, 10)")
     ap.add_argument("--jitter", action="store_true", help="noise only (jitter=30%% on every member), --ops ops")

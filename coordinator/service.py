@@ -296,6 +296,10 @@ class Coordinator:
                 at = 0.0
             departed[keys.last_segment(kv.key)] = (kv.key, at)
         demoted, avoid = self._health_verdict(epoch, alive.keys())
+        # --straggler-policy evict: evicted members keep their lease but are out of the epoch
+        evicted = {m: ev for m, ev in (getattr(self.health_policy, "evicted", None) or {}).items() if m in alive}
+        alive = {m: v for m, v in alive.items() if m not in evicted}
+        avoid = [p for p in avoid if p[0] in alive and p[1] in alive]
         roles = {m: ("demoted" if m in demoted else "active") for m in alive}
         current = set(epoch.members) if epoch else set()
         # A member that restarted under the same id (new lease, pid or address) before we
@@ -315,6 +319,13 @@ class Coordinator:
 
         removed = tuple(sorted((current - alive.keys()) | replaced))
         added = tuple(sorted((alive.keys() - current) | replaced))
+        back = set(added) & (getattr(self.health_policy, "readmitted", None) or set())
+        if removed and set(removed) <= evicted.keys():   # an eviction: joiners wait for the next epoch too
+            back = set(added) - set(replaced)
+        if back and removed:   # a re-admission waits for the next epoch: joiners cannot follow one that also removes
+            alive = {m: v for m, v in alive.items() if m not in back}
+            roles = {m: r for m, r in roles.items() if m not in back}
+            added = tuple(m for m in added if m not in back)
         if added and not removed and not joins_due and (
                 epoch is None or all(roles[m] == epoch.roles.get(m) for m in current)):
             if cleanup:
@@ -327,9 +338,13 @@ class Coordinator:
         elif removed and any(m in departed for m in removed):
             cause, path = "member_lost", "revoke"
             trigger = min(departed[m][1] for m in removed if m in departed)
+        elif removed and set(removed) <= evicted.keys():
+            cause, path, trigger = "evicted", None, now
         elif removed:
             cause, path = "lease_expired", "lease_expiry"
             trigger = min(lost_seen.get(m, now) for m in removed)
+        elif added and epoch is not None and set(added) <= getattr(self.health_policy, "readmitted", set()):
+            cause, path, trigger = "readmitted", None, now
         elif added:
             cause, path = ("initial" if epoch is None else "joined"), "join"
             trigger = min(join_seen.get(m, now) for m in added)
@@ -343,6 +358,8 @@ class Coordinator:
         deadline_ms = getattr(self.health_policy, "leaf_deadline_ms", None)
         if demoted and deadline_ms is not None:   # --straggler-policy deadline: every member applies this value
             plan_dict["leaf_deadline_ms"] = deadline_ms
+        if evicted:   # read by the evicted member (Evicted message), status and a new leader
+            plan_dict["evicted"] = {m: ev.to_dict() for m, ev in sorted(evicted.items())}
         number = (epoch.number if epoch else 0) + 1
         new = Epoch(
             number=number, members=p.ring, infos={m: alive[m][0] for m in p.ring}, roles=roles,
@@ -385,7 +402,13 @@ class Coordinator:
         try:
             records = read_health(self.store, self.job)
             if isinstance(self.health_policy, StragglerPolicy):
-                verdict = self.health_policy.evaluate(records, epoch)
+                if hasattr(self.health_policy, "evaluate_alive"):   # --straggler-policy evict (eviction.py)
+                    from resilient.coordinator.eviction import read_requests
+
+                    verdict = self.health_policy.evaluate_alive(records, epoch, set(alive),
+                                                                read_requests(self.store, self.job))
+                else:
+                    verdict = self.health_policy.evaluate(records, epoch)
                 states = {m: s["state"] for m, s in verdict.scores.items()}
                 self.metrics.set_straggler_scores(
                     {m: s.get("score", 0.0) or 0.0 for m, s in verdict.scores.items() if m in set(alive)})

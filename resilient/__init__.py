@@ -4,7 +4,7 @@ from typing import Any
 
 from resilient import errors  # noqa: F401
 from resilient.errors import (  # noqa: F401
-    CollectiveAborted, CollectiveError, DataLost, GroupChanged, InputMismatch, RemovedFromGroup, ResilientError,
+    CollectiveAborted, CollectiveError, DataLost, Evicted, GroupChanged, InputMismatch, RemovedFromGroup, ResilientError,
 )
 
 # The "resilient" torch.distributed backend: registered now if torch.distributed is loaded,
@@ -14,7 +14,7 @@ from resilient.torch_backend import autoregister as _autoregister_torch_backend 
 _autoregister_torch_backend()
 
 __all__ = ["Communicator", "Work", "ReduceOp", "Policy", "world", "World", "errors", "ResilientError", "CollectiveError",
-           "CollectiveAborted", "InputMismatch", "DataLost", "GroupChanged", "RemovedFromGroup"]
+           "CollectiveAborted", "InputMismatch", "DataLost", "GroupChanged", "RemovedFromGroup", "Evicted"]
 
 
 def __getattr__(name: str) -> Any:

@@ -16,6 +16,7 @@ cause and the fix.
     │   ├── DataLost                a piece of a broadcast/allgather exists nowhere
     │   ├── GroupChanged            per-member buffers sized for a group that changed; call again
     │   └── RemovedFromGroup        this member was removed from the epoch (e.g. after SIGSTOP)
+    │       └── Evicted             removed as a straggler (--straggler-policy evict); may rejoin
     └── TransportError              a peer connection failed
         ├── TransportAborted        aborted because the epoch changed (expected, recoverable)
         └── FrameError              a corrupt or unexpected frame arrived
@@ -79,6 +80,19 @@ class GroupChanged(CollectiveError):
 class RemovedFromGroup(CollectiveError):
     """This member was removed from the current epoch (for example it was SIGSTOPped past
     its lease TTL); it must not contribute to or read results of later ops."""
+
+
+class Evicted(RemovedFromGroup):
+    """This member was evicted from the group as a confirmed straggler
+    (``resilient coordinator --straggler-policy evict``): its lease is still alive and the
+    coordinator re-admits it after a hold. ``epoch``: the epoch that evicted it;
+    ``readmit_at``: wall time (``time.time()``) from which it may come back (None if
+    unknown); ``hold_s``: the hold. Come back with ``comm = comm.rejoin(timeout)``."""
+
+    def __init__(self, message: str, epoch: int | None = None, readmit_at: float | None = None,
+                 hold_s: float | None = None) -> None:
+        super().__init__(message)
+        self.epoch, self.readmit_at, self.hold_s = epoch, readmit_at, hold_s
 
 
 class TransportError(ResilientError, ConnectionError):

@@ -200,3 +200,100 @@ def test_deadline_policy_finishes_ops_without_a_late_member_and_everyone_reports
     left_out = [r for r in logs["m2"] if "m2" not in r["contributors"]]
     assert len(left_out) >= 5 and all(r["contributors"] == ["m0", "m1", "m3"] for r in left_out)
     assert all(r["epoch"] >= demoted["number"] for r in left_out)   # only ever on the leaf path
+
+
+def test_evict_policy_slow_member_is_evicted_rejoins_after_the_hold_and_stays_in_once_healthy(etcd_session):
+    """``--straggler-policy evict --evict-hold-s 3`` with real processes: m2 is slowed 3x;
+    the coordinator evicts it (an epoch without it, cause ``evicted``, its lease alive);
+    the survivors' ops go on over m0, m1, m3 with exact results; m2's Communicator raises
+    ``Evicted`` naming the re-admission; m2 is healed at runtime and calls
+    ``comm.rejoin()``; it is re-admitted (cause ``readmitted``) no earlier than the
+    published hold, runs ops with the group's op seqs, stays in over several healthy
+    windows, and the ring is the topology-optimal one again."""
+    import json
+
+    from resilient.coordinator import keys
+
+    bench = _bench()
+    args = argparse.Namespace(world=4, numel=1 << 16, report_s=0.5, ops=0, keep=False)
+    cap = "bw=20MB/s,ref_bw=20MB/s"
+    specs = {f"m{i}": cap for i in range(4)}
+    specs["m2"] = cap + ",slow=3x"
+    hold = 3.0
+    run = bench.Run(",".join(etcd_session.endpoints), "evict", specs, args, 0.0, evict_hold_s=hold)
+    try:
+        run.start()
+        out = _wait(lambda r: r["cause"] == "evicted" and "m2" not in r["members"], 60, "m2 is evicted", run)
+        assert out["members"] == ["m0", "m1", "m3"] and set(out["roles"].values()) == {"active"}
+        ev = out["evicted"]["m2"]
+        assert ev["hold_s"] == hold and ev["count"] == 1
+        assert run.store.get(keys.member(run.job, "m2")) is not None        # its lease is alive
+        events = run.dir / "m2.events.jsonl"
+
+        def rows(p: Path) -> list[dict]:
+            return [json.loads(l) for l in p.read_text().splitlines() if l.strip()] if p.exists() else []
+
+        deadline = time.monotonic() + 30
+        while not rows(events):
+            assert time.monotonic() < deadline, "m2 never got Evicted"
+            time.sleep(0.05)
+        got = rows(events)[0]
+        assert got["event"] == "evicted" and got["epoch"] >= out["number"]
+        assert got["readmit_at"] == ev["until"] and got["hold_s"] == hold
+        assert "evicted" in got["message"] and "straggler" in got["message"] and "rejoin" in got["message"]
+        # the survivors keep running without it while it is out
+        p0 = run.dir / "m0.jsonl"
+        deadline = time.monotonic() + 30
+        while sum(1 for r in rows(p0) if r["epoch"] == out["number"]) < 3:
+            assert time.monotonic() < deadline, "the survivors made no progress while m2 was out"
+            time.sleep(0.05)
+        (run.dir / "shape-m2").write_text(cap)            # healed at runtime
+        back = _wait(lambda r: r["number"] > out["number"] and "m2" in r["members"], 60, "m2 is re-admitted", run)
+        assert back["cause"] == "readmitted" and not back["evicted"]
+        assert back["published_at"] >= ev["until"]
+        # m2 runs ops again, then stays in over 6 health windows of its own on probation
+        p2 = run.dir / "m2.jsonl"
+        deadline = time.monotonic() + 30
+        while sum(1 for r in rows(p2) if r["epoch"] >= back["number"]) < 10:
+            assert time.monotonic() < deadline, "m2 ran no ops after its re-admission"
+            time.sleep(0.05)
+        windows: set = set()
+        deadline = time.monotonic() + 40
+        while len(windows) < 6:
+            assert time.monotonic() < deadline, f"m2 wrote {len(windows)} health windows after re-admission"
+            kv = run.store.get(keys.health_of(run.job, "m2"))
+            rec = json.loads(kv.value) if kv else {}
+            if rec.get("epoch", 0) >= back["number"]:
+                windows.add((rec["seq"], rec["at"]))
+            time.sleep(0.1)
+        assert run.first_epoch(lambda r: r["number"] > back["number"] and "m2" not in r["members"]) is None
+        epoch, _ = read_epoch(run.store, run.job)
+        optimal = list(plan([MemberInfo(member_id=m, host="h") for m in epoch.members]).ring)
+        assert list(epoch.members) == optimal == ["m0", "m1", "m2", "m3"]
+        assert all(v == "active" for v in epoch.roles.values()) and "evicted" not in epoch.plan
+        logs = run.stop()
+        ev_rows = rows(events)
+    finally:
+        run.close()
+    assert [r["event"] for r in ev_rows] == ["evicted", "rejoined"]
+    assert all(r["ok"] for log in logs.values() for r in log), "a wrong result"
+    by_seq: dict[int, set] = {}
+    for log in logs.values():
+        for r in log:
+            by_seq.setdefault(r["seq"], set()).add(tuple(r["contributors"]))
+    assert all(len(v) == 1 for v in by_seq.values()), "members disagree on an op's contributors"
+    assert len({len(logs[m]) for m in ("m0", "m1", "m3")}) == 1           # the survivors never skipped an op
+    # m2's last op (the one it got Evicted in, if in flight) may be finished by recovery with
+    # its contribution (an all-gather-phase removal keeps every member); every op after it
+    # until m2 is back runs over the survivors
+    rejoined = ev_rows[1]
+    out_ops = [r for r in logs["m0"] if ev_rows[0]["seq"] < r["seq"] < rejoined["seq"]]
+    assert out_ops and all(r["contributors"] == ["m0", "m1", "m3"] for r in out_ops), \
+        [(r["seq"], r["contributors"], r["recovered"]) for r in out_ops[:3]]
+    m2_after = [r for r in logs["m2"] if r["seq"] >= rejoined["seq"]]
+    assert m2_after and m2_after[0]["seq"] == rejoined["seq"]             # started at the group's op seq
+    assert all("m2" in r["contributors"] for r in m2_after)
+    assert not {r["seq"] for r in logs["m2"]} & {r["seq"] for r in out_ops}   # nothing while it was out
+    print(json.dumps({"evicted_in_flight": ev_rows[0]["in_flight"],
+                      "survivor_ops_recovered": sum(1 for m in ("m0", "m1", "m3") for r in logs[m] if r["recovered"]),
+                      "ops_while_out": len(out_ops)}))

@@ -30,15 +30,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-host", default="0.0.0.0", help="address for /metrics and /healthz")
     parser.add_argument("--metrics-port", type=int, default=9401,
                         help="port for /metrics and /healthz (default 9401; 0 = any free port; -1 = off)")
-    parser.add_argument("--straggler-policy", choices=("off", "demote", "deadline"), default="demote",
+    parser.add_argument("--straggler-policy", choices=("off", "demote", "deadline", "evict"), default="demote",
                         help="demote: confirmed stragglers move to a leaf position (their input still "
                              "counts; promoted back when healthy) and slow links are kept out of the ring; "
                              "deadline (opt-in): like demote, but an op finishes without a leaf whose input "
                              "has not arrived --leaf-deadline-ms after the ring is done (every member then "
-                             "reports contributors without it); off: health records are ignored (default demote)")
+                             "reports contributors without it); evict (opt-in): a confirmed slow member is "
+                             "published out of the next epoch (cause evicted; its lease stays, it gets Evicted and "
+                             "may call comm.rejoin()) and re-admitted after --evict-hold-s (cause readmitted), on "
+                             "probation: slow again within 60 s doubles the hold (up to 600 s); never more than "
+                             "(n-1)//2 members out; off: health records are ignored (default demote)")
     parser.add_argument("--leaf-deadline-ms", type=float, default=None,
                         help="with --straggler-policy deadline: how long a leaf's parent waits for the leaf's "
                              "input after its own ring is done (default 10; published in the epoch plan)")
+    parser.add_argument("--evict-hold-s", type=float, default=None,
+                        help="with --straggler-policy evict: seconds an evicted member stays out before it may "
+                             "rejoin (default 30; doubled on a relapse, capped at 600)")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
 
 
@@ -63,8 +70,13 @@ def health_policy_from_args(args: argparse.Namespace):
     32 KiB sub-slices at the slowest link this project benchmarks (20 MB/s: 1.6 ms each)
     plus scheduling noise of a loaded host: an input that is merely in flight is kept,
     one that has not been sent is not waited for (docs/straggler.md has the measurements).
+    ``evict`` (opt-in, :mod:`resilient.coordinator.eviction`): the same detection, but a
+    confirmed slow member is taken out of the epoch for ``--evict-hold-s`` (default 30)
+    and re-admitted through the joiner path once it calls ``comm.rejoin()``.
+
     Raises :class:`~resilient.errors.ConfigError` for ``--leaf-deadline-ms`` without
-    ``deadline`` or outside [0, 600000]."""
+    ``deadline`` or outside [0, 600000], and for ``--evict-hold-s`` without ``evict`` or
+    negative."""
     from resilient.coordinator.health import StragglerPolicy, no_demotion
     from resilient.coordinator.straggler import StragglerConfig
     from resilient.errors import ConfigError
@@ -74,6 +86,16 @@ def health_policy_from_args(args: argparse.Namespace):
     if deadline_ms is not None and policy != "deadline":
         raise ConfigError(f"--leaf-deadline-ms only applies to --straggler-policy deadline (got {policy}); "
                           "add --straggler-policy deadline or drop --leaf-deadline-ms")
+    hold_s = getattr(args, "evict_hold_s", None)
+    if hold_s is not None and policy != "evict":
+        raise ConfigError(f"--evict-hold-s only applies to --straggler-policy evict (got {policy}); "
+                          "add --straggler-policy evict or drop --evict-hold-s")
+    if policy == "evict":
+        from resilient.coordinator.eviction import EvictionConfig, EvictPolicy
+
+        ev = EvictionConfig() if hold_s is None else EvictionConfig(
+            hold_s=hold_s, max_hold_s=max(EvictionConfig.max_hold_s, hold_s))
+        return EvictPolicy(StragglerConfig(), ev)
     if policy == "off":
         return no_demotion
     if policy == "deadline":

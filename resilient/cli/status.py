@@ -2,7 +2,9 @@
 and the coordinator leader of one job — a table, or JSON with ``--json``.
 
 Member states: ``active`` (in the current epoch), ``demoted`` (in it, off the critical
-path), ``joining`` (registered, admitted in the next epoch), ``lost`` (in the epoch but its
+path), ``joining`` (registered, admitted in the next epoch), ``evicted`` (a straggler out
+of the epoch under ``--straggler-policy evict``; ``evicted_until``: wall time from which it
+may be re-admitted), ``lost`` (in the epoch but its
 lease is gone: the next epoch will drop it). ``straggler_score`` / ``straggler_state``
 (``ok``, ``probe``, ``demoted``; null without a straggler policy): the coordinator's
 latest verdict (coordinator/straggler.py) — the score is the fraction of an op the member
@@ -68,6 +70,7 @@ def collect(store, job: str) -> dict:
     scores = read_scores(store, job).get("members") or {}
     epoch, _ = read_epoch(store, job)
     in_epoch = set(epoch.members) if epoch else set()
+    evicted = dict((epoch.plan.get("evicted") or {}) if epoch else {})
     rows = []
     ids = list(epoch.members) if epoch else []
     ids += sorted(m for m in members if m not in in_epoch)
@@ -80,8 +83,8 @@ def collect(store, job: str) -> dict:
             lease_left = ttl[0] if ttl else None
         if entry is None or lease_left is None:
             state = "lost"
-        elif mid not in in_epoch:
-            state = "joining"
+        elif mid not in in_epoch:   # evicted (--straggler-policy evict): listed in the epoch's plan
+            state = "evicted" if mid in evicted else "joining"
         else:
             state = epoch.roles.get(mid, "active")
         rows.append({
@@ -90,6 +93,7 @@ def collect(store, job: str) -> dict:
             "pid": info.pid if info else None, "state": state, "lease_left_s": lease_left,
             "straggler_score": (scores.get(mid) or {}).get("score"),
             "straggler_state": (scores.get(mid) or {}).get("state"),
+            "evicted_until": (evicted.get(mid) or {}).get("until"),
         })
     return {
         "job": job,

@@ -45,6 +45,7 @@ import torch
 
 from resilient.collectives.algorithms import ChainBroadcast, OpContext, RecursiveDoubling, RingReduceScatterAllgather
 from resilient.collectives.algorithms.leaf import LeafPath
+from resilient.collectives.eviction import removed_error
 from resilient.collectives.group import GroupView, addresses_of
 from resilient.collectives.ledger import Ledger, decode_status, encode_status, split
 from resilient.collectives.recovery import PieceKind, Policy, members_of
@@ -92,7 +93,7 @@ def _as_tensor(x: Any, what: str) -> torch.Tensor:
 def _cause_of(e: Any) -> str:
     """The ``resilient_recoveries_total`` cause label of an epoch that removed members."""
     return {"member_lost": "member_lost", "lease_expired": "lease_expired", "suspect_confirmed": "suspect_confirmed",
-            "health": "demoted", "demoted": "demoted"}.get(getattr(e, "cause", ""), "member_lost")
+            "health": "demoted", "demoted": "demoted", "evicted": "demoted"}.get(getattr(e, "cause", ""), "member_lost")
 
 
 class Communicator:
@@ -102,6 +103,9 @@ class Communicator:
                  ledger: bool = True, joining: bool | None = None, health_reporter: Any = None,
                  metrics: Any = None) -> None:
         self.view, self.transport = view, transport
+        self._init_kwargs = dict(policy=policy, op_timeout=op_timeout, small_bytes=small_bytes, slice_bytes=slice_bytes,
+                                 max_slices=max_slices, recovery_timeout=recovery_timeout, epoch_timeout=epoch_timeout,
+                                 ledger=ledger, health_reporter=health_reporter, metrics=metrics)  # for rejoin()
         # ops post through this: a failed link to a live member is retried (issue 5)
         self._op_transport = RetryingTransport(transport, give_up_s=op_timeout, on_suspect=self._suspect,
                                                is_member=lambda peer: peer in self._epoch.members,
@@ -208,7 +212,7 @@ class Communicator:
             e = self.view.current()
             if e is not None and e.number > cur:
                 if self.member_id not in e.members:
-                    raise RemovedFromGroup(
+                    raise removed_error(self.member_id, e,
                         f"member {self.member_id} was removed from the job in epoch {e.number} (its lease expired or it "
                         f"was evicted, e.g. after being stopped); it must not contribute to later ops — restart it as a joiner")
                 return e
@@ -273,6 +277,20 @@ class Communicator:
     @property
     def rank(self) -> int:
         return self._members().index(self.member_id)
+
+    def rejoin(self, timeout: float | None = None) -> "Communicator":
+        """After :class:`~resilient.errors.Evicted` (``--straggler-policy evict``): close
+        this Communicator, ask the coordinator to re-admit this member, wait (at most
+        ``timeout`` s; default: until the published re-admission time + ``epoch_timeout``)
+        for the epoch that has it again and return a **new** Communicator (same view,
+        transport and settings, built with ``joining=True``) whose first op is the group's
+        next one (``next_seq``). Use it as ``comm = comm.rejoin()``. Raises TimeoutError
+        if not re-admitted in time (call again to keep waiting), RemovedFromGroup if the
+        lease is gone, ConfigError if this member was not evicted
+        (:mod:`resilient.collectives.eviction`)."""
+        from resilient.collectives.eviction import rejoin
+
+        return rejoin(self, timeout)
 
     @property
     def next_seq(self) -> int:
@@ -433,7 +451,7 @@ class Communicator:
             if newest is None or newest.number <= self._epoch.number:
                 break
             if self.member_id not in newest.members:
-                raise RemovedFromGroup(f"member {self.member_id} is not in epoch {newest.number}: it was removed "
+                raise removed_error(self.member_id, newest, f"member {self.member_id} is not in epoch {newest.number}: it was removed "
                                        "from the job (lease expired or evicted); restart it as a joiner")
             if self._removes(newest):
                 self._switch = None
@@ -535,7 +553,7 @@ class Communicator:
                 e = newest
             awaiting = True
             if self.member_id not in e.members:
-                raise RemovedFromGroup(f"member {self.member_id} is not in epoch {e.number}: removed from the job")
+                raise removed_error(self.member_id, e, f"member {self.member_id} is not in epoch {e.number}: removed from the job")
             self._enter(e)
             ctx.epoch = e.number
             survivors = [m for m in e.members if m in L.members]
