@@ -134,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
             idx = perm[r * BATCH:(r + 1) * BATCH].tolist()
         if (step == args.exit_at_step and int(os.environ.get("RANK", "-1")) == args.exit_rank
                 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+            ev = {"event": "exit", "step": step, "pid": os.getpid(), "t": time.time(), "restart": 0}
+            print(json.dumps(ev), flush=True)
+            if log:
+                log.write(json.dumps(ev) + "\n")
+                log.flush()
             os._exit(17)  # a worker failure at a known step (used by bench/restart_vs_resume.py)
         if args.step_sleep:
             time.sleep(args.step_sleep)
@@ -172,9 +177,11 @@ def main(argv: list[str] | None = None) -> int:
             log.flush()
     if args.backend == "resilient":
         state.finish()
-    if log:
-        log.close()
     dist.destroy_process_group()
+    if log:  # when this worker was done (bench/restart_vs_resume.py: did the job wait for a late joiner?)
+        log.write(json.dumps({"event": "done", "pid": os.getpid(), "t": time.time(),
+                              "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}) + "\n")
+        log.close()
     return 0
 
 
