@@ -210,3 +210,26 @@ def test_time_spent_transmitting_held_sends_is_busy_not_waiting():
     finally:
         a.close()
         b.close()
+
+
+def test_a_receive_sees_a_healed_link_without_any_send_in_between(trio, tmp_path):
+    # the member that only waits to *receive* from a dropped peer re-posts receives; they
+    # must read the healed spec file too (before the fix only isend re-read it, so a pure
+    # receiver kept failing until op_timeout — found by the 5-seed chaos soak)
+    m0, m1, _ = trio
+    path = tmp_path / "shaping"
+    path.write_text("drop=m1")
+    s0 = ShapedTransport(m0, None, spec_file=str(path))
+    with pytest.raises(TransportError, match="m1 is down"):
+        s0.wait([s0.irecv("m1", np.ones(4, dtype=np.uint8), 1, 0)], timeout=5)
+    path.write_text("")
+    s0._file_checked = 0.0                    # the 0.2 s re-read interval has passed
+    buf = np.zeros(4, dtype=np.uint8)
+    req = s0.irecv("m1", buf, 1, 1)
+    sent: list[bool] = []
+    th = threading.Thread(target=lambda: sent.append(m1.wait([m1.isend("m0", np.full(4, 7, dtype=np.uint8), 1, 1)],
+                                                             timeout=10)))
+    th.start()  # m1's transport is driven by that thread only, m0's (through s0) by this one
+    assert s0.wait([req], timeout=10) and buf.tolist() == [7, 7, 7, 7]
+    th.join(15)
+    assert sent == [True]

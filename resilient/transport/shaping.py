@@ -269,6 +269,7 @@ class ShapedTransport(Transport):
         return req
 
     def irecv(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request:
+        self._reload()  # a receive re-posted after a drop must see the healed link too
         if peer in self.spec.drop:
             return _Failed(peer, _nbytes(buf), TransportError(f"link to member {peer} is down (shaping drop={peer})"))
         return self.inner.irecv(peer, buf, op_seq, tag, digest)
