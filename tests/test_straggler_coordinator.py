@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 
 import threading
+from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 
@@ -60,23 +62,41 @@ class Feeder:
         self.thread.join(timeout=10)
 
 
+@contextmanager
+def running_coordinator(etcd_session, store, job: str, cid: str, policy, infos):
+    """A real Coordinator (its own etcd client, a thread) under ``policy``, the members
+    registered with leases, an epoch watcher recording every epoch in ``seen`` and a
+    :class:`Feeder` writing their health windows. Everything is stopped on exit."""
+    cstore = Store(etcd_session.endpoints)
+    coord = Coordinator(cstore, job, cid, CoordinatorConfig(join_debounce=0.2, resync_interval=0.2),
+                        health_policy=policy)
+    stop = threading.Event()
+    thread = threading.Thread(target=coord.run, args=(stop,), daemon=True)
+    thread.start()
+    sessions = [MemberSession.register(store, job, info, ttl=5.0) for info in infos]
+    watcher = EpochWatcher(store, job)
+    seen: list = []
+    watcher.subscribe(seen.append)
+    feeder = Feeder(store, job, sessions, watcher)
+    try:
+        yield SimpleNamespace(coord=coord, watcher=watcher, feeder=feeder, sessions=sessions, seen=seen)
+    finally:
+        feeder.close()
+        watcher.close()
+        for s in sessions:
+            s.close()
+        stop.set()
+        thread.join(timeout=15)
+        cstore.close()
+
+
 def test_slow_member_is_demoted_then_promoted_back_to_the_optimal_ring(etcd_session, store, job_name):
     infos = [MemberInfo(member_id=f"m{i}", host=f"h{i // 2}", local_rank=i % 2, address=f"127.0.0.1:{21000 + i}")
              for i in range(5)]
     optimal = plan(infos).ring
     policy = StragglerPolicy(StragglerConfig(confirm_windows=3, release_windows=4))
-    cstore = Store(etcd_session.endpoints)
-    coord = Coordinator(cstore, job_name, "c-straggler",
-                        CoordinatorConfig(join_debounce=0.2, resync_interval=0.2), health_policy=policy)
-    stop = threading.Event()
-    thread = threading.Thread(target=coord.run, args=(stop,), daemon=True)
-    thread.start()
-    sessions = [MemberSession.register(store, job_name, info, ttl=5.0) for info in infos]
-    watcher = EpochWatcher(store, job_name)
-    seen = []
-    watcher.subscribe(seen.append)
-    feeder = Feeder(store, job_name, sessions, watcher)
-    try:
+    with running_coordinator(etcd_session, store, job_name, "c-straggler", policy, infos) as run:
+        coord, watcher, feeder, seen = run.coord, run.watcher, run.feeder, run.seen
         first = watcher.wait_for(lambda e: len(e.members) == 5, 15)
         assert first.members == optimal
         victim = optimal[1]
@@ -112,14 +132,6 @@ def test_slow_member_is_demoted_then_promoted_back_to_the_optimal_ring(etcd_sess
         assert watcher.current().number == back.number
         assert [e.cause for e in seen[n_before:]] == ["health"]
         assert not feeder.errors
-    finally:
-        feeder.close()
-        watcher.close()
-        for s in sessions:
-            s.close()
-        stop.set()
-        thread.join(timeout=15)
-        cstore.close()
 
 
 def test_deadline_policy_publishes_its_deadline_in_every_demoting_epochs_plan(etcd_session, store, job_name):
@@ -134,16 +146,8 @@ def test_deadline_policy_publishes_its_deadline_in_every_demoting_epochs_plan(et
     infos = [MemberInfo(member_id=f"m{i}", host="h", local_rank=i, address=f"127.0.0.1:{22000 + i}")
              for i in range(4)]
     policy = StragglerPolicy(StragglerConfig(confirm_windows=3, release_windows=4), leaf_deadline_ms=25)
-    cstore = Store(etcd_session.endpoints)
-    coord = Coordinator(cstore, job_name, "c-deadline",
-                        CoordinatorConfig(join_debounce=0.2, resync_interval=0.2), health_policy=policy)
-    stop = threading.Event()
-    thread = threading.Thread(target=coord.run, args=(stop,), daemon=True)
-    thread.start()
-    sessions = [MemberSession.register(store, job_name, info, ttl=5.0) for info in infos]
-    watcher = EpochWatcher(store, job_name)
-    feeder = Feeder(store, job_name, sessions, watcher)
-    try:
+    with running_coordinator(etcd_session, store, job_name, "c-deadline", policy, infos) as run:
+        watcher, feeder = run.watcher, run.feeder
         first = watcher.wait_for(lambda e: len(e.members) == 4, 15)
         assert "leaf_deadline_ms" not in first.plan
         feeder.slow = {"m1"}
@@ -153,11 +157,3 @@ def test_deadline_policy_publishes_its_deadline_in_every_demoting_epochs_plan(et
         back = watcher.wait_for(lambda e: e.number > demoted.number and set(e.roles.values()) == {"active"}, 30)
         assert "leaf_deadline_ms" not in back.plan
         assert not feeder.errors
-    finally:
-        feeder.close()
-        watcher.close()
-        for s in sessions:
-            s.close()
-        stop.set()
-        thread.join(timeout=15)
-        cstore.close()

@@ -19,7 +19,6 @@ Inputs are integer-valued floats, so every result is compared exactly."""
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -34,6 +33,12 @@ from resilient.collectives.ledger import Ledger, split
 from resilient.errors import TransportAborted, TransportError
 from resilient.kernels import ReduceOp
 from resilient.transport.tcp import TcpTransport
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from static_group import Info as _Info, StaticEpoch as _Epoch, StaticView as _StaticView, run_members  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,13 +78,8 @@ def test_final_order_is_the_order_the_ring_finalises_pieces():
         L = Rec(0, "allreduce", tuple(addrs), i, 1, 3, torch.ones(numel), torch.zeros(numel), list(pieces))
         RingReduceScatterAllgather(S).run(OpContext(trs[i], L, ReduceOp.SUM, 20, lambda *a: None, 1))
 
-    ths = [threading.Thread(target=member, args=(i,)) for i in range(n)]
     try:
-        for th in ths:
-            th.start()
-        for th in ths:
-            th.join(30)
-        assert not any(th.is_alive() for th in ths)
+        run_members(member, range(n), 30)
     finally:
         for t in trs:
             t.close()
@@ -89,56 +89,6 @@ def test_final_order_is_the_order_the_ring_finalises_pieces():
 
 
 # -- harness ------------------------------------------------------------------------------
-
-@dataclass
-class _Info:
-    address: str
-
-
-@dataclass
-class _Epoch:
-    number: int
-    members: tuple[str, ...]
-    token: str
-    infos: dict[str, Any]
-    roles: dict[str, str] = field(default_factory=dict)
-    plan: dict[str, Any] = field(default_factory=dict)
-
-
-class _StaticView:
-    def __init__(self, member_id: str, epoch: _Epoch, blobs: dict) -> None:
-        self.member_id, self.epoch, self.blobs = member_id, epoch, blobs
-
-    def current(self):
-        return self.epoch
-
-    def wait_for(self, pred, timeout):
-        if pred(self.epoch):
-            return self.epoch
-        raise TimeoutError("static view: no such epoch")
-
-    def subscribe(self, cb):
-        return lambda: None
-
-    def report_suspect(self, suspect_id, reason):
-        pass
-
-    def put_blob(self, epoch, name, payload):
-        assert name != "ledger", "no recovery expected in this test"
-        with self.blobs["lock"]:
-            self.blobs[(epoch, name, self.member_id)] = payload
-            self.blobs["lock"].notify_all()
-
-    def wait_blobs(self, epoch, name, members, timeout):
-        members = list(members)
-        with self.blobs["lock"]:
-            if not self.blobs["lock"].wait_for(lambda: all((epoch, name, m) in self.blobs for m in members), timeout):
-                raise TimeoutError(f"blobs {name} missing")
-            return {m: self.blobs[(epoch, name, m)] for m in members}
-
-    def session_lost(self):
-        return False
-
 
 class _Decisions:
     """Which (parent, leaf, op seq) decisions were sent; a condition to wait on them."""
@@ -287,13 +237,8 @@ def _run(world: int, leaves: dict[str, str], ops: list[str], numel: int, deadlin
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
-    ths = [threading.Thread(target=member, args=(m,)) for m in ids]
     try:
-        for th in ths:
-            th.start()
-        for th in ths:
-            th.join(90)
-        assert not any(th.is_alive() for th in ths), "a member hung"
+        run_members(member, ids, 90, "a member hung")
         assert not errors, errors
     finally:
         for c in comms.values():
@@ -432,13 +377,8 @@ def test_masks_describe_out_exactly_whenever_a_deadline_op_is_aborted(who, k, la
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
-    ths = [threading.Thread(target=member, args=(m,)) for m in ids]
     try:
-        for th in ths:
-            th.start()
-        for th in ths:
-            th.join(30)
-        assert not any(th.is_alive() for th in ths), "a member hung after the abort"
+        run_members(member, ids, 30, "a member hung after the abort")
     finally:
         for t in trs.values():
             t.close()

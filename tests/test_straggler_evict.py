@@ -9,8 +9,6 @@ it asked -> evicted again on a relapse with the hold doubled. The real-process t
 """
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from resilient.coordinator.epoch import Epoch
@@ -185,33 +183,24 @@ def test_the_evicted_member_gets_evicted_naming_the_readmission_time_and_how_to_
 
 @pytest.mark.timeout(120)
 def test_coordinator_evicts_readmits_on_request_and_doubles_the_hold_on_relapse(etcd_session, job_name):
-    from test_straggler_coordinator import Feeder
+    from contextlib import closing
+
+    from test_straggler_coordinator import running_coordinator
 
     from cp_helpers import wait_until
     from resilient.cli.status import collect
-    from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession, Store
+    from resilient.coordinator import MemberInfo, Store
     from resilient.coordinator.health import read_scores
     from resilient.coordinator.planner import plan
-    from resilient.coordinator.service import Coordinator, CoordinatorConfig
 
-    store = Store(etcd_session.endpoints)
     infos = [MemberInfo(member_id=f"m{i}", host=f"h{i // 2}", local_rank=i % 2, address=f"127.0.0.1:{23000 + i}")
              for i in range(5)]
     optimal = plan(infos).ring
     hold = 1.0
     policy = EvictPolicy(StragglerConfig(confirm_windows=3, release_windows=4), EvictionConfig(hold_s=hold))
-    cstore = Store(etcd_session.endpoints)
-    coord = Coordinator(cstore, job_name, "c-evict", CoordinatorConfig(join_debounce=0.2, resync_interval=0.2),
-                        health_policy=policy)
-    stop = threading.Event()
-    thread = threading.Thread(target=coord.run, args=(stop,), daemon=True)
-    thread.start()
-    sessions = [MemberSession.register(store, job_name, info, ttl=5.0) for info in infos]
-    watcher = EpochWatcher(store, job_name)
-    seen: list = []
-    watcher.subscribe(seen.append)
-    feeder = Feeder(store, job_name, sessions, watcher)
-    try:
+    with closing(Store(etcd_session.endpoints)) as store, \
+            running_coordinator(etcd_session, store, job_name, "c-evict", policy, infos) as run:
+        coord, watcher, feeder, sessions, seen = run.coord, run.watcher, run.feeder, run.sessions, run.seen
         watcher.wait_for(lambda e: len(e.members) == 5, 15)
         victim = optimal[2]
         vsession = sessions[[i.member_id for i in infos].index(victim)]
@@ -254,12 +243,3 @@ def test_coordinator_evicts_readmits_on_request_and_doubles_the_hold_on_relapse(
         assert not feeder.errors
         causes = [e.cause for e in seen if e.number > out.number - 1]
         assert causes.count("evicted") == 2 and causes.count("readmitted") == 2
-    finally:
-        feeder.close()
-        watcher.close()
-        for s in sessions:
-            s.close()
-        stop.set()
-        thread.join(timeout=15)
-        cstore.close()
-        store.close()

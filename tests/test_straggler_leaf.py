@@ -9,8 +9,6 @@ Results are checked exactly (integer-valued float inputs)."""
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 import torch
@@ -18,6 +16,12 @@ import torch
 from resilient.collectives.algorithms.leaf import LeafPath, items_of, leaf_assignment
 from resilient.collectives.communicator import Communicator
 from resilient.transport.tcp import TcpTransport
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from static_group import Info as _Info, StaticEpoch as _Epoch, StaticView as _StaticView, run_members  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -52,60 +56,6 @@ def test_items_cut_every_piece_into_sub_slices_covering_it_exactly():
 
 # -- data path ---------------------------------------------------------------------------
 
-@dataclass
-class _Info:
-    address: str
-
-
-@dataclass
-class _Epoch:
-    number: int
-    members: tuple[str, ...]
-    token: str
-    infos: dict[str, Any]
-    roles: dict[str, str] = field(default_factory=dict)
-    plan: dict[str, Any] = field(default_factory=dict)
-
-
-class _StaticView:
-    """In-memory GroupView with one epoch and a shared blob dict (unit tests of the
-    algorithm only: no member fails here, so no recovery ever reads a ledger)."""
-
-    def __init__(self, member_id: str, epoch: _Epoch, blobs: dict) -> None:
-        self.member_id, self.epoch, self.blobs = member_id, epoch, blobs
-
-    def current(self):
-        return self.epoch
-
-    def wait_for(self, pred, timeout):
-        if pred(self.epoch):
-            return self.epoch
-        raise TimeoutError("static view: no such epoch")
-
-    def subscribe(self, cb):
-        return lambda: None
-
-    def report_suspect(self, suspect_id, reason):
-        pass
-
-    def put_blob(self, epoch, name, payload):
-        assert name != "ledger", "no recovery expected in this test"
-        with self.blobs["lock"]:
-            self.blobs[(epoch, name, self.member_id)] = payload
-            self.blobs["lock"].notify_all()
-
-    def wait_blobs(self, epoch, name, members, timeout):
-        members = list(members)
-        with self.blobs["lock"]:
-            ok = self.blobs["lock"].wait_for(lambda: all((epoch, name, m) in self.blobs for m in members), timeout)
-            if not ok:
-                raise TimeoutError(f"blobs {name} missing")
-            return {m: self.blobs[(epoch, name, m)] for m in members}
-
-    def session_lost(self):
-        return False
-
-
 def _inp(i: int, seq: int, n: int) -> torch.Tensor:
     return (torch.arange(n, dtype=torch.float32) % 97) * (i + 1) + seq * 10 + i
 
@@ -134,13 +84,8 @@ def _run(world: int, demoted: set[str], tree_parent: list[int], numel: int, ops:
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
-    ths = [threading.Thread(target=member, args=(m,)) for m in ids]
     try:
-        for th in ths:
-            th.start()
-        for th in ths:
-            th.join(60)
-        assert not any(th.is_alive() for th in ths), "a member hung"
+        run_members(member, ids, 60, "a member hung")
         assert not errors, errors
     finally:
         for c in comms.values():
@@ -253,13 +198,8 @@ def test_masks_describe_out_exactly_whenever_the_op_is_aborted(who, k):
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
-    ths = [threading.Thread(target=member, args=(m,)) for m in ids]
     try:
-        for th in ths:
-            th.start()
-        for th in ths:
-            th.join(30)
-        assert not any(th.is_alive() for th in ths), "a member hung after the abort"
+        run_members(member, ids, 30, "a member hung after the abort")
     finally:
         for t in trs.values():
             t.close()

@@ -119,23 +119,23 @@ def execute_plan(ctx: OpContext, plan: RecoveryPlan) -> dict[str, float]:
         in_flight.setdefault(t.piece, []).append(req)
         all_sends.append(req)
 
+    def my_sends(r: int) -> dict[str, list]:
+        """Round ``r``'s sends of this member, per destination, in plan order."""
+        out: dict[str, list] = {}
+        for t in rounds[r] if r < len(rounds) else ():
+            if t.src == me:
+                out.setdefault(t.dst, []).append(t)
+        return out
+
     next_recvs = post_recvs(0)
-    early: dict[str, list] = {}  # round r+1's sends not yet posted, per destination, plan order
-    for r, rnd in enumerate(rounds):
+    early = my_sends(0)  # this round's sends not yet posted (next round's, inside the loop)
+    for r in range(len(rounds)):
         ctx.failpoint("recovery", r / len(rounds))
         for dst_queue in early.values():  # the rest of this round's sends, still in plan order
             for t in dst_queue:
                 post_send(r, t)
-        if r == 0:
-            for t in rnd:
-                if t.src == me:
-                    post_send(r, t)
         recvs, next_recvs = next_recvs, (post_recvs(r + 1) if r + 1 < len(rounds) else [])
-        early = {}
-        if r + 1 < len(rounds):
-            for t in rounds[r + 1]:
-                if t.src == me:
-                    early.setdefault(t.dst, []).append(t)
+        early = my_sends(r + 1)
         pending = {}  # piece -> receives of this round still to reduce into it
         for _, _, t in recvs:
             pending[t.piece] = pending.get(t.piece, 0) + 1

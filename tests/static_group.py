@@ -1,0 +1,75 @@
+"""An in-memory group view with one static epoch, for unit tests of the data path:
+real Communicators over real TCP transports on loopback, one thread per member, with the
+control plane left out (the tests that run it for real use etcd and processes). No member
+fails in these tests, so no recovery ever reads a ledger blob."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+
+@dataclass
+class Info:
+    address: str
+
+
+@dataclass
+class StaticEpoch:
+    number: int
+    members: tuple[str, ...]
+    token: str
+    infos: dict[str, Any]
+    roles: dict[str, str] = field(default_factory=dict)
+    plan: dict[str, Any] = field(default_factory=dict)
+
+
+class StaticView:
+    """In-memory GroupView with one epoch and a shared blob dict (unit tests of the
+    algorithm only: no member fails here, so no recovery ever reads a ledger)."""
+
+    def __init__(self, member_id: str, epoch: StaticEpoch, blobs: dict) -> None:
+        self.member_id, self.epoch, self.blobs = member_id, epoch, blobs
+
+    def current(self):
+        return self.epoch
+
+    def wait_for(self, pred, timeout):
+        if pred(self.epoch):
+            return self.epoch
+        raise TimeoutError("static view: no such epoch")
+
+    def subscribe(self, cb):
+        return lambda: None
+
+    def report_suspect(self, suspect_id, reason):
+        pass
+
+    def put_blob(self, epoch, name, payload):
+        assert name != "ledger", "no recovery expected in this test"
+        with self.blobs["lock"]:
+            self.blobs[(epoch, name, self.member_id)] = payload
+            self.blobs["lock"].notify_all()
+
+    def wait_blobs(self, epoch, name, members, timeout):
+        members = list(members)
+        with self.blobs["lock"]:
+            ok = self.blobs["lock"].wait_for(lambda: all((epoch, name, m) in self.blobs for m in members), timeout)
+            if not ok:
+                raise TimeoutError(f"blobs {name} missing")
+            return {m: self.blobs[(epoch, name, m)] for m in members}
+
+    def session_lost(self):
+        return False
+
+
+def run_members(member: Callable[[Any], None], members: Iterable[Any], timeout: float,
+                hung: str = "a member hung") -> None:
+    """One thread per member running ``member(m)``: all started, then each joined for up
+    to ``timeout`` seconds. Fails with ``hung`` if any is still running."""
+    ths = [threading.Thread(target=member, args=(m,)) for m in members]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(timeout)
+    assert not any(th.is_alive() for th in ths), hung
