@@ -29,6 +29,7 @@ deliver is still checked. The verifier is pure: it never touches processes or et
 """
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -199,8 +200,6 @@ def _data_lost_by_contract(run: RunLog, recs: Sequence[OpRecord], excused: set[i
     """True when this op's failure is the contract's ``DataLost``: every non-excused
     member's record of it is a ``DataLost`` error naming the same member, and that member
     was killed by a fault (its piece existed nowhere else)."""
-    import re
-
     killed = {f.victim for f in run.faults if f.kind == FaultKind.KILL.value and f.skipped is None}
     named = set()
     for r in recs:
