@@ -51,9 +51,11 @@ from resilient.collectives.ledger import Ledger, decode_status, encode_status, s
 from resilient.collectives.recovery import PieceKind, Policy, members_of
 from resilient.collectives.resume import build_plan, execute_plan
 from resilient.collectives.retry import PeerUnreachable, RetryingTransport
+from resilient.collectives.status_exchange import StatusExchange
 from resilient.collectives.work import Work
 from resilient.errors import (
-    CollectiveError, ConfigError, GroupChanged, InputMismatch, RemovedFromGroup, StoreError, TransportError,
+    CollectiveError, ConfigError, GroupChanged, InputMismatch, RemovedFromGroup, StoreError, TransportAborted,
+    TransportError,
 )
 from resilient.kernels import ReduceOp
 from resilient.transport.base import OpMismatch, PeerReportedError, Transport
@@ -158,6 +160,7 @@ class Communicator:
     def _on_epoch(self, e: Any) -> None:
         """Watch thread: abort the transport at once when an epoch removes a member."""
         if e.number > self._epoch.number and self._removes(e):
+            self._aborted_at = time.time()
             self.transport.abort(f"epoch {e.number} removed {sorted(set(self._members()) - set(e.members))}")
         elif e.number > self._epoch.number:
             try:
@@ -204,6 +207,13 @@ class Communicator:
         newest = self.view.current()
         if newest is not None and newest.number > e.number and self._removes(newest):
             self.transport.abort(f"epoch {newest.number} superseded {e.number}")
+
+    def _newer_than(self, number: int) -> Callable[[], int | None]:
+        """For :class:`StatusExchange`: the number of an epoch newer than ``number``, if any."""
+        def newer() -> int | None:
+            cur = self.view.current()
+            return cur.number if cur is not None and cur.number > number else None
+        return newer
 
     def _await_newer_epoch(self) -> Any:
         deadline = time.monotonic() + self.epoch_timeout
@@ -358,10 +368,11 @@ class Communicator:
                 continue
             self._enter(e)
             survivors = [m for m in e.members if m in R.members]
-            self.view.put_blob(e.number, "ledger", encode_status(self.member_id, None, R))
+            xchg = StatusExchange(self.view, self._op_transport, e.number, survivors, self.member_id,
+                                  encode_status(self.member_id, None, R))
             try:
-                raw = self.view.wait_blobs(e.number, "ledger", survivors, max(1.0, end - time.monotonic()))
-            except EpochChanged:
+                raw = xchg.run(max(1.0, end - time.monotonic()), self._newer_than(e.number))
+            except (EpochChanged, TransportAborted):
                 continue
             except TimeoutError:
                 return
@@ -544,6 +555,7 @@ class Communicator:
 
         L = ctx.ledger
         t0 = time.monotonic()
+        wall0 = time.time()
         sent0 = self.transport.stats.bytes_sent
         while True:
             newest = self.view.current()
@@ -557,10 +569,15 @@ class Communicator:
             self._enter(e)
             ctx.epoch = e.number
             survivors = [m for m in e.members if m in L.members]
-            self.view.put_blob(e.number, "ledger", encode_status(self.member_id, L, self._retained))
+            wall_epoch = time.time()
+            xchg = StatusExchange(self.view, self._op_transport, e.number, survivors, self.member_id,
+                                  encode_status(self.member_id, L, self._retained))
             try:
-                raw = self.view.wait_blobs(e.number, "ledger", survivors, self.recovery_timeout)
+                raw = xchg.run(self.recovery_timeout, self._newer_than(e.number))
             except EpochChanged:
+                continue
+            except TransportAborted as exc:  # an epoch removed another member meanwhile
+                log.info("ledger-status exchange of op #%d in epoch %d interrupted: %s", L.seq, e.number, exc)
                 continue
             except TimeoutError as exc:
                 raise CollectiveError(f"op #{L.seq}: recovery in epoch {e.number} did not get every survivor's "
@@ -576,11 +593,13 @@ class Communicator:
                     if R is not None and R.seq == k:
                         rctx = OpContext(self._op_transport, R, ctx.op, self.op_timeout, self._suspect, e.number)
                         execute_plan(rctx, build_plan(R, survivors, statuses, self.policy))
+                    xchg.wait_published()
                     return "rerun"
                 progress = any(
                     (s.get(key) or {}).get("seq") == L.seq and any((s.get(key) or {}).get("masks", []))
                     for s in statuses.values() for key in ("inflight", "retained"))
                 if not progress:
+                    xchg.wait_published()
                     return "rerun"
                 plan = build_plan(L, survivors, statuses, self.policy)
                 t_plan = time.monotonic()
@@ -597,8 +616,13 @@ class Communicator:
                                   "status_s": t_status - t0, "plan_s": t_plan - t_status, "execute_s": t_end - t_plan,
                                   "rounds": len(plan.rounds), "transfers": len(plan.transfers()), **exec_stats,
                                   "bytes_sent": self.transport.stats.bytes_sent - sent0,
-                                  "contributors": members_of(plan.need[0], L.members) if plan.need else []}
+                                  "contributors": members_of(plan.need[0], L.members) if plan.need else [],
+                                  # wall-clock times (time.time()) of this recovery's steps, for benchmarks
+                                  "timeline": {"aborted": getattr(self, "_aborted_at", None), "entered": wall0,
+                                               "epoch": wall_epoch,
+                                               "statuses": wall0 + (t_status - t0), "done": time.time()}}
             self._record_recovery(e, L)
+            xchg.wait_published()   # observers (resilient status, chaos verifier) read it from etcd
             return "done"
 
     def _record_recovery(self, e: Any, L: Ledger) -> None:

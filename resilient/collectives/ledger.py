@@ -69,6 +69,31 @@ class Ledger:
         off = s if self.inp_offset is None else self.inp_offset[p]
         return self.inp[off:off + (e - s)]
 
+    def buf(self, p: int) -> Any:
+        """Piece ``p`` of ``out`` as a transport buffer: a byte memoryview for a CPU
+        tensor (slicing it costs far less than turning a tensor view into bytes on every
+        post), else the tensor view."""
+        mv = self.__dict__.get("_out_mv")
+        if mv is None:
+            mv = self.__dict__["_out_mv"] = _bytes_of(self.out)
+        if mv is False:
+            return self.view(p)
+        s, e = self.pieces[p]
+        es = self.out.element_size()
+        return mv[s * es:e * es]
+
+    def input_buf(self, p: int) -> Any:
+        """Piece ``p``'s input as a transport buffer (see :meth:`buf`)."""
+        mv = self.__dict__.get("_inp_mv")
+        if mv is None:
+            mv = self.__dict__["_inp_mv"] = _bytes_of(self.inp)
+        if mv is False:
+            return self.input_view(p)
+        s, e = self.pieces[p]
+        off = s if self.inp_offset is None else self.inp_offset[p]
+        es = self.inp.element_size()
+        return mv[off * es:(off + e - s) * es]
+
     def set(self, p: int, mask: int) -> None:
         if self.enabled:
             self.masks[p] = mask
@@ -87,6 +112,13 @@ class Ledger:
             "has_input": self.has_input, "done": self.done,
             "need": list(self.need) if self.done and self.need is not None else None,
         }
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview | bool:
+    """A flat writable byte view of a contiguous CPU tensor, or False (use tensor views)."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
+        return False
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def encode_status(member: str, inflight: Ledger | None, retained: Ledger | None) -> bytes:

@@ -71,15 +71,26 @@ def build_plan(ledger: Ledger, ring: list[str], statuses: dict[str, dict], polic
 
 
 def execute_plan(ctx: OpContext, plan: RecoveryPlan) -> dict[str, float]:
+    """See :func:`_execute`; on any failure the ledger is settled (exact) before it propagates."""
+    try:
+        return _execute(ctx, plan)
+    except BaseException:
+        ctx.settle()
+        raise
+
+
+def _execute(ctx: OpContext, plan: RecoveryPlan) -> dict[str, float]:
     """Carry out this member's part of ``plan``; the ledger is exact after every transfer.
 
     Pipelined like the ring: the receives of round ``r+1`` are posted before round ``r``'s
     are awaited; each receive of round ``r`` is reduced as soon as it arrived (overlapping
     the others still in flight), and a round-``r+1`` send of that piece leaves at once —
     in plan order per destination, because a connection matches frames to receives in
-    posting order. A piece is never modified while a send of it is in flight, and
-    received data lands in pooled staging buffers (never in the ledger's region before it
-    is complete), so an abort at any point leaves every mask describing ``out`` exactly.
+    posting order. A piece is never modified by this member while a send of it is in
+    flight; data that must be reduced with this member's accumulator lands in pooled
+    staging buffers, everything else straight in the region (see ``post_recvs``), and a
+    receive in progress is in ``ctx.inflight``, so after an abort :meth:`OpContext.settle`
+    leaves every mask describing ``out`` exactly.
     Failure behaviour: a transport error propagates (the caller re-plans from the ledger);
     nothing here blocks past the transport's abort. Returns seconds spent waiting for
     receives, for sends, and reducing (diagnostics for ``Communicator.last_recovery``)."""
@@ -107,15 +118,29 @@ def execute_plan(ctx: OpContext, plan: RecoveryPlan) -> dict[str, float]:
         return free.pop() if free else torch.empty_like(v)
 
     def post_recvs(r: int) -> list:
+        """Round ``r``'s receives. A transfer that does not reduce into this member's
+        accumulator (a final copy, or one that adds only this member's input) lands
+        straight in the piece's region: nothing there is needed any more, and no send of
+        it can still be in flight (a chain visits a member once, and a final copy can only
+        arrive after every send that went into it completed). It is tracked in
+        ``ctx.inflight`` so :meth:`OpContext.settle` keeps the mask exact after an abort.
+        One that adds this member's accumulator lands in a pooled staging buffer."""
         out = []
         for t in rounds[r]:
-            if t.dst == me:
+            if t.dst != me:
+                continue
+            if t.add_acc:
                 stage = stage_for(L.view(t.piece))
-                out.append((tr.irecv(t.src, stage, ctx.seq, tag(r, t.piece, SPACE), ctx.digest), stage, t))
+                out.append((tr.irecv(t.src, stage, ctx.seq, tag(r, t.piece, SPACE), ctx.digest), stage, t, None))
+            else:
+                req = tr.irecv(t.src, L.buf(t.piece), ctx.seq, tag(r, t.piece, SPACE), ctx.digest)
+                entry = (req, t.piece, t.sent)
+                ctx.inflight.append(entry)
+                out.append((req, None, t, entry))
         return out
 
     def post_send(r: int, t) -> None:
-        req = tr.isend(t.dst, L.view(t.piece), ctx.seq, tag(r, t.piece, SPACE), ctx.digest)
+        req = tr.isend(t.dst, L.buf(t.piece), ctx.seq, tag(r, t.piece, SPACE), ctx.digest)
         in_flight.setdefault(t.piece, []).append(req)
         all_sends.append(req)
 
@@ -137,9 +162,9 @@ def execute_plan(ctx: OpContext, plan: RecoveryPlan) -> dict[str, float]:
         recvs, next_recvs = next_recvs, (post_recvs(r + 1) if r + 1 < len(rounds) else [])
         early = my_sends(r + 1)
         pending = {}  # piece -> receives of this round still to reduce into it
-        for _, _, t in recvs:
+        for _, _, t, _ in recvs:
             pending[t.piece] = pending.get(t.piece, 0) + 1
-        for req, stage, t in recvs:
+        for req, stage, t, entry in recvs:
             t0 = time.perf_counter()
             ctx.wait([req])
             t1 = time.perf_counter()
@@ -148,18 +173,18 @@ def execute_plan(ctx: OpContext, plan: RecoveryPlan) -> dict[str, float]:
                 ctx.wait(sends)  # the piece is about to change: its outgoing copies must be out
             t2 = time.perf_counter()
             v = L.view(t.piece)
-            if t.add_acc:
+            if stage is not None:
                 reduce_into(v, stage, ctx.op)
-            else:
-                v.copy_(stage)
+                pool.setdefault((stage.numel(), stage.dtype), []).append(stage)
             if t.add_input:
                 reduce_into(v, L.input_view(t.piece), ctx.op)
             L.set(t.piece, t.result_mask(L.me))
+            if entry is not None:
+                ctx.inflight.remove(entry)
             t3 = time.perf_counter()
             stats["wait_recv_s"] += t1 - t0
             stats["wait_send_s"] += t2 - t1
             stats["reduce_s"] += t3 - t2
-            pool.setdefault((stage.numel(), stage.dtype), []).append(stage)
             pending[t.piece] -= 1
             for dst, queue in early.items():  # next round's sends whose pieces are final for it
                 while queue and not pending.get(queue[0].piece):

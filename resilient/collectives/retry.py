@@ -200,8 +200,10 @@ class RetryingTransport:
             try:
                 if live:
                     self.inner.wait(live, timeout=step)
-                else:  # only held-back requests: poll (an abort is noticed within _POLL_S)
-                    time.sleep(min(_POLL_S, step if step is not None else _POLL_S))
+                else:  # only held-back requests: let the transport idle (it returns at once on abort)
+                    pause = min(_POLL_S, step if step is not None else _POLL_S)
+                    idle = getattr(self.inner, "idle", None)
+                    idle(pause) if idle is not None else time.sleep(pause)
             except TransportError as exc:
                 if not retryable(exc):
                     raise

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import abc
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -192,6 +193,18 @@ class Transport(abc.ABC):
         """Close every connection and the listener; idempotent."""
 
     # -- conveniences -------------------------------------------------------------------
+
+    def idle(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds while posted requests progress; return early
+        once :meth:`abort` was called. Used by callers that hold no request of their own
+        (a retry backing off). This default polls every 5 ms; transports with a wake-up
+        mechanism override it to return within the syscall latency."""
+        end = time.monotonic() + max(0.0, timeout)
+        while not self.aborted:
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(0.005, left))
 
     def send(self, peer: str, buf: Buffer, op_seq: int, tag: int) -> None:
         """Blocking :meth:`isend` (until sent or failed)."""

@@ -326,6 +326,10 @@ class ShapedTransport(Transport):
                 else:
                     time.sleep(max(0.0, min(slice_end - now, 0.01)))
 
+    def idle(self, timeout: float) -> None:
+        self._release()
+        self.inner.idle(min(timeout, 0.01) if self._next_due() is not None else timeout)
+
     def abort(self, reason: str) -> None:
         self.inner.abort(reason)
 

@@ -44,6 +44,8 @@ from resilient.transport.base import (
 
 SOCK_BUF = int(os.environ.get("RESILIENT_TCP_SOCKBUF", 4 << 20))
 _SCRATCH = 1 << 20
+#: bytes of early-arrival buffers kept for reuse
+SPARE_CAP = 32 << 20
 
 
 def as_memoryview(buf: Buffer) -> memoryview:
@@ -62,6 +64,20 @@ def as_memoryview(buf: Buffer) -> memoryview:
     if not mv.c_contiguous:
         raise TransportError("transport buffers must be C-contiguous")
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+#: op sequence namespace (top two bits) of control exchanges between members (e.g. the
+#: ledger summaries of a recovery): matched only with receives of that namespace
+CONTROL_NAMESPACE = 2
+
+
+def is_control(op_seq: int) -> bool:
+    return op_seq >> 62 == CONTROL_NAMESPACE
+
+
+def control_seq(n: int) -> int:
+    """The op sequence number of control exchange ``n`` (e.g. an epoch number)."""
+    return (CONTROL_NAMESPACE << 62) | (n & ((1 << 40) - 1))
 
 
 class _Req(Request):
@@ -162,6 +178,8 @@ class TcpTransport(Transport):
         self._cancelled: set[int] = set()
         self._posted_errors: dict[int, bytes] = {}
         self._scratch = memoryview(bytearray(_SCRATCH))
+        self._spare: dict[int, list[bytearray]] = {}   # reusable early-arrival buffers by size
+        self._spare_bytes = 0
         self._closed = False
 
     # -- properties -------------------------------------------------------------------
@@ -398,6 +416,12 @@ class TcpTransport(Transport):
             for req in requests:
                 if not req.is_send and req.done():  # type: ignore[attr-defined]
                     self._stats.add_wait(req.peer, max(0.0, req.t_done - t0))  # type: ignore[attr-defined]
+
+    def idle(self, timeout: float) -> None:
+        """Progress I/O for up to ``timeout`` seconds; returns as soon as :meth:`abort` is
+        called (its wake-up byte ends the ``select``)."""
+        if self._abort_reason is None and not self._closed:
+            self._progress(max(0.0, timeout))
 
     def _progress(self, timeout: float | None) -> None:
         self._update_masks()
@@ -654,19 +678,19 @@ class TcpTransport(Transport):
         if h.epoch > self._epoch:
             conn.parked = True  # resume after configure(); header is kept in conn.cur
             return
-        req = conn.recvq[0] if conn.recvq else None
+        req = self._head_recv(conn, is_control(h.op_seq))
         if req is None:
-            conn.target, conn.target_got, conn.target_req = memoryview(bytearray(h.length)), 0, None
+            conn.target, conn.target_got, conn.target_req = memoryview(self._spare_buf(h.length)), 0, None
             return
         if (h.op_seq >> 62) == (req.op_seq >> 62) and h.op_seq != req.op_seq:
             if h.op_seq < req.op_seq:
                 conn.discard, conn.cur = h.length, None  # left over from an op this side already ended
             else:  # a later op's frame (the sender finished or abandoned this op): keep it for that op
-                conn.target, conn.target_got, conn.target_req = memoryview(bytearray(h.length)), 0, None
+                conn.target, conn.target_got, conn.target_req = memoryview(self._spare_buf(h.length)), 0, None
             return
         self._check_match(conn, req, h)
         if req.error is not None:
-            conn.recvq.popleft()
+            conn.recvq.remove(req)
             conn.discard, conn.cur = h.length, None
             return
         conn.target, conn.target_got, conn.target_req = req.mv, 0, req
@@ -698,34 +722,78 @@ class TcpTransport(Transport):
                 self._op_errors.setdefault(h.op_seq, PeerReportedError(conn.peer or "?", h.op_seq, bytes(target)))
             return
         if req is not None:
-            conn.recvq.popleft()
+            if conn.recvq and conn.recvq[0] is req:
+                conn.recvq.popleft()
+            else:
+                conn.recvq.remove(req)
             req._finish()
         else:
             conn.unexpected.append((h, target.obj))  # type: ignore[arg-type]
             self._match_unexpected(conn)
 
     def _match_unexpected(self, conn: _Conn) -> None:
-        while conn.recvq and conn.unexpected:
-            req = conn.recvq[0]
-            h, payload = conn.unexpected[0]
-            if (h.op_seq >> 62) == (req.op_seq >> 62) and h.op_seq > req.op_seq:
-                return  # for a later op; ``req`` waits (it fails on error/cancel/abort)
-            conn.unexpected.popleft()
-            if h.epoch < self._epoch or h.op_seq in self._cancelled:
+        """Match buffered early frames with posted receives: per channel (data, control)
+        in arrival order against posting order; a frame for a later op, or one with no
+        receive of its channel posted, stays buffered (and so do the frames behind it on
+        that channel)."""
+        if not conn.unexpected or not conn.recvq:
+            return
+        kept: collections.deque[tuple[frames.Header, bytearray]] = collections.deque()
+        blocked: set[bool] = set()
+        while conn.unexpected:
+            h, payload = conn.unexpected.popleft()
+            ctl = is_control(h.op_seq)
+            req = None if ctl in blocked else self._head_recv(conn, ctl)
+            same_ns = req is not None and (h.op_seq >> 62) == (req.op_seq >> 62)
+            if req is None or (same_ns and h.op_seq > req.op_seq):
+                blocked.add(ctl)  # for a later op, or nothing posted yet: ``req`` waits
+                kept.append((h, payload))
                 continue
-            if (h.op_seq >> 62) == (req.op_seq >> 62) and h.op_seq < req.op_seq:
-                continue  # stale: an op this side already ended
+            if h.epoch < self._epoch or h.op_seq in self._cancelled or (same_ns and h.op_seq < req.op_seq):
+                self._spare_return(payload)  # stale: an op this side already ended
+                continue
             try:
                 self._check_match(conn, req, h)
             except FrameError as exc:
+                conn.unexpected = kept
                 self._fail_conn(conn, exc)
                 return
-            conn.recvq.popleft()
+            conn.recvq.remove(req)
             if req.error is None:
                 req.started = True
                 req.mv[:] = payload
                 self._stats.add_received(req.peer, len(payload))
                 req._finish()
+            self._spare_return(payload)
+        conn.unexpected = kept
+
+    @staticmethod
+    def _head_recv(conn: _Conn, control: bool) -> _Req | None:
+        """The oldest posted receive of a channel: control frames (:func:`is_control`)
+        match control receives only, so a control exchange never disturbs an op's data."""
+        q = conn.recvq
+        if q and is_control(q[0].op_seq) == control:
+            return q[0]
+        for r in q:
+            if is_control(r.op_seq) == control:
+                return r
+        return None
+
+    def _spare_buf(self, n: int) -> bytearray:
+        """A buffer of ``n`` bytes for a DATA frame that arrived before its receive was
+        posted: reused from earlier ones when possible (a fresh zero-filled megabyte costs
+        about as much as copying it twice)."""
+        free = self._spare.get(n)
+        if free:
+            self._spare_bytes -= n
+            return free.pop()
+        return bytearray(n)
+
+    def _spare_return(self, buf: bytearray) -> None:
+        n = len(buf)
+        if n >= 4096 and self._spare_bytes + n <= SPARE_CAP:
+            self._spare.setdefault(n, []).append(buf)
+            self._spare_bytes += n
 
     # -- shutdown ---------------------------------------------------------------------
 

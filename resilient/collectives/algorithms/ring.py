@@ -3,8 +3,8 @@
 Chunk ``c`` (of ``n``) starts at ring position ``c + shift``; at reduce-scatter step ``s``
 member ``p`` sends chunk ``p-s-shift`` and receives chunk ``p-s-1-shift``, which it
 reduces with its own input; at all-gather step ``t`` it forwards the final chunk it got
-last. Every chunk is cut into ``slices`` pieces and the loop is pipelined: the receives of
-step ``s`` are posted before the slices of step ``s-1`` are awaited, each slice of step
+last. Every chunk is cut into ``slices`` pieces and the loop is pipelined: all receives are
+posted before the first send (each lands in place when it arrives), each slice of step
 ``s-1`` is reduced as soon as it arrived (torch releases the GIL in ``add_``) and sent on
 at once, so reduction overlaps transfer. Receives go straight into the output region.
 
@@ -39,11 +39,15 @@ class RingReduceScatterAllgather:
             steps += [("rs", (p - s - sh) % n, (p - s - 1 - sh) % n, s) for s in range(n - 1)]
         if self.do_ag:
             steps += [("ag", (p + 1 - sh - t) % n, (p - sh - t) % n, t) for t in range(n - 1)]
-        prev: list | None = None
-        sends = []
-        total = len(steps) * S
+        # Every receive of the op is posted up front, in the order the peer sends: a slice
+        # that arrives early lands in place instead of in an unexpected-message buffer
+        # (an allocation and a copy per slice). Each reduce-scatter step receives into its
+        # own chunk; an all-gather receive targets a chunk this member sent on during
+        # reduce-scatter, and its bytes can only arrive after that send completed (the
+        # final value includes what it carried), so posting early never overwrites a
+        # buffer in flight.
+        posted: list[list] = []
         for idx, (phase, sc, rc, s) in enumerate(steps):
-            cur = []
             if phase == "rs":
                 arc = 0
                 for i in range(s + 2):
@@ -52,23 +56,28 @@ class RingReduceScatterAllgather:
                 sender_mask = arc & ~(1 << p)
             else:
                 done_mask = sender_mask = full
+            cur = []
             for j in range(S):
                 pc = rc * S + j
-                req = tr.irecv(prv, L.view(pc), ctx.seq, tag(idx, j), ctx.digest)
+                req = tr.irecv(prv, L.buf(pc), ctx.seq, tag(idx, j), ctx.digest)
                 entry = (req, pc, sender_mask)
                 ctx.inflight.append(entry)
                 cur.append((entry, phase, done_mask))
+            posted.append(cur)
+        prev: list | None = None
+        sends = []
+        for idx, (phase, sc, rc, s) in enumerate(steps):
             for j in range(S):
                 ps = sc * S + j
                 if prev is None:
-                    buf = L.input_view(ps) if phase == "rs" else L.view(ps)
+                    buf = L.input_buf(ps) if phase == "rs" else L.buf(ps)
                 else:
                     self._complete(ctx, *prev[j])
-                    buf = L.view(ps)
+                    buf = L.buf(ps)
                 if ctx.ledger.enabled:
                     ctx.failpoint(phase, self._frac(idx, j, S, n))
                 sends.append(tr.isend(nxt, buf, ctx.seq, tag(idx, j), ctx.digest))
-            prev = cur
+            prev = posted[idx]
         for j in range(S):
             self._complete(ctx, *prev[j])
         ctx.wait(sends)

@@ -1,0 +1,155 @@
+"""Ledger summaries for a recovery: every survivor gets every other survivor's, fast.
+
+A recovery cannot plan (:mod:`.resume`) before each survivor has every other survivor's
+ledger summary. They travel two ways at once, and the first complete set wins:
+
+* **around the survivors' ring over the transport** — control frames
+  (:func:`~resilient.transport.tcp.control_seq` of the epoch number, matched apart from
+  any op's data), a length frame then the payload, ``n - 1`` hops. On loopback the whole
+  exchange takes about a millisecond once every survivor has entered the recovery;
+* **through etcd** (``epochs/<n>/data/ledger/<member>``, as DESIGN §3 describes): each
+  summary is put there in any case, for observers (``resilient status``, the chaos
+  verifier, tests), and a watch collects the others'. Under CPU load the watch delivered
+  the last summary 2–45 ms after it was written in ``bench/recovery.py``, which is why the
+  transport path exists; etcd remains the path that always works, e.g. when two survivors
+  disagree on the ring (one already in the next op over a grown group).
+
+Failure behaviour: a survivor that dies during the exchange -> a newer epoch -> the
+transport is aborted -> :class:`~resilient.errors.TransportAborted` propagates and the
+caller starts over in the newer epoch; an epoch newer than ``epoch`` (even one that only
+adds members) -> :class:`~resilient.coordinator.epoch.EpochChanged`, the caller starts
+over; nothing complete within ``timeout`` -> :class:`TimeoutError` naming the members
+missing; a length frame over :data:`MAX_STATUS_BYTES` or a summary naming another member ->
+:class:`~resilient.errors.FrameError` (a corrupt peer; nothing is decoded from it).
+Whatever path wins, the other's leftovers are cancelled, so no control frame of this
+exchange can meet a later one.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from resilient.collectives.algorithms.base import tag
+from resilient.errors import FrameError
+
+log = logging.getLogger(__name__)
+
+SPACE = 4
+MAX_STATUS_BYTES = 64 << 20
+_LEN = struct.Struct("<Q")
+_POLL_S = 0.005
+
+
+class StatusExchange:
+    """One exchange of this member's ``payload`` in epoch ``epoch`` among ``ring``.
+
+    ``view``: the group view (``put_blob``/``wait_blobs``/``current``); ``transport``: the
+    op transport (retries broken links); ``me``: this member's id, in ``ring``."""
+
+    def __init__(self, view: Any, transport: Any, epoch: int, ring: Sequence[str], me: str, payload: bytes) -> None:
+        self.view, self.transport, self.epoch = view, transport, int(epoch)
+        self.ring, self.me, self.payload = list(ring), me, bytes(payload)
+        self._etcd: dict[str, bytes] | None = None
+        self._etcd_error: BaseException | None = None
+        self._etcd_done = threading.Event()
+        self._published = threading.Event()
+
+    # -- etcd side ----------------------------------------------------------------------
+
+    def _publish(self) -> None:
+        try:
+            self.view.put_blob(self.epoch, "ledger", self.payload)
+        except Exception as exc:  # noqa: BLE001 - the transport path may still complete
+            log.warning("could not publish the ledger summary of epoch %d to etcd: %s", self.epoch, exc)
+            self._etcd_error = exc
+            self._etcd_done.set()
+            return
+        finally:
+            self._published.set()
+        try:
+            self._etcd = self.view.wait_blobs(self.epoch, "ledger", self.ring, 3600.0)
+        except BaseException as exc:  # noqa: BLE001 - reported to the op thread
+            self._etcd_error = exc
+        self._etcd_done.set()
+
+    def wait_published(self, timeout: float = 5.0) -> bool:
+        """Whether this member's summary reached etcd (waits up to ``timeout``)."""
+        return self._published.wait(timeout)
+
+    # -- the exchange -------------------------------------------------------------------
+
+    def run(self, timeout: float, newer_epoch: Callable[[], int | None]) -> dict[str, bytes]:
+        """Every survivor's summary, keyed by member id (see the module docstring for
+        what it raises). ``newer_epoch()`` returns the number of an epoch newer than
+        ``epoch`` when there is one."""
+        from resilient.coordinator.epoch import EpochChanged
+        from resilient.transport.tcp import control_seq
+
+        threading.Thread(target=self._publish, name=f"ledger-status-{self.epoch}", daemon=True).start()
+        deadline = time.monotonic() + timeout
+        n = len(self.ring)
+        got: dict[str, bytes] = {self.me: self.payload}
+        if n == 1:
+            return got
+        tr, seq = self.transport, control_seq(self.epoch)
+        p = self.ring.index(self.me)
+        nxt, prv = self.ring[(p + 1) % n], self.ring[(p - 1) % n]
+        sends: list[Any] = []
+        finished = False
+
+        def wait(req: Any) -> bool:
+            """True when ``req`` completed; False when the etcd path completed first."""
+            while not tr.wait([req], timeout=_POLL_S):
+                if self._etcd is not None:
+                    return False
+                newer = newer_epoch()
+                if newer is not None:
+                    raise EpochChanged(f"epoch {newer} superseded epoch {self.epoch} during the ledger-status "
+                                       "exchange", newer, {})
+                if self._etcd_done.is_set() and isinstance(self._etcd_error, EpochChanged):
+                    raise self._etcd_error
+                if time.monotonic() > deadline:
+                    missing = sorted(set(self.ring) - set(got))
+                    raise TimeoutError(f"no ledger summary from {missing} within {timeout}s")
+            return True
+
+        try:
+            for t in range(n - 1):
+                src = self.ring[(p - t) % n]              # whose summary this member forwards now
+                want = self.ring[(p - t - 1) % n]         # whose summary arrives now
+                data = got[src]
+                sends.append(tr.isend(nxt, _LEN.pack(len(data)), seq, tag(t, 0, SPACE)))
+                sends.append(tr.isend(nxt, data, seq, tag(t, 1, SPACE)))
+                head = bytearray(_LEN.size)
+                if not wait(tr.irecv(prv, head, seq, tag(t, 0, SPACE))):
+                    return self._etcd  # type: ignore[return-value]
+                (size,) = _LEN.unpack(head)
+                if size > MAX_STATUS_BYTES:
+                    raise FrameError(f"member {prv} announced a {size}-byte ledger summary (limit "
+                                     f"{MAX_STATUS_BYTES}): corrupt frame")
+                body = bytearray(size)
+                if not wait(tr.irecv(prv, body, seq, tag(t, 1, SPACE))):
+                    return self._etcd  # type: ignore[return-value]
+                _check_member(bytes(body), want, prv)
+                got[want] = bytes(body)
+            for s in sends:
+                if not wait(s):
+                    break
+            finished = True
+            return got
+        finally:
+            if not finished:
+                tr.cancel_op(seq)   # leftovers of this exchange never meet a later one
+
+
+def _check_member(raw: bytes, want: str, via: str) -> None:
+    try:
+        member = json.loads(raw.decode("utf-8")).get("member")
+    except (UnicodeDecodeError, ValueError, AttributeError):
+        raise FrameError(f"member {via} forwarded a ledger summary that is not valid JSON") from None
+    if member != want:
+        raise FrameError(f"member {via} forwarded the ledger summary of {member!r} where {want!r}'s was due")
