@@ -185,6 +185,7 @@ def run_case(args, phase: str) -> dict:
             # adopted the epoch, had every ledger status, finished
             "timeline_after_kill_s": {m: {k: (round(v - t_kill, 4) if v else None) for k, v in o["recovery"]["timeline"].items()}
                                       for m, o in sorted(ops.items()) if o["recovery"] and o["recovery"].get("timeline")},
+            "link_retries": sum(r.get("link_retries", 0) for r in recs if r),
             "plan_rounds": max((r.get("rounds", 0) for r in recs if r), default=None),
             "contributors": sorted({tuple(o["contributors"]) for o in ops.values()}),
             "exact": all(o["exact"] for o in ops.values()),
@@ -227,7 +228,7 @@ def summarize(runs: list[dict]) -> dict:
             "recovery_lt_restart": sum(r["recovery_s"] < r["restart_s"] for r in runs),
             "full_set_kept": sum(len(r["contributors"]) == 1 and len(r["contributors"][0]) == r["world"] for r in runs),
             "exact": all(r["exact"] for r in runs)}
-    keep = ("recovery_s", "resent_fraction", "restart_s", "detect_s", "op_sent_fraction", "recovery_breakdown_s", "timeline_after_kill_s", "plan_rounds", "contributors",
+    keep = ("recovery_s", "resent_fraction", "restart_s", "detect_s", "op_sent_fraction", "recovery_breakdown_s", "timeline_after_kill_s", "link_retries", "plan_rounds", "contributors",
             "pieces_without_full_copy")
     head["runs"] = [{k: r[k] for k in keep} for r in runs]
     for k in ("world", "size_bytes", "victim", "failpoint"):

@@ -112,7 +112,16 @@ def test_control_frames_never_meet_an_ops_data(trio):
     assert a.wait(sends, timeout=5)
 
 
-def test_every_survivor_gets_every_summary_over_the_ring(trio):
+@pytest.fixture(params=["direct", "ring"])
+def mode(request, monkeypatch):
+    """direct: every survivor sends to every other; ring: summaries go around the ring."""
+    import resilient.collectives.status_exchange as sx
+
+    monkeypatch.setattr(sx, "DIRECT_MAX", 16 if request.param == "direct" else 1)
+    return request.param
+
+
+def test_every_survivor_gets_every_summary_over_the_transport(trio, mode):
     ring = ["a", "b", "c"]
     view = _View(etcd_works=False)   # only the transport path can deliver
     out, errors = _run_all(trio, {m: ring for m in ring}, view, timeout=5.0)
@@ -122,7 +131,7 @@ def test_every_survivor_gets_every_summary_over_the_ring(trio):
     assert {k for k in view.blobs} == {(1, m) for m in ring}   # published for observers too
 
 
-def test_etcd_path_completes_when_survivors_disagree_on_the_ring(trio):
+def test_etcd_path_completes_when_survivors_disagree_on_the_ring(trio, mode):
     # c is already in the next op over a grown group and lists a member the others do not
     trs = dict(trio)
     rings = {"a": ["a", "b"], "b": ["a", "b", "c"], "c": ["a", "b", "c"]}

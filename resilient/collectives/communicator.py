@@ -100,7 +100,7 @@ def _cause_of(e: Any) -> str:
 
 class Communicator:
     def __init__(self, view: GroupView, transport: Transport, *, policy: Policy | str = Policy.DEFAULT,
-                 op_timeout: float | None = 30.0, small_bytes: int = 64 << 10, slice_bytes: int = 1 << 20,
+                 op_timeout: float | None = 30.0, small_bytes: int = 64 << 10, slice_bytes: int = 2 << 20,
                  max_slices: int = 64, recovery_timeout: float = 300.0, epoch_timeout: float = 60.0,
                  ledger: bool = True, joining: bool | None = None, health_reporter: Any = None,
                  metrics: Any = None) -> None:
@@ -616,6 +616,7 @@ class Communicator:
                                   "status_s": t_status - t0, "plan_s": t_plan - t_status, "execute_s": t_end - t_plan,
                                   "rounds": len(plan.rounds), "transfers": len(plan.transfers()), **exec_stats,
                                   "bytes_sent": self.transport.stats.bytes_sent - sent0,
+                                  "link_retries": self._op_transport.retries,
                                   "contributors": members_of(plan.need[0], L.members) if plan.need else [],
                                   # wall-clock times (time.time()) of this recovery's steps, for benchmarks
                                   "timeline": {"aborted": getattr(self, "_aborted_at", None), "entered": wall0,

@@ -82,8 +82,8 @@ def execute_plan(ctx: OpContext, plan: RecoveryPlan) -> dict[str, float]:
 def _execute(ctx: OpContext, plan: RecoveryPlan) -> dict[str, float]:
     """Carry out this member's part of ``plan``; the ledger is exact after every transfer.
 
-    Pipelined like the ring: the receives of round ``r+1`` are posted before round ``r``'s
-    are awaited; each receive of round ``r`` is reduced as soon as it arrived (overlapping
+    Pipelined like the ring: every receive of the plan is posted before the first wait;
+    each receive of round ``r`` is reduced as soon as it arrived (overlapping
     the others still in flight), and a round-``r+1`` send of that piece leaves at once —
     in plan order per destination, because a connection matches frames to receives in
     posting order. A piece is never modified by this member while a send of it is in
@@ -152,14 +152,17 @@ def _execute(ctx: OpContext, plan: RecoveryPlan) -> dict[str, float]:
                 out.setdefault(t.dst, []).append(t)
         return out
 
-    next_recvs = post_recvs(0)
+    # Every receive of the plan is posted up front, in (round, plan order) — the order in
+    # which each peer sends to this member — so data that arrives early lands in place
+    # (staging: at most one buffer per piece, a chain visits a member once).
+    posted = [post_recvs(r) for r in range(len(rounds))]
     early = my_sends(0)  # this round's sends not yet posted (next round's, inside the loop)
     for r in range(len(rounds)):
         ctx.failpoint("recovery", r / len(rounds))
         for dst_queue in early.values():  # the rest of this round's sends, still in plan order
             for t in dst_queue:
                 post_send(r, t)
-        recvs, next_recvs = next_recvs, (post_recvs(r + 1) if r + 1 < len(rounds) else [])
+        recvs = posted[r]
         early = my_sends(r + 1)
         pending = {}  # piece -> receives of this round still to reduce into it
         for _, _, t, _ in recvs:

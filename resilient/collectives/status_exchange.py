@@ -3,10 +3,12 @@
 A recovery cannot plan (:mod:`.resume`) before each survivor has every other survivor's
 ledger summary. They travel two ways at once, and the first complete set wins:
 
-* **around the survivors' ring over the transport** — control frames
-  (:func:`~resilient.transport.tcp.control_seq` of the epoch number, matched apart from
-  any op's data), a length frame then the payload, ``n - 1`` hops. On loopback the whole
-  exchange takes about a millisecond once every survivor has entered the recovery;
+* **over the transport** — control frames (:func:`~resilient.transport.tcp.control_seq`
+  of the epoch number, matched apart from any op's data), a length frame then the
+  payload: from every survivor straight to every other up to :data:`DIRECT_MAX`
+  survivors (one hop), around the survivors' ring beyond (``n - 1`` hops over the ring's
+  links only). On loopback it takes a few milliseconds once every survivor has entered
+  the recovery;
 * **through etcd** (``epochs/<n>/data/ledger/<member>``, as DESIGN §3 describes): each
   summary is put there in any case, for observers (``resilient status``, the chaos
   verifier, tests), and a watch collects the others'. Under CPU load the watch delivered
@@ -40,6 +42,10 @@ log = logging.getLogger(__name__)
 
 SPACE = 4
 MAX_STATUS_BYTES = 64 << 20
+#: up to this many survivors every one sends its summary straight to every other (one
+#: hop, n - 1 connections each); beyond it the summaries go around the ring (n - 1 hops
+#: over the ring's links only)
+DIRECT_MAX = 16
 _LEN = struct.Struct("<Q")
 _POLL_S = 0.005
 
@@ -97,13 +103,12 @@ class StatusExchange:
             return got
         tr, seq = self.transport, control_seq(self.epoch)
         p = self.ring.index(self.me)
-        nxt, prv = self.ring[(p + 1) % n], self.ring[(p - 1) % n]
         sends: list[Any] = []
         finished = False
 
-        def wait(req: Any) -> bool:
-            """True when ``req`` completed; False when the etcd path completed first."""
-            while not tr.wait([req], timeout=_POLL_S):
+        def wait(reqs: list[Any]) -> bool:
+            """True when ``reqs`` completed; False when the etcd path completed first."""
+            while not tr.wait(reqs, timeout=_POLL_S):
                 if self._etcd is not None:
                     return False
                 newer = newer_epoch()
@@ -117,28 +122,47 @@ class StatusExchange:
                     raise TimeoutError(f"no ledger summary from {missing} within {timeout}s")
             return True
 
-        try:
-            for t in range(n - 1):
-                src = self.ring[(p - t) % n]              # whose summary this member forwards now
-                want = self.ring[(p - t - 1) % n]         # whose summary arrives now
-                data = got[src]
-                sends.append(tr.isend(nxt, _LEN.pack(len(data)), seq, tag(t, 0, SPACE)))
-                sends.append(tr.isend(nxt, data, seq, tag(t, 1, SPACE)))
-                head = bytearray(_LEN.size)
-                if not wait(tr.irecv(prv, head, seq, tag(t, 0, SPACE))):
-                    return self._etcd  # type: ignore[return-value]
-                (size,) = _LEN.unpack(head)
+        def receive(pairs: list[tuple[str, str, int]]) -> bool:
+            """``(from peer, whose summary, hop)`` for each expected summary: the length
+            frames, then the payloads (already on their way behind them)."""
+            heads = [(peer, want, t, bytearray(_LEN.size)) for peer, want, t in pairs]
+            if not wait([tr.irecv(peer, h, seq, tag(t, 0, SPACE)) for peer, _, t, h in heads]):
+                return False
+            bodies = []
+            for peer, want, t, h in heads:
+                (size,) = _LEN.unpack(h)
                 if size > MAX_STATUS_BYTES:
-                    raise FrameError(f"member {prv} announced a {size}-byte ledger summary (limit "
+                    raise FrameError(f"member {peer} announced a {size}-byte ledger summary (limit "
                                      f"{MAX_STATUS_BYTES}): corrupt frame")
-                body = bytearray(size)
-                if not wait(tr.irecv(prv, body, seq, tag(t, 1, SPACE))):
+                bodies.append((peer, want, bytearray(size), t))
+            if not wait([tr.irecv(peer, b, seq, tag(t, 1, SPACE)) for peer, _, b, t in bodies]):
+                return False
+            for peer, want, b, _ in bodies:
+                _check_member(bytes(b), want, peer)
+                got[want] = bytes(b)
+            return True
+
+        def send(peer: str, data: bytes, t: int) -> None:
+            sends.append(tr.isend(peer, _LEN.pack(len(data)), seq, tag(t, 0, SPACE)))
+            sends.append(tr.isend(peer, data, seq, tag(t, 1, SPACE)))
+
+        try:
+            if n <= DIRECT_MAX:
+                # every survivor sends its summary to every other: one hop
+                others = [m for m in self.ring if m != self.me]
+                for peer in others:
+                    send(peer, self.payload, 0)
+                if not receive([(peer, peer, 0) for peer in others]):
                     return self._etcd  # type: ignore[return-value]
-                _check_member(bytes(body), want, prv)
-                got[want] = bytes(body)
-            for s in sends:
-                if not wait(s):
-                    break
+            else:
+                # around the ring: n - 1 hops over the ring's links only
+                nxt, prv = self.ring[(p + 1) % n], self.ring[(p - 1) % n]
+                for t in range(n - 1):
+                    send(nxt, got[self.ring[(p - t) % n]], t)
+                    if not receive([(prv, self.ring[(p - t - 1) % n], t)]):
+                        return self._etcd  # type: ignore[return-value]
+            if not wait(sends):
+                return self._etcd  # type: ignore[return-value]
             finished = True
             return got
         finally:
