@@ -63,6 +63,7 @@ class StatusExchange:
         self._etcd_error: BaseException | None = None
         self._etcd_done = threading.Event()
         self._published = threading.Event()
+        self._timeout = 60.0
 
     # -- etcd side ----------------------------------------------------------------------
 
@@ -77,7 +78,7 @@ class StatusExchange:
         finally:
             self._published.set()
         try:
-            self._etcd = self.view.wait_blobs(self.epoch, "ledger", self.ring, 3600.0)
+            self._etcd = self.view.wait_blobs(self.epoch, "ledger", self.ring, self._timeout)
         except BaseException as exc:  # noqa: BLE001 - reported to the op thread
             self._etcd_error = exc
         self._etcd_done.set()
@@ -95,6 +96,7 @@ class StatusExchange:
         from resilient.coordinator.epoch import EpochChanged
         from resilient.transport.tcp import control_seq
 
+        self._timeout = timeout
         threading.Thread(target=self._publish, name=f"ledger-status-{self.epoch}", daemon=True).start()
         deadline = time.monotonic() + timeout
         n = len(self.ring)
