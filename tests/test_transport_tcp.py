@@ -101,16 +101,28 @@ def test_digest_mismatch_fails_the_receive(pair):
 
 def test_wrong_token_is_refused():
     a, b = TcpTransport("a", "job"), TcpTransport("b", "job")
+    got: list = []
+
+    def receive() -> None:   # b's progress thread: it must refuse a's HELLO
+        try:
+            got.append(b.wait([b.irecv("a", np.zeros(1), 1, 0)], timeout=5))
+        except TransportError as exc:
+            got.append(exc)
+
+    th = threading.Thread(target=receive, daemon=True)
     try:
         addrs = {"a": a.address, "b": b.address}
         a.configure(1, "good", addrs)
         b.configure(1, "bad", addrs)
-        threading.Thread(target=lambda: b.wait([b.irecv("a", np.zeros(1), 1, 0)], timeout=5), daemon=True).start()
+        th.start()
         with pytest.raises(TransportError):
             a.send("b", np.zeros(1 << 22), 1, 0)
     finally:
+        b.abort("test over")    # thread-safe: ends b's wait before b is closed
+        th.join(10)
         a.close()
         b.close()
+    assert not th.is_alive() and got and got[0] is not True, got   # nothing was received from a
 
 
 def test_corrupt_header_is_a_frame_error(pair):
