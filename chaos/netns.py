@@ -56,7 +56,7 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from resilient.errors import ConfigError, ResilientError
 
@@ -164,12 +164,7 @@ def qdisc_unavailable_reason(kind: str) -> str | None:
     for tool, pkg in (("ip", "iproute2"), ("tc", "iproute2")):
         if shutil.which(tool) is None:
             return f"the `{tool}` command is not on PATH; install {pkg}"
-    tok = _token()
-    va, vb = f"rzq{tok}a", f"rzq{tok}b"
-    res = _run(("ip", "link", "add", va, "type", "veth", "peer", "name", vb), check=False)
-    if res.returncode != 0:
-        return f"could not create a probe veth pair to test the {kind} qdisc: {_err(res)}"
-    try:
+    def probe(va: str) -> str | None:
         res = _run(("tc", "qdisc", "add", "dev", va, "root", kind, *_PROBE_ARGS.get(kind, ())), check=False)
         if res.returncode == 0:
             return None
@@ -178,6 +173,20 @@ def qdisc_unavailable_reason(kind: str) -> str | None:
             return (f"this kernel has no {kind} qdisc (tc: {err}); load its module (`modprobe sch_{kind}`) or run "
                     f"on a kernel built with it (CONFIG_NET_SCH_{kind.upper()})")
         return f"`tc qdisc add ... root {kind}` failed on a probe veth: {err}"
+
+    return _on_probe_veth(f"the {kind} qdisc", probe)
+
+
+def _on_probe_veth(what: str, probe: Callable[[str], str | None]) -> str | None:
+    """``probe(name of one end)`` run on a throw-away veth pair that is deleted afterwards:
+    its result, or why the pair could not be made."""
+    tok = _token()
+    va, vb = f"rzq{tok}a", f"rzq{tok}b"
+    res = _run(("ip", "link", "add", va, "type", "veth", "peer", "name", vb), check=False)
+    if res.returncode != 0:
+        return f"could not create a probe veth pair to test {what}: {_err(res)}"
+    try:
+        return probe(va)
     finally:
         _run(("ip", "link", "del", va), check=False)
 
@@ -190,12 +199,7 @@ def u32_unavailable_reason() -> str | None:
     reason = qdisc_unavailable_reason("htb")
     if reason is not None:
         return reason
-    tok = _token()
-    va, vb = f"rzq{tok}a", f"rzq{tok}b"
-    res = _run(("ip", "link", "add", va, "type", "veth", "peer", "name", vb), check=False)
-    if res.returncode != 0:
-        return f"could not create a probe veth pair to test the u32 filter: {_err(res)}"
-    try:
+    def probe(va: str) -> str | None:
         for cmd in (("tc", "qdisc", "add", "dev", va, "root", "handle", "1:", "htb", "default", "1"),
                     ("tc", "class", "add", "dev", va, "parent", "1:", "classid", "1:2", "htb", "rate", "1gbit"),
                     ("tc", "filter", "add", "dev", va, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
@@ -204,8 +208,8 @@ def u32_unavailable_reason() -> str | None:
             if res.returncode != 0:
                 return f"`{' '.join(cmd)}` failed on a probe veth: {_err(res)}"
         return None
-    finally:
-        _run(("ip", "link", "del", va), check=False)
+
+    return _on_probe_veth("the u32 filter", probe)
 
 
 def netem_unavailable_reason() -> str | None:

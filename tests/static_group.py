@@ -73,3 +73,47 @@ def run_members(member: Callable[[Any], None], members: Iterable[Any], timeout: 
     for th in ths:
         th.join(timeout)
     assert not any(th.is_alive() for th in ths), hung
+
+
+def member_input(i: int, seq: int, n: int) -> Any:
+    """Member ``i``'s input to op ``seq``: ``n`` float32 values, distinct per member and op."""
+    import torch
+
+    return (torch.arange(n, dtype=torch.float32) % 97) * (i + 1) + seq * 10 + i
+
+
+def run_allreduces(epoch: StaticEpoch, transports: dict[str, Any], ops: list[str], numel: int, *,
+                   close: Iterable[Any] = (), timeout: float = 60.0, **comm_kw: Any) -> dict[str, list]:
+    """Every member of ``epoch`` runs a real Communicator (op_timeout 20 s, ``comm_kw``)
+    over a :class:`StaticView` and ``transports[member]``, and the allreduces ``ops`` on
+    :func:`member_input`. Returns per member ``[(result, contributors tuple)]`` per op;
+    raises the first member error, or fails if a member hangs past ``timeout``. Closes the
+    communicators, then ``close`` (the real transports), whatever happens."""
+    from resilient.collectives.communicator import Communicator
+
+    ids = list(epoch.members)
+    results: dict[str, list] = {m: [] for m in ids}
+    errors: list[BaseException] = []
+    comms: dict[str, Any] = {}
+    blobs: dict = {"lock": threading.Condition()}
+
+    def member(m: str) -> None:
+        try:
+            c = Communicator(StaticView(m, epoch, blobs), transports[m], op_timeout=20, **comm_kw)
+            comms[m] = c
+            for seq, op in enumerate(ops):
+                t = member_input(ids.index(m), seq, numel)
+                w = c.allreduce(t, op)
+                results[m].append((t, tuple(w.contributors)))
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    try:
+        run_members(member, ids, timeout, "a member hung")
+        assert not errors, errors
+    finally:
+        for c in comms.values():
+            c.close()
+        for t in close:
+            t.close()
+    return results

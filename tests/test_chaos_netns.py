@@ -181,6 +181,12 @@ def test_leftovers_of_a_killed_run_are_cleaned_and_live_labs_kept():
         assert mine <= _netns_list()
 
 
+def _qdiscs(lab: NetnsLab, i: int) -> str:
+    """``tc qdisc show`` of member ``i``'s veth, inside its namespace."""
+    return subprocess.run([*lab.exec_prefix(i), "tc", "qdisc", "show", "dev", lab.ns_veths[i]],
+                          capture_output=True, text=True, check=True).stdout
+
+
 @needs_netns
 def test_link_shaping_classifies_only_traffic_between_the_two_namespaces():
     reason = netns.u32_unavailable_reason()
@@ -201,8 +207,7 @@ def test_link_shaping_classifies_only_traffic_between_the_two_namespaces():
         server.wait(timeout=30)
         assert lab.class_packets(0, 1) > 0 and lab.class_packets(1, 0) > 0  # both directions
         lab.clear_link(0, 1)
-        qdiscs = subprocess.run([*lab.exec_prefix(0), "tc", "qdisc", "show", "dev", lab.ns_veths[0]],
-                                capture_output=True, text=True, check=True).stdout
+        qdiscs = _qdiscs(lab, 0)
         assert "htb" not in qdiscs and "pfifo " not in qdiscs, qdiscs
 
 
@@ -214,13 +219,10 @@ def test_apply_netem_where_the_kernel_has_it():
     with NetnsLab(2) as lab:
         lab.apply_netem(0, 1, delay_ms=10, loss_pct=1)
         for i in (0, 1):
-            out = subprocess.run([*lab.exec_prefix(i), "tc", "qdisc", "show", "dev", lab.ns_veths[i]],
-                                 capture_output=True, text=True, check=True).stdout
+            out = _qdiscs(lab, i)
             assert "netem" in out and "delay 10ms" in out and "loss 1%" in out, out
         lab.clear_netem(0, 1)
-        out = subprocess.run([*lab.exec_prefix(0), "tc", "qdisc", "show", "dev", lab.ns_veths[0]],
-                             capture_output=True, text=True, check=True).stdout
-        assert "netem" not in out
+        assert "netem" not in _qdiscs(lab, 0)
 
 
 # -- the netem scenario through the runner -------------------------------------------------

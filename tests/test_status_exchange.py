@@ -12,7 +12,8 @@ import pytest
 
 from resilient.collectives.status_exchange import MAX_STATUS_BYTES, StatusExchange
 from resilient.errors import FrameError
-from resilient.transport.tcp import TcpTransport, control_seq
+from resilient.transport.base import control_seq
+from resilient.transport.tcp import TcpTransport
 
 
 class _View:

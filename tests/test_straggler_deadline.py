@@ -28,7 +28,6 @@ from resilient.collectives.algorithms.base import OpContext
 from resilient.collectives.algorithms.leaf import LeafPath, deadline_of
 from resilient.collectives.algorithms.leaf_deadline import SPACE, T_DECISION, T_INPUT, final_order
 from resilient.collectives.algorithms.ring import RingReduceScatterAllgather
-from resilient.collectives.communicator import Communicator
 from resilient.collectives.ledger import Ledger, split
 from resilient.errors import TransportAborted, TransportError
 from resilient.kernels import ReduceOp
@@ -38,7 +37,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from static_group import Info as _Info, StaticEpoch as _Epoch, StaticView as _StaticView, run_members  # noqa: E402
+from static_group import Info as _Info, StaticEpoch as _Epoch, member_input, run_allreduces, run_members  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -197,8 +196,7 @@ class _LateLeaf:
         return getattr(self.inner, name)
 
 
-def _inp(i: int, seq: int, n: int) -> torch.Tensor:
-    return (torch.arange(n, dtype=torch.float32) % 97) * (i + 1) + seq * 10 + i
+_inp = member_input
 
 
 def _run(world: int, leaves: dict[str, str], ops: list[str], numel: int, deadline_ms: float,
@@ -220,31 +218,8 @@ def _run(world: int, leaves: dict[str, str], ops: list[str], numel: int, deadlin
     ep = _Epoch(1, tuple(ids), "tok", {m: _Info(trs[m].address) for m in ids},
                 roles={m: ("demoted" if m in leaves else "active") for m in ids},
                 plan={"tree_parent": tree, "leaf_deadline_ms": deadline_ms})
-    results: dict[str, list] = {m: [] for m in ids}
-    errors: list[BaseException] = []
-    comms: dict[str, Communicator] = {}
-    blobs: dict = {"lock": threading.Condition()}
-
-    def member(m: str) -> None:
-        try:
-            c = Communicator(_StaticView(m, ep, blobs), wrapped[m], op_timeout=20, small_bytes=small_bytes,
+    results = run_allreduces(ep, wrapped, ops, numel, close=trs.values(), timeout=90, small_bytes=small_bytes,
                              slice_bytes=slice_bytes)
-            comms[m] = c
-            for seq, op in enumerate(ops):
-                t = _inp(ids.index(m), seq, numel)
-                w = c.allreduce(t, op)
-                results[m].append((t, tuple(w.contributors)))
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-
-    try:
-        run_members(member, ids, 90, "a member hung")
-        assert not errors, errors
-    finally:
-        for c in comms.values():
-            c.close()
-        for t in trs.values():
-            t.close()
     return ids, results, wrapped
 
 

@@ -8,20 +8,18 @@ here: tests/test_straggler_procs.py runs the whole thing with real processes and
 Results are checked exactly (integer-valued float inputs)."""
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
 
 from resilient.collectives.algorithms.leaf import LeafPath, items_of, leaf_assignment
-from resilient.collectives.communicator import Communicator
 from resilient.transport.tcp import TcpTransport
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from static_group import Info as _Info, StaticEpoch as _Epoch, StaticView as _StaticView, run_members  # noqa: E402
+from static_group import Info as _Info, StaticEpoch as _Epoch, member_input, run_allreduces, run_members  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -56,8 +54,7 @@ def test_items_cut_every_piece_into_sub_slices_covering_it_exactly():
 
 # -- data path ---------------------------------------------------------------------------
 
-def _inp(i: int, seq: int, n: int) -> torch.Tensor:
-    return (torch.arange(n, dtype=torch.float32) % 97) * (i + 1) + seq * 10 + i
+_inp = member_input
 
 
 def _run(world: int, demoted: set[str], tree_parent: list[int], numel: int, ops: list[str],
@@ -67,31 +64,8 @@ def _run(world: int, demoted: set[str], tree_parent: list[int], numel: int, ops:
     ep = _Epoch(1, tuple(ids), "tok", {m: _Info(trs[m].address) for m in ids},
                 roles={m: ("demoted" if m in demoted else "active") for m in ids},
                 plan={"tree_parent": tree_parent})
-    results: dict[str, list] = {m: [] for m in ids}
-    errors: list[BaseException] = []
-    comms: dict[str, Communicator] = {}
-    blobs: dict = {"lock": threading.Condition()}
-
-    def member(m: str) -> None:
-        try:
-            c = Communicator(_StaticView(m, ep, blobs), trs[m], op_timeout=20, small_bytes=small_bytes,
+    results = run_allreduces(ep, trs, ops, numel, close=trs.values(), small_bytes=small_bytes,
                              slice_bytes=slice_bytes)
-            comms[m] = c
-            for seq, op in enumerate(ops):
-                t = _inp(ids.index(m), seq, numel)
-                w = c.allreduce(t, op)
-                results[m].append((t, w.contributors))
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-
-    try:
-        run_members(member, ids, 60, "a member hung")
-        assert not errors, errors
-    finally:
-        for c in comms.values():
-            c.close()
-        for t in trs.values():
-            t.close()
     sent = {m: {p: n for p, n in trs[m].stats.sent_by_peer.items() if n} for m in ids}
     return ids, results, sent
 

@@ -126,6 +126,7 @@ class Communicator:
         self.health_reporter = health_reporter
         self._metrics = metrics
         self._published: dict[int, int] = {}  # epoch -> the next op seq this member announced there
+        self._aborted_at: float | None = None  # wall time the watch thread last aborted the transport
         self._switch: tuple[int, Any] | None = None  # (op seq, epoch) at which to adopt a growing epoch
         self._enter(epoch)
         self._status_epoch = epoch.number
@@ -556,7 +557,7 @@ class Communicator:
         L = ctx.ledger
         t0 = time.monotonic()
         wall0 = time.time()
-        sent0 = self.transport.stats.bytes_sent
+        sent0, retries0 = self.transport.stats.bytes_sent, self._op_transport.retries
         while True:
             newest = self.view.current()
             if awaiting or newest is None or newest.number <= self._epoch.number:
@@ -616,10 +617,10 @@ class Communicator:
                                   "status_s": t_status - t0, "plan_s": t_plan - t_status, "execute_s": t_end - t_plan,
                                   "rounds": len(plan.rounds), "transfers": len(plan.transfers()), **exec_stats,
                                   "bytes_sent": self.transport.stats.bytes_sent - sent0,
-                                  "link_retries": self._op_transport.retries,
+                                  "link_retries": self._op_transport.retries - retries0,
                                   "contributors": members_of(plan.need[0], L.members) if plan.need else [],
                                   # wall-clock times (time.time()) of this recovery's steps, for benchmarks
-                                  "timeline": {"aborted": getattr(self, "_aborted_at", None), "entered": wall0,
+                                  "timeline": {"aborted": self._aborted_at, "entered": wall0,
                                                "epoch": wall_epoch,
                                                "statuses": wall0 + (t_status - t0), "done": time.time()}}
             self._record_recovery(e, L)

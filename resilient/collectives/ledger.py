@@ -73,26 +73,24 @@ class Ledger:
         """Piece ``p`` of ``out`` as a transport buffer: a byte memoryview for a CPU
         tensor (slicing it costs far less than turning a tensor view into bytes on every
         post), else the tensor view."""
-        mv = self.__dict__.get("_out_mv")
-        if mv is None:
-            mv = self.__dict__["_out_mv"] = _bytes_of(self.out)
-        if mv is False:
-            return self.view(p)
-        s, e = self.pieces[p]
-        es = self.out.element_size()
-        return mv[s * es:e * es]
+        return self._bytes("_out_mv", self.out, self.pieces[p][0], p)
 
     def input_buf(self, p: int) -> Any:
         """Piece ``p``'s input as a transport buffer (see :meth:`buf`)."""
-        mv = self.__dict__.get("_inp_mv")
+        start = self.pieces[p][0] if self.inp_offset is None else self.inp_offset[p]
+        return self._bytes("_inp_mv", self.inp, start, p)
+
+    def _bytes(self, key: str, t: torch.Tensor, start: int, p: int) -> Any:
+        """Elements ``[start, start + len(piece p))`` of ``t``: a slice of its byte view,
+        made once per op and cached under ``key`` (the tensor slice where ``t`` has none)."""
+        mv = self.__dict__.get(key)
         if mv is None:
-            mv = self.__dict__["_inp_mv"] = _bytes_of(self.inp)
-        if mv is False:
-            return self.input_view(p)
+            mv = self.__dict__[key] = _bytes_of(t)
         s, e = self.pieces[p]
-        off = s if self.inp_offset is None else self.inp_offset[p]
-        es = self.inp.element_size()
-        return mv[off * es:(off + e - s) * es]
+        if mv is False:
+            return t[start:start + e - s]
+        es = t.element_size()
+        return mv[start * es:(start + e - s) * es]
 
     def set(self, p: int, mask: int) -> None:
         if self.enabled:

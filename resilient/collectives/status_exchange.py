@@ -3,7 +3,7 @@
 A recovery cannot plan (:mod:`.resume`) before each survivor has every other survivor's
 ledger summary. They travel two ways at once, and the first complete set wins:
 
-* **over the transport** — control frames (:func:`~resilient.transport.tcp.control_seq`
+* **over the transport** — control frames (:func:`~resilient.transport.base.control_seq`
   of the epoch number, matched apart from any op's data), a length frame then the
   payload: from every survivor straight to every other up to :data:`DIRECT_MAX`
   survivors (one hop), around the survivors' ring beyond (``n - 1`` hops over the ring's
@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence
 
 from resilient.collectives.algorithms.base import tag
 from resilient.errors import FrameError
+from resilient.transport.base import control_seq
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,6 @@ class StatusExchange:
         what it raises). ``newer_epoch()`` returns the number of an epoch newer than
         ``epoch`` when there is one."""
         from resilient.coordinator.epoch import EpochChanged
-        from resilient.transport.tcp import control_seq
 
         self._timeout = timeout
         threading.Thread(target=self._publish, name=f"ledger-status-{self.epoch}", daemon=True).start()

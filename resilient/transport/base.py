@@ -17,6 +17,8 @@ Contract every implementation keeps
   :meth:`Transport.configure`. A message is matched by ``(peer, op_seq, tag)``; messages
   between one ordered pair of members are delivered in the order they were posted, and
   the receiver posts its receives in the same order (algorithms are deterministic).
+  Frames of the control namespace (:func:`control_seq`) are matched only with control
+  receives, in their own order, so a control exchange never meets an op's data.
 * **Buffers.** ``buf`` is a C-contiguous CPU ``torch.Tensor``/``numpy.ndarray`` or any
   object with the writable buffer protocol (a CUDA tensor for the NCCL transport).
   :meth:`irecv` writes straight into ``buf`` (no staging copy); the sizes must match
@@ -52,6 +54,21 @@ from resilient.errors import TransportError
 
 # A C-contiguous tensor / ndarray / writable buffer-protocol object.
 Buffer = Any
+
+
+#: op sequence namespace (top two bits of ``op_seq``) of control exchanges between members
+#: (e.g. the ledger summaries of a recovery): a transport matches their frames only with
+#: receives of that namespace, so they never meet an op's data
+CONTROL_NAMESPACE = 2
+
+
+def is_control(op_seq: int) -> bool:
+    return op_seq >> 62 == CONTROL_NAMESPACE
+
+
+def control_seq(n: int) -> int:
+    """The op sequence number of control exchange ``n`` (e.g. an epoch number)."""
+    return (CONTROL_NAMESPACE << 62) | (n & ((1 << 40) - 1))
 
 
 @dataclass

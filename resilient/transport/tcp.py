@@ -39,7 +39,7 @@ from typing import Any, Mapping, Sequence
 from resilient.errors import FrameError, TransportAborted, TransportError
 from resilient.transport import frames
 from resilient.transport.base import (
-    Buffer, OpMismatch, PeerReportedError, Request, Transport, TransportStats,
+    Buffer, OpMismatch, PeerReportedError, Request, Transport, TransportStats, is_control,
 )
 
 SOCK_BUF = int(os.environ.get("RESILIENT_TCP_SOCKBUF", 4 << 20))
@@ -64,20 +64,6 @@ def as_memoryview(buf: Buffer) -> memoryview:
     if not mv.c_contiguous:
         raise TransportError("transport buffers must be C-contiguous")
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
-
-
-#: op sequence namespace (top two bits) of control exchanges between members (e.g. the
-#: ledger summaries of a recovery): matched only with receives of that namespace
-CONTROL_NAMESPACE = 2
-
-
-def is_control(op_seq: int) -> bool:
-    return op_seq >> 62 == CONTROL_NAMESPACE
-
-
-def control_seq(n: int) -> int:
-    """The op sequence number of control exchange ``n`` (e.g. an epoch number)."""
-    return (CONTROL_NAMESPACE << 62) | (n & ((1 << 40) - 1))
 
 
 class _Req(Request):
