@@ -7,6 +7,7 @@ it exits (the node agent's fast path), so every survivor must finish the op well
 the detection bound."""
 from __future__ import annotations
 
+import inspect
 import os
 import random
 import sys
@@ -18,6 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 from collective_harness import Workers, coordinator  # noqa: E402
+from resilient.collectives.communicator import Communicator  # noqa: E402
 from inputs import expected, make_input  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -47,7 +49,11 @@ def assert_allreduce_exact(w: Workers, mid: str, seq: int, spec: dict) -> list[s
     return contrib
 
 
-# kill points: progress marks are step/(n-1) (one slice per chunk here), so frac <= 0.6 always fires
+# kill points fire at the first progress mark >= frac, and frac <= 0.6 here: ring marks are
+# step/(n-1) (one slice per chunk here, marks up to 0.67 or more); chain (broadcast) marks are
+# slice/slices, so a broadcast must span more than 3 of the communicator's default slices
+SLICE_BYTES = inspect.signature(Communicator).parameters["slice_bytes"].default
+BCAST_NUMEL = 3 * SLICE_BYTES // 8 + 1000   # int64: 4 slices, marks 0, .25, .5, .75
 BIG = {"k": "allreduce", "numel": 600_000, "dtype": "int64", "op": "sum"}
 OPS = [{"k": "allreduce", "numel": 1000, "dtype": "int64", "op": "sum"}, BIG,
        {"k": "allreduce", "numel": 1000, "dtype": "int64", "op": "sum"}]
@@ -115,7 +121,7 @@ def test_allgather_reduce_scatter_broadcast_with_a_kill(etcd_session, job_name, 
     ops = [{"k": "barrier"},
            {"k": "allgather", "numel": 200_003, "dtype": "int64"},
            {"k": "reduce_scatter", "numel": 200_003, "dtype": "int64", "op": "sum"},
-           {"k": "broadcast", "numel": 300_000, "dtype": "int64", "root": 0}]
+           {"k": "broadcast", "numel": BCAST_NUMEL, "dtype": "int64", "root": 0}]
     victim = f"m{rng.randrange(1, world)}"
     op, phase = rng.choice([(1, "ag"), (2, "rs"), (3, "chain")])
     fps = {victim: f"kill@op={op},phase={phase},frac={rng.uniform(0.05, 0.6):.2f}"}
@@ -149,7 +155,7 @@ def test_allgather_reduce_scatter_broadcast_with_a_kill(etcd_session, job_name, 
                     else:  # killed in this op: a chunk already fully reduced keeps everyone (exact, reported)
                         assert contrib in (survivors, everyone), (mid, contrib, fps)
                 else:
-                    np.testing.assert_array_equal(got, make_input(0, seq, w.seed, 300_000, "int64").numpy())
+                    np.testing.assert_array_equal(got, make_input(0, seq, w.seed, BCAST_NUMEL, "int64").numpy())
     finally:
         w.close()
 
