@@ -78,9 +78,9 @@ def run(cfg) -> int:  # cfg: LaunchConfig
                 control = ControlPlane(store, endpoints, cfg.job, cfg.lease_ttl, keeper)
 
             if cfg.standalone:
-                tcp, port = host_tcp_store("localhost", 0)
+                tcp, port = host_tcp_store("127.0.0.1", 0, bind="127.0.0.1")   # loopback only
                 stack.callback(lambda: tcp)  # keep a reference until exit
-                placement = Placement(0, 1, cfg.nproc_per_node, "localhost", port, cfg.run_id)
+                placement = Placement(0, 1, cfg.nproc_per_node, "127.0.0.1", port, cfg.run_id)
             elif cfg.elastic_nodes:
                 addr = local_address(cfg.local_addr)
                 tcp, port = host_tcp_store(addr, 0)
@@ -111,9 +111,9 @@ def run(cfg) -> int:  # cfg: LaunchConfig
 
                 metrics_dir = metrics.prepare_multiprocess_dir(tempfile.mkdtemp(prefix="resilient-metrics-"))
                 stack.callback(metrics.remove_multiprocess_dir, metrics_dir)
-                server = metrics.serve_node_metrics(metrics_dir, cfg.metrics_port)
+                server = metrics.serve_node_metrics(metrics_dir, cfg.metrics_port, addr=cfg.metrics_host)
                 stack.callback(server.close)
-                log.info("serving /metrics on port %d", server.port)
+                log.info("serving /metrics on %s:%d", cfg.metrics_host, server.port)
 
             logs = WorkerLogs(cfg.log_dir, cfg.run_id, cfg.role, cfg.redirects, cfg.tee,
                               cfg.local_ranks_filter, cfg.duplicate_stdout_filters,

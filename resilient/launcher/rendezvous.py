@@ -198,17 +198,25 @@ class NodeRendezvous:
             log.warning("could not revoke node lease %x: %s (it expires after its TTL)", self.lease, exc)
 
 
-def host_tcp_store(addr: str, port: int) -> tuple[Any, int]:
+def host_tcp_store(addr: str, port: int, bind: str | None = None) -> tuple[Any, int]:
     """Host torch's TCPStore the workers reach through MASTER_ADDR/MASTER_PORT
     (``TORCHELASTIC_USE_AGENT_STORE=True``), as torchrun's agent does. ``port`` 0 picks a
-    free port. Raises ``ResilientError`` naming the port when it is taken."""
+    free port. ``bind`` (e.g. ``127.0.0.1`` under ``--standalone``): listen on that address
+    only (torch's own server listens on every interface; we hand it a socket bound here).
+    Raises ``ResilientError`` naming the port when it is taken."""
+    import socket
     from datetime import timedelta
 
     from torch.distributed import TCPStore
 
     try:
-        store = TCPStore(host_name=addr, port=port, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=30))
+        fd = None
+        if bind is not None:
+            sock = socket.create_server((bind, port), backlog=128)
+            port = sock.getsockname()[1]
+            fd = sock.detach()   # the store owns the listening socket from here on
+        store = TCPStore(host_name=bind or addr, port=port, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=30), master_listen_fd=fd)
     except (RuntimeError, OSError) as exc:
         raise ResilientError(
             f"cannot host the workers' TCPStore on port {port}: {exc}; the port is probably in use, "
