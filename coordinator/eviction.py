@@ -78,14 +78,20 @@ def read_requests(store: "Store", job: str) -> dict[str, int]:
     out: dict[str, int] = {}
     for kv in store.get_prefix(prefix):
         try:
-            f = records.fields("readmit", kv.value, kv.key)
             mid = kv.key[len(prefix):]
             if not records.is_id(mid):
-                f.fail("the key does not end in a valid member id")
-            out[mid] = f.int("epoch")
+                raise RecordError(f"bad readmit record at {kv.key}: the key does not end in a valid member id",
+                                  "readmit", kv.key)
+            out[mid] = parse_readmit(kv.value, kv.key)
         except RecordError as exc:
             records.skip(exc, kv.key)
     return out
+
+
+def parse_readmit(raw: bytes, key: str = "") -> int:
+    """The epoch number a ``readmit/<member>`` request answers (an integer in
+    [0, 2**63)); :class:`~resilient.errors.RecordError` if the request is malformed."""
+    return records.fields("readmit", raw, key).int("epoch")
 
 
 # -- the pure book -------------------------------------------------------------------------
