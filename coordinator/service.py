@@ -313,7 +313,7 @@ class Coordinator:
         epoch, erev, corrupt = read_epoch_lenient(self.store, self.job)
         if corrupt is not None:   # publish over it: diff against the newest valid history
             epoch = latest_valid_history(self.store, self.job)
-            self._epoch_problem = f"the epoch key holds a malformed record (revision {erev}): {corrupt}"
+            self._epoch_problem = f"the epoch key holds a malformed epoch record (revision {erev}): {corrupt}"
         departed: dict[str, tuple[str, float]] = {}
         bad_markers: list[str] = []
         for kv in self.store.get_prefix(keys.departed(self.job)):
