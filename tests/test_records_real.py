@@ -256,3 +256,18 @@ def test_every_listener_of_a_standalone_job_is_on_loopback(tmp_path):
         assert run.wait(60) == 0
     finally:
         run.close()
+
+
+def test_a_watcher_started_over_a_corrupt_epoch_key_waits_for_a_valid_one(etcd_session, store, job_name, caplog):
+    store.put(keys.epoch(job_name), b'{"number": 5, "members": ["m1\\n"]}')
+    with caplog.at_level("ERROR", logger="resilient.coordinator.records"):
+        watcher = EpochWatcher(store, job_name)
+    try:
+        assert watcher.current() is None
+        assert any("not a valid id" in r.getMessage() for r in caplog.records)
+        store.put(keys.epoch(job_name), b"\x80garbage")           # skipped on the watch too
+        good = {"number": 6, "members": ["m1"]}
+        store.put(keys.epoch(job_name), json.dumps(good).encode())
+        assert watcher.wait_for(lambda e: e.number == 6, 10).members == ("m1",)
+    finally:
+        watcher.close()
