@@ -79,10 +79,11 @@ def parse_health(raw: bytes, key: str = "") -> dict:
     """Validate one ``health/<member>`` record: a JSON object whose known fields have
     their types (``epoch``, ``seq``, ``ops``: integers in [0, 2**63); ``at``,
     ``window_s``, ``op_s_*``: finite numbers >= 0; ``wait_s``: member id -> finite number
-    >= 0; ``shaping``, ``member``: bounded strings); other fields pass as they are.
+    >= 0; ``shaping``, ``member``: bounded strings; ``null`` means absent); other fields
+    pass as they are.
     Raises :class:`~resilient.errors.RecordError`."""
     f = records.fields("health", raw, key)
-    rec = dict(f.d)
+    rec = {k: v for k, v in f.d.items() if v is not None}   # null: absent
     for name in ("v", "epoch", "seq", "ops"):
         if f.has(name):
             rec[name] = f.int(name)

@@ -170,40 +170,29 @@ class Fields:
     def has(self, name: str) -> bool:
         return self.d.get(name) is not None
 
-    def int(self, name: str, default: Any = _REQUIRED, lo: int = 0, hi: int = MAX_INT) -> Any:
+    def _scalar(self, name: str, default: Any, check: Any, rule: str) -> Any:
+        """The field checked by ``check(value) -> value | None`` (None: it broke ``rule``)."""
         v = self._get(name, default)
         if v is _REQUIRED:
             return default
-        out = _check_int(v, lo, hi)
+        out = check(v)
         if out is None:
-            self._fail(f"field {self._path(name)!r} = {_short(v)} is not an integer in [{lo}, {hi}]")
+            self._fail(f"field {self._path(name)!r} = {_short(v)} is not {rule}")
         return out
+
+    def int(self, name: str, default: Any = _REQUIRED, lo: int = 0, hi: int = MAX_INT) -> Any:
+        return self._scalar(name, default, lambda v: _check_int(v, lo, hi), f"an integer in [{lo}, {hi}]")
 
     def float(self, name: str, default: Any = _REQUIRED, lo: float = -math.inf, hi: float = math.inf) -> Any:
-        v = self._get(name, default)
-        if v is _REQUIRED:
-            return default
-        out = _check_float(v, lo, hi)
-        if out is None:
-            self._fail(f"field {self._path(name)!r} = {_short(v)} is not a finite number in [{lo}, {hi}]")
-        return out
+        return self._scalar(name, default, lambda v: _check_float(v, lo, hi), f"a finite number in [{lo}, {hi}]")
 
     def str(self, name: str, default: Any = _REQUIRED, max_len: int = MAX_STR) -> Any:
-        v = self._get(name, default)
-        if v is _REQUIRED:
-            return default
-        if not isinstance(v, str) or len(v) > max_len:
-            self._fail(f"field {self._path(name)!r} = {_short(v)} is not a string of at most {max_len} characters")
-        return v
+        return self._scalar(name, default, lambda v: v if isinstance(v, str) and len(v) <= max_len else None,
+                            f"a string of at most {max_len} characters")
 
     def name(self, name: str, default: Any = _REQUIRED) -> Any:
-        v = self._get(name, default)
-        if v is _REQUIRED:
-            return default
-        if _check_name(v) is None:
-            self._fail(f"field {self._path(name)!r} = {_short(v)} is not a valid id (1-128 of letters, digits, "
-                       "'.', '_', '-', starting with a letter or digit)")
-        return v
+        return self._scalar(name, default, _check_name, "a valid id (1-128 of letters, digits, '.', '_', '-', "
+                            "starting with a letter or digit)")
 
     def _list(self, name: str, default: Any) -> Any:
         v = self._get(name, default)
