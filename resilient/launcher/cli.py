@@ -78,9 +78,10 @@ def run(cfg) -> int:  # cfg: LaunchConfig
                 control = ControlPlane(store, endpoints, cfg.job, cfg.lease_ttl, keeper)
 
             if cfg.standalone:
-                tcp, port = host_tcp_store("127.0.0.1", 0, bind="127.0.0.1")   # loopback only
+                # loopback only; MASTER_ADDR stays torchrun's "localhost" (its client tries every address)
+                tcp, port = host_tcp_store("localhost", 0, bind="127.0.0.1")
                 stack.callback(lambda: tcp)  # keep a reference until exit
-                placement = Placement(0, 1, cfg.nproc_per_node, "127.0.0.1", port, cfg.run_id)
+                placement = Placement(0, 1, cfg.nproc_per_node, "localhost", port, cfg.run_id)
             elif cfg.elastic_nodes:
                 addr = local_address(cfg.local_addr)
                 tcp, port = host_tcp_store(addr, 0)
