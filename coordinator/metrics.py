@@ -12,7 +12,7 @@ Names (base units, ``resilient_`` prefix):
   exponential buckets from 5 ms to ~11 min.
 * ``resilient_bad_records_total{kind}`` — counter: malformed records read from etcd and
   skipped by this process, kind = member | epoch | health | scores | readmit | departed |
-  suspect | eviction | leader (:mod:`.records`).
+  suspect | eviction | leader | node | rendezvous (:mod:`.records`).
 
 The HTTP endpoint serves at most :data:`MAX_HTTP_THREADS` requests at once and closes a
 connection that has not sent its request within :data:`HTTP_TIMEOUT_S` seconds.

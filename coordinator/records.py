@@ -2,7 +2,8 @@
 
 Anything that can write to the job's keyspace can write anything, so every parser of an
 etcd value (members, epochs, health, straggler scores, re-admission requests, departed
-markers, suspect reports, evictions in an epoch's plan) goes through this module and
+markers, suspect reports, evictions in an epoch's plan, the launcher's node slots and
+``launcher/started``) goes through this module and
 raises exactly one error type, :class:`~resilient.errors.RecordError` (a
 :class:`~resilient.errors.StoreError`), naming the record kind, the key, the field and the
 rule it broke. Limits:
@@ -46,7 +47,8 @@ MAX_STR = 4096
 MAX_ITEMS = 65536
 
 #: Record kinds (the ``kind`` label of ``resilient_bad_records_total``).
-KINDS = ("member", "epoch", "health", "scores", "readmit", "departed", "suspect", "eviction", "leader")
+KINDS = ("member", "epoch", "health", "scores", "readmit", "departed", "suspect", "eviction", "leader",
+         "node", "rendezvous")
 
 _REQUIRED = object()
 _counts: dict[str, int] = {k: 0 for k in KINDS}

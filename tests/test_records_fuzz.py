@@ -236,3 +236,20 @@ def test_codec_refuses_a_huge_shape_before_allocating():
         decode(_codec_payload({"s": {"__t__": 0}, "t": [["float64", [2 ** 40, 2 ** 20], 0, 0]]}))
     with pytest.raises(FrameError, match="runs past the end"):
         decode(_codec_payload({"s": {"__t__": 0}, "t": [["float64", [2 ** 30], 0, 2 ** 33]]}))
+
+
+NODE = {"addr": "127.0.0.1", "store_port": 29500, "nproc": 2, "host": "h", "agent": "7a3f"}
+STARTED = {"nodes": [0, 1], "agents": ["7a3f", "7a40"], "master_addr": "127.0.0.1", "master_port": 29500,
+           "time": 1.0}
+
+
+@FAST
+@given(RAW | st.builds(_mutate, st.just(NODE), st.sampled_from(_paths(NODE)), JSONISH)
+       | st.builds(_mutate, st.just(STARTED), st.sampled_from(_paths(STARTED)), JSONISH))
+def test_launcher_rendezvous_parsers_raise_only_record_error(raw):
+    from resilient.launcher.rendezvous import parse_node, parse_started
+
+    node = _only_record_error(parse_node, raw)
+    assert node is None or (0 <= node["store_port"] <= 65535 and node["nproc"] >= 1)
+    started = _only_record_error(parse_started, raw)
+    assert started is None or (1 <= started["master_port"] <= 65535 and all(n >= 0 for n in started["nodes"]))
