@@ -170,12 +170,17 @@ def read_epoch_lenient(store: Store, job: str) -> tuple[Epoch | None, int, "Reco
         return None, kv.mod_revision, exc
 
 
-def latest_valid_history(store: Store, job: str) -> Epoch | None:
-    """The newest valid record under ``epochs/<n>/epoch`` (malformed ones skipped), or None."""
+def latest_valid_history(store: Store, job: str) -> tuple[Epoch | None, int]:
+    """The newest valid record under ``epochs/<n>/epoch`` (malformed ones skipped, or
+    None) and the highest ``n`` of any key under ``epochs/`` (0 if none), valid or not:
+    a number that a corrupt history record may hide is still accounted for."""
     prefix = keys.root(job) + "epochs/"
     best: Epoch | None = None
+    highest = 0
     for kv in store.get_prefix(prefix):
         rest = kv.key[len(prefix):].split("/")
+        if rest[0].isdigit() and len(rest[0]) < 19:    # < 10**18: a number the coordinator could have written
+            highest = max(highest, int(rest[0]))
         if len(rest) != 2 or rest[1] != "epoch":
             continue
         try:
@@ -188,7 +193,7 @@ def latest_valid_history(store: Store, job: str) -> Epoch | None:
             continue
         if best is None or e.number > best.number:
             best = e
-    return best
+    return best, highest
 
 
 class EpochWatcher:

@@ -25,8 +25,8 @@ Failure behaviour: etcd unreachable → the loop logs, keeps its leadership clai
 judge it by the lease on return) and retries; ``/healthz`` turns 503 after
 ``retry_timeout`` without a successful read. Malformed records (:mod:`.records`) are
 skipped, logged and counted (``resilient_bad_records_total{kind}``); a malformed
-``epoch`` record is published over (cause ``repaired``, numbered after the newest valid
-``epochs/<n>/epoch``, see :meth:`Coordinator._repair_number`) and ``/healthz`` names it.
+``epoch`` record is published over (cause ``repaired``, numbered after the highest
+``epochs/<n>/``, see :meth:`Coordinator._repair_number`) and ``/healthz`` names it.
 Any other failure of a pass is logged and retried; when passes keep failing, ``/healthz``
 turns 503 naming the exception instead of blaming etcd. The leader lease expiring (process hung) →
 another coordinator takes over after about one ``ttl``; SIGTERM → resign at once.
@@ -311,8 +311,9 @@ class Coordinator:
         confirmed, consumed, suspects_pending = self._check_suspects(members)
         alive = {m: v for m, v in members.items() if m not in confirmed}
         epoch, erev, corrupt = read_epoch_lenient(self.store, self.job)
+        history_top = 0
         if corrupt is not None:   # publish over it: diff against the newest valid history
-            epoch = latest_valid_history(self.store, self.job)
+            epoch, history_top = latest_valid_history(self.store, self.job)
             self._epoch_problem = f"the epoch key holds a malformed epoch record (revision {erev}): {corrupt}"
         departed: dict[str, tuple[str, float]] = {}
         bad_markers: list[str] = []
@@ -392,7 +393,7 @@ class Coordinator:
             plan_dict["leaf_deadline_ms"] = deadline_ms
         if evicted:   # read by the evicted member (Evicted message), status and a new leader
             plan_dict["evicted"] = {m: ev.to_dict() for m, ev in sorted(evicted.items())}
-        number = (epoch.number if epoch else 0) + 1 if corrupt is None else self._repair_number(epoch, erev)
+        number = (epoch.number if epoch else 0) + 1 if corrupt is None else self._repair_number(history_top, erev)
         new = Epoch(
             number=number, members=p.ring, infos={m: alive[m][0] for m in p.ring}, roles=roles,
             plan=plan_dict, token=secrets.token_hex(16), cause=cause, trigger_at=trigger,
@@ -429,19 +430,23 @@ class Coordinator:
                  list(removed), list(added))
         return "published", suspects_pending
 
-    def _repair_number(self, newest_valid: Epoch | None, corrupt_revision: int) -> int:
+    def _repair_number(self, history_top: int, corrupt_revision: int) -> int:
         """The number of the epoch published over a malformed ``epoch`` record.
 
         It must exceed every number a rank may have adopted. Ranks adopt only epochs
         the coordinator published, and every publish writes ``epochs/<n>/epoch`` in the
         same transaction (the newest :data:`~.keys.EPOCHS_KEPT` are kept), so the
-        newest valid history record plus one is safe and keeps the numbers consecutive.
-        If the history is gone too (or malformed), the floor is the corrupt record's mod
-        revision: each publish was its own etcd transaction, so every number published
-        before (epoch n was written at revision > n) is below that revision. The jump
-        this makes in the numbers is harmless (ranks only need them to increase)."""
-        if newest_valid is not None:
-            return newest_valid.number + 1
+        highest ``n`` under ``epochs/`` plus one is safe — taken from the key names, so
+        a history record that is itself corrupt still counts — and keeps the numbers
+        consecutive. Why not always the revision floor below: it would make the numbers
+        jump on every repair and leave the older history keys behind (only epoch
+        ``n - EPOCHS_KEPT`` is deleted when ``n`` is published). If the history is
+        gone, the floor is the corrupt record's mod revision: each publish was its own
+        etcd transaction, so every number published before (epoch n was written at a
+        revision > n) is below it; the jump is harmless (ranks only need the numbers
+        to increase)."""
+        if history_top > 0:
+            return history_top + 1
         return max(1, corrupt_revision)
 
     def _health_verdict(self, epoch: Epoch | None, alive) -> tuple[set[str], list[list[str]]]:

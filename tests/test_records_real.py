@@ -88,18 +88,27 @@ def test_corrupt_epoch_key_is_published_over_and_later_failures_still_handled(et
         assert coord.stop() == 0, "\n".join(coord.err[-30:])
 
 
-def test_corrupt_epoch_and_history_gone_takes_the_revision_floor(etcd_session, store, job_name):
+@pytest.mark.parametrize("history", ["gone", "corrupt"])
+def test_corrupt_epoch_and_history_still_yields_a_higher_number(etcd_session, store, job_name, history):
     coord = CoordinatorThread(etcd_session.endpoints, job_name, join_debounce=0.05)
     sessions = [MemberSession.register(store, job_name, MemberInfo(member_id="m0"), ttl=5.0)]
     watcher = EpochWatcher(store, job_name)
     try:
         first = watcher.wait_for(lambda e: e.members == ("m0",), 15)
-        store.delete_prefix(keys.root(job_name) + "epochs/")
+        if history == "gone":
+            store.delete_prefix(keys.root(job_name) + "epochs/")
+        else:
+            store.put(keys.epoch_record(job_name, first.number), b'{"number": "x"}')
         rev = store.put(keys.epoch(job_name), b"\xff\xfe")
         repaired = watcher.wait_for(lambda e: e.number > first.number, 15)
-        assert repaired.cause == "repaired" and repaired.number >= rev > first.number
-        ok, why = coord.coordinator.healthy()
-        assert ok and f"published epoch {repaired.number} over a malformed epoch record" in why
+        assert repaired.cause == "repaired"
+        if history == "gone":   # the revision floor
+            assert repaired.number >= rev > first.number
+        else:                   # the history key's number still counts
+            assert repaired.number == first.number + 1
+        wait_until(lambda: f"published epoch {repaired.number} over a malformed epoch record"
+                   in coord.coordinator.healthy()[1], 10, "the coordinator's health to name the repair")
+        assert coord.coordinator.healthy()[0]
     finally:
         watcher.close()
         coord.close()
