@@ -28,7 +28,7 @@ import json
 import logging
 import math
 import threading
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator
 
 from resilient.coordinator import keys
 from resilient.errors import ConfigError, RecordError
@@ -327,7 +327,3 @@ def timestamp(kind: str, raw: bytes, key: str = "") -> float:
     (``departed/``, ``suspects/``); :class:`RecordError` if the record is malformed."""
     return Fields(kind, load(kind, raw, key), key).float("at", 0.0, lo=0.0)
 
-
-def check_mapping(kind: str, value: Any, key: str = "") -> Mapping:
-    """``value`` if it is a JSON object, else :class:`RecordError`."""
-    return Fields(kind, value, key).d
