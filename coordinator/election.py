@@ -29,9 +29,20 @@ log = logging.getLogger(__name__)
 
 
 def current_leader(store: Store, job: str) -> str | None:
-    """The id of the current leader, or None."""
+    """The id of the current leader, or None (also for a value that is not a valid id:
+    skipped, logged and counted as a bad ``leader`` record)."""
+    from resilient.coordinator import records
+    from resilient.errors import RecordError
+
     kv = store.get(keys.leader(job))
-    return kv.value.decode() if kv else None
+    if kv is None:
+        return None
+    value = kv.value.decode("utf-8", "replace")
+    if not records.is_id(value):
+        records.skip(RecordError(f"bad leader record at {kv.key}: {value[:80]!r} is not a valid coordinator id",
+                                 "leader", kv.key))
+        return None
+    return value
 
 
 class LeaderElection:

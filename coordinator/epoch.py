@@ -13,6 +13,9 @@ record, so every member reads the same one), and why and when it was published.
 Failure behaviour: while etcd is unreachable the watcher keeps its last epoch and
 reconnects by itself, resuming from the last revision it saw (so no epoch is missed); if
 history was compacted meanwhile it re-reads ``epoch`` and subscribers get the newest one.
+A malformed epoch record (:mod:`.records`) never reaches a subscriber: the watcher logs
+it as an error, counts it and keeps its last good epoch until a valid one is published
+(the coordinator publishes over a corrupt record, cause ``repaired``).
 """
 from __future__ import annotations
 
@@ -23,15 +26,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from resilient.coordinator import keys
+from resilient.coordinator import keys, records
 from resilient.coordinator.membership import MemberInfo
 from resilient.coordinator.store import Store, WatchEvent
-from resilient.errors import StoreError
+from resilient.errors import RecordError, StoreError
 
 log = logging.getLogger(__name__)
 
 #: Why an epoch was published (``Epoch.cause``).
-CAUSES = ("initial", "member_lost", "lease_expired", "suspect_confirmed", "joined", "health")
+#: ``repaired``: published over a malformed ``epoch`` record (:mod:`.service`).
+CAUSES = ("initial", "member_lost", "lease_expired", "suspect_confirmed", "joined", "health", "evicted",
+          "readmitted", "repaired")
 
 
 @dataclass(frozen=True)
@@ -73,29 +78,122 @@ class Epoch:
         return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes) -> "Epoch":
-        """Parse an epoch record; :class:`StoreError` if it is malformed."""
-        try:
-            d = json.loads(raw)
-            return cls(
-                number=int(d["number"]), members=tuple(str(m) for m in d["members"]),
-                infos={str(m): MemberInfo.from_dict(i) for m, i in (d.get("infos") or {}).items()},
-                roles={str(k): str(v) for k, v in (d.get("roles") or {}).items()},
-                plan=dict(d.get("plan") or {}), token=str(d.get("token", "")),
-                cause=str(d.get("cause", "")), trigger_at=float(d.get("trigger_at", 0.0)),
-                published_at=float(d.get("published_at", 0.0)), leader=str(d.get("leader", "")),
-                removed=tuple(d.get("removed") or ()), added=tuple(d.get("added") or ()),
-            )
-        except (ValueError, KeyError, TypeError) as exc:
-            raise StoreError(f"malformed epoch record: {exc}") from None
+    def from_json(cls, raw: bytes, key: str = "") -> "Epoch":
+        """Parse an epoch record under the :mod:`.records` rules: ``number`` an integer
+        in [0, 2**63), ``members`` distinct valid ids, ``infos`` valid member records,
+        ``roles`` id -> string, ``plan`` checked by :func:`check_plan`, times finite.
+        Raises :class:`~resilient.errors.RecordError` (a StoreError) if it is malformed."""
+        f = records.fields("epoch", raw, key)
+        infos = {}
+        sub = f.obj("infos", {})
+        if sub is not None:
+            for m, i in sub.by_name():
+                infos[m] = MemberInfo.from_dict(records.Fields("epoch", i, key, f"infos.{m}"))
+        roles_f = f.obj("roles", {})
+        roles = {}
+        if roles_f is not None:
+            for m, r in roles_f.by_name():
+                if not isinstance(r, str) or len(r) > 32:
+                    f.fail(f"roles.{m} = {r!r} is not a role name")
+                roles[m] = r
+        members = f.names("members", unique=True)
+        return cls(
+            number=f.int("number"), members=members, infos=infos, roles=roles,
+            plan=check_plan(f.obj("plan", {}), len(members)), token=f.str("token", "", max_len=256),
+            cause=f.str("cause", "", max_len=64), trigger_at=f.float("trigger_at", 0.0),
+            published_at=f.float("published_at", 0.0), leader=f.str("leader", "", max_len=256),
+            removed=f.names("removed", ()), added=f.names("added", ()),
+        )
+
+
+def check_plan(f: "records.Fields | None", size: int) -> dict:
+    """The epoch's ``plan`` with its known fields checked (``tree_parent``: one index in
+    [-1, size) per member; ``host_groups``: [start, count] pairs; ``demoted``: ids;
+    ``avoid``: [id, id] pairs; ``leaf_deadline_ms``: in [0, 600000]; ``evicted``: id ->
+    an :class:`~.eviction.Eviction`); other fields pass as they are (bounded JSON).
+    Raises :class:`~resilient.errors.RecordError`."""
+    if f is None:
+        return {}
+    plan = dict(f.d)
+    if f.has("tree_parent"):
+        parents = f.ints("tree_parent", lo=-1, hi=max(0, size - 1))
+        if len(parents) != size:
+            f.fail(f"plan.tree_parent has {len(parents)} entries for {size} members")
+        plan["tree_parent"] = parents
+    for name in ("host_groups", "avoid"):
+        if f.has(name):
+            for row in f.rows(name):
+                ok = len(row) == 2 and (all(records.is_int(v) for v in row)
+                                        if name == "host_groups" else
+                                        all(records.is_id(v) for v in row))
+                if not ok:
+                    f.fail(f"plan.{name} holds {row!r}, not a pair of "
+                           + ("integers" if name == "host_groups" else "member ids"))
+    if f.has("demoted"):
+        plan["demoted"] = list(f.names("demoted"))
+    if f.has("leaf_deadline_ms"):
+        plan["leaf_deadline_ms"] = f.float("leaf_deadline_ms", lo=0.0, hi=600_000.0)
+    ev = f.obj("evicted", {})
+    if ev is not None:
+        from resilient.coordinator.eviction import Eviction
+
+        plan["evicted"] = {m: Eviction.from_dict(records.Fields("epoch", d, f.key, f"plan.evicted.{m}")).to_dict()
+                           for m, d in ev.by_name()}
+    return plan
+
+
+def parse_epoch_number(raw: bytes, key: str = "") -> int:
+    """Only the ``number`` of an epoch record (cheap; :class:`~resilient.errors.RecordError`)."""
+    return records.fields("epoch", raw, key).int("number")
 
 
 def read_epoch(store: Store, job: str) -> tuple[Epoch | None, int]:
-    """The current epoch (or None) and the mod revision of its key (0 if none)."""
+    """The current epoch (or None) and the mod revision of its key (0 if none).
+    Raises :class:`~resilient.errors.RecordError` if the record is malformed (the
+    error's ``key`` names it; :func:`read_epoch_lenient` skips it instead)."""
     kv = store.get(keys.epoch(job))
     if kv is None:
         return None, 0
-    return Epoch.from_json(kv.value), kv.mod_revision
+    return Epoch.from_json(kv.value, kv.key), kv.mod_revision
+
+
+def read_epoch_lenient(store: Store, job: str) -> tuple[Epoch | None, int, "RecordError | None"]:
+    """Like :func:`read_epoch`, but a malformed record is skipped (logged, counted):
+    ``(None, its mod revision, the error)``."""
+    kv = store.get(keys.epoch(job))
+    if kv is None:
+        return None, 0, None
+    try:
+        return Epoch.from_json(kv.value, kv.key), kv.mod_revision, None
+    except RecordError as exc:
+        records.skip(exc, kv.key, logging.ERROR)
+        return None, kv.mod_revision, exc
+
+
+def latest_valid_history(store: Store, job: str) -> tuple[Epoch | None, int]:
+    """The newest valid record under ``epochs/<n>/epoch`` (malformed ones skipped, or
+    None) and the highest ``n`` of any key under ``epochs/`` (0 if none), valid or not:
+    a number that a corrupt history record may hide is still accounted for."""
+    prefix = keys.root(job) + "epochs/"
+    best: Epoch | None = None
+    highest = 0
+    for kv in store.get_prefix(prefix):
+        rest = kv.key[len(prefix):].split("/")
+        if rest[0].isdigit() and len(rest[0]) < 19:    # < 10**18: a number the coordinator could have written
+            highest = max(highest, int(rest[0]))
+        if len(rest) != 2 or rest[1] != "epoch":
+            continue
+        try:
+            e = Epoch.from_json(kv.value, kv.key)
+        except RecordError as exc:
+            records.skip(exc, kv.key)
+            continue
+        if rest[0] != str(e.number):
+            records.skip(RecordError(f"bad epoch record at {kv.key}: its number is {e.number}", "epoch", kv.key))
+            continue
+        if best is None or e.number > best.number:
+            best = e
+    return best, highest
 
 
 class EpochWatcher:
@@ -117,21 +215,30 @@ class EpochWatcher:
         self._subs: list[Callable[[Epoch], None]] = []
         self._closed = False
         kv, revision = store.get_with_revision(self._key)
-        self._current: Epoch | None = Epoch.from_json(kv.value) if kv else None
+        self._current: Epoch | None = self._parse(kv.value) if kv else None
         start = revision + 1
         self._watch = store.watch_key(self._key, start, self._on_events)
 
+    def _parse(self, raw: bytes, revision: int = 0) -> Epoch | None:
+        """A malformed epoch record is skipped (logged as an error, counted): the worker
+        keeps its last good epoch and waits for the coordinator to publish over it."""
+        try:
+            return Epoch.from_json(raw, self._key)
+        except RecordError as exc:
+            records.skip(exc, f"{self._key}@{revision}" if revision else self._key, logging.ERROR)
+            return None
+
     def _on_events(self, events: list[WatchEvent]) -> None:
         for ev in events:
+            epoch = None
             if ev.type == "resync":
                 kv = self.store.get(self._key)
                 if kv is not None:
-                    self._deliver(Epoch.from_json(kv.value))
+                    epoch = self._parse(kv.value, kv.mod_revision)
             elif ev.type == "put" and ev.key == self._key:
-                try:
-                    self._deliver(Epoch.from_json(ev.value))
-                except StoreError as exc:
-                    log.error("ignoring malformed epoch at revision %d: %s", ev.mod_revision, exc)
+                epoch = self._parse(ev.value, ev.mod_revision)
+            if epoch is not None:
+                self._deliver(epoch)
 
     def _deliver(self, epoch: Epoch) -> None:
         with self._cond:
@@ -259,16 +366,16 @@ class EpochData:
                 for ev in events:
                     if ev.type == "put" and ev.key == ekey:
                         try:
-                            n = int(json.loads(ev.value)["number"])
-                        except (ValueError, KeyError, TypeError):
-                            continue
+                            n = parse_epoch_number(ev.value, ekey)
+                        except RecordError:
+                            continue   # the epoch watcher logs and counts it
                         if n > self.number:
                             newer.append(n)
                 cond.notify_all()
 
         if wanted <= got.keys():
             return {m: got[m] for m in wanted}
-        current, erev = read_epoch(self.store, self.job)
+        current, erev, _ = read_epoch_lenient(self.store, self.job)
         if current is not None and current.number > self.number:
             raise EpochChanged(f"epoch {current.number} superseded epoch {self.number} while waiting for "
                                f"{name!r}", current.number, {m: got[m] for m in wanted & got.keys()})

@@ -38,9 +38,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Collection, Iterable, Mapping
 
-from resilient.coordinator import keys
+from resilient.coordinator import keys, records
 from resilient.coordinator.health import StragglerPolicy
-from resilient.errors import ConfigError
+from resilient.errors import ConfigError, RecordError
 
 if TYPE_CHECKING:  # pragma: no cover
     from resilient.coordinator.epoch import Epoch
@@ -74,13 +74,24 @@ def request_readmission(store: "Store", job: str, member_id: str, seen_epoch: in
 
 def read_requests(store: "Store", job: str) -> dict[str, int]:
     """member -> the epoch number its re-admission request answers (malformed: skipped)."""
+    prefix = readmit_prefix(job)
     out: dict[str, int] = {}
-    for kv in store.get_prefix(readmit_prefix(job)):
+    for kv in store.get_prefix(prefix):
         try:
-            out[keys.last_segment(kv.key)] = int(json.loads(kv.value)["epoch"])
-        except (ValueError, KeyError, TypeError):
-            log.warning("ignoring malformed re-admission request %s", kv.key)
+            mid = kv.key[len(prefix):]
+            if not records.is_id(mid):
+                raise RecordError(f"bad readmit record at {kv.key}: the key does not end in a valid member id",
+                                  "readmit", kv.key)
+            out[mid] = parse_readmit(kv.value, kv.key)
+        except RecordError as exc:
+            records.skip(exc, kv.key)
     return out
+
+
+def parse_readmit(raw: bytes, key: str = "") -> int:
+    """The epoch number a ``readmit/<member>`` request answers (an integer in
+    [0, 2**63)); :class:`~resilient.errors.RecordError` if the request is malformed."""
+    return records.fields("readmit", raw, key).int("epoch")
 
 
 # -- the pure book -------------------------------------------------------------------------
@@ -120,9 +131,12 @@ class Eviction:
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "Eviction":
-        return cls(at=float(d["at"]), until=float(d["until"]), hold_s=float(d["hold_s"]),
-                   count=int(d.get("count", 1)), after_epoch=int(d.get("after_epoch", 0)))
+    def from_dict(cls, d: "Mapping | records.Fields") -> "Eviction":
+        """Validate one ``plan["evicted"]`` entry (finite times, integer counts in
+        [0, 2**63)); :class:`~resilient.errors.RecordError` if malformed."""
+        f = d if isinstance(d, records.Fields) else records.Fields("eviction", d)
+        return cls(at=f.float("at"), until=f.float("until"), hold_s=f.float("hold_s", lo=0.0),
+                   count=f.int("count", 1), after_epoch=f.int("after_epoch", 0))
 
 
 @dataclass
@@ -197,8 +211,8 @@ class EvictionBook:
             if m in alive and m not in self.evicted:
                 try:
                     self.evicted[m] = Eviction.from_dict(d)
-                except (KeyError, TypeError, ValueError):
-                    log.warning("ignoring malformed plan['evicted'] entry for %s: %r", m, d)
+                except RecordError as exc:
+                    records.skip(exc)
 
 
 # -- the coordinator's policy ----------------------------------------------------------------

@@ -32,8 +32,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
-from resilient.coordinator import keys
+from resilient.coordinator import keys, records
 from resilient.coordinator.store import Store
+from resilient.errors import RecordError
 
 if TYPE_CHECKING:  # pragma: no cover
     from resilient.coordinator.epoch import Epoch
@@ -74,18 +75,44 @@ def write_health(store: Store, job: str, member_id: str, record: dict, lease_id:
     store.put(keys.health_of(job, member_id), json.dumps(body, separators=(",", ":")).encode(), lease=lease_id)
 
 
+def parse_health(raw: bytes, key: str = "") -> dict:
+    """Validate one ``health/<member>`` record: a JSON object whose known fields have
+    their types (``epoch``, ``seq``, ``ops``: integers in [0, 2**63); ``at``,
+    ``window_s``, ``op_s_*``: finite numbers >= 0; ``wait_s``: member id -> finite number
+    >= 0; ``shaping``, ``member``: bounded strings; ``null`` means absent); other fields
+    pass as they are.
+    Raises :class:`~resilient.errors.RecordError`."""
+    f = records.fields("health", raw, key)
+    rec = {k: v for k, v in f.d.items() if v is not None}   # null: absent
+    for name in ("v", "epoch", "seq", "ops"):
+        if f.has(name):
+            rec[name] = f.int(name)
+    for name in ("at", "window_s", "op_s_p50", "op_s_max"):
+        if f.has(name):
+            rec[name] = f.float(name, lo=0.0)
+    if f.has("wait_s"):
+        rec["wait_s"] = f.float_map("wait_s", lo=0.0)
+    for name in ("shaping", "member"):
+        if f.has(name):
+            rec[name] = f.str(name, max_len=256)
+    return rec
+
+
 def read_health(store: Store, job: str) -> dict[str, dict]:
-    """Every member's health record."""
+    """Every member's health record (malformed ones skipped: logged and counted)."""
+    prefix = keys.health(job)
     out: dict[str, dict] = {}
-    for kv in store.get_prefix(keys.health(job)):
+    for kv in store.get_prefix(prefix):
         try:
-            rec = json.loads(kv.value)
-            if isinstance(rec, dict):
-                out[keys.last_segment(kv.key)] = rec
-                continue
-        except ValueError:
-            pass
-        log.warning("ignoring malformed health record %s", kv.key)
+            rec = parse_health(kv.value, kv.key)
+            mid = kv.key[len(prefix):]
+            if not records.is_id(mid):
+                raise RecordError(f"bad health record at {kv.key}: the key does not end in a valid member id",
+                                  "health", kv.key)
+        except RecordError as exc:
+            records.skip(exc, kv.key)
+            continue
+        out[mid] = rec
     return out
 
 
@@ -101,16 +128,43 @@ def write_scores(store: Store, job: str, verdict: "Verdict", lease_id: int | Non
     store.put(scores_key(job), json.dumps(body, separators=(",", ":")).encode(), lease=lease_id)
 
 
+def parse_scores(raw: bytes, key: str = "") -> dict:
+    """Validate the ``straggler`` record: ``members`` id -> {``score``: finite number or
+    null, ``state``: string, ``until``/``hold_s``: finite numbers}, ``demoted``: ids,
+    ``avoid``: [id, id] pairs, ``at``: finite. Raises :class:`~resilient.errors.RecordError`."""
+    f = records.fields("scores", raw, key)
+    body = dict(f.d)
+    body["at"] = f.float("at", 0.0)
+    members = {}
+    sub = f.obj("members", {})
+    for m, v in (sub.by_name() if sub is not None else ()):
+        e = records.Fields("scores", v, key, f"members.{m}")
+        row = dict(e.d)
+        row["score"] = e.float("score", None)
+        row["state"] = e.str("state", None, max_len=32)
+        for name in ("until", "hold_s"):
+            if e.has(name):
+                row[name] = e.float(name)
+        members[m] = row
+    body["members"] = members
+    body["demoted"] = list(f.names("demoted", ()))
+    avoid = f.rows("avoid", [])
+    for pair in avoid:
+        if len(pair) != 2 or any(not records.is_id(x) for x in pair):
+            f.fail(f"avoid holds {pair!r}, not a pair of member ids")
+    body["avoid"] = avoid
+    return body
+
+
 def read_scores(store: Store, job: str) -> dict:
-    """The published scores (``{}`` when none or malformed)."""
+    """The published scores (``{}`` when none or malformed: logged and counted)."""
     kv = store.get(scores_key(job))
     if kv is None:
         return {}
     try:
-        body = json.loads(kv.value)
-        return body if isinstance(body, dict) else {}
-    except ValueError:
-        log.warning("ignoring malformed straggler scores at %s", scores_key(job))
+        return parse_scores(kv.value, kv.key)
+    except RecordError as exc:
+        records.skip(exc, kv.key)
         return {}
 
 

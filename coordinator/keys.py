@@ -26,12 +26,16 @@ from resilient.errors import ConfigError
 
 ROOT = "/resilient"
 EPOCHS_KEPT = 8
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+#: a whole job/member/data name (matched with ``fullmatch``: no trailing newline slips through)
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def check_name(kind: str, value: str) -> str:
-    """Return ``value`` if it is a valid job/member/data name, else raise ConfigError."""
-    if not isinstance(value, str) or not _NAME.match(value):
+    """Return ``value`` if it is a valid job/member/data name, else raise ConfigError.
+
+    The whole string must match (``fullmatch``): ``"ok\\n"``, ``"x/../y"`` and names with
+    a ``/`` are refused, so no name can step outside its job's prefix."""
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
         raise ConfigError(
             f"invalid {kind} {value!r}: use 1-128 characters from letters, digits, '.', '_' "
             f"and '-', starting with a letter or digit (it becomes part of etcd keys)"

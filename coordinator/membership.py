@@ -25,11 +25,11 @@ import socket
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
-from resilient.coordinator import keys
+from resilient.coordinator import keys, records
 from resilient.coordinator.store import Store
-from resilient.errors import ConfigError, LeaseExpired, StoreError, StoreUnavailable
+from resilient.errors import ConfigError, LeaseExpired, RecordError, StoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -59,25 +59,24 @@ class MemberInfo:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "MemberInfo":
-        try:
-            return cls(
-                member_id=str(d["member_id"]), host=str(d.get("host", "")),
-                local_rank=int(d.get("local_rank", 0)), device=str(d.get("device", "cpu")),
-                address=str(d.get("address", "")),
-                labels={str(k): str(v) for k, v in dict(d.get("labels") or {}).items()},
-                pid=int(d.get("pid", 0)), state=str(d.get("state", "joining")),
-                ttl=float(d.get("ttl", 0.0)),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise StoreError(f"malformed member record {d!r}: {exc}") from None
+    def from_dict(cls, d: Any, key: str = "", where: str = "") -> "MemberInfo":
+        """Validate one member record's object (:mod:`.records` rules: ``member_id`` a
+        valid id, ``pid``/``local_rank`` integers in [0, 2**63), ``ttl`` finite, strings
+        bounded, ``labels`` string -> string); :class:`~resilient.errors.RecordError` if not."""
+        f = d if isinstance(d, records.Fields) else records.Fields("member", d, key, where)
+        return cls(
+            member_id=f.name("member_id"), host=f.str("host", "", max_len=255),
+            local_rank=f.int("local_rank", 0), device=f.str("device", "cpu", max_len=64),
+            address=f.str("address", "", max_len=300),
+            labels=f.str_map("labels", {}, max_len=255),
+            pid=f.int("pid", 0), state=f.str("state", "joining", max_len=32),
+            ttl=f.float("ttl", 0.0, lo=0.0),
+        )
 
     @classmethod
-    def from_json(cls, raw: bytes) -> "MemberInfo":
-        try:
-            return cls.from_dict(json.loads(raw))
-        except json.JSONDecodeError as exc:
-            raise StoreError(f"member record is not JSON: {exc}") from None
+    def from_json(cls, raw: bytes, key: str = "") -> "MemberInfo":
+        """Parse a ``members/<id>`` value; :class:`~resilient.errors.RecordError` if malformed."""
+        return cls.from_dict(records.load("member", raw, key), key)
 
 
 class MemberSession:
@@ -225,14 +224,21 @@ def report_suspect(store: Store, job: str, reporter_id: str, suspect_id: str, re
 
 def read_members(store: Store, job: str) -> tuple[dict[str, tuple[MemberInfo, int]], int]:
     """Every registered member: ``{id: (info, lease_id)}`` and the read's revision.
-    Malformed records are skipped with a warning (they name the key)."""
-    kvs, rev = store.snapshot(keys.members(job))
+    Malformed records (:mod:`.records`), keys that are not ``members/<valid id>`` and
+    records whose ``member_id`` is not their key's are skipped: logged and counted in
+    ``resilient_bad_records_total{kind="member"}``."""
+    prefix = keys.members(job)
+    kvs, rev = store.snapshot(prefix)
     out: dict[str, tuple[MemberInfo, int]] = {}
     for kv in kvs:
         try:
-            info = MemberInfo.from_json(kv.value)
-        except StoreError as exc:
-            log.warning("ignoring %s: %s", kv.key, exc)
+            info = MemberInfo.from_json(kv.value, kv.key)
+            mid = kv.key[len(prefix):]
+            if mid != info.member_id:
+                raise RecordError(f"bad member record at {kv.key}: its member_id is {info.member_id!r}, "
+                                  "not the key's", "member", kv.key)
+        except RecordError as exc:
+            records.skip(exc, kv.key)
             continue
-        out[keys.last_segment(kv.key)] = (info, kv.lease)
+        out[mid] = (info, kv.lease)
     return out, rev

@@ -10,6 +10,12 @@ Names (base units, ``resilient_`` prefix):
   suspect | join: from the triggering event (revoke, suspect report, the moment the
   coordinator saw the lease expire or the member register) to the epoch being published;
   exponential buckets from 5 ms to ~11 min.
+* ``resilient_bad_records_total{kind}`` — counter: malformed records read from etcd and
+  skipped by this process, kind = member | epoch | health | scores | readmit | departed |
+  suspect | eviction | leader | node | rendezvous (:mod:`.records`).
+
+The HTTP endpoint serves at most :data:`MAX_HTTP_THREADS` requests at once and closes a
+connection that has not sent its request within :data:`HTTP_TIMEOUT_S` seconds.
 
 Each :class:`CoordinatorMetrics` has its own registry, so several coordinators in one
 process (tests) do not collide.
@@ -56,6 +62,10 @@ class CoordinatorMetrics:
             self.members.labels(state=state).set(0)
         for path in DETECTION_PATHS:
             self.detection_latency.labels(path=path)
+        from resilient.coordinator.records import BadRecordCollector
+
+        #: ``resilient_bad_records_total{kind}``: malformed etcd records skipped by this process
+        self.registry.register(BadRecordCollector())
 
     def set_straggler_scores(self, scores: dict[str, float]) -> None:
         """Publish the max and median of ``scores`` (member id -> score; empty -> 0)."""
@@ -69,12 +79,59 @@ class CoordinatorMetrics:
         return generate_latest(self.registry)
 
 
+#: Most requests served at once; more connections are answered 503 and closed at once.
+MAX_HTTP_THREADS = 8
+#: Seconds a connection may take to send its request (and to take the answer).
+HTTP_TIMEOUT_S = 5.0
+
+
+class BoundedHTTPServer(ThreadingHTTPServer):
+    """A :class:`ThreadingHTTPServer` that runs at most ``max_threads`` handler threads:
+    a connection that arrives while all are busy gets ``503`` and is closed by the
+    accepting thread (it never waits for a slot), so idle or slow clients cannot pile up
+    threads. Pair it with a handler ``timeout`` (socket timeout per connection)."""
+
+    daemon_threads = True
+    request_queue_size = 64
+
+    def __init__(self, address: tuple[str, int], handler: type, max_threads: int = MAX_HTTP_THREADS) -> None:
+        self._slots = threading.BoundedSemaphore(max_threads)
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address) -> None:  # noqa: ANN001 - socketserver API
+        if not self._slots.acquire(blocking=False):
+            try:
+                request.settimeout(0.5)
+                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 5\r\n"
+                                b"Connection: close\r\n\r\nbusy\n")
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:  # noqa: ANN001
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 class MetricsServer:
     """Serves ``/metrics`` and ``/healthz`` on ``host:port`` (port 0: a free one; see
-    :attr:`port`). ``healthy()`` decides /healthz: 200 ``ok`` or 503 with its reason."""
+    :attr:`port`). ``healthy()`` decides /healthz: 200 ``ok`` or 503 with its reason.
+
+    At most ``max_threads`` requests are served at once (:class:`BoundedHTTPServer`)
+    and a connection that sends no complete request within ``timeout`` seconds is
+    closed, so a flood of idle connections holds neither threads nor sockets for long."""
 
     def __init__(self, metrics: CoordinatorMetrics, healthy: Callable[[], tuple[bool, str]],
-                 host: str = "127.0.0.1", port: int = 0) -> None:
+                 host: str = "127.0.0.1", port: int = 0, timeout: float = HTTP_TIMEOUT_S,
+                 max_threads: int = MAX_HTTP_THREADS) -> None:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -98,8 +155,8 @@ class MetricsServer:
 
         self.metrics = metrics
         self.healthy = healthy
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
+        Handler.timeout = timeout   # socket timeout of every connection (StreamRequestHandler)
+        self._server = BoundedHTTPServer((host, port), Handler, max_threads)
         self.host, self.port = self._server.server_address[:2]
         self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
         self._thread.start()

@@ -23,12 +23,16 @@ revoked). A suspect whose lease stays fresh for its TTL is dismissed.
 
 Failure behaviour: etcd unreachable → the loop logs, keeps its leadership claim (etcd will
 judge it by the lease on return) and retries; ``/healthz`` turns 503 after
-``retry_timeout`` without a successful read. The leader lease expiring (process hung) →
+``retry_timeout`` without a successful read. Malformed records (:mod:`.records`) are
+skipped, logged and counted (``resilient_bad_records_total{kind}``); a malformed
+``epoch`` record is published over (cause ``repaired``, numbered after the highest
+``epochs/<n>/``, see :meth:`Coordinator._repair_number`) and ``/healthz`` names it.
+Any other failure of a pass is logged and retried; when passes keep failing, ``/healthz``
+turns 503 naming the exception instead of blaming etcd. The leader lease expiring (process hung) →
 another coordinator takes over after about one ``ttl``; SIGTERM → resign at once.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -37,9 +41,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from resilient.coordinator import keys
+from resilient.coordinator import keys, records
 from resilient.coordinator.election import LeaderElection
-from resilient.coordinator.epoch import Epoch, read_epoch
+from resilient.coordinator.epoch import Epoch, latest_valid_history, read_epoch_lenient
 from resilient.coordinator.health import (
     HealthPolicy, StragglerPolicy, no_demotion, read_health, write_scores,
 )
@@ -47,7 +51,7 @@ from resilient.coordinator.membership import KEEPALIVE_FRACTION, MemberInfo, rea
 from resilient.coordinator.metrics import CoordinatorMetrics
 from resilient.coordinator.planner import plan
 from resilient.coordinator.store import Compare, Delete, Put, Store, WatchEvent
-from resilient.errors import ConfigError, StoreError
+from resilient.errors import ConfigError, RecordError, StoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +116,10 @@ class Coordinator:
         self.published: list[int] = []   # epoch numbers this process published
         self.reconciles = 0                # completed reconcile passes (tests wait on it)
         self._last_scores: tuple[dict, float] = ({}, 0.0)
+        #: what is wrong with the job's records, for /healthz and logs (None: nothing)
+        self._epoch_problem: str | None = None
+        #: the last reconcile failure that was not etcd being unreachable
+        self._last_error: str | None = None
 
     # -- public ---------------------------------------------------------------------------
 
@@ -124,8 +132,11 @@ class Coordinator:
             return False, "coordinator loop not running"
         age = time.monotonic() - max(self._last_ok, self.election.last_contact)
         if age > max(self.store.retry_timeout, 3 * self.config.resync_interval) + 1:
+            if self._last_error:
+                return False, f"reconcile failing for {age:.0f}s: {self._last_error}"
             return False, f"no successful etcd read for {age:.0f}s"
-        return True, "ok leader" if self.is_leader else "ok standby"
+        state = "ok leader" if self.is_leader else "ok standby"
+        return True, f"{state}; {self._epoch_problem}" if self._epoch_problem else state
 
     def run(self, stop: threading.Event) -> None:
         """Campaign, lead, and campaign again after losing leadership, until ``stop``;
@@ -217,9 +228,16 @@ class Coordinator:
                 try:
                     outcome, suspects_pending = self._reconcile(lost_seen, join_seen, joins_due)
                     self._last_ok = time.monotonic()
+                    self._last_error = None
                     self.reconciles += 1
-                except StoreError as exc:
-                    log.warning("coordinator %s: reconcile failed, retrying: %s", self.id, exc)
+                except Exception as exc:   # never die on one pass: etcd down, or a record we did not foresee
+                    if isinstance(exc, StoreUnavailable):
+                        self._last_error = None
+                        log.warning("coordinator %s: reconcile failed, retrying: %s", self.id, exc)
+                    else:
+                        self._last_error = f"{type(exc).__name__}: {exc}"
+                        log.error("coordinator %s: reconcile failed, retrying: %s", self.id, self._last_error,
+                                  exc_info=not isinstance(exc, StoreError))
                     with self._cond:  # keep what we saw for the retry
                         for k, v in lost_seen.items():
                             self._pending.lost_seen.setdefault(k, v)
@@ -253,9 +271,14 @@ class Coordinator:
         for kv in self.store.get_prefix(keys.suspects(self.job)):
             parts = kv.key[len(keys.suspects(self.job)):].split("/")
             try:
-                at = float(json.loads(kv.value).get("at", 0.0))
-            except (ValueError, AttributeError, TypeError):
-                at = 0.0
+                if len(parts) != 2 or any(not records.is_id(p) for p in parts):
+                    raise RecordError(f"bad suspect record at {kv.key}: the key is not suspects/<id>/<id>",
+                                      "suspect", kv.key)
+                at = records.timestamp("suspect", kv.value, kv.key)
+            except RecordError as exc:   # a malformed report confirms nothing: dropped
+                records.skip(exc, kv.key)
+                consumed.append(kv.key)
+                continue
             reports.setdefault(parts[0], []).append((kv.key, at))
         now = time.time()
         for suspect, items in reports.items():
@@ -287,13 +310,20 @@ class Coordinator:
         members, _ = read_members(self.store, self.job)
         confirmed, consumed, suspects_pending = self._check_suspects(members)
         alive = {m: v for m, v in members.items() if m not in confirmed}
-        epoch, erev = read_epoch(self.store, self.job)
+        epoch, erev, corrupt = read_epoch_lenient(self.store, self.job)
+        history_top = 0
+        if corrupt is not None:   # publish over it: diff against the newest valid history
+            epoch, history_top = latest_valid_history(self.store, self.job)
+            self._epoch_problem = f"the epoch key holds a malformed epoch record (revision {erev}): {corrupt}"
         departed: dict[str, tuple[str, float]] = {}
+        bad_markers: list[str] = []
         for kv in self.store.get_prefix(keys.departed(self.job)):
             try:
-                at = float(json.loads(kv.value).get("at", 0.0))
-            except (ValueError, AttributeError, TypeError):
-                at = 0.0
+                at = records.timestamp("departed", kv.value, kv.key)
+            except RecordError as exc:   # no cause or timing from it; deleted with the stale markers
+                records.skip(exc, kv.key)
+                bad_markers.append(kv.key)
+                continue
             departed[keys.last_segment(kv.key)] = (kv.key, at)
         demoted, avoid = self._health_verdict(epoch, alive.keys())
         # --straggler-policy evict: evicted members keep their lease but are out of the epoch
@@ -306,12 +336,13 @@ class Coordinator:
         # noticed its exit counts as removed and added again.
         replaced = {m for m in current & alive.keys() if alive[m][0] != epoch.infos.get(m)} if epoch else set()
         self._update_member_gauges(alive, current, demoted)
-        stale_markers = [Delete(k) for m, (k, _) in departed.items() if m not in alive]
+        stale_markers = [Delete(k) for m, (k, _) in departed.items() if m not in alive] + [
+            Delete(k) for k in bad_markers]
         cleanup = stale_markers + [Delete(k) for k in consumed]
         if epoch is not None:
             self.metrics.epoch.set(epoch.number)
         if (epoch is None and len(alive) < self.config.min_members) or (
-                epoch is not None and alive.keys() == current and roles == epoch.roles and not replaced
+                corrupt is None and epoch is not None and alive.keys() == current and roles == epoch.roles and not replaced
             and avoid == [list(p) for p in epoch.plan.get("avoid") or []]):
             if cleanup:
                 self.store.txn([self.election.leader_compare()], cleanup)
@@ -326,7 +357,7 @@ class Coordinator:
             alive = {m: v for m, v in alive.items() if m not in back}
             roles = {m: r for m, r in roles.items() if m not in back}
             added = tuple(m for m in added if m not in back)
-        if added and not removed and not joins_due and (
+        if corrupt is None and added and not removed and not joins_due and (
                 epoch is None or all(roles[m] == epoch.roles.get(m) for m in current)):
             if cleanup:
                 self.store.txn([self.election.leader_compare()], cleanup)
@@ -345,9 +376,11 @@ class Coordinator:
             trigger = min(lost_seen.get(m, now) for m in removed)
         elif added and epoch is not None and set(added) <= getattr(self.health_policy, "readmitted", set()):
             cause, path, trigger = "readmitted", None, now
-        elif added:
+        elif added and corrupt is None:
             cause, path = ("initial" if epoch is None else "joined"), "join"
             trigger = min(join_seen.get(m, now) for m in added)
+        elif corrupt is not None:
+            cause, path, trigger = "repaired", None, now
         else:
             cause, path, trigger = "health", None, now
 
@@ -360,7 +393,7 @@ class Coordinator:
             plan_dict["leaf_deadline_ms"] = deadline_ms
         if evicted:   # read by the evicted member (Evicted message), status and a new leader
             plan_dict["evicted"] = {m: ev.to_dict() for m, ev in sorted(evicted.items())}
-        number = (epoch.number if epoch else 0) + 1
+        number = (epoch.number if epoch else 0) + 1 if corrupt is None else self._repair_number(history_top, erev)
         new = Epoch(
             number=number, members=p.ring, infos={m: alive[m][0] for m in p.ring}, roles=roles,
             plan=plan_dict, token=secrets.token_hex(16), cause=cause, trigger_at=trigger,
@@ -371,7 +404,7 @@ class Coordinator:
         if number - keys.EPOCHS_KEPT > 0:
             ops.append(Delete(keys.epochs(self.job, number - keys.EPOCHS_KEPT), prefix=True))
         ops += cleanup
-        epoch_cmp = (Compare(keys.epoch(self.job), "create", "==", 0) if epoch is None
+        epoch_cmp = (Compare(keys.epoch(self.job), "create", "==", 0) if erev == 0
                      else Compare(keys.epoch(self.job), "mod", "==", erev))
         if not self.store.txn([epoch_cmp, self.election.leader_compare()], ops):
             kv = self.store.get(keys.leader(self.job))
@@ -381,6 +414,11 @@ class Coordinator:
                 return "deposed", suspects_pending
             return "retry", suspects_pending
         self.published.append(number)
+        if corrupt is not None:
+            log.error("coordinator %s published epoch %d over the malformed epoch record (revision %d)",
+                      self.id, number, erev)
+            self._epoch_problem = (f"published epoch {number} over a malformed epoch record (revision {erev}): "
+                                   f"{corrupt}")
         self.metrics.epochs_published.inc()
         self.metrics.epoch.set(number)
         latency = new.published_at - trigger
@@ -391,6 +429,25 @@ class Coordinator:
                  "removed %s, added %s", self.id, number, cause, latency * 1000, len(p.ring),
                  list(removed), list(added))
         return "published", suspects_pending
+
+    def _repair_number(self, history_top: int, corrupt_revision: int) -> int:
+        """The number of the epoch published over a malformed ``epoch`` record.
+
+        It must exceed every number a rank may have adopted. Ranks adopt only epochs
+        the coordinator published, and every publish writes ``epochs/<n>/epoch`` in the
+        same transaction (the newest :data:`~.keys.EPOCHS_KEPT` are kept), so the
+        highest ``n`` under ``epochs/`` plus one is safe — taken from the key names, so
+        a history record that is itself corrupt still counts — and keeps the numbers
+        consecutive. Why not always the revision floor below: it would make the numbers
+        jump on every repair and leave the older history keys behind (only epoch
+        ``n - EPOCHS_KEPT`` is deleted when ``n`` is published). If the history is
+        gone, the floor is the corrupt record's mod revision: each publish was its own
+        etcd transaction, so every number published before (epoch n was written at a
+        revision > n) is below it; the jump is harmless (ranks only need the numbers
+        to increase)."""
+        if history_top > 0:
+            return history_top + 1
+        return max(1, corrupt_revision)
 
     def _health_verdict(self, epoch: Epoch | None, alive) -> tuple[set[str], list[list[str]]]:
         """(demoted members, links to avoid as sorted [a, b] pairs) from the health policy.

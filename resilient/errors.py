@@ -9,7 +9,8 @@ cause and the fix.
     │   └── ScenarioError           malformed chaos scenario (names line and field)
     ├── StoreError                  the etcd control plane
     │   ├── StoreUnavailable        no endpoint answered within the retry budget
-    │   └── LeaseExpired            our lease is gone: we are no longer a member
+    │   ├── LeaseExpired            our lease is gone: we are no longer a member
+    │   └── RecordError             a record read from etcd is malformed (skipped, counted)
     ├── CollectiveError             a collective could not deliver its contract
     │   ├── CollectiveAborted       `strict` policy: full contributor set impossible
     │   ├── InputMismatch           ranks called with different shape/dtype/op/collective
@@ -46,6 +47,18 @@ class StoreUnavailable(StoreError):
 
 class LeaseExpired(StoreError):
     """Our lease expired or was revoked: this process is no longer a live member."""
+
+
+class RecordError(StoreError):
+    """A record read from etcd is malformed: not UTF-8 JSON, too large or too deeply
+    nested, a field of the wrong type, out of range (numbers must fit in 63 bits) or not a
+    valid id. ``kind`` names the record kind (``member``, ``epoch``, ``health``, ...) and
+    ``key`` the etcd key when known. Readers skip such a record (logged and counted in
+    ``resilient_bad_records_total``); see ``resilient.coordinator.records``."""
+
+    def __init__(self, message: str, kind: str = "", key: str = "") -> None:
+        super().__init__(message)
+        self.kind, self.key = kind, key
 
 
 class CollectiveError(ResilientError):

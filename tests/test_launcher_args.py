@@ -125,3 +125,20 @@ def test_bad_flag_exits_2_with_message_and_starts_nothing():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "resilient-run: error: --nnodes '3:1'" in proc.stderr
+
+
+def test_metrics_host_flag_env_and_standalone_default(monkeypatch):
+    assert parse(["--standalone", "train.py"]).metrics_host == "127.0.0.1"     # nothing standalone leaves loopback
+    assert parse(["train.py"]).metrics_host == "0.0.0.0"
+    assert parse(["--metrics-host", "127.0.0.2", "train.py"]).metrics_host == "127.0.0.2"
+    monkeypatch.setenv("PET_METRICS_HOST", "::1")
+    assert parse(["--standalone", "train.py"]).metrics_host == "::1"
+    assert "--metrics-host" in build_parser().format_help()
+
+
+@pytest.mark.parametrize("argv", [["--rdzv-id", "x/../y"], ["--rdzv-id", "ok\n"], ["--job", "a b"],
+                                  ["--rdzv-id=-x"]])
+def test_job_names_are_validated_like_every_other_entry_point(argv):
+    with pytest.raises(ConfigError, match=r"is not a valid job id: use 1-128 characters"):
+        parse([*argv, "train.py"])
+    assert parse(["--rdzv-id", "job.1_a-b", "train.py"]).job == "job.1_a-b"

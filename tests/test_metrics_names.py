@@ -31,6 +31,7 @@ COORDINATOR_FAMILIES = {
     "resilient_coordinator_is_leader": "gauge",
     "resilient_detection_latency_seconds": "histogram",
     "resilient_straggler_score": "gauge",
+    "resilient_bad_records": "counter",
 }
 #: Label names that would carry unbounded values (REFERENCE.md: no run ids, tensor names…).
 UNBOUNDED_LABELS = {"rank", "member", "member_id", "pid", "job", "job_id", "run_id", "host",

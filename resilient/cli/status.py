@@ -10,6 +10,10 @@ lease is gone: the next epoch will drop it). ``straggler_score`` / ``straggler_s
 latest verdict (coordinator/straggler.py) — the score is the fraction of an op the member
 costs its peers beyond the median member.
 
+Malformed records are skipped (``resilient.coordinator.records``): a corrupt ``epoch``
+record shows as ``epoch: CORRUPT: <cause>`` (``epoch_error`` in ``--json``, ``epoch``
+null) until the coordinator has published a valid epoch over it.
+
 Also home of the etcd connection flags shared by the subcommands (``add_etcd_arguments``,
 ``store_from_args``); this module imports nothing heavy at top level.
 """
@@ -62,13 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def collect(store, job: str) -> dict:
     """The status of ``job`` as a JSON-able dict (what ``--json`` prints)."""
     from resilient.coordinator.election import current_leader
-    from resilient.coordinator.epoch import read_epoch
+    from resilient.coordinator.epoch import read_epoch_lenient
     from resilient.coordinator.health import read_scores
     from resilient.coordinator.membership import read_members
 
     members, _ = read_members(store, job)
     scores = read_scores(store, job).get("members") or {}
-    epoch, _ = read_epoch(store, job)
+    epoch, _, epoch_error = read_epoch_lenient(store, job)
     in_epoch = set(epoch.members) if epoch else set()
     evicted = dict((epoch.plan.get("evicted") or {}) if epoch else {})
     rows = []
@@ -104,6 +108,8 @@ def collect(store, job: str) -> dict:
             "removed": list(epoch.removed), "added": list(epoch.added), "leader": epoch.leader,
         },
         "members": rows,
+        # a malformed ``epoch`` record: its cause (the coordinator publishes over it)
+        "epoch_error": None if epoch_error is None else str(epoch_error),
     }
 
 
@@ -111,7 +117,9 @@ def render_table(status: dict) -> str:
     lines = []
     e = status["epoch"]
     lines.append(f"job {status['job']}   leader: {status['leader'] or '(none)'}")
-    if e is None:
+    if status.get("epoch_error"):
+        lines.append(f"epoch: CORRUPT: {status['epoch_error']}")
+    elif e is None:
         lines.append("epoch: none published yet")
     else:
         when = time.strftime("%H:%M:%S", time.localtime(e["published_at"]))

@@ -5,7 +5,8 @@ The parser mirrors ``torch.distributed.run.get_args_parser`` of torch 2.13 flag 
 same ``PET_<FLAG>`` environment defaults), so a torchrun command line works unchanged; it
 does not import torch (the agent starts fast). ``tests/test_launcher_args.py`` compares
 it against ``python -m torch.distributed.run --help`` so a new torchrun flag cannot slip
-by. Our own flags are ``--etcd``, ``--job``, ``--lease-ttl`` and ``--metrics-port``.
+by. Our own flags are ``--etcd``, ``--job``, ``--lease-ttl``, ``--metrics-port`` and
+``--metrics-host``. ``--rdzv-id``/``--job`` must be a valid job id (see :func:`check_job_name`).
 
 :func:`parse` turns argv into a validated :class:`LaunchConfig`; bad input raises
 :class:`~resilient.errors.ConfigError` naming the flag, the cause and the fix, before
@@ -176,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
              "is removed after this); RESILIENT_LEASE_TTL.")
     add("metrics-port", type=int, default=None,
         help="Serve Prometheus /metrics of this agent on this port (0: a free port; default: off).")
+    add("metrics-host", type=str, default=None,
+        help="Address the agent's /metrics listens on (PET_METRICS_HOST). Default: 127.0.0.1 with "
+             "--standalone (every listener of a standalone job is on loopback), else 0.0.0.0.")
 
     p.add_argument("training_script", type=str,
                    help="The training script (or module with -m, or program with --no-python), "
@@ -216,6 +220,7 @@ class LaunchConfig:
     job: str
     lease_ttl: float
     metrics_port: int | None
+    metrics_host: str = "0.0.0.0"
     cmd: list[str] = field(default_factory=list)
 
     @property
@@ -300,6 +305,20 @@ def parse_endpoints(value: str, flag: str) -> list[str]:
     return eps
 
 
+def check_job_name(value: str, flag: str) -> str:
+    """The job id of ``--rdzv-id``/``--job``, checked like every other entry point does
+    (``resilient.coordinator.keys.check_name``: it becomes the etcd prefix
+    ``/resilient/<job>/`` and a log directory name); ConfigError naming the flag and the rule."""
+    from resilient.coordinator.keys import check_name
+
+    try:
+        return check_name("job name", value)
+    except ConfigError as exc:
+        raise ConfigError(f"{flag} {value!r} is not a valid job id: use 1-128 characters from letters, digits, "
+                          "'.', '_' and '-', starting with a letter or digit (it becomes the etcd prefix "
+                          f"/resilient/<job>/ and part of log paths); e.g. {flag} my-job-1") from exc
+
+
 def worker_command(args: argparse.Namespace) -> list[str]:
     """The worker command line, as torchrun builds it (``python -u [-m] script args``)."""
     import sys
@@ -347,6 +366,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         raise ConfigError(f"--node-rank {args.node_rank} must be in [0, {hi}) for --nnodes {args.nnodes}")
     if args.standalone and hi > 1:
         raise ConfigError("--standalone runs one node; for several nodes use --rdzv-backend etcd --rdzv-endpoint HOST:PORT")
+    job = check_job_name(args.job, "--job") if args.job else check_job_name(run_id, "--rdzv-id")
     shutdown = args.shutdown_timeout
     if shutdown is None:
         shutdown = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))
@@ -386,9 +406,10 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         shutdown_timeout=float(shutdown),
         virtual_local_rank=args.virtual_local_rank,
         etcd=etcd,
-        job=args.job or run_id,
+        job=job,
         lease_ttl=args.lease_ttl,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host or ("127.0.0.1" if args.standalone else "0.0.0.0"),
         cmd=worker_command(args),
     )
 

@@ -78,7 +78,8 @@ def run(cfg) -> int:  # cfg: LaunchConfig
                 control = ControlPlane(store, endpoints, cfg.job, cfg.lease_ttl, keeper)
 
             if cfg.standalone:
-                tcp, port = host_tcp_store("localhost", 0)
+                # loopback only; MASTER_ADDR stays torchrun's "localhost" (its client tries every address)
+                tcp, port = host_tcp_store("localhost", 0, bind="127.0.0.1")
                 stack.callback(lambda: tcp)  # keep a reference until exit
                 placement = Placement(0, 1, cfg.nproc_per_node, "localhost", port, cfg.run_id)
             elif cfg.elastic_nodes:
@@ -111,9 +112,9 @@ def run(cfg) -> int:  # cfg: LaunchConfig
 
                 metrics_dir = metrics.prepare_multiprocess_dir(tempfile.mkdtemp(prefix="resilient-metrics-"))
                 stack.callback(metrics.remove_multiprocess_dir, metrics_dir)
-                server = metrics.serve_node_metrics(metrics_dir, cfg.metrics_port)
+                server = metrics.serve_node_metrics(metrics_dir, cfg.metrics_port, addr=cfg.metrics_host)
                 stack.callback(server.close)
-                log.info("serving /metrics on port %d", server.port)
+                log.info("serving /metrics on %s:%d", cfg.metrics_host, server.port)
 
             logs = WorkerLogs(cfg.log_dir, cfg.run_id, cfg.role, cfg.redirects, cfg.tee,
                               cfg.local_ranks_filter, cfg.duplicate_stdout_filters,

@@ -20,7 +20,10 @@ Failure behaviour: etcd unreachable -> :class:`~resilient.errors.StoreUnavailabl
 the store's retry budget (never a hang); MIN not reached within ``join_timeout`` ->
 :class:`RendezvousTimeout` naming how many nodes came. If the node lease is lost (agent
 stalled past its TTL) the keeper logs it and the agent goes on; the coordinator has
-already treated that node's members as gone.
+already treated that node's members as gone. Node records that are malformed
+(``resilient.coordinator.records``) are skipped, logged and counted; a malformed
+``launcher/started`` record raises :class:`~resilient.errors.ResilientError` naming the
+key to delete.
 """
 from __future__ import annotations
 
@@ -32,9 +35,28 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from resilient.errors import LeaseExpired, ResilientError, StoreError
+from resilient.coordinator import records
+from resilient.errors import LeaseExpired, RecordError, ResilientError, StoreError
 
 log = logging.getLogger(__name__)
+
+
+def parse_node(raw: bytes, key: str = "") -> dict:
+    """Validate a ``nodes/<i>`` record ({addr, store_port, nproc, host, agent});
+    :class:`~resilient.errors.RecordError` if malformed."""
+    f = records.fields("node", raw, key)
+    return {"addr": f.str("addr", max_len=255), "store_port": f.int("store_port", hi=65535),
+            "nproc": f.int("nproc", lo=1, hi=1 << 20), "host": f.str("host", "", max_len=255),
+            "agent": f.name("agent")}
+
+
+def parse_started(raw: bytes, key: str = "") -> dict:
+    """Validate the ``launcher/started`` record ({nodes, agents, master_addr,
+    master_port, time}); :class:`~resilient.errors.RecordError` if malformed."""
+    f = records.fields("rendezvous", raw, key)
+    return {"nodes": f.ints("nodes", hi=1 << 20), "agents": list(f.names("agents")),
+            "master_addr": f.str("master_addr", max_len=255), "master_port": f.int("master_port", lo=1, hi=65535),
+            "time": f.float("time", 0.0)}
 
 
 class RendezvousTimeout(ResilientError):
@@ -169,7 +191,11 @@ class NodeRendezvous:
                     "--rdzv-id, or lower MIN (--rdzv-conf join_timeout=SECONDS to wait longer)"
                 )
             time.sleep(poll)
-        started = json.loads(rec.value)
+        try:
+            started = parse_started(rec.value, rec.key)
+        except RecordError as exc:
+            raise ResilientError(f"{exc}; every agent of job {self.job!r} reads this one record: delete the key "
+                                 "(etcdctl del KEY) and start the agents again") from None
         nodes = self._nodes()
         for gr, n in nodes.items():
             if n["nproc"] != nproc:
@@ -187,8 +213,19 @@ class NodeRendezvous:
         )
 
     def _nodes(self) -> dict[int, dict]:
+        """Every node slot's record; malformed ones skipped (logged, counted as ``node``)."""
         prefix = nodes_prefix(self.job)
-        return {int(kv.key[len(prefix):]): json.loads(kv.value) for kv in self.store.get_prefix(prefix)}
+        out: dict[int, dict] = {}
+        for kv in self.store.get_prefix(prefix):
+            try:
+                slot = kv.key[len(prefix):]
+                if not slot.isdigit() or len(slot) > 6:
+                    raise RecordError(f"bad node record at {kv.key}: the key does not end in a slot number",
+                                      "node", kv.key)
+                out[int(slot)] = parse_node(kv.value, kv.key)
+            except RecordError as exc:
+                records.skip(exc, kv.key)
+        return out
 
     def leave(self) -> None:
         """Free our slot at once (revoke the node lease)."""
@@ -198,17 +235,25 @@ class NodeRendezvous:
             log.warning("could not revoke node lease %x: %s (it expires after its TTL)", self.lease, exc)
 
 
-def host_tcp_store(addr: str, port: int) -> tuple[Any, int]:
+def host_tcp_store(addr: str, port: int, bind: str | None = None) -> tuple[Any, int]:
     """Host torch's TCPStore the workers reach through MASTER_ADDR/MASTER_PORT
     (``TORCHELASTIC_USE_AGENT_STORE=True``), as torchrun's agent does. ``port`` 0 picks a
-    free port. Raises ``ResilientError`` naming the port when it is taken."""
+    free port. ``bind`` (e.g. ``127.0.0.1`` under ``--standalone``): listen on that address
+    only (torch's own server listens on every interface; we hand it a socket bound here).
+    Raises ``ResilientError`` naming the port when it is taken."""
+    import socket
     from datetime import timedelta
 
     from torch.distributed import TCPStore
 
     try:
-        store = TCPStore(host_name=addr, port=port, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=30))
+        fd = None
+        if bind is not None:
+            sock = socket.create_server((bind, port), backlog=128)
+            port = sock.getsockname()[1]
+            fd = sock.detach()   # the store owns the listening socket from here on
+        store = TCPStore(host_name=bind or addr, port=port, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=30), master_listen_fd=fd)
     except (RuntimeError, OSError) as exc:
         raise ResilientError(
             f"cannot host the workers' TCPStore on port {port}: {exc}; the port is probably in use, "

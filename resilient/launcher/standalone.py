@@ -3,7 +3,7 @@
 :class:`StandaloneControlPlane` starts a real ``etcd`` on free loopback ports
 (:class:`~resilient.coordinator.local_etcd.LocalEtcd`) and one coordinator process,
 ``python -c 'resilient.cli.main()' coordinator --etcd <endpoints> --job <job>
---min-members <nproc> --metrics-port 0`` (the same
+--min-members <nproc> --metrics-host 127.0.0.1 --metrics-port 0`` (the same
 as ``resilient coordinator ...``, without relying on the console script being on PATH),
 in its own session so signals meant for the agent's terminal do not reach it first.
 :meth:`stop` stops the coordinator (SIGTERM, then SIGKILL after a grace period) and etcd,
@@ -32,10 +32,11 @@ _COORDINATOR_MAIN = "import sys; from resilient.cli import main; sys.exit(main(s
 
 
 def coordinator_command(etcd: str, job: str, min_members: int = 1) -> list[str]:
-    """``resilient coordinator`` for this job; its /metrics on a free port (several
-    standalone jobs may share a host)."""
+    """``resilient coordinator`` for this job; its /metrics on a free loopback port
+    (several standalone jobs may share a host; nothing of a standalone job listens
+    beyond 127.0.0.1)."""
     return [sys.executable, "-c", _COORDINATOR_MAIN, "coordinator", "--etcd", etcd, "--job", job,
-            "--min-members", str(min_members), "--metrics-port", "0"]
+            "--min-members", str(min_members), "--metrics-host", "127.0.0.1", "--metrics-port", "0"]
 
 
 class StandaloneControlPlane:

@@ -70,32 +70,71 @@ def encode(obj: Any) -> bytes:
     return bytes(out)
 
 
+#: Largest JSON header accepted, and most dimensions of one tensor.
+MAX_HEADER_BYTES = 64 << 20
+MAX_NDIM = 64
+#: Largest element count of one tensor (zero-sized dimensions counted as 1), so that
+#: shape and stride arithmetic cannot overflow 64 bits.
+MAX_NUMEL = 2 ** 62
+
+
+def _is_count(v: Any, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= hi
+
+
+def _tensor_entry(entry: Any, base: int, total: int) -> tuple[torch.dtype, list[int], int, int]:
+    """Check one tensor table entry *before* anything is allocated: known dtype, a
+    shape of at most :data:`MAX_NDIM` non-negative dimensions, and a byte range
+    ``[off, off + n)`` inside the payload with ``n`` = numel * element size exactly."""
+    if not isinstance(entry, list) or len(entry) != 4:
+        raise FrameError(f"state payload has a bad tensor entry {entry!r:.200}")
+    dtype_name, shape, off, n = entry
+    dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    if dtype is None:
+        raise FrameError(f"state payload tensor has an unknown dtype {dtype_name!r:.80}")
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_count(d, MAX_NUMEL) for d in shape):
+        raise FrameError(f"state payload tensor has a bad shape {shape!r:.200} (at most {MAX_NDIM} "
+                         "non-negative integer dimensions)")
+    if not _is_count(off, total) or not _is_count(n, total) or base + off + n > total:
+        raise FrameError(f"state payload tensor at offset {off!r:.40} (+{n!r:.40}) runs past the end "
+                         f"({total} bytes)")
+    numel, bound = 1, 1
+    for d in shape:
+        numel *= d
+        bound *= max(d, 1)
+        if bound > MAX_NUMEL:
+            raise FrameError(f"state payload tensor shape {shape!r:.200} has more than 2**62 elements")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if numel * itemsize != n:
+        raise FrameError(f"state payload tensor {dtype_name}{shape} does not have {n} bytes")
+    return dtype, shape, off, n
+
+
 def decode(payload: bytes | bytearray | memoryview) -> Any:
-    """Rebuild what :func:`encode` serialised (see the module docstring)."""
+    """Rebuild what :func:`encode` serialised (see the module docstring). Every size in
+    the header is checked against the payload's length (and :data:`MAX_HEADER_BYTES`,
+    :data:`MAX_NDIM`, :data:`MAX_NUMEL`) before a tensor is allocated, so a hostile
+    payload can make this allocate no more than its own length; it raises
+    :class:`~resilient.errors.FrameError` and nothing else."""
     buf = memoryview(payload).cast("B")
     if len(buf) < 8:
         raise FrameError(f"state payload too short ({len(buf)} bytes)")
     (hlen,) = struct.unpack_from("<Q", buf, 0)
-    if 8 + hlen > len(buf):
-        raise FrameError(f"state payload header length {hlen} exceeds the payload ({len(buf)} bytes)")
+    if 8 + hlen > len(buf) or hlen > MAX_HEADER_BYTES:
+        raise FrameError(f"state payload header length {hlen} exceeds the payload ({len(buf)} bytes) "
+                         f"or {MAX_HEADER_BYTES} bytes")
     try:
         header = json.loads(bytes(buf[8:8 + hlen]))
         structure, table = header["s"], header["t"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise FrameError(f"state payload header is not valid: {exc}") from None
+        if not isinstance(table, list):
+            raise TypeError("the tensor table is not a list")
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise FrameError(f"state payload header is not valid: {type(exc).__name__}: {exc}") from None
     base = 8 + hlen
     tensors = []
     for entry in table:
-        try:
-            dtype_name, shape, off, n = entry
-            dtype = _DTYPES[dtype_name]
-        except (ValueError, KeyError, TypeError):
-            raise FrameError(f"state payload has a bad tensor entry {entry!r}") from None
-        if off < 0 or base + off + n > len(buf):
-            raise FrameError(f"state payload tensor at offset {off} (+{n}) runs past the end")
+        dtype, shape, off, n = _tensor_entry(entry, base, len(buf))
         t = torch.empty(shape, dtype=dtype)
-        if t.numel() * t.element_size() != n:
-            raise FrameError(f"state payload tensor {dtype_name}{shape} does not have {n} bytes")
         if n:
             t.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(buf[base + off:base + off + n]),
                                                                     dtype=torch.uint8))
@@ -116,5 +155,5 @@ def decode(payload: bytes | bytearray | memoryview) -> Any:
 
     try:
         return build(structure)
-    except (IndexError, TypeError, ValueError) as exc:
-        raise FrameError(f"state payload structure is not valid: {exc}") from None
+    except (IndexError, TypeError, ValueError, OverflowError, RecursionError) as exc:
+        raise FrameError(f"state payload structure is not valid: {type(exc).__name__}: {exc}") from None
