@@ -5,7 +5,10 @@ The parser mirrors ``torch.distributed.run.get_args_parser`` of torch 2.13 flag 
 same ``PET_<FLAG>`` environment defaults), so a torchrun command line works unchanged; it
 does not import torch (the agent starts fast). ``tests/test_launcher_args.py`` compares
 it against ``python -m torch.distributed.run --help`` so a new torchrun flag cannot slip
-by. Our own flags are ``--etcd``, ``--job``, ``--lease-ttl`` and ``--metrics-port``.
+by. Our own flags are ``--etcd``, ``--job``, ``--lease-ttl``, ``--metrics-port`` and the etcd
+TLS/credential flags ``--etcd-ca-cert``, ``--etcd-cert``, ``--etcd-key``, ``--etcd-user``,
+``--etcd-password-file``, ``--etcd-password`` (defaults from ``RESILIENT_ETCD_*``; see
+:mod:`resilient.coordinator.etcd_access`), which the workers receive too.
 
 :func:`parse` turns argv into a validated :class:`LaunchConfig`; bad input raises
 :class:`~resilient.errors.ConfigError` naming the flag, the cause and the fix, before
@@ -19,6 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from resilient.coordinator.etcd_access import EtcdAccess, add_arguments as add_etcd_access_arguments
 from resilient.errors import ConfigError
 
 DEFAULT_MASTER_PORT = 29500
@@ -176,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
              "is removed after this); RESILIENT_LEASE_TTL.")
     add("metrics-port", type=int, default=None,
         help="Serve Prometheus /metrics of this agent on this port (0: a free port; default: off).")
+    add_etcd_access_arguments(g)
 
     p.add_argument("training_script", type=str,
                    help="The training script (or module with -m, or program with --no-python), "
@@ -217,6 +222,7 @@ class LaunchConfig:
     lease_ttl: float
     metrics_port: int | None
     cmd: list[str] = field(default_factory=list)
+    etcd_access: EtcdAccess = field(default_factory=EtcdAccess)  # TLS files, credentials
 
     @property
     def uses_etcd(self) -> bool:
@@ -390,6 +396,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         lease_ttl=args.lease_ttl,
         metrics_port=args.metrics_port,
         cmd=worker_command(args),
+        etcd_access=EtcdAccess.from_args(args),
     )
 
 
