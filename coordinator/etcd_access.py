@@ -117,8 +117,8 @@ class EtcdAccess:
         except OSError as exc:
             raise ConfigError(f"cannot read the etcd password file {self.password_file!r} "
                               f"(--etcd-password-file / RESILIENT_ETCD_PASSWORD_FILE): {exc.strerror}") from None
-        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            log.warning("the etcd password file %s is readable by other users (mode %o); chmod 600 it",
+        if st.st_mode & stat.S_IRWXO:
+            log.warning("the etcd password file %s is readable by every local user (mode %o); chmod 600 it",
                         self.password_file, stat.S_IMODE(st.st_mode))
         return text[:-1] if text.endswith("\n") else text
 
