@@ -92,11 +92,12 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
-def _coordinator(etcd: LocalEtcd, job: str, env: dict[str, str], *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([*CLI, "coordinator", "--etcd", etcd.endpoint_arg, "--job", job,
-                             "--metrics-port", "-1", *extra],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+def _coordinator(etcd: LocalEtcd, job: str, env: dict[str, str], log, *extra: str) -> subprocess.Popen:
+    """``resilient coordinator`` writing to the file ``log`` (a path)."""
+    with open(log, "ab") as out:
+        return subprocess.Popen([*CLI, "coordinator", "--etcd", etcd.endpoint_arg, "--job", job,
+                                 "--metrics-port", "-1", *extra],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 # -- TLS -----------------------------------------------------------------------------------
@@ -106,7 +107,8 @@ def test_job_runs_over_mutual_tls(tls_etcd, certs, job_name, tmp_path):
     """Coordinator (TLS from RESILIENT_ETCD_* variables) and resilient-run (TLS from flags,
     handed on to its workers) run an allreduce job on an etcd that requires client certs."""
     a = tls_etcd.access
-    coord = _coordinator(tls_etcd, job_name, _clean_env(**a.child_env()), "--min-members", "2")
+    coord = _coordinator(tls_etcd, job_name, _clean_env(**a.child_env()), tmp_path / "coordinator.log",
+                         "--min-members", "2")
     try:
         run = subprocess.run(
             [RESILIENT_RUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "etcd",
@@ -116,7 +118,7 @@ def test_job_runs_over_mutual_tls(tls_etcd, certs, job_name, tmp_path):
             env=_clean_env(), capture_output=True, text=True, timeout=180, cwd=tmp_path)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         assert run.stdout.count("[1.0, 1.0, 1.0, 1.0] from 2 members") == 2, run.stdout + run.stderr[-3000:]
-        assert coord.poll() is None, coord.stdout.read() if coord.poll() is not None else ""
+        assert coord.poll() is None, (tmp_path / "coordinator.log").read_text()
     finally:
         _stop(coord)
 
@@ -172,8 +174,13 @@ def test_cli_reports_tls_failure_with_the_file(tls_etcd, certs, job_name):
 
 def test_rbac_prefix_role_token_expiry_and_etcd_restart(tmp_path, job_name):
     """Role limited to /resilient/<job>/, 2 s tokens, etcd restarted under the job: the
-    leader, the standby and the members carry on; the standby publishes the next epoch."""
-    with LocalEtcd(extra_args=["--auth-token-ttl", "2"]) as etcd:
+    leader, the standby, a node agent (credentials as flags, handed to its worker) and the
+    members carry on; the standby publishes the next epoch."""
+    import grpc
+    from pyetcd import etcdrpc
+
+    # --snapshot-count 1: the restart cannot replay (and so forgets) the tokens issued before it
+    with LocalEtcd(extra_args=["--auth-token-ttl", "2", "--snapshot-count", "1"]) as etcd:
         root_pw, job_pw = "root-secret", "job-secret"
         with Store(etcd.endpoints) as admin:
             admin.add_role("root")
@@ -187,21 +194,31 @@ def test_rbac_prefix_role_token_expiry_and_etcd_restart(tmp_path, job_name):
         access = EtcdAccess(user="trainer", password_file=str(pw_file))
         env = _clean_env(**access.child_env())
         procs: list[subprocess.Popen] = []
+        stop = tmp_path / "stop"
+        agent = Launcher(["--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "etcd",
+                          "--rdzv-endpoint", etcd.endpoint_arg, "--rdzv-id", job_name, "--lease-ttl", "2",
+                          "--etcd-user", "trainer", "--etcd-password-file", str(pw_file),
+                          os.path.join(SCRIPTS, "member_worker.py")],
+                         str(tmp_path / "dump"), extra_env={"STOP_FILE": str(stop), **{v: "" for v in _ACCESS_VARS}})
         observer = Store(etcd.endpoints, user="root", password=root_pw)
         try:
             # the role really is limited: outside the prefix the job's user gets nothing
             with access.open_store(etcd.endpoints) as scoped, pytest.raises(StoreError, match="permission denied"):
                 scoped.get("/resilient/other-job/epoch")
-            coords = {cid: _coordinator(etcd, job_name, env, "--id", cid, "--ttl", "2", "--min-members", "2",
+            coords = {cid: _coordinator(etcd, job_name, env, tmp_path / f"{cid}.log", "--id", cid, "--ttl", "2",
+                                        "--min-members", "2",
                                         "--join-debounce-ms", "50") for cid in ("c0", "c1")}
             procs += coords.values()
             members = {}
-            for m in ("m0", "m1", "m2"):
+            for m in ("m0", "m2"):
                 members[m] = subprocess.Popen(
                     [sys.executable, "-m", "resilient.coordinator.member_process", "--etcd", etcd.endpoint_arg,
                      "--job", job_name, "--id", m, "--ttl", "2"],
-                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
                 procs.append(members[m])
+            worker = agent.dump(0)  # the agent's worker, registered with the agent's credentials
+            assert worker["RESILIENT_ETCD_USER"] == "trainer"
+            expected = {"m0", "m2", worker["RESILIENT_MEMBER_ID"]}
 
             def epoch():
                 return read_epoch(observer, job_name)[0]
@@ -209,25 +226,43 @@ def test_rbac_prefix_role_token_expiry_and_etcd_restart(tmp_path, job_name):
             def logs() -> str:
                 return ", ".join(f"pid {p.pid} exit {p.poll()}" for p in procs)
 
-            first = wait_for(lambda: (e := epoch()) and set(e.members) == set(members) and e, 60,
+            first = wait_for(lambda: (e := epoch()) and set(e.members) == expected and e, 60,
                              f"the first epoch with all members ({logs()})")
-            time.sleep(2.5)  # idle past the token TTL: the standby has been waiting on a watch all along
+            with access.open_store(etcd.endpoints) as probe:
+                idle_token = probe._client.metadata  # never used again: expires after the TTL
+
+            def rejected(token) -> bool:
+                with grpc.insecure_channel(etcd.endpoints[0]) as ch:
+                    try:
+                        etcdrpc.KVStub(ch).Range(etcdrpc.RangeRequest(key=keys.root(job_name).encode()),
+                                                 metadata=token, timeout=5)
+                    except grpc.RpcError as exc:
+                        return "invalid auth token" in str(exc.details())
+                return False
+
+            # etcd drops an unused token within TTL + 1 s; meanwhile the standby has only
+            # been waiting on a watch. Checked after the wait: a use would renew the token.
+            time.sleep(3.0)
+            assert rejected(idle_token), "the 2 s token outlived its TTL: the test would prove nothing"
             etcd.kill(0)
-            etcd.restart(0)  # simple tokens are gone now: every client must re-authenticate
-            wait_for(lambda: set(read_members(observer, job_name)[0]) == set(members), 20,
+            etcd.restart(0)  # and the restart forgets every token: all clients re-authenticate
+            wait_for(lambda: set(read_members(observer, job_name)[0]) == expected, 20,
                      "the members to be registered after the restart")
-            for name, p in {**coords, **members}.items():
-                assert p.poll() is None, f"{name} exited after the etcd restart:\n{p.stdout.read()}"
+            for name, p in {**coords, **members, "agent": agent.proc}.items():
+                assert p.poll() is None, f"{name} exited after the etcd restart"
             leader = observer.get(keys.leader(job_name)).value.decode()
             standby = "c1" if leader == "c0" else "c0"
             coords[leader].send_signal(signal.SIGKILL)
             members["m2"].send_signal(signal.SIGKILL)
             nxt = wait_for(lambda: (e := epoch()) and e.number > first.number and "m2" not in e.members and e, 60,
                            "a new epoch without the killed member")
-            assert set(nxt.members) == {"m0", "m1"}
+            assert set(nxt.members) == expected - {"m2"}
             assert nxt.leader == standby, (nxt.leader, standby)
             assert coords[standby].poll() is None
+            stop.write_text("")
+            assert agent.wait() == 0, agent.output()
         finally:
+            agent.close()
             for p in procs:
                 _stop(p)
             observer.close()
@@ -245,6 +280,32 @@ def test_password_without_tls_and_wrong_password(etcd_session):
             Store(etcd.endpoints, user="root", password="wrong")
     with pytest.raises(StoreError, match="authentication off but user 'root' was given"):
         Store(etcd_session.endpoints, user="root", password="x")
+
+
+def test_watch_renews_its_own_token_after_an_etcd_restart():
+    """A Store that only watches (no other call could renew its token) keeps receiving
+    events after etcd restarts and forgets its token (``--snapshot-count 1``: the
+    Authenticate entries are in the snapshot, so the restart does not replay them)."""
+    import grpc
+    from pyetcd import etcdrpc
+
+    with LocalEtcd(auth=True, extra_args=["--snapshot-count", "1"]) as etcd:
+        got: list = []
+        with etcd.access.open_store(etcd.endpoints) as watcher, etcd.access.open_store(etcd.endpoints) as writer:
+            handle = watcher.watch_prefix("/resilient/w/", None, got.extend)
+            assert handle.connected.wait(10)
+            for i in range(3):
+                writer.put(f"/resilient/w/before-{i}", b"0")
+            gen, old_token = watcher._token_gen, watcher._client.metadata
+            etcd.kill(0)
+            etcd.restart(0)
+            with grpc.insecure_channel(etcd.endpoints[0]) as ch, pytest.raises(grpc.RpcError) as denied:
+                etcdrpc.KVStub(ch).Range(etcdrpc.RangeRequest(key=b"/resilient/w/"), metadata=old_token, timeout=5)
+            assert "invalid auth token" in denied.value.details()  # the restart really forgot it
+            writer.put("/resilient/w/after-restart", b"1")
+            wait_for(lambda: any(e.key == "/resilient/w/after-restart" for e in got), 20,
+                     "the watch to deliver an event written after the restart")
+            assert watcher._token_gen > gen  # the watch itself re-authenticated
 
 
 # -- standalone --------------------------------------------------------------------------
