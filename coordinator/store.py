@@ -42,7 +42,6 @@ from __future__ import annotations
 import ipaddress
 import logging
 import math
-import os
 import queue
 import ssl
 import threading
@@ -390,8 +389,11 @@ class Store:
     ``endpoints``: ``host:port`` strings (or one comma-separated string); ``timeout``: per
     request, seconds; ``retry_timeout``: total budget for retrying one call across
     endpoints before :class:`StoreUnavailable`. TLS: ``ca_cert`` alone, or with
-    ``cert_key`` + ``cert_cert`` for client authentication. ``user``/``password``: etcd
-    RBAC (the token is fetched at construction, with the same retry budget).
+    ``cert_key`` + ``cert_cert`` for client authentication (the files are checked here:
+    :class:`ConfigError` naming the file). ``user``/``password``: etcd RBAC — the token is
+    fetched at construction, with the same retry budget, and fetched again whenever etcd
+    no longer knows it (see the module docstring). Processes build these options from
+    flags/variables with :class:`~resilient.coordinator.etcd_access.EtcdAccess`.
     """
 
     def __init__(
