@@ -548,9 +548,10 @@ class Store:
             return (f"TLS handshake with etcd {eps} failed ({what}): its server certificate is not signed by "
                     f"the CA in {self.ca_cert!r} (--etcd-ca-cert / RESILIENT_ETCD_CA_CERT), or does not name the "
                     f"host you connect to; details: {details}")
-        if "wrong_version_number" in low or "record" in low and "http" in low:
-            return (f"TLS handshake with etcd {eps} failed ({what}): the endpoint does not speak TLS (plain "
-                    f"http?); drop --etcd-ca-cert or give etcd's https client URL; details: {details}")
+        if "wrong_version_number" in low or "handshake read failed" in low:
+            return (f"TLS handshake with etcd {eps} failed ({what}): the endpoint closed the connection during "
+                    f"the handshake, so it likely does not serve TLS (a plain http etcd?); drop --etcd-ca-cert / "
+                    f"RESILIENT_ETCD_CA_CERT ({self.ca_cert!r}) or give etcd's https client URL; details: {details}")
         if self.cert_cert is None:
             return (f"TLS session with etcd {eps} torn down by the server ({what}): it requires a client "
                     f"certificate; pass --etcd-cert and --etcd-key (RESILIENT_ETCD_CERT/KEY) signed by a CA that "

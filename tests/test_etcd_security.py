@@ -138,6 +138,12 @@ def test_tls_failures_name_the_file(tls_etcd, certs):
         Store(ep, retry_timeout=1.0).revision()
 
 
+def test_tls_client_against_a_plain_etcd_is_named(etcd_session, certs):
+    ca = str(certs / "ca.crt")
+    with pytest.raises(ConfigError, match=r"TLS handshake .* likely does not serve TLS .*'%s'" % ca):
+        Store(etcd_session.endpoints, ca_cert=ca).revision()
+
+
 def test_tls_file_problems_are_named_before_connecting(certs, tmp_path):
     missing = str(tmp_path / "nope.crt")
     with pytest.raises(ConfigError, match=r"TLS: cannot read the etcd CA file '%s'" % missing):
