@@ -491,7 +491,17 @@ class Store:
 
     def _retry(self, what: str, fn: Callable[[], object], budget: float | None = None) -> object:
         budget = self.retry_timeout if budget is None else budget
-        fn = self._with_fresh_token(fn)
+        fresh = self._with_fresh_token(fn)
+        closed = []  # attempts whose connection the server closed (a TLS etcd, to a plain client)
+
+        def fn() -> object:
+            try:
+                return fresh()
+            except Exception as exc:
+                if "socket closed" in _rpc_details(exc).lower():
+                    closed.append(exc)
+                raise
+
         try:
             for attempt in Retrying(
                 retry=retry_if_exception(_is_transient),
@@ -508,7 +518,7 @@ class Store:
             if _is_transient(exc):
                 details = _rpc_details(exc)
                 hint = ""
-                if self.ca_cert is None and "socket closed" in details.lower():
+                if self.ca_cert is None and closed:
                     hint = "; if etcd serves TLS (https), pass its CA with --etcd-ca-cert / RESILIENT_ETCD_CA_CERT"
                 raise StoreUnavailable(
                     f"etcd {what}: no endpoint of {','.join(self.endpoints)} answered within "
