@@ -87,8 +87,10 @@ class StandaloneControlPlane:
         except BaseException:
             self.stop()
             raise
-        log.info("standalone control plane: etcd %s, coordinator pid %d (log %s)",
-                 self.etcd.endpoint_arg, self.coordinator.pid, self.coordinator_log)
+        log.info("standalone control plane: etcd %s, coordinator pid %d (log %s); etcd user %s, password "
+                 "file %s (for `resilient status`: RESILIENT_ETCD_USER / RESILIENT_ETCD_PASSWORD_FILE)",
+                 self.etcd.endpoint_arg, self.coordinator.pid, self.coordinator_log, self.access.user,
+                 self.access.password_file)
         return self
 
     def _log_tail(self, lines: int = 20) -> str:
