@@ -75,16 +75,17 @@ class BenchCluster:
     # -- lifecycle ----------------------------------------------------------------------
 
     def __enter__(self) -> "BenchCluster":
-        from resilient.coordinator import LocalEtcd, Store
+        from resilient.coordinator import LocalEtcd
 
         try:
             self._etcd = LocalEtcd().start()
-            self.store = Store(self._etcd.endpoints)
+            self.store = self._etcd.access.open_store(self._etcd.endpoints)
             self._coord = subprocess.Popen(
                 [sys.executable, "-c", "import sys; from resilient.cli import main; sys.exit(main())",
                  "coordinator", "--etcd", self._etcd.endpoint_arg, "--job", self.job, "--ttl", str(self.ttl),
                  "--metrics-port", "-1", "--log-level", "WARNING", "--join-debounce-ms", "100"],
-                stdout=subprocess.DEVNULL, stderr=self._open("coordinator.stderr"), cwd=ROOT, start_new_session=True)
+                stdout=subprocess.DEVNULL, stderr=self._open("coordinator.stderr"), cwd=ROOT, start_new_session=True,
+                env={**os.environ, **self._etcd.access.child_env()})
             for i in range(self.world):
                 self._spawn(f"m{i}")
             for mid in self.procs:
@@ -105,7 +106,7 @@ class BenchCluster:
     def _spawn(self, mid: str) -> None:
         lease = self.store.grant(self.ttl)
         self.leases[mid] = lease
-        env = dict(os.environ, PYTHONPATH=str(ROOT), **self.env_for(mid))
+        env = dict(os.environ, PYTHONPATH=str(ROOT), **self._etcd.access.child_env(), **self.env_for(mid))
         if "RESILIENT_FAILPOINTS" not in self.env_for(mid):
             env.pop("RESILIENT_FAILPOINTS", None)
         cmd = [sys.executable, self.script, "--worker", "--etcd", self._etcd.endpoint_arg, "--job", self.job,
@@ -217,10 +218,11 @@ def join(args: Any, **comm_kwargs: Any) -> tuple[Any, Any, Any, int]:
     session, index)."""
     from resilient.collectives import Communicator
     from resilient.collectives.group import EtcdGroupView
-    from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession, Store
+    from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession
+    from resilient.coordinator.etcd_access import open_store_from_env
     from resilient.transport.tcp import TcpTransport
 
-    store = Store(args.etcd)
+    store = open_store_from_env(args.etcd)  # RESILIENT_ETCD_* TLS/credentials
     transport = TcpTransport(args.id, args.job)
     session = MemberSession.register(store, args.job, MemberInfo(member_id=args.id, address=transport.address),
                                      lease_id=args.lease_id)

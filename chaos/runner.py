@@ -220,7 +220,8 @@ class ChaosRunner:
         log = open(log_path, "ab")
         # prefix: `ip netns exec NS` (it execs python, so the PID is the member's own)
         popen = subprocess.Popen([*prefix, sys.executable, *args], stdout=subprocess.PIPE if pipe else log, stderr=log,
-                                 env={**os.environ, **(env or {})}, start_new_session=True, text=pipe or None)
+                                 env={**os.environ, **self.etcd.access.child_env(), **(env or {})},
+                                 start_new_session=True, text=pipe or None)
         log.close()
         return _Proc(name, popen, log_path)
 
@@ -286,7 +287,6 @@ class ChaosRunner:
         """Run the scenario once and return its log; see the module docstring."""
         from resilient.coordinator.epoch import EpochWatcher
         from resilient.coordinator.local_etcd import LocalEtcd
-        from resilient.coordinator.store import Store
 
         self.records.mkdir(parents=True, exist_ok=True)
         scenario_path = self.workdir / "scenario.yaml"
@@ -303,7 +303,7 @@ class ChaosRunner:
                 self.lab = NetnsLab(self.sc.world_size).open()  # NetnsUnavailable: see skip_reason
                 host = self.lab.host_ip
             self.etcd = LocalEtcd(size=self.sc.etcd_members, host=host).start()
-            self.store = Store(self.etcd.endpoints)
+            self.store = self.etcd.access.open_store(self.etcd.endpoints)
             for c in range(self.sc.coordinators):
                 self._start_coordinator(f"c{c}")
             for i in range(self.sc.world_size):

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from resilient.coordinator.epoch import EpochWatcher
     from resilient.coordinator.membership import MemberInfo, MemberSession
-    from resilient.coordinator.store import Store
+    from resilient.coordinator.etcd_access import open_store_from_env
 
     sc = load_scenario(args.scenario)
     records = Path(args.records)
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         # RESILIENT_HOST: the runner places a member in a network namespace and names its address there
         transport = shaped_from_env(TcpTransport(mid, args.job, host=os.environ.get("RESILIENT_HOST", "127.0.0.1")))
         import resilient.collectives  # noqa: F401  (torch: paid before READY, not inside the timed run)
-    store = Store(args.etcd)
+    store = open_store_from_env(args.etcd)  # RESILIENT_ETCD_* TLS/credentials from the runner
     info = MemberInfo(member_id=mid, address=transport.address if transport is not None else "")
     session = MemberSession.register(store, args.job, info, ttl=sc.lease_ttl_s)
     watcher = EpochWatcher(store, args.job)

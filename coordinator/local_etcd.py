@@ -5,6 +5,15 @@ chaos runner. Every port is a free loopback port chosen at start; every process 
 here is stopped by PID in :meth:`LocalEtcd.stop` (also on ``with`` exit), and its data
 directory is removed.
 
+Options for the security tests and the standalone mode: ``tls=`` (:class:`TlsFiles`)
+serves the client URLs over https, optionally requiring client certificates; ``auth=True``
+turns etcd authentication on with a ``root`` user whose generated password lives in a
+file of mode 0600 inside the member's private (0700) directory, so another local user can
+neither read the password nor anything in etcd; ``extra_args`` go to every member (e.g.
+``--auth-token-ttl``). :attr:`LocalEtcd.access` is what a client needs (TLS files, user,
+password file). Passwords are hashed with ``--bcrypt-cost 4`` (the fastest): they are
+random 256-bit secrets, so slow hashing would only slow every client's start.
+
 Failure behaviour: if ``etcd`` is not on PATH, :class:`~resilient.errors.ConfigError` says
 how to install it. If a member does not answer its health endpoint within ``start_timeout``
 (a port raced away, a bad flag), every member started so far is stopped and
@@ -13,9 +22,11 @@ how to install it. If a member does not answer its health endpoint within ``star
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import threading
@@ -24,7 +35,29 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from resilient.coordinator.etcd_access import EtcdAccess
 from resilient.errors import ConfigError, StoreUnavailable
+
+#: the user :class:`LocalEtcd` creates with ``auth=True``
+ROOT_USER = "root"
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for a TLS etcd: ``ca`` signed the server certificate (and the client one);
+    with ``client_cert``/``client_key``, etcd requires client certificates signed by ``ca``."""
+
+    ca: str
+    server_cert: str
+    server_key: str
+    client_cert: str | None = None
+    client_key: str | None = None
+
+    def context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=self.ca)
+        if self.client_cert:
+            ctx.load_cert_chain(self.client_cert, self.client_key)
+        return ctx
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -66,10 +99,11 @@ class EtcdMember:
     log_path: str
     proc: subprocess.Popen | None = None
     host: str = "127.0.0.1"
+    scheme: str = "http"
 
     @property
     def client_url(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        return f"{self.scheme}://{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -105,8 +139,20 @@ class LocalEtcd:
     heartbeat_ms: int = 100
     election_ms: int = 1000
     start_timeout: float = 20.0
+    tls: TlsFiles | None = None
+    auth: bool = False
+    extra_args: Sequence[str] = ()
     members: list[EtcdMember] = field(default_factory=list)
     _root: str | None = None
+    password_file: str | None = None
+
+    @property
+    def access(self) -> EtcdAccess:
+        """TLS files and credentials a client of this etcd needs (empty when plain)."""
+        tls = self.tls
+        return EtcdAccess(ca_cert=tls.ca if tls else None, cert=tls.client_cert if tls else None,
+                          key=tls.client_key if tls else None,
+                          user=ROOT_USER if self.password_file else None, password_file=self.password_file)
 
     @property
     def endpoints(self) -> list[str]:
@@ -126,7 +172,7 @@ class LocalEtcd:
 
     def start(self) -> "LocalEtcd":
         binary = etcd_binary()
-        self._root = tempfile.mkdtemp(prefix="resilient-etcd-")
+        self._root = tempfile.mkdtemp(prefix="resilient-etcd-")  # mode 0700: data, logs, password
         for attempt in range(3):
             self.members = [
                 EtcdMember(
@@ -136,6 +182,7 @@ class LocalEtcd:
                     data_dir=os.path.join(self._root, f"attempt{attempt}", f"etcd{i}"),
                     log_path=os.path.join(self._root, f"etcd{i}.{attempt}.log"),
                     host=self.host,
+                    scheme="https" if self.tls else "http",
                 )
                 for i in range(self.size)
             ]
@@ -143,18 +190,39 @@ class LocalEtcd:
                 self._spawn(binary, m, state="new")
             try:
                 self.wait_healthy(self.members)
-                return self
             except StoreUnavailable as exc:
                 last = exc
                 self._kill_all()
+                continue
+            try:
+                if self.auth:
+                    self._enable_auth()
+            except BaseException:
+                self.stop()
+                raise
+            return self
         self.stop()
         raise last
+
+    def _enable_auth(self) -> None:
+        """Create ``root`` with a random password (written to a 0600 file) and turn auth on."""
+        password = secrets.token_urlsafe(32)
+        path = os.path.join(self._root, "root.password")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(password)
+        with EtcdAccess(ca_cert=self.access.ca_cert, cert=self.access.cert, key=self.access.key).open_store(
+                self.endpoints) as store:
+            store.add_role("root")
+            store.add_user(ROOT_USER, password, ["root"])
+            store.enable_auth()
+        self.password_file = path
 
     def _initial_cluster(self) -> str:
         return ",".join(f"{m.name}={m.peer_url}" for m in self.members)
 
     def _spawn(self, binary: str, m: EtcdMember, state: str) -> None:
-        os.makedirs(m.data_dir, exist_ok=True)
+        os.makedirs(m.data_dir, mode=0o700, exist_ok=True)
         args = [
             binary,
             "--name", m.name,
@@ -169,7 +237,13 @@ class LocalEtcd:
             "--heartbeat-interval", str(self.heartbeat_ms),
             "--election-timeout", str(self.election_ms),
             "--log-level", "warn",
+            "--bcrypt-cost", "4",
         ]
+        if self.tls is not None:
+            args += ["--cert-file", self.tls.server_cert, "--key-file", self.tls.server_key]
+            if self.tls.client_cert:
+                args += ["--client-cert-auth", "--trusted-ca-file", self.tls.ca]
+        args += list(self.extra_args)
         log = open(m.log_path, "ab")
         # Own process group, so that a test's Ctrl-C does not reach it first and so that
         # stop() can signal exactly the processes we started.
@@ -182,13 +256,14 @@ class LocalEtcd:
 
     def wait_healthy(self, members: Sequence[EtcdMember], timeout: float | None = None) -> None:
         deadline = time.monotonic() + (timeout or self.start_timeout)
+        context = self.tls.context() if self.tls else None
         pending = list(members)
         while pending:
             m = pending[0]
             if not m.running:
                 raise StoreUnavailable(f"etcd member {m.name} exited during start-up:\n{m.log_tail()}")
             try:
-                with urllib.request.urlopen(f"{m.client_url}/health", timeout=1.0) as r:
+                with urllib.request.urlopen(f"{m.client_url}/health", timeout=1.0, context=context) as r:
                     if b'"health":"true"' in r.read().replace(b" ", b""):
                         pending.pop(0)
                         continue
@@ -225,6 +300,7 @@ class LocalEtcd:
         if self._root:
             shutil.rmtree(self._root, ignore_errors=True)
             self._root = None
+            self.password_file = None
 
     def _kill_all(self) -> None:
         for m in self.members:

@@ -32,10 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from resilient.coordinator.membership import MemberInfo, MemberSession
-    from resilient.coordinator.store import Store
+    from resilient.coordinator.etcd_access import open_store_from_env
 
     labels = dict(kv.split("=", 1) for kv in args.label)
-    store = Store(args.etcd)
+    store = open_store_from_env(args.etcd)  # RESILIENT_ETCD_* TLS/credentials
     info = MemberInfo(member_id=args.id, local_rank=args.local_rank, address=args.address, labels=labels,
                       **({"host": args.host} if args.host else {}))
     session = MemberSession.register(store, args.job, info, ttl=args.ttl, lease_id=args.lease_id)

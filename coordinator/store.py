@@ -18,6 +18,18 @@ What it adds on top of the raw client:
   the next endpoint, so no event is missed. If that revision was compacted meanwhile, the
   callback receives a ``resync`` event (re-read the state) and the watch continues from
   the oldest revision etcd still has.
+* **Credentials that outlive their token.** With ``user``/``password`` the Store
+  authenticates itself and sends the token as call metadata (so password auth works on a
+  plain loopback channel too, where gRPC refuses call credentials). When etcd answers
+  "invalid auth token" — the token's TTL (``--auth-token-ttl``) passed while the client was
+  idle, or etcd restarted and forgot its simple tokens — it re-authenticates once and
+  retries the call; watches do the same when etcd cancels them for the token.
+* **TLS problems named as such.** Missing or unreadable TLS files, a CA file without a
+  PEM certificate and a key that does not match its certificate raise
+  :class:`~resilient.errors.ConfigError` naming the file at construction; a handshake
+  that fails (the server's certificate is not signed by the CA, etcd rejects the client
+  certificate) raises ConfigError naming the file involved at once, instead of being
+  retried as "etcd is not running".
 * Small value types (:class:`KV`, :class:`WatchEvent`, :class:`Compare`, :class:`Put`,
   :class:`Delete`) so callers never see client classes.
 
@@ -27,9 +39,11 @@ report that its comparison failed although the first attempt applied. Callers th
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import queue
+import ssl
 import threading
 import time
 import weakref
@@ -67,10 +81,77 @@ _GRPC_OPTIONS = [
 ]
 
 
+# Markers of a failed TLS handshake or a TLS session the peer tore down (gRPC's transport
+# security interface reports these as UNAVAILABLE, like an endpoint that is down).
+_TLS_MARKERS = ("handshake", "tsi_", "ssl_error", "certificate", "wrong_version_number")
+# etcd's answers to a token it does not know (expired, or etcd restarted) or one issued
+# before the auth store changed: re-authenticate (as etcd's own client does).
+_TOKEN_EXPIRED = ("invalid auth token", "revision of auth store is old")
+
+
+def _rpc_details(exc: BaseException | None) -> str:
+    """The gRPC details of ``exc`` or of the gRPC error pyetcd replaced by its own."""
+    for e in (exc, getattr(exc, "__context__", None)):
+        if isinstance(e, grpc.RpcError):
+            return str(e.details() or "")
+    return ""
+
+
+def _tls_failure(exc: BaseException) -> str | None:
+    details = _rpc_details(exc)
+    return details if any(m in details.lower() for m in _TLS_MARKERS) else None
+
+
+def _token_expired(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.RpcError) and any(m in _rpc_details(exc) for m in _TOKEN_EXPIRED)
+
+
 def _is_transient(exc: BaseException) -> bool:
+    if _tls_failure(exc):
+        return False  # a bad CA or certificate does not heal by retrying
     if isinstance(exc, _TRANSIENT_EXC):
         return True
     return isinstance(exc, grpc.RpcError) and exc.code() in _TRANSIENT_CODES
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_tls_files(ca_cert: str, cert_key: str | None, cert_cert: str | None) -> None:
+    """Load the TLS files as Python's ``ssl`` would; :class:`ConfigError` naming the file
+    (and its flag/variable) when one is missing, unreadable, not PEM, or the key does not
+    match the certificate."""
+    named = [(ca_cert, "CA file", "--etcd-ca-cert / RESILIENT_ETCD_CA_CERT"),
+             (cert_cert, "client certificate", "--etcd-cert / RESILIENT_ETCD_CERT"),
+             (cert_key, "client key", "--etcd-key / RESILIENT_ETCD_KEY")]
+    for path, what, where in named:
+        if path is None:
+            continue
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"TLS: cannot read the etcd {what} {path!r} ({where}): {exc.strerror}") from None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        ctx.load_verify_locations(cafile=ca_cert)
+    except (ssl.SSLError, ValueError) as exc:
+        raise ConfigError(f"TLS: the etcd CA file {ca_cert!r} (--etcd-ca-cert / RESILIENT_ETCD_CA_CERT) holds "
+                          f"no usable PEM certificate ({exc}); point it at the CA bundle that signed etcd's "
+                          f"server certificate") from None
+    if cert_cert is not None:
+        try:
+            ctx.load_cert_chain(cert_cert, cert_key)
+        except (ssl.SSLError, ValueError) as exc:
+            raise ConfigError(f"TLS: the etcd client certificate {cert_cert!r} and key {cert_key!r} "
+                              f"(--etcd-cert / --etcd-key) do not load as a PEM certificate with its matching "
+                              f"private key ({exc})") from None
 
 
 def _grpc_code(exc: BaseException) -> grpc.StatusCode | None:
@@ -193,6 +274,7 @@ class WatchHandle:
         self._requests: queue.Queue | None = None
         self.connected = threading.Event()
         self.reconnects = 0
+        self._refusals = 0  # consecutive cancels by etcd: each one backs off further
         self._thread = threading.Thread(target=self._run, name=f"watch:{prefix}", daemon=True)
         self._thread.start()
 
@@ -227,8 +309,25 @@ class WatchHandle:
                 log.exception("watch %s failed; resuming", self._prefix)
             self.connected.clear()
             self.reconnects += 1
-            attempt += 1
+            attempt += 1 + self._refusals
             self._cancelled.wait(min(0.5, 0.02 * 2 ** min(attempt, 5)))
+
+    def _on_cancel(self, reason: str, token_gen: int) -> None:
+        """etcd cancelled the watch: for a token it no longer knows, re-authenticate (the
+        next stream uses the new token); for a refusal, say so (then retry, backing off)."""
+        if any(m in reason for m in _TOKEN_EXPIRED) and self._store._user is not None:
+            try:
+                self._store._refresh_token(token_gen)
+            except Exception as exc:  # etcd down again, bad password now: retried with backoff
+                log.warning("watch %s: re-authentication failed: %s", self._prefix, exc)
+                self._refusals += 1
+            return
+        if reason:
+            self._refusals += 1
+            (log.error if self._refusals == 1 else log.debug)(
+                "etcd cancelled the watch on %s: %s%s", self._prefix, reason,
+                "; the etcd user needs read permission on the job's prefix (docs/security.md)"
+                if "permission denied" in reason.lower() else "")
 
     def _stream_once(self) -> None:
         create = etcdrpc.WatchCreateRequest(
@@ -239,6 +338,7 @@ class WatchHandle:
         reqs: queue.Queue = queue.Queue()
         reqs.put(etcdrpc.WatchRequest(create_request=create))
         stub = etcdrpc.WatchStub(self._store._next_watch_channel())
+        token_gen = self._store._token_gen
         call = stub.Watch(iter(reqs.get, None), metadata=self._store._client.metadata)
         with self._lock:
             if self._cancelled.is_set():
@@ -255,12 +355,14 @@ class WatchHandle:
                     self._next_rev = resp.compact_revision
                     self._callback([WatchEvent("resync", "", b"", resp.compact_revision)])
                     return  # re-create from the compact revision
+                if resp.canceled:  # before `created`: a refused watch is both
+                    self._on_cancel(str(resp.cancel_reason), token_gen)
+                    return
                 if resp.created:
                     self.connected.set()
+                    self._refusals = 0
                     if self._next_rev == 0:
                         self._next_rev = resp.header.revision + 1
-                if resp.canceled:
-                    return
                 if not resp.events:
                     continue
                 events = []
@@ -287,8 +389,11 @@ class Store:
     ``endpoints``: ``host:port`` strings (or one comma-separated string); ``timeout``: per
     request, seconds; ``retry_timeout``: total budget for retrying one call across
     endpoints before :class:`StoreUnavailable`. TLS: ``ca_cert`` alone, or with
-    ``cert_key`` + ``cert_cert`` for client authentication. ``user``/``password``: etcd
-    RBAC (the token is fetched at construction, with the same retry budget).
+    ``cert_key`` + ``cert_cert`` for client authentication (the files are checked here:
+    :class:`ConfigError` naming the file). ``user``/``password``: etcd RBAC — the token is
+    fetched at construction, with the same retry budget, and fetched again whenever etcd
+    no longer knows it (see the module docstring). Processes build these options from
+    flags/variables with :class:`~resilient.coordinator.etcd_access.EtcdAccess`.
     """
 
     def __init__(
@@ -311,12 +416,17 @@ class Store:
             raise ConfigError("TLS client certificates need ca_cert too (the etcd CA bundle)")
         if (user is None) != (password is None):
             raise ConfigError("etcd authentication needs both user and password (or neither)")
+        self.ca_cert, self.cert_key, self.cert_cert = ca_cert, cert_key, cert_cert
         creds = None
         if ca_cert:
-            try:
-                creds = pyetcd.MultiEndpointEtcd3Client.get_secure_creds(ca_cert, cert_key, cert_cert)
-            except OSError as exc:
-                raise ConfigError(f"cannot read TLS file: {exc}; check --ca-cert/--cert/--key paths") from exc
+            check_tls_files(ca_cert, cert_key, cert_cert)
+            creds = pyetcd.MultiEndpointEtcd3Client.get_secure_creds(ca_cert, cert_key, cert_cert)
+        self._user, self._password = user, password
+        self._token_lock = threading.Lock()
+        self._token_gen = 0  # bumped by every authentication (see _refresh_token)
+        if user is not None and creds is None and not all(_is_loopback(h) for h, _ in parse_endpoints(endpoints)):
+            log.warning("etcd password authentication without TLS to %s: the password and token cross the "
+                        "network in clear text; pass --etcd-ca-cert (see docs/security.md)", ",".join(self.endpoints))
         self._eps = [
             pyetcd.Endpoint(h, p, secure=creds is not None, creds=creds,
                             time_retry=_ENDPOINT_RETRY_S, opts=_GRPC_OPTIONS)
@@ -325,17 +435,73 @@ class Store:
         self._watches: "weakref.WeakSet[WatchHandle]" = weakref.WeakSet()
         self._watch_rr = 0
         self._watch_rr_lock = threading.Lock()
-        self._client = self._retry(
-            "connect",
-            lambda: pyetcd.MultiEndpointEtcd3Client(
-                endpoints=self._eps, timeout=self.timeout, user=user, password=password, failover=True
-            ),
-        )
+        # No credentials to the client: it would send the token as gRPC *call credentials*,
+        # which gRPC refuses on a plain channel ("insufficient security level"). The Store
+        # authenticates itself and sends the token as metadata, on any channel.
+        self._client = pyetcd.MultiEndpointEtcd3Client(endpoints=self._eps, timeout=self.timeout, failover=True)
+        if user is not None:
+            try:
+                self._retry("authenticate", self._authenticate)
+            except BaseException:
+                self._client.close()
+                raise
+
+    # -- authentication -------------------------------------------------------------------
+
+    def _authenticate(self) -> None:
+        """One Authenticate call; installs the token for every later call (and watch)."""
+        client = self._client
+        request = etcdrpc.AuthenticateRequest(name=self._user, password=self._password)
+        try:
+            resp = client.authstub.Authenticate(request, self.timeout)
+        except grpc.RpcError as exc:
+            if exc.code() in _TRANSIENT_CODES and not _tls_failure(exc):
+                client.endpoint_in_use.fail()  # fail over, as pyetcd does for its own calls
+                client._clear_old_stubs()
+            raise
+        client.metadata = (("token", resp.token),)
+        client.call_credentials = None
+        self._token_gen += 1
+
+    def _refresh_token(self, seen_gen: int) -> None:
+        """Re-authenticate, unless another thread already did since ``seen_gen``."""
+        with self._token_lock:
+            if self._token_gen == seen_gen:
+                log.info("etcd auth token of user %s expired or unknown to etcd; re-authenticating", self._user)
+                self._authenticate()
+
+    def _with_fresh_token(self, fn: Callable[[], object]) -> Callable[[], object]:
+        """``fn``, re-run once after re-authenticating when etcd rejects our token."""
+        if self._user is None:
+            return fn
+
+        def call() -> object:
+            seen = self._token_gen
+            try:
+                return fn()
+            except grpc.RpcError as exc:
+                if not _token_expired(exc):
+                    raise
+            self._refresh_token(seen)
+            return fn()
+
+        return call
 
     # -- plumbing -------------------------------------------------------------------------
 
     def _retry(self, what: str, fn: Callable[[], object], budget: float | None = None) -> object:
         budget = self.retry_timeout if budget is None else budget
+        fresh = self._with_fresh_token(fn)
+        closed = []  # attempts whose connection the server closed (a TLS etcd, to a plain client)
+
+        def fn() -> object:
+            try:
+                return fresh()
+            except Exception as exc:
+                if "socket closed" in _rpc_details(exc).lower():
+                    closed.append(exc)
+                raise
+
         try:
             for attempt in Retrying(
                 retry=retry_if_exception(_is_transient),
@@ -346,23 +512,64 @@ class Store:
                 with attempt:
                     return fn()
         except Exception as exc:
+            tls = _tls_failure(exc)
+            if tls:
+                raise ConfigError(self._tls_message(what, tls)) from None
             if _is_transient(exc):
+                details = _rpc_details(exc)
+                hint = ""
+                if self.ca_cert is None and closed:
+                    hint = "; if etcd serves TLS (https), pass its CA with --etcd-ca-cert / RESILIENT_ETCD_CA_CERT"
                 raise StoreUnavailable(
                     f"etcd {what}: no endpoint of {','.join(self.endpoints)} answered within "
-                    f"{budget:.1f}s (last error: {type(exc).__name__}"
-                    f"{': ' + exc.details() if isinstance(exc, grpc.RpcError) else ''}); "
-                    f"check that etcd is running there and --etcd points at its client URL"
+                    f"{budget:.1f}s (last error: {type(exc).__name__}{': ' + details if details else ''}); "
+                    f"check that etcd is running there and --etcd points at its client URL{hint}"
                 ) from None
             if isinstance(exc, grpc.RpcError):
-                code = exc.code()
-                hint = ""
-                if code == grpc.StatusCode.UNAUTHENTICATED or code == grpc.StatusCode.PERMISSION_DENIED:
-                    hint = "; check --user/--password and the role's permissions on /resilient/"
-                raise StoreError(f"etcd {what} failed: {code.name}: {exc.details()}{hint}") from None
+                raise StoreError(f"etcd {what} failed: {exc.code().name}: {exc.details()}"
+                                 f"{self._auth_hint(exc)}") from None
             if isinstance(exc, pyetcd.Etcd3Exception):
                 raise StoreError(f"etcd {what} failed: {type(exc).__name__}: {exc}") from None
             raise
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _auth_hint(self, exc: grpc.RpcError) -> str:
+        details = str(exc.details() or "")
+        if "authentication is not enabled" in details:
+            return (f"; etcd has authentication off but user {self._user!r} was given: drop --etcd-user/"
+                    f"RESILIENT_ETCD_USER, or enable auth in etcd")
+        if "invalid user ID or password" in details:
+            return (f"; check the user {self._user!r} and its password (--etcd-password-file / "
+                    f"RESILIENT_ETCD_PASSWORD_FILE or RESILIENT_ETCD_PASSWORD)")
+        if "user name is empty" in details:
+            return "; etcd has authentication on: pass --etcd-user and --etcd-password-file (RESILIENT_ETCD_USER/...)"
+        if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            return (f"; user {self._user!r} needs a role with readwrite permission on the job's prefix "
+                    f"/resilient/<job>/ (see docs/security.md)")
+        return ""
+
+    def _tls_message(self, what: str, details: str) -> str:
+        eps = ",".join(self.endpoints)
+        low = details.lower()
+        if self.ca_cert is None:
+            return (f"TLS problem with etcd {eps} ({what}): {details}; this client speaks plain gRPC: "
+                    f"pass etcd's CA with --etcd-ca-cert / RESILIENT_ETCD_CA_CERT if it serves TLS")
+        if "certificate_verify_failed" in low or "verify" in low:
+            return (f"TLS handshake with etcd {eps} failed ({what}): its server certificate is not signed by "
+                    f"the CA in {self.ca_cert!r} (--etcd-ca-cert / RESILIENT_ETCD_CA_CERT), or does not name the "
+                    f"host you connect to; details: {details}")
+        if "wrong_version_number" in low or "handshake read failed" in low:
+            return (f"TLS handshake with etcd {eps} failed ({what}): the endpoint closed the connection during "
+                    f"the handshake, so it likely does not serve TLS (a plain http etcd?); drop --etcd-ca-cert / "
+                    f"RESILIENT_ETCD_CA_CERT ({self.ca_cert!r}) or give etcd's https client URL; details: {details}")
+        if self.cert_cert is None:
+            return (f"TLS session with etcd {eps} torn down by the server ({what}): it requires a client "
+                    f"certificate; pass --etcd-cert and --etcd-key (RESILIENT_ETCD_CERT/KEY) signed by a CA that "
+                    f"etcd trusts (its --trusted-ca-file); details: {details}")
+        return (f"TLS session with etcd {eps} torn down by the server ({what}): it did not accept the client "
+                f"certificate {self.cert_cert!r} (--etcd-cert / RESILIENT_ETCD_CERT; key {self.cert_key!r}): is it "
+                f"signed by a CA in etcd's --trusted-ca-file? (the CA file {self.ca_cert!r} is only used to check "
+                f"the server); details: {details}")
 
     def _next_watch_channel(self) -> grpc.Channel:
         with self._watch_rr_lock:
@@ -525,7 +732,39 @@ class Store:
         """Like :meth:`watch_prefix`, for exactly one key."""
         return self.watch_prefix(key, start_revision, callback, is_prefix=False)
 
-    def revision(self) -> int:
-        """The store's current revision."""
-        resp = self._retry("get revision", lambda: self._client.get_response("\0"))
+    def revision(self, within: str = "/resilient/") -> int:
+        """The store's current revision, read by a get of the key ``within``: pass a key
+        under the prefix your etcd role may read (the job's ``/resilient/<job>/``)."""
+        resp = self._retry("get revision", lambda: self._client.get_response(within))
         return resp.header.revision
+
+    # -- RBAC administration (LocalEtcd, tests; a deployment uses etcdctl) ---------------
+
+    def _auth_call(self, what: str, method: str, request: object) -> None:
+        def call() -> None:
+            getattr(etcdrpc.AuthStub(self._client.channel), method)(
+                request, self.timeout, metadata=self._client.metadata)
+
+        self._retry(what, call)
+
+    def add_role(self, role: str, prefix: str | None = None) -> None:
+        """Create ``role`` (``root``: etcd's all-powerful role); with ``prefix``, grant it
+        read and write on every key under the prefix."""
+        self._auth_call(f"add role {role}", "RoleAdd", etcdrpc.AuthRoleAddRequest(name=role))
+        if prefix is not None:
+            perm = etcdrpc.Permission(permType=etcdrpc.Permission.READWRITE, key=prefix.encode(),
+                                      range_end=prefix_range_end(prefix.encode()))
+            self._auth_call(f"grant {prefix}* to role {role}", "RoleGrantPermission",
+                            etcdrpc.AuthRoleGrantPermissionRequest(name=role, perm=perm))
+
+    def add_user(self, user: str, password: str, roles: Sequence[str] = ()) -> None:
+        """Create ``user`` with ``password`` and grant it ``roles``."""
+        self._auth_call(f"add user {user}", "UserAdd", etcdrpc.AuthUserAddRequest(name=user, password=password))
+        for role in roles:
+            self._auth_call(f"grant role {role} to {user}", "UserGrantRole",
+                            etcdrpc.AuthUserGrantRoleRequest(user=user, role=role))
+
+    def enable_auth(self) -> None:
+        """Turn authentication on (needs a ``root`` user holding the ``root`` role). From
+        then on, every client needs credentials — this Store included."""
+        self._auth_call("enable auth", "AuthEnable", etcdrpc.AuthEnableRequest())

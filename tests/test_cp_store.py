@@ -138,7 +138,7 @@ def test_tls_and_auth_options_are_validated():
         Store(["127.0.0.1:2379"], ca_cert="/ca.pem", cert_key="/k.pem")
     with pytest.raises(ConfigError, match="user and password"):
         Store(["127.0.0.1:2379"], user="root")
-    with pytest.raises(ConfigError, match="TLS file"):
+    with pytest.raises(ConfigError, match="TLS: cannot read the etcd CA file ./nonexistent/ca.pem."):
         Store(["127.0.0.1:2379"], ca_cert="/nonexistent/ca.pem")
 
 

@@ -332,3 +332,25 @@ def _check_workers():
 def test_check_workers_evaluate(status, expect, ok, fragment):
     got_ok, reason = _check_workers().evaluate(status, expect)
     assert got_ok is ok and fragment in reason, reason
+
+
+def test_etcd_client_credentials_reach_every_client_pod(chart):
+    """etcd.clientAuth.existingSecret: coordinator, workers and the test pod get the user
+    from the Secret and the password as a file (docs/security.md); etcd pods do not."""
+    objs = objects(chart, {"etcd": {"clientAuth": {"existingSecret": "train-etcd-user"}}})
+    pods = [one(objs, "Deployment", "coordinator")["spec"]["template"]["spec"],
+            one(objs, "Job", "worker")["spec"]["template"]["spec"],
+            one([o for o in objs if o["kind"] == "Pod"], "Pod")["spec"]]
+    for spec in pods:
+        c = spec["containers"][0]
+        env = env_of(c)
+        assert env["RESILIENT_ETCD_USER"] == {"secretKeyRef": {"name": "train-etcd-user", "key": "username"}}
+        assert env["RESILIENT_ETCD_PASSWORD_FILE"] == "/etc/resilient/etcd-auth/password"
+        assert {"name": "etcd-auth", "mountPath": "/etc/resilient/etcd-auth", "readOnly": True} in c["volumeMounts"]
+        vol = next(v for v in spec["volumes"] if v["name"] == "etcd-auth")
+        assert vol["secret"]["secretName"] == "train-etcd-user" and vol["secret"]["defaultMode"] == 0o440
+    sts = one(objs, "StatefulSet", "etcd")["spec"]["template"]["spec"]
+    assert all(v["name"] != "etcd-auth" for v in sts.get("volumes", []))
+    for o in objects(chart, {}):
+        if o["kind"] in ("Deployment", "Job"):
+            assert "RESILIENT_ETCD_USER" not in env_of(o["spec"]["template"]["spec"]["containers"][0])

@@ -115,7 +115,12 @@ def run(args: argparse.Namespace) -> int:
                                join_debounce=args.join_debounce_ms / 1000.0, min_members=args.min_members)
     config.validate()
     store = store_from_args(args)
-    store.revision()  # fail fast (StoreUnavailable after --etcd-timeout) on a wrong endpoint
+    from resilient.coordinator import keys
+
+    # fail fast (StoreUnavailable after --etcd-timeout) on a wrong endpoint; ConfigError naming
+    # the file on a TLS problem. Reads inside the job's prefix: the coordinator's etcd role
+    # needs nothing else (docs/security.md).
+    store.revision(keys.root(args.job))
     metrics = CoordinatorMetrics()
     coordinator = Coordinator(store, args.job, coordinator_id=args.id, config=config, metrics=metrics,
                               health_policy=health_policy_from_args(args))

@@ -27,17 +27,15 @@ import time
 
 
 def add_etcd_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--etcd``, ``--job`` and the TLS/auth flags (defaults from RESILIENT_* env vars)."""
+    """``--etcd``, ``--job`` and the TLS/auth flags (defaults from RESILIENT_* env vars;
+    see :mod:`resilient.coordinator.etcd_access`)."""
+    from resilient.coordinator.etcd_access import add_arguments
+
     g = parser.add_argument_group("etcd")
     g.add_argument("--etcd", default=os.environ.get("RESILIENT_ETCD"),
                    help="etcd endpoints host:port[,host:port...] (env RESILIENT_ETCD)")
     g.add_argument("--job", default=os.environ.get("RESILIENT_JOB"), help="job name (env RESILIENT_JOB)")
-    g.add_argument("--ca-cert", default=os.environ.get("RESILIENT_ETCD_CA_CERT"), help="etcd CA bundle (TLS)")
-    g.add_argument("--cert", default=os.environ.get("RESILIENT_ETCD_CERT"), help="client certificate (mutual TLS)")
-    g.add_argument("--key", default=os.environ.get("RESILIENT_ETCD_KEY"), help="client key (mutual TLS)")
-    g.add_argument("--user", default=os.environ.get("RESILIENT_ETCD_USER"), help="etcd user")
-    g.add_argument("--password", default=os.environ.get("RESILIENT_ETCD_PASSWORD"),
-                   help="etcd password (prefer env RESILIENT_ETCD_PASSWORD)")
+    add_arguments(g, legacy_spellings=True)
     g.add_argument("--etcd-timeout", type=float, default=10.0,
                    help="seconds to keep retrying an unreachable etcd before giving up (default 10)")
 
@@ -46,7 +44,7 @@ def store_from_args(args: argparse.Namespace):
     """A :class:`~resilient.coordinator.store.Store` from the flags; ConfigError if
     ``--etcd``/``--job`` are missing."""
     from resilient.coordinator import keys
-    from resilient.coordinator.store import Store
+    from resilient.coordinator.etcd_access import EtcdAccess
     from resilient.errors import ConfigError
 
     if not args.etcd:
@@ -54,8 +52,7 @@ def store_from_args(args: argparse.Namespace):
     if not args.job:
         raise ConfigError("no job name: pass --job NAME or set RESILIENT_JOB")
     keys.check_name("job name", args.job)
-    return Store(args.etcd, ca_cert=args.ca_cert, cert_key=args.key, cert_cert=args.cert,
-                 user=args.user, password=args.password, retry_timeout=args.etcd_timeout)
+    return EtcdAccess.from_args(args).open_store(args.etcd, retry_timeout=args.etcd_timeout)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

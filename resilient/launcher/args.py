@@ -5,8 +5,11 @@ The parser mirrors ``torch.distributed.run.get_args_parser`` of torch 2.13 flag 
 same ``PET_<FLAG>`` environment defaults), so a torchrun command line works unchanged; it
 does not import torch (the agent starts fast). ``tests/test_launcher_args.py`` compares
 it against ``python -m torch.distributed.run --help`` so a new torchrun flag cannot slip
-by. Our own flags are ``--etcd``, ``--job``, ``--lease-ttl``, ``--metrics-port`` and
-``--metrics-host``. ``--rdzv-id``/``--job`` must be a valid job id (see :func:`check_job_name`).
+by. Our own flags are ``--etcd``, ``--job``, ``--lease-ttl``, ``--metrics-port``,
+``--metrics-host`` and the etcd TLS/credential flags ``--etcd-ca-cert``, ``--etcd-cert``,
+``--etcd-key``, ``--etcd-user``, ``--etcd-password-file``, ``--etcd-password`` (defaults from
+``RESILIENT_ETCD_*``; see :mod:`resilient.coordinator.etcd_access`), which the workers receive
+too. ``--rdzv-id``/``--job`` must be a valid job id (see :func:`check_job_name`).
 
 :func:`parse` turns argv into a validated :class:`LaunchConfig`; bad input raises
 :class:`~resilient.errors.ConfigError` naming the flag, the cause and the fix, before
@@ -20,6 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from resilient.coordinator.etcd_access import EtcdAccess, add_arguments as add_etcd_access_arguments
 from resilient.errors import ConfigError
 
 DEFAULT_MASTER_PORT = 29500
@@ -180,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("metrics-host", type=str, default=None,
         help="Address the agent's /metrics listens on (PET_METRICS_HOST). Default: 127.0.0.1 with "
              "--standalone (every listener of a standalone job is on loopback), else 0.0.0.0.")
+    add_etcd_access_arguments(g)
 
     p.add_argument("training_script", type=str,
                    help="The training script (or module with -m, or program with --no-python), "
@@ -222,6 +227,7 @@ class LaunchConfig:
     metrics_port: int | None
     metrics_host: str = "0.0.0.0"
     cmd: list[str] = field(default_factory=list)
+    etcd_access: EtcdAccess = field(default_factory=EtcdAccess)  # TLS files, credentials
 
     @property
     def uses_etcd(self) -> bool:
@@ -411,6 +417,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host or ("127.0.0.1" if args.standalone else "0.0.0.0"),
         cmd=worker_command(args),
+        etcd_access=EtcdAccess.from_args(args),
     )
 
 

@@ -59,20 +59,21 @@ def run(cfg) -> int:  # cfg: LaunchConfig
     with ExitStack() as stack:
         try:
             endpoints = list(cfg.etcd)
+            access = cfg.etcd_access
             if cfg.standalone:
                 from resilient.launcher.standalone import StandaloneControlPlane
 
                 plane = StandaloneControlPlane(cfg.job, min_members=cfg.nproc_per_node)
                 stack.callback(plane.stop)
                 plane.start()
-                endpoints = plane.endpoints
+                endpoints, access = plane.endpoints, plane.access
             control = None
             if endpoints:
-                from resilient.coordinator.store import Store
+                from resilient.coordinator import keys
 
-                store = Store(endpoints, retry_timeout=float(cfg.rdzv_conf.get("etcd_timeout", 10)))
+                store = access.open_store(endpoints, retry_timeout=float(cfg.rdzv_conf.get("etcd_timeout", 10)))
                 stack.callback(store.close)
-                store.revision()  # fail fast (bounded) on a wrong endpoint
+                store.revision(keys.root(cfg.job))  # fail fast (bounded) on a wrong endpoint or TLS file
                 keeper = LeaseKeeper(store, cfg.lease_ttl)
                 stack.callback(keeper.stop)
                 control = ControlPlane(store, endpoints, cfg.job, cfg.lease_ttl, keeper)
@@ -121,6 +122,8 @@ def run(cfg) -> int:  # cfg: LaunchConfig
                               cfg.duplicate_stderr_filters)
             stack.callback(logs.close)
             agent = Agent(cfg, placement, logs, control, metrics_dir)
+            if control is not None:
+                agent.base_env.update(access.child_env())  # workers reach etcd as this agent does
             log.info("group rank %d of %d, %d workers, world size %d, master %s:%d%s",
                      placement.group_rank, placement.group_world_size, cfg.nproc_per_node,
                      placement.world_size, placement.master_addr, placement.master_port,

@@ -6,6 +6,13 @@
 --min-members <nproc> --metrics-host 127.0.0.1 --metrics-port 0`` (the same
 as ``resilient coordinator ...``, without relying on the console script being on PATH),
 in its own session so signals meant for the agent's terminal do not reach it first.
+
+The etcd runs with authentication on (``LocalEtcd(auth=True)``): its generated root
+password sits in a 0600 file in etcd's private 0700 directory, and the coordinator (and,
+through the launcher, every worker) gets ``RESILIENT_ETCD_USER`` and
+``RESILIENT_ETCD_PASSWORD_FILE`` in its environment — never on a command line, which any
+local user can read. So another local user can reach the loopback port but can read
+nothing (not the epoch's transport token) and write nothing (docs/security.md).
 :meth:`stop` stops the coordinator (SIGTERM, then SIGKILL after a grace period) and etcd,
 by PID, and removes etcd's data directory; the agent calls it on every exit path.
 
@@ -23,6 +30,7 @@ import sys
 import tempfile
 import time
 
+from resilient.coordinator.etcd_access import EtcdAccess
 from resilient.coordinator.local_etcd import LocalEtcd
 from resilient.errors import ResilientError
 
@@ -45,7 +53,7 @@ class StandaloneControlPlane:
     def __init__(self, job: str, min_members: int = 1, startup_check_s: float = 1.0) -> None:
         self.job = job
         self.min_members = min_members
-        self.etcd = LocalEtcd()
+        self.etcd = LocalEtcd(auth=True)
         self.coordinator: subprocess.Popen | None = None
         self.coordinator_log = ""
         self._startup_check_s = startup_check_s
@@ -53,6 +61,11 @@ class StandaloneControlPlane:
     @property
     def endpoints(self) -> list[str]:
         return self.etcd.endpoints
+
+    @property
+    def access(self) -> EtcdAccess:
+        """The credentials of the local etcd (user and password file)."""
+        return self.etcd.access
 
     def start(self) -> "StandaloneControlPlane":
         self.etcd.start()
@@ -62,7 +75,7 @@ class StandaloneControlPlane:
                 self.coordinator = subprocess.Popen(
                     coordinator_command(self.etcd.endpoint_arg, self.job, self.min_members),
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    start_new_session=True,
+                    start_new_session=True, env={**os.environ, **self.access.child_env()},
                 )
             deadline = time.monotonic() + self._startup_check_s
             while time.monotonic() < deadline:
@@ -75,8 +88,10 @@ class StandaloneControlPlane:
         except BaseException:
             self.stop()
             raise
-        log.info("standalone control plane: etcd %s, coordinator pid %d (log %s)",
-                 self.etcd.endpoint_arg, self.coordinator.pid, self.coordinator_log)
+        log.info("standalone control plane: etcd %s, coordinator pid %d (log %s); etcd user %s, password "
+                 "file %s (for `resilient status`: RESILIENT_ETCD_USER / RESILIENT_ETCD_PASSWORD_FILE)",
+                 self.etcd.endpoint_arg, self.coordinator.pid, self.coordinator_log, self.access.user,
+                 self.access.password_file)
         return self
 
     def _log_tail(self, lines: int = 20) -> str:

@@ -5,7 +5,9 @@ the job's control plane, built from the environment ``resilient-run`` gives a wo
 ``dist.init_process_group("resilient")``):
 
 1. reads ``RESILIENT_ETCD``, ``RESILIENT_JOB``, ``RESILIENT_MEMBER_ID`` (default: a fresh
-   id), ``RESILIENT_LEASE_ID`` (the agent's lease; default: our own), ``RESILIENT_LEASE_TTL``;
+   id), ``RESILIENT_LEASE_ID`` (the agent's lease; default: our own), ``RESILIENT_LEASE_TTL``
+   and the etcd TLS/credential variables ``RESILIENT_ETCD_{CA_CERT,CERT,KEY,USER,
+   PASSWORD_FILE,PASSWORD}`` (:mod:`resilient.coordinator.etcd_access`);
 2. opens a TCP transport listener, registers a :class:`MemberSession` whose
    ``MemberInfo.address`` is that listener;
 3. waits (up to the ``timeout`` given to ``init_process_group``) for an epoch that
@@ -221,11 +223,12 @@ def from_environment(store: Any = None, rank: int = 0, size: int = 1,
     except ImportError as exc:
         raise ConfigError(f"the resilient collectives (resilient.collectives.Communicator) are not "
                           f"available: {exc}") from exc
-    from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession, Store
+    from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession
+    from resilient.coordinator.etcd_access import open_store_from_env
     from resilient.transport.tcp import TcpTransport
 
     host = os.environ.get("RESILIENT_HOST", "127.0.0.1")
-    st = Store(endpoints)
+    st = open_store_from_env(endpoints)
     transport = TcpTransport(member_id, job, host=host)
     info = MemberInfo(member_id=member_id, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                       address=transport.address)

@@ -7,10 +7,10 @@ import sys
 import time
 
 from resilient.coordinator.membership import MemberInfo, MemberSession
-from resilient.coordinator.store import Store
+from resilient.coordinator.etcd_access import open_store_from_env
 
 env = os.environ
-store = Store(env["RESILIENT_ETCD"])
+store = open_store_from_env(env["RESILIENT_ETCD"])  # RESILIENT_ETCD_* TLS/credentials too
 session = MemberSession.register(
     store, env["RESILIENT_JOB"], MemberInfo(env["RESILIENT_MEMBER_ID"], local_rank=int(env["LOCAL_RANK"])),
     ttl=float(env["RESILIENT_LEASE_TTL"]), lease_id=int(env["RESILIENT_LEASE_ID"]),

@@ -100,7 +100,9 @@ etcd.endpoints when the chart does not deploy etcd.
 {{- join "," $members }}
 {{- end }}
 
-{{/* Client TLS environment for resilient processes (read by the Store adapter's CLI options). */}}
+{{/* Client TLS and credential environment for resilient processes (RESILIENT_ETCD_*,
+read by every process that opens an etcd Store: coordinator, resilient-run, workers,
+resilient status; see docs/security.md). */}}
 {{- define "resilient.etcd.clientTlsEnv" -}}
 {{- if and .Values.etcd.enabled .Values.etcd.tls.enabled }}
 - name: RESILIENT_ETCD_CA_CERT
@@ -110,6 +112,15 @@ etcd.endpoints when the chart does not deploy etcd.
 - name: RESILIENT_ETCD_KEY
   value: /etc/resilient/etcd-tls/tls.key
 {{- end }}
+{{- with .Values.etcd.clientAuth.existingSecret }}
+- name: RESILIENT_ETCD_USER
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: username
+- name: RESILIENT_ETCD_PASSWORD_FILE
+  value: /etc/resilient/etcd-auth/password
+{{- end }}
 {{- end }}
 
 {{- define "resilient.etcd.clientTlsVolumeMount" -}}
@@ -117,6 +128,25 @@ etcd.endpoints when the chart does not deploy etcd.
 - name: etcd-tls
   mountPath: /etc/resilient/etcd-tls
   readOnly: true
+{{- end }}
+{{- if .Values.etcd.clientAuth.existingSecret }}
+- name: etcd-auth
+  mountPath: /etc/resilient/etcd-auth
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* Volumes of a resilient client pod: the TLS Secret and the credentials Secret. */}}
+{{- define "resilient.etcd.clientVolumes" -}}
+{{- include "resilient.etcd.clientTlsVolume" . }}
+{{- with .Values.etcd.clientAuth.existingSecret }}
+- name: etcd-auth
+  secret:
+    secretName: {{ . }}
+    defaultMode: 288  # 0440: the pod's fsGroup may read it, other users not
+    items:
+      - key: password
+        path: password
 {{- end }}
 {{- end }}
 
