@@ -5,7 +5,13 @@ The parser mirrors ``torch.distributed.run.get_args_parser`` of torch 2.13 flag 
 same ``PET_<FLAG>`` environment defaults), so a torchrun command line works unchanged; it
 does not import torch (the agent starts fast). ``tests/test_launcher_args.py`` compares
 it against ``python -m torch.distributed.run --help`` so a new torchrun flag cannot slip
-by. Our own flags are ``--etcd``, ``--job``, ``--lease-ttl`` and ``--metrics-port``.
+by. Our own flags are ``--etcd``, ``--job``, ``--lease-ttl``, ``--metrics-port`` and
+``--fail-fast``.
+
+One default differs from torchrun on purpose: a worker that dies with no restarts left
+does not stop its siblings (they go on with the survivors; see
+:mod:`resilient.launcher.agent`). ``--fail-fast`` (``PET_FAIL_FAST=1`` or
+``RESILIENT_FAIL_FAST=1``) restores torchrun's stop-everything behaviour.
 
 :func:`parse` turns argv into a validated :class:`LaunchConfig`; bad input raises
 :class:`~resilient.errors.ConfigError` naming the flag, the cause and the fix, before
@@ -44,12 +50,15 @@ class EnvFlag(argparse.Action):
     """Like torch's ``argparse_util.check_env``: a store-true flag, default from ``PET_<DEST>``
     (``1``/``0``)."""
 
-    def __init__(self, dest: str, default: bool = False, **kwargs: object) -> None:
-        raw = os.environ.get(f"PET_{dest.upper()}", "1" if default else "0")
+    def __init__(self, dest: str, default: bool = False, alt_env: str | None = None, **kwargs: object) -> None:
+        name = f"PET_{dest.upper()}"
+        if name not in os.environ and alt_env and alt_env in os.environ:
+            name = alt_env  # our own spelling (RESILIENT_...), used when PET_... is unset
+        raw = os.environ.get(name, "1" if default else "0")
         try:
             value = bool(int(raw))
         except ValueError:
-            raise ConfigError(f"PET_{dest.upper()}={raw!r} must be 0 or 1") from None
+            raise ConfigError(f"{name}={raw!r} must be 0 or 1") from None
         super().__init__(dest=dest, const=True, default=value, nargs=0, **kwargs)  # type: ignore[arg-type]
 
     def __call__(self, parser, namespace, values, option_string=None):
@@ -76,7 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
             "Drop-in replacement for torchrun: the per-node agent of resilient. Spawns the "
             "workers with torchrun's environment plus RESILIENT_ETCD/JOB/LEASE_ID/MEMBER_ID/"
             "LEASE_TTL, grants each worker an etcd lease, revokes it the moment the worker "
-            "dies and restarts only that worker (as a joiner) within --max-restarts."
+            "dies and restarts only that worker (as a joiner) within --max-restarts. Unlike "
+            "torchrun, a worker that dies with no restarts left does NOT stop the others: "
+            "they finish the work without it and the job exits 0 (non-zero if a worker "
+            "exited with an error code, or if no worker finished); --fail-fast restores "
+            "torchrun's behaviour."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -114,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("workers (torchrun)")
     add("max-restarts", type=int, default=0,
         help="How many times each worker may be restarted after it fails. Only the failed "
-             "worker is restarted, as a joiner (RESILIENT_JOINER=1); its siblings keep running.")
+             "worker is restarted, as a joiner (RESILIENT_JOINER=1); its siblings keep running. "
+             "When a worker has no restarts left its siblings still keep running (see "
+             "--fail-fast).")
     add("monitor-interval", type=float, default=0.1, help="Seconds between checks of the workers.")
     add("start-method", type=str, default="spawn", choices=["spawn", "fork", "forkserver"],
         help="Accepted for compatibility; workers are always fresh processes (as torchrun with "
@@ -176,6 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
              "is removed after this); RESILIENT_LEASE_TTL.")
     add("metrics-port", type=int, default=None,
         help="Serve Prometheus /metrics of this agent on this port (0: a free port; default: off).")
+    add("fail-fast", flag=True, alt_env="RESILIENT_FAIL_FAST",
+        help="torchrun's behaviour: when a worker fails with no restarts left, stop every other "
+             "worker (SIGTERM, --shutdown-timeout, SIGKILL) and exit 1 with torchrun's failure "
+             "summary. Default: off, the survivors go on without it (env PET_FAIL_FAST or "
+             "RESILIENT_FAIL_FAST=1).")
 
     p.add_argument("training_script", type=str,
                    help="The training script (or module with -m, or program with --no-python), "
@@ -217,6 +237,7 @@ class LaunchConfig:
     lease_ttl: float
     metrics_port: int | None
     cmd: list[str] = field(default_factory=list)
+    fail_fast: bool = False
 
     @property
     def uses_etcd(self) -> bool:
@@ -390,6 +411,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         lease_ttl=args.lease_ttl,
         metrics_port=args.metrics_port,
         cmd=worker_command(args),
+        fail_fast=args.fail_fast,
     )
 
 
