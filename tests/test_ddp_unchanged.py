@@ -104,40 +104,48 @@ def _reference(contributor_ranks: list[list[int]], divide_by: int | None = None)
     return out
 
 
-def _run(tmp: Path, *flags: str) -> tuple[int, str, list[dict], dict[int, list[dict]]]:
-    oplog, probe = tmp / "ops.jsonl", tmp / "probe"
-    probe.mkdir()
+def _launch(tmp: Path, script: list[str], flags: list[str], env_extra: dict[str, str], kill_after: int,
+            nproc: int = NPROC) -> tuple[int, str, list[dict]]:
+    """Run ``resilient-run --standalone`` on ``script``; SIGKILL the worker of launch rank
+    KILL_RANK once the op log shows it finished ``kill_after`` allreduces. Returns the exit
+    code, the agent's output and the op log."""
+    oplog = tmp / "ops.jsonl"
     env = dict(os.environ, PYTHONPATH=f"{PROBE}{os.pathsep}{ROOT}", RESILIENT_OP_LOG=str(oplog),
-               STEP_PROBE_DIR=str(probe), STEP_PROBE_SLEEP="0.15", OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", **env_extra)
     for var in ("PET_FAIL_FAST", "RESILIENT_FAIL_FAST", "PET_MAX_RESTARTS"):
         env.pop(var, None)
     log = open(tmp / "agent.log", "w")  # noqa: SIM115
-    agent = subprocess.Popen(
-        RUN + ["--standalone", "--nproc-per-node", str(NPROC), "--lease-ttl", "3", *flags, str(EXAMPLE),
-               str(EPOCHS), "1", "--dataset_size", str(DATASET), "--batch_size", str(BATCH), "--lr", str(LR)],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    pids: set[int] = set()
+    agent = subprocess.Popen(RUN + ["--standalone", "--nproc-per-node", str(nproc), "--lease-ttl", "3", *flags,
+                                    *script], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
     try:
         def victim():
             ops = [r for r in _read_jsonl(oplog) if r["rank"] == KILL_RANK and r["kind"] == "allreduce"]
-            return ops[0]["pid"] if len(ops) >= KILL_AFTER else None
+            return ops[0]["pid"] if len(ops) >= kill_after else None
 
-        pid = _wait(victim, 150, f"rank {KILL_RANK} to finish {KILL_AFTER} steps", agent)
-        os.kill(pid, signal.SIGKILL)
-        pids.update(r["pid"] for r in _read_jsonl(oplog))
+        os.kill(_wait(victim, 150, f"rank {KILL_RANK} to finish {kill_after} allreduces", agent), signal.SIGKILL)
         rc = agent.wait(timeout=150)
     finally:
         if agent.poll() is None:
             agent.kill()
             agent.wait()
         log.close()
-        for p in pids | {r["pid"] for r in _read_jsonl(oplog)}:
+        for p in {r["pid"] for r in _read_jsonl(oplog)}:
             try:
                 os.kill(p, signal.SIGKILL)  # only workers of this run (pids from its op log)
             except ProcessLookupError:
                 pass
+    return rc, (tmp / "agent.log").read_text(), _read_jsonl(oplog)
+
+
+def _run(tmp: Path, *flags: str) -> tuple[int, str, list[dict], dict[int, list[dict]]]:
+    probe = tmp / "probe"
+    probe.mkdir()
+    rc, out, ops = _launch(tmp, [str(EXAMPLE), str(EPOCHS), "1", "--dataset_size", str(DATASET), "--batch_size",
+                                 str(BATCH), "--lr", str(LR)], list(flags),
+                           {"STEP_PROBE_DIR": str(probe), "STEP_PROBE_SLEEP": "0.15"}, KILL_AFTER)
     steps = {int(f.stem): _read_jsonl(f) for f in probe.glob("*.jsonl")}
-    return rc, (tmp / "agent.log").read_text(), _read_jsonl(oplog), steps
+    return rc, out, ops, steps
 
 
 def _check_survivors_exact(out: str, ops: list[dict], steps: dict[int, list[dict]]) -> None:
@@ -181,3 +189,18 @@ def test_unchanged_ddp_script_max_restarts_1_joiner_not_admitted_exits_0(tmp_pat
     restarted = {pid for pid, recs in steps.items() if recs and recs[0]["restart"] == 1}
     assert not restarted and not any(r["member"].split("-a")[1].startswith("1-") for r in ops), ops[-3:]
     _check_survivors_exact(out, ops, steps)
+
+
+def test_plain_allreduce_loop_joiner_never_gets_a_wrong_result(tmp_path):
+    """The user's int64 all_reduce loop: a worker SIGKILLed (large ops, so mostly mid-op),
+    restarted with --max-restarts 1. Every op on every process checks its result against
+    the exact sum over the contributors it reports (the script exits 3 otherwise); the
+    restarted worker runs no op at all (not admitted, exit 0); the job exits 0."""
+    rc, out, ops = _launch(tmp_path, [str(ROOT / "tests" / "scripts" / "allreduce_loop.py")], ["--max-restarts", "1"],
+                           {"OPS": "40", "OP_SLEEP": "0.03"}, kill_after=8)
+    assert rc == 0, out
+    assert "WRONG" not in out and out.count("ok 40 ops") == NPROC - 1, out
+    assert "is not admitted to the running job" in out and "restarted as a joiner" in out, out
+    assert "killed by SIGKILL" in out and "shrank in : epoch" in out, out
+    sizes = {len(r["contributors"]) for r in ops if r["kind"] == "allreduce"}
+    assert sizes == {NPROC, NPROC - 1}, sizes  # the group shrank during the run
