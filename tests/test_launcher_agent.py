@@ -77,6 +77,14 @@ def test_fail_fast_restores_torchruns_stop_everything(etcd_session, job_name, tm
         run.close()
 
 
+def _survivor_alive_then_stop(run: Launcher, survivor: dict, stop: str) -> tuple[int, str]:
+    """Assert the survivor and the agent still run, let the survivor finish; (rc, output)."""
+    assert alive(int(survivor["PID"])) and run.proc.poll() is None
+    open(stop, "w").close()
+    rc = run.wait()
+    return rc, run.output()
+
+
 def test_default_error_exit_leaves_siblings_running_and_fails_the_job(etcd_session, job_name, tmp_path):
     """Default: a worker that exits with an error code (no restarts left) does not stop its
     sibling; the job's exit code is still 1 (a worker failed with an error) and the summary
@@ -88,10 +96,7 @@ def test_default_error_exit_leaves_siblings_running_and_fails_the_job(etcd_sessi
         w0 = run.dump(0)
         run.dump(1, 0)
         wait_for(lambda: "the other workers go on without it" in run.output(), 30, "the agent to see the failure")
-        assert alive(int(w0["PID"])) and run.proc.poll() is None
-        open(stop, "w").close()
-        rc = run.wait()
-        out = run.output()
+        rc, out = _survivor_alive_then_stop(run, w0, stop)
         assert rc == 1, out
         assert "job FAILED (exit code 1)" in out and "exited with code 7" in out
         assert "failed with an error code: local ranks [1]" in out
@@ -125,10 +130,7 @@ def test_default_sigkilled_worker_survivor_finishes_exit_0_with_summary(tmp_path
             shrank = wait_for(removed_in, 30, "an epoch removing the killed worker")
         finally:
             s.close()
-        assert alive(int(w0["PID"])) and run.proc.poll() is None
-        open(stop, "w").close()
-        rc = run.wait()
-        out = run.output()
+        rc, out = _survivor_alive_then_stop(run, w0, stop)
         assert rc == 0, out
         assert "job FINISHED (exit code 0)" in out and "killed by SIGKILL" in out
         assert f"member    : {w1['RESILIENT_MEMBER_ID']}" in out and f"shrank in : epoch {shrank}" in out

@@ -57,7 +57,7 @@ from resilient.errors import ResilientError, StoreError
 from resilient.launcher.args import LaunchConfig
 from resilient.launcher.env import Placement, ResilientIds, agent_process_env, worker_env
 from resilient.launcher.logs import WorkerLogs, WorkerStreams
-from resilient.launcher.summary import Death, format_summary, job_exit_code, shrink_epoch
+from resilient.launcher.summary import Death, format_summary, job_exit_code, shrink_epoch, signal_name
 
 log = logging.getLogger("resilient.launcher")
 
@@ -85,11 +85,7 @@ class Failure:
 
     def describe(self) -> str:
         if self.exitcode < 0:
-            try:
-                name = signal.Signals(-self.exitcode).name
-            except ValueError:
-                name = f"signal {-self.exitcode}"
-            return f"Signal {-self.exitcode} ({name}) received by PID {self.pid}"
+            return f"Signal {-self.exitcode} ({signal_name(-self.exitcode)}) received by PID {self.pid}"
         return f"exited with code {self.exitcode}"
 
 

@@ -24,6 +24,14 @@ from datetime import datetime
 from typing import Any, Iterable
 
 
+def signal_name(signum: int) -> str:
+    """``9`` -> ``"SIGKILL"`` (``"signal 99"`` for a number with no name)."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
 @dataclass
 class Death:
     """One worker incarnation that ended with a non-zero exit code or a signal."""
@@ -40,11 +48,7 @@ class Death:
 
     def how(self) -> str:
         if self.exitcode < 0:
-            try:
-                name = signal.Signals(-self.exitcode).name
-            except ValueError:
-                name = f"signal {-self.exitcode}"
-            return f"killed by {name}"
+            return f"killed by {signal_name(-self.exitcode)}"
         return f"exited with code {self.exitcode}"
 
 
