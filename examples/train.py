@@ -7,8 +7,10 @@ Run it like any torchrun script::
 
 On the ``resilient`` backend (the default) it uses ``resilient.elastic.State`` (model,
 optimizer, elastic sampler, step): ``state.sync()`` at every step boundary syncs joiners
-and re-shards the sampler on membership changes; gradients are averaged over the members
-that actually contributed (``resilient.ddp``). Each step prints one JSON line
+and re-shards the sampler on membership changes; the model is a plain
+``DistributedDataParallel(model)``: over the resilient backend its gradients are averaged
+over the members that actually contributed without a hook of ours (``docs/ddp.md``), and
+``resilient.ddp.contributors(ddp)`` is the step's member set. Each step prints one JSON line
 ``{"step", "loss", "rank", "world", "epoch", "contributors", "params_sha"}`` (also to
 ``--log FILE``), ``params_sha`` being a digest of the parameters' bytes after the step,
 so identical replicas are checkable. With ``--backend gloo`` it is a plain torchrun
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import resilient  # noqa: F401 - registers the backend
-    from resilient.ddp import ContributorTracker, make_elastic
+    from resilient.ddp import contributors as step_contributors
     from resilient.elastic import ElasticSampler, State, TrainingFinished
 
     t_init = time.time()
@@ -76,9 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     log = open(log_path, "a") if log_path else None  # noqa: SIM115
     start_step = 0
     if args.backend == "resilient":
-        ddp = DDP(model, init_sync=False, forward_sync_buffers=False)
-        tracker = ContributorTracker()
-        make_elastic(ddp, tracker)
+        ddp = DDP(model)  # exact over the contributors on the resilient backend; no hook needed
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
         sampler = ElasticSampler(N_SAMPLES, BATCH, rank=dist.get_rank(), world_size=dist.get_world_size(), seed=7)
         state = State(model=model, optimizer=opt, sampler=sampler, step=0, last_world=0)
@@ -124,7 +124,6 @@ def main(argv: list[str] | None = None) -> int:
             members_at_start = w.members
             sampler.set_world(w.rank, w.size) if (sampler.rank, sampler.world_size) != (w.rank, w.size) else None
             idx = sampler.step_indices()
-            tracker.reset()
         else:
             if step >= args.steps:
                 break
@@ -153,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                   "params_sha": params_sha(model), "t": time.time(), "pid": os.getpid(),
                   "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
         if args.backend == "resilient":
-            contributors = tracker.step_contributors()
+            contributors = step_contributors(ddp)
             ranks = [i for i, m in enumerate(members_at_start) if m in contributors]
             if sampler.world_size == len(members_at_start):
                 sampler.record_step(ranks)

@@ -1,6 +1,24 @@
 """DDP communication hook: average gradients over the members that actually contributed.
 
-Usage (see :func:`make_elastic` for why the DDP arguments)::
+**Plain DDP needs nothing.** Once a resilient process group exists,
+``DistributedDataParallel(model)`` over it is made exact automatically
+(:func:`install_auto_hook`, called when the backend creates a group; the mechanism and
+why it was chosen: ``docs/ddp.md``):
+
+* at the model's first forward, if the user has registered no comm hook by then,
+  :func:`ddp_comm_hook` is registered (a hook the user registers before the first
+  forward is left alone — DDP's C++ reducer accepts only one hook, so ours must come
+  last); without it DDP's reducer divides every bucket by ``ProcessGroup.getSize()`` of
+  the C++ object, the launch-time world size, so after a death the mean would be
+  ``sum/launch_size`` instead of ``sum/contributors``;
+* DDP's one-time bucket rebuild is skipped (see :class:`_NoRebuildReducer`);
+* on a joiner that has not been admitted yet, the constructor's initial sync
+  collectives are skipped (``init_sync=False``): the survivors never run them, and a
+  joiner gets its state at admission (``resilient.elastic.State.sync()``) or leaves.
+
+:func:`contributors` returns the member set of the model's last synchronised step.
+
+Explicit use (older code; still works, see :func:`make_elastic` for why the DDP arguments)::
 
     model = DistributedDataParallel(net, init_sync=False, forward_sync_buffers=False)
     resilient.ddp.make_elastic(model)          # = register_comm_hook(None, ddp_comm_hook) + no bucket rebuild
@@ -25,6 +43,8 @@ future, and DDP raises the :class:`~resilient.errors.CollectiveError` from ``bac
 """
 
 
+import functools
+import inspect
 import threading
 from typing import Any
 
@@ -120,3 +140,80 @@ def make_elastic(ddp: torch.nn.parallel.DistributedDataParallel, state: Any = No
     ddp.register_comm_hook(state, ddp_comm_hook)
     ddp.reducer = _NoRebuildReducer(ddp.reducer)
     return ddp
+
+
+# -- automatic integration with unchanged DDP scripts ---------------------------------
+
+_auto_lock = threading.Lock()
+_auto_installed = False
+
+
+def _is_resilient(pg: Any) -> bool:
+    try:
+        return pg is not None and pg.getBackendName() == "resilient" and hasattr(pg, "engine")
+    except Exception:  # noqa: BLE001 - another backend's object
+        return False
+
+
+def _group_of(bound: inspect.BoundArguments) -> Any:
+    pg = bound.arguments.get("process_group")
+    if pg is None and dist.is_initialized():
+        pg = dist.distributed_c10d._get_default_group()  # noqa: SLF001
+    return pg
+
+
+def contributors(ddp: torch.nn.parallel.DistributedDataParallel) -> frozenset[str]:
+    """Members whose gradients are in every bucket of the model's last synchronised step
+    (automatic mode; empty before the first backward or on another backend)."""
+    track = getattr(ddp, "_resilient_tracker", None)
+    return track.step_contributors() if track is not None else frozenset()
+
+
+def install_auto_hook() -> None:
+    """Patch ``DistributedDataParallel`` once so that a model built over a resilient group
+    is exact without user code (see the module docstring). Idempotent; models over other
+    backends are untouched. Failure behaviour: none at install time; a user hook
+    registered *after* the first forward gets DDP's own "can only be called once" error."""
+    global _auto_installed
+    with _auto_lock:
+        if _auto_installed:
+            return
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        original_init, original_pre_forward = DDP.__init__, DDP._pre_forward
+        sig = inspect.signature(original_init)
+
+        @functools.wraps(original_init)
+        def __init__(self: DDP, *args: Any, **kwargs: Any) -> None:
+            bound = sig.bind(self, *args, **kwargs)
+            pg = _group_of(bound)
+            resilient = _is_resilient(pg)
+            if resilient and not getattr(pg.engine, "admitted", True):
+                # a joiner before admission: the survivors never run DDP's constructor
+                # collectives with it (its state comes from a healthy member, or it leaves)
+                bound.arguments["init_sync"] = False
+            original_init(*bound.args, **bound.kwargs)
+            if resilient:
+                self._resilient_auto = True
+                self._resilient_tracker = ContributorTracker()
+
+        @functools.wraps(original_pre_forward)
+        def _pre_forward(self: DDP, *inputs: Any, **kwargs: Any) -> Any:
+            if not getattr(self, "_resilient_auto", False):
+                return original_pre_forward(self, *inputs, **kwargs)
+            if not self._comm_hooks and not getattr(self, "_resilient_hooked", False):
+                # no user hook by the first forward: ours (the reducer allows one hook)
+                self.register_comm_hook((self.process_group, self._resilient_tracker), ddp_comm_hook)
+                self._resilient_hooked = True
+            if torch.is_grad_enabled() and self.require_backward_grad_sync:
+                self._resilient_tracker.reset()
+            real = self.reducer
+            self.reducer = _NoRebuildReducer(real)
+            try:
+                return original_pre_forward(self, *inputs, **kwargs)
+            finally:
+                self.reducer = real
+
+        DDP.__init__ = __init__  # type: ignore[method-assign]
+        DDP._pre_forward = _pre_forward  # type: ignore[method-assign]
+        _auto_installed = True

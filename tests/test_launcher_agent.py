@@ -54,9 +54,13 @@ def test_killed_worker_lease_revoked_at_once_and_only_it_restarts(etcd_session, 
         run.close()
 
 
-def test_max_restarts_exhausted_exits_nonzero_naming_the_worker(etcd_session, job_name, tmp_path):
-    run = Launcher(_etcd_args(etcd_session, job_name, "--nproc-per-node", "2", "--max-restarts", "1", WORKER),
-                   str(tmp_path / "d"), {"FAIL_LOCAL_RANK": "1", "FAIL_CODE": "7"})
+@pytest.mark.parametrize("how", ["flag", "PET_FAIL_FAST", "RESILIENT_FAIL_FAST"])
+def test_fail_fast_restores_torchruns_stop_everything(etcd_session, job_name, tmp_path, how):
+    """--fail-fast (or its env spellings): restarts exhausted -> siblings SIGTERMed, exit 1,
+    torchrun's failure summary."""
+    flags, env = (["--fail-fast"], {}) if how == "flag" else ([], {how: "1"})
+    run = Launcher(_etcd_args(etcd_session, job_name, "--nproc-per-node", "2", "--max-restarts", "1", *flags, WORKER),
+                   str(tmp_path / "d"), {"FAIL_LOCAL_RANK": "1", "FAIL_CODE": "7", **env})
     try:
         w0 = run.dump(0)
         run.dump(1, 0)
@@ -69,6 +73,82 @@ def test_max_restarts_exhausted_exits_nonzero_naming_the_worker(etcd_session, jo
         assert not alive(int(w0["PID"]))
         with open(os.path.join(run.dump_dir, "0.0.signal")) as f:
             assert f.read() == str(int(signal.SIGTERM))
+    finally:
+        run.close()
+
+
+def _survivor_alive_then_stop(run: Launcher, survivor: dict, stop: str) -> tuple[int, str]:
+    """Assert the survivor and the agent still run, let the survivor finish; (rc, output)."""
+    assert alive(int(survivor["PID"])) and run.proc.poll() is None
+    open(stop, "w").close()
+    rc = run.wait()
+    return rc, run.output()
+
+
+def test_default_error_exit_leaves_siblings_running_and_fails_the_job(etcd_session, job_name, tmp_path):
+    """Default: a worker that exits with an error code (no restarts left) does not stop its
+    sibling; the job's exit code is still 1 (a worker failed with an error) and the summary
+    names it."""
+    stop = str(tmp_path / "stop")
+    run = Launcher(_etcd_args(etcd_session, job_name, "--nproc-per-node", "2", WORKER), str(tmp_path / "d"),
+                   {"FAIL_LOCAL_RANK": "1", "FAIL_CODE": "7", "STOP_FILE": stop})
+    try:
+        w0 = run.dump(0)
+        run.dump(1, 0)
+        wait_for(lambda: "the other workers go on without it" in run.output(), 30, "the agent to see the failure")
+        rc, out = _survivor_alive_then_stop(run, w0, stop)
+        assert rc == 1, out
+        assert "job FAILED (exit code 1)" in out and "exited with code 7" in out
+        assert "failed with an error code: local ranks [1]" in out
+        assert not os.path.exists(os.path.join(run.dump_dir, "0.0.signal"))  # never signalled
+    finally:
+        run.close()
+
+
+def test_default_sigkilled_worker_survivor_finishes_exit_0_with_summary(tmp_path):
+    """Default flags, --standalone (real coordinator): a SIGKILLed worker is not restarted, the
+    survivor keeps running and finishes, the job exits 0 and the summary names the dead
+    worker, the signal and the epoch that removed it."""
+    stop = str(tmp_path / "stop")
+    run = Launcher(["--standalone", "--nproc-per-node", "2", os.path.join(SCRIPTS, "member_worker.py")],
+                   str(tmp_path / "d"), {"STOP_FILE": stop})
+    try:
+        w0, w1 = run.dump(0), run.dump(1)
+        s = Store(w0["RESILIENT_ETCD"])
+        try:
+            job = w0["RESILIENT_JOB"]
+
+            def removed_in():
+                kv = s.get(keys.epoch(job))
+                from resilient.coordinator.epoch import Epoch
+
+                e = Epoch.from_json(kv.value) if kv else None
+                return e.number if e and w1["RESILIENT_MEMBER_ID"] in e.removed else None
+
+            wait_for(lambda: s.get(keys.epoch(job)) is not None, 30, "the initial epoch")
+            os.kill(int(w1["PID"]), signal.SIGKILL)
+            shrank = wait_for(removed_in, 30, "an epoch removing the killed worker")
+        finally:
+            s.close()
+        rc, out = _survivor_alive_then_stop(run, w0, stop)
+        assert rc == 0, out
+        assert "job FINISHED (exit code 0)" in out and "killed by SIGKILL" in out
+        assert f"member    : {w1['RESILIENT_MEMBER_ID']}" in out and f"shrank in : epoch {shrank}" in out
+        assert "rank      : 1 (local_rank: 1, restart 0" in out and "not restarted" in out
+    finally:
+        run.close()
+
+
+def test_default_every_worker_killed_exits_1(etcd_session, job_name, tmp_path):
+    run = Launcher(_etcd_args(etcd_session, job_name, "--nproc-per-node", "2", WORKER), str(tmp_path / "d"))
+    try:
+        ws = [run.dump(0), run.dump(1)]
+        for w in ws:
+            os.kill(int(w["PID"]), signal.SIGKILL)
+        rc = run.wait()
+        out = run.output()
+        assert rc == 1, out
+        assert "no worker finished" in out and out.count("killed by SIGKILL") == 2
     finally:
         run.close()
 

@@ -36,7 +36,7 @@ def test_every_torchrun_flag_is_in_resilient_run_help():
     assert {"--nproc-per-node", "--nproc_per_node", "--rdzv-endpoint", "-m", "-r", "-t"} <= torch_flags
     missing = sorted(torch_flags - _options(ours_help))
     assert not missing, f"torchrun flags missing from resilient-run --help: {missing}"
-    for ours in ("--etcd", "--job", "--lease-ttl", "--metrics-port"):
+    for ours in ("--etcd", "--job", "--lease-ttl", "--metrics-port", "--fail-fast"):
         assert ours in ours_help
 
 
@@ -142,3 +142,19 @@ def test_job_names_are_validated_like_every_other_entry_point(argv):
     with pytest.raises(ConfigError, match=r"is not a valid job id: use 1-128 characters"):
         parse([*argv, "train.py"])
     assert parse(["--rdzv-id", "job.1_a-b", "train.py"]).job == "job.1_a-b"
+def test_fail_fast_default_off_and_env_spellings(monkeypatch):
+    """Survive-by-default: fail_fast is off unless --fail-fast, PET_FAIL_FAST or
+    RESILIENT_FAIL_FAST (PET_ wins when both are set, as for every torchrun-style flag)."""
+    from resilient.launcher.args import parse
+
+    for var in ("PET_FAIL_FAST", "RESILIENT_FAIL_FAST"):
+        monkeypatch.delenv(var, raising=False)
+    assert parse(["t.py"]).fail_fast is False
+    assert parse(["--fail-fast", "t.py"]).fail_fast is True
+    monkeypatch.setenv("RESILIENT_FAIL_FAST", "1")
+    assert parse(["t.py"]).fail_fast is True
+    monkeypatch.setenv("PET_FAIL_FAST", "0")
+    assert parse(["t.py"]).fail_fast is False
+    monkeypatch.setenv("PET_FAIL_FAST", "yes")
+    with pytest.raises(ConfigError, match="PET_FAIL_FAST='yes' must be 0 or 1"):
+        parse(["t.py"])

@@ -16,9 +16,16 @@ member's keys vanish in the same etcd revision). Then:
   worker*): start that worker alone again, with a new lease and member id,
   ``TORCHELASTIC_RESTART_COUNT`` + 1 and ``RESILIENT_JOINER=1``; its siblings are not
   touched (torchrun would restart all of them);
-* restarts exhausted: stop the other workers (SIGTERM, ``--shutdown-timeout``, SIGKILL)
-  and exit 1 with torchrun's failure summary naming the local rank, rank, exit code or
-  signal and pid.
+* restarts exhausted (with the default ``--max-restarts 0``: at the first failure): the
+  worker stays down and **its siblings keep running** — they finish the work as the
+  survivors (the collectives absorb the death). When every worker has ended the agent
+  prints a summary of who died, when, how, in which membership epoch the group shrank and
+  whether it was restarted (:mod:`resilient.launcher.summary`) and exits 0 if the work
+  finished (some worker exited 0, none exited with an error code of its own), else 1;
+* with ``--fail-fast`` (``PET_FAIL_FAST``/``RESILIENT_FAIL_FAST``), torchrun's
+  behaviour instead: stop the other workers (SIGTERM, ``--shutdown-timeout``, SIGKILL) and
+  exit 1 with torchrun's failure summary naming the local rank, rank, exit code or signal
+  and pid.
 
 Signals in ``--signals-to-handle`` (SIGTERM, SIGINT, SIGHUP, SIGQUIT) are forwarded to
 every running worker; the agent waits ``--shutdown-timeout`` seconds, SIGKILLs what is left
@@ -50,6 +57,7 @@ from resilient.errors import ResilientError, StoreError
 from resilient.launcher.args import LaunchConfig
 from resilient.launcher.env import Placement, ResilientIds, agent_process_env, worker_env
 from resilient.launcher.logs import WorkerLogs, WorkerStreams
+from resilient.launcher.summary import Death, format_summary, job_exit_code, shrink_epoch, signal_name
 
 log = logging.getLogger("resilient.launcher")
 
@@ -77,11 +85,7 @@ class Failure:
 
     def describe(self) -> str:
         if self.exitcode < 0:
-            try:
-                name = signal.Signals(-self.exitcode).name
-            except ValueError:
-                name = f"signal {-self.exitcode}"
-            return f"Signal {-self.exitcode} ({name}) received by PID {self.pid}"
+            return f"Signal {-self.exitcode} ({signal_name(-self.exitcode)}) received by PID {self.pid}"
         return f"exited with code {self.exitcode}"
 
 
@@ -115,6 +119,7 @@ class Agent:
             log.warning("setting OMP_NUM_THREADS=1 for each worker (as torchrun); set it yourself to tune")
         self.workers = [Worker(lr, placement.global_rank(lr)) for lr in range(cfg.nproc_per_node)]
         self.failures: list[Failure] = []
+        self.deaths: list[Death] = []
         self.restarts = 0
         self._exits: queue.Queue = queue.Queue()
         self._signal: int | None = None
@@ -214,7 +219,10 @@ class Agent:
                 failure = Failure(w.local_rank, w.rank, proc.pid, rc, w.restart_count,
                                   w.streams.error_file if w.streams else "", time.time())
                 self.failures.append(failure)
+                death = Death(w.local_rank, w.rank, proc.pid, rc, w.restart_count, w.member_id, failure.at)
+                self.deaths.append(death)
                 if self._signal is None and w.restart_count < self.cfg.max_restarts:
+                    death.restarted = True
                     w.restart_count += 1
                     self.restarts += 1
                     log.warning("local rank %d (pid %d) %s; restarting it as a joiner (restart %d of %d)",
@@ -222,17 +230,36 @@ class Agent:
                     self._spawn(w, joiner=True)
                     continue
                 w.done, w.exitcode = True, rc
-                if self._signal is None:
+                if self._signal is None and self.cfg.fail_fast:
                     log.error("local rank %d (pid %d) %s and has no restarts left (--max-restarts %d); "
-                              "stopping the other workers", w.local_rank, proc.pid, failure.describe(),
-                              self.cfg.max_restarts)
+                              "--fail-fast: stopping the other workers", w.local_rank, proc.pid,
+                              failure.describe(), self.cfg.max_restarts)
                     self._stop_workers(signal.SIGTERM)
                     self._print_summary(failure)
                     return 1
-            return 0
+                if self._signal is None:
+                    log.warning("local rank %d (pid %d) %s and has no restarts left (--max-restarts %d); "
+                                "the other workers go on without it (--fail-fast would stop them)",
+                                w.local_rank, proc.pid, failure.describe(), self.cfg.max_restarts)
+            return self._finish()
         except BaseException:
             self._stop_workers(signal.SIGTERM)
             raise
+
+    def _finish(self) -> int:
+        """Every worker ended: the exit code from their last incarnations and, if any worker
+        died on the way, the summary (see :mod:`resilient.launcher.summary`)."""
+        rc = job_exit_code(w.exitcode for w in self.workers)
+        if self.deaths:
+            store = self.control.store if self.control is not None else None
+            job = self.control.job if self.control is not None else ""
+            for d in self.deaths:
+                d.epoch = shrink_epoch(store, job, d.member_id)
+            finished = [w.local_rank for w in self.workers if w.exitcode == 0]
+            errored = [w.local_rank for w in self.workers if w.exitcode is not None and w.exitcode > 0]
+            print(format_summary(self.deaths, finished, errored, rc, self.cfg.max_restarts),
+                  file=sys.stderr, flush=True)
+        return rc
 
     def _shutdown(self, signum: int) -> int:
         log.warning("received %s: forwarding it to the workers and shutting down", signal.Signals(signum).name)

@@ -6,10 +6,15 @@ same ``PET_<FLAG>`` environment defaults), so a torchrun command line works unch
 does not import torch (the agent starts fast). ``tests/test_launcher_args.py`` compares
 it against ``python -m torch.distributed.run --help`` so a new torchrun flag cannot slip
 by. Our own flags are ``--etcd``, ``--job``, ``--lease-ttl``, ``--metrics-port``,
-``--metrics-host`` and the etcd TLS/credential flags ``--etcd-ca-cert``, ``--etcd-cert``,
+``--metrics-host``, ``--fail-fast`` and the etcd TLS/credential flags ``--etcd-ca-cert``, ``--etcd-cert``,
 ``--etcd-key``, ``--etcd-user``, ``--etcd-password-file``, ``--etcd-password`` (defaults from
 ``RESILIENT_ETCD_*``; see :mod:`resilient.coordinator.etcd_access`), which the workers receive
 too. ``--rdzv-id``/``--job`` must be a valid job id (see :func:`check_job_name`).
+
+One default differs from torchrun on purpose: a worker that dies with no restarts left
+does not stop its siblings (they go on with the survivors; see
+:mod:`resilient.launcher.agent`). ``--fail-fast`` (``PET_FAIL_FAST=1`` or
+``RESILIENT_FAIL_FAST=1``) restores torchrun's stop-everything behaviour.
 
 :func:`parse` turns argv into a validated :class:`LaunchConfig`; bad input raises
 :class:`~resilient.errors.ConfigError` naming the flag, the cause and the fix, before
@@ -49,12 +54,15 @@ class EnvFlag(argparse.Action):
     """Like torch's ``argparse_util.check_env``: a store-true flag, default from ``PET_<DEST>``
     (``1``/``0``)."""
 
-    def __init__(self, dest: str, default: bool = False, **kwargs: object) -> None:
-        raw = os.environ.get(f"PET_{dest.upper()}", "1" if default else "0")
+    def __init__(self, dest: str, default: bool = False, alt_env: str | None = None, **kwargs: object) -> None:
+        name = f"PET_{dest.upper()}"
+        if name not in os.environ and alt_env and alt_env in os.environ:
+            name = alt_env  # our own spelling (RESILIENT_...), used when PET_... is unset
+        raw = os.environ.get(name, "1" if default else "0")
         try:
             value = bool(int(raw))
         except ValueError:
-            raise ConfigError(f"PET_{dest.upper()}={raw!r} must be 0 or 1") from None
+            raise ConfigError(f"{name}={raw!r} must be 0 or 1") from None
         super().__init__(dest=dest, const=True, default=value, nargs=0, **kwargs)  # type: ignore[arg-type]
 
     def __call__(self, parser, namespace, values, option_string=None):
@@ -81,7 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
             "Drop-in replacement for torchrun: the per-node agent of resilient. Spawns the "
             "workers with torchrun's environment plus RESILIENT_ETCD/JOB/LEASE_ID/MEMBER_ID/"
             "LEASE_TTL, grants each worker an etcd lease, revokes it the moment the worker "
-            "dies and restarts only that worker (as a joiner) within --max-restarts."
+            "dies and restarts only that worker (as a joiner) within --max-restarts. Unlike "
+            "torchrun, a worker that dies with no restarts left does NOT stop the others: "
+            "they finish the work without it and the job exits 0 (non-zero if a worker "
+            "exited with an error code, or if no worker finished); --fail-fast restores "
+            "torchrun's behaviour."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -119,7 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("workers (torchrun)")
     add("max-restarts", type=int, default=0,
         help="How many times each worker may be restarted after it fails. Only the failed "
-             "worker is restarted, as a joiner (RESILIENT_JOINER=1); its siblings keep running.")
+             "worker is restarted, as a joiner (RESILIENT_JOINER=1); its siblings keep running. "
+             "When a worker has no restarts left its siblings still keep running (see "
+             "--fail-fast).")
     add("monitor-interval", type=float, default=0.1, help="Seconds between checks of the workers.")
     add("start-method", type=str, default="spawn", choices=["spawn", "fork", "forkserver"],
         help="Accepted for compatibility; workers are always fresh processes (as torchrun with "
@@ -185,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="Address the agent's /metrics listens on (PET_METRICS_HOST). Default: 127.0.0.1 with "
              "--standalone (every listener of a standalone job is on loopback), else 0.0.0.0.")
     add_etcd_access_arguments(g)
+    add("fail-fast", flag=True, alt_env="RESILIENT_FAIL_FAST",
+        help="torchrun's behaviour: when a worker fails with no restarts left, stop every other "
+             "worker (SIGTERM, --shutdown-timeout, SIGKILL) and exit 1 with torchrun's failure "
+             "summary. Default: off, the survivors go on without it (env PET_FAIL_FAST or "
+             "RESILIENT_FAIL_FAST=1).")
 
     p.add_argument("training_script", type=str,
                    help="The training script (or module with -m, or program with --no-python), "
@@ -228,6 +247,7 @@ class LaunchConfig:
     metrics_host: str = "0.0.0.0"
     cmd: list[str] = field(default_factory=list)
     etcd_access: EtcdAccess = field(default_factory=EtcdAccess)  # TLS files, credentials
+    fail_fast: bool = False
 
     @property
     def uses_etcd(self) -> bool:
@@ -418,6 +438,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         metrics_host=args.metrics_host or ("127.0.0.1" if args.standalone else "0.0.0.0"),
         cmd=worker_command(args),
         etcd_access=EtcdAccess.from_args(args),
+        fail_fast=args.fail_fast,
     )
 
 

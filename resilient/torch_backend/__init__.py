@@ -7,7 +7,10 @@
 creates a :class:`~.process_group.ResilientProcessGroup` whose collectives run on
 :class:`resilient.collectives.Communicator` (built from the ``RESILIENT_*`` environment
 the launcher sets: etcd endpoints, job, lease, member id; see :mod:`.communicator_engine`),
-and installs the live view behind :func:`resilient.world`. It is registered for the
+and installs the live view behind :func:`resilient.world`. Creating the group also makes
+``DistributedDataParallel`` over it exact without user code
+(:func:`resilient.ddp.install_auto_hook`; ``docs/ddp.md``), and with
+``RESILIENT_OP_LOG=path`` every op is logged as a JSON line (:mod:`.op_log`). It is registered for the
 ``cpu`` device only; CUDA tensors get a clear :class:`~.process_group.UnsupportedOperation`.
 
 Failure behaviour of ``init_process_group``: missing ``RESILIENT_ETCD``/``RESILIENT_JOB``
@@ -67,10 +70,16 @@ def _create(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
     if factory is None:
         from resilient.torch_backend.communicator_engine import from_environment as factory
     engine = factory(store=store, rank=rank, size=size, timeout=timeout)
+    from resilient.torch_backend.op_log import wrap_from_environment
+
+    engine = wrap_from_environment(engine)  # RESILIENT_OP_LOG=path: one JSON line per op
     pg = ResilientProcessGroup(engine, rank, size)
     with _lock:
         _current = engine
     world_mod.install(engine.world)
+    from resilient.ddp import install_auto_hook
+
+    install_auto_hook()  # plain DistributedDataParallel over this group averages over the contributors
     return pg
 
 

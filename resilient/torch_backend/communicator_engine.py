@@ -16,6 +16,17 @@ the job's control plane, built from the environment ``resilient-run`` gives a wo
 
 The torch ``store`` (the launcher's TCPStore) is not used: etcd is the rendezvous.
 
+Joiners (``RESILIENT_JOINER=1``: a restarted worker, or one on a node that joined later)
+start **not admitted**: their Communicator is behind a :class:`NotAdmittedGate`. They are
+admitted at ``resilient.elastic.State.sync()`` (:meth:`CommunicatorEngine.wait_admitted`,
+after which the gate is gone and the first op is the state transfer, at op seq 0 on every
+member). A joiner whose script issues any other collective first (an unchanged
+torch.distributed script: DDP's constructor, a plain ``dist.all_reduce``) can never be in
+the survivors' ops — they run theirs at other sequence numbers over the members without
+it, so such an op could only hang or mix unrelated data — so the gate ends the process
+with exit code 0 and a message saying why (:func:`leave_unadmitted`); the job goes on
+with the survivors and its status stays a success.
+
 Failure behaviour: missing variables -> :class:`~resilient.errors.ConfigError` naming
 them and that ``resilient-run`` sets them; etcd down -> StoreUnavailable; no epoch with
 us in time -> TimeoutError naming the last epoch; the Communicator not importable ->
@@ -47,6 +58,8 @@ class CommunicatorEngine:
         self.member_id = member_id
         self._closers = list(closers)
         self.store, self.job, self.transport = store, job, transport
+        #: False on a joiner until :meth:`wait_admitted` returns (ops go through the gate)
+        self.admitted = not isinstance(comm, NotAdmittedGate)
 
     def _comm_members(self) -> list[str]:
         m = self.comm.members
@@ -106,6 +119,7 @@ class CommunicatorEngine:
         self.watcher.wait_for(lambda e: e.number >= min_epoch and self.member_id in e.members, timeout)
         old = self.comm
         self.comm = _make_communicator(self.store, self.job, self.session, self.watcher, self.transport)
+        self.admitted = True  # (a joiner rebuilds only inside wait_admitted, i.e. while being admitted)
         old.close()
         # tell the joiners our transport now accepts them (see wait_admitted)
         self.store.put(self._rebuilt_prefix() + self.member_id, str(self._comm_epoch()).encode(),
@@ -152,11 +166,18 @@ class CommunicatorEngine:
                 continue
             missing = [m for m in others if have.get(m, -1) < mine]
             if not missing or self.job_done():
+                self._open_gate()
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"joiner {self.member_id}: members {missing} did not admit it (rebuild their "
                                    f"communicator over epoch {mine}) within {timeout:.0f}s")
             time.sleep(0.02)
+
+    def _open_gate(self) -> None:
+        """Admitted: from now on ops run on the Communicator itself."""
+        if isinstance(self.comm, NotAdmittedGate):
+            self.comm = self.comm.inner
+        self.admitted = True
 
     def world(self) -> World:
         epoch = self.watcher.current()
@@ -236,8 +257,54 @@ def from_environment(store: Any = None, rank: int = 0, size: int = 1,
     watcher = EpochWatcher(st, job)
     watcher.wait_for(lambda e: member_id in e.members, timeout.total_seconds())
     comm = _make_communicator(st, job, session, watcher, transport)
+    if os.environ.get("RESILIENT_JOINER", "0") == "1":
+        comm = NotAdmittedGate(comm, member_id)
     return CommunicatorEngine(comm, watcher, session, member_id, closers=[transport, session],
                               store=st, job=job, transport=transport)
+
+
+def leave_unadmitted(member_id: str, op: str) -> None:
+    """End a joiner that issued ``op`` before being admitted: say why on stderr, exit 0
+    (``os._exit``: the op may run on a thread of torch's, where SystemExit would be turned
+    into a RuntimeError; nothing of this process has been shared yet). The node agent
+    revokes the lease when the process exits."""
+    import sys
+
+    msg = (f"[resilient] joiner {member_id} is not admitted to the running job: its first collective "
+           f"({op}) came before resilient.elastic.State.sync(), the step boundary where the members "
+           "admit and sync joiners, so it could never be part of their ops. The job goes on with the "
+           "survivors; this worker exits with code 0. To have restarted workers rejoin, keep the "
+           "training state in resilient.elastic.State and call state.sync() at the start of each step "
+           "(docs/ddp.md).")
+    try:
+        sys.stdout.flush()
+        print(msg, file=sys.stderr, flush=True)
+    finally:
+        os._exit(0)
+
+
+class NotAdmittedGate:
+    """Stands for a joiner's Communicator until it is admitted (see the module docstring):
+    attributes and ``close`` are the Communicator's; calling any other public method (an
+    op) calls ``on_op(member_id, name)`` — by default :func:`leave_unadmitted` — instead of
+    running it. ``inner`` is the Communicator."""
+
+    _PASS = frozenset({"close"})
+
+    def __init__(self, inner: Any, member_id: str, on_op: Any = None) -> None:
+        self.inner = inner
+        self.member_id = member_id
+        self._on_op = on_op or leave_unadmitted
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if name.startswith("_") or name in self._PASS or not callable(attr):
+            return attr
+
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            return self._on_op(self.member_id, name)
+
+        return refused
 
 
 class AdmittedView:
