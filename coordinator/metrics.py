@@ -22,6 +22,7 @@ process (tests) do not collide.
 """
 from __future__ import annotations
 
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
@@ -156,7 +157,10 @@ class MetricsServer:
         self.metrics = metrics
         self.healthy = healthy
         Handler.timeout = timeout   # socket timeout of every connection (StreamRequestHandler)
-        self._server = BoundedHTTPServer((host, port), Handler, max_threads)
+        server_cls = BoundedHTTPServer
+        if ":" in host:   # an IPv6 literal such as ::1
+            server_cls = type("BoundedHTTPServer6", (BoundedHTTPServer,), {"address_family": socket.AF_INET6})
+        self._server = server_cls((host, port), Handler, max_threads)
         self.host, self.port = self._server.server_address[:2]
         self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
         self._thread.start()

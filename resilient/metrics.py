@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 from resilient.errors import ConfigError
 
@@ -319,13 +319,10 @@ class NodeMetricsServer:
 
     port: int
     path: str
-    _httpd: object = field(repr=False)
-    _thread: object = field(repr=False)
+    _server: Any = field(repr=False)
 
     def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)
+        self._server.close()
 
     def __enter__(self) -> "NodeMetricsServer":
         return self
@@ -334,17 +331,35 @@ class NodeMetricsServer:
         self.close()
 
 
+class _MergedRegistry:
+    """``render()`` for :class:`~resilient.coordinator.metrics.MetricsServer`: the workers'
+    multiprocess files merged at each scrape."""
+
+    def __init__(self, registry: Any) -> None:
+        self.registry = registry
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
 def serve_node_metrics(path: str | os.PathLike[str], port: int = DEFAULT_NODE_METRICS_PORT,
                        addr: str = "0.0.0.0") -> NodeMetricsServer:
     """Serve the merged metrics of every worker writing into ``path`` on ``addr:port``.
 
     ``port=0`` picks a free port (see ``.port``). The server runs in a daemon thread of the
     calling process and reads the files at each scrape, so workers that start, die or
-    restart later are picked up without telling it. Raises :class:`ConfigError` when the
-    port is taken or ``path`` is not a directory.
+    restart later are picked up without telling it. It is the coordinator's bounded
+    server (:class:`~resilient.coordinator.metrics.MetricsServer`: a few handler threads,
+    a per-connection timeout, ``503`` beyond that), so idle connections cannot pile up
+    threads in the node agent. Raises :class:`ConfigError` when the port is taken or
+    ``path`` is not a directory.
     """
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import CollectorRegistry
     from prometheus_client.multiprocess import MultiProcessCollector
+
+    from resilient.coordinator.metrics import MetricsServer
 
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -353,11 +368,11 @@ def serve_node_metrics(path: str | os.PathLike[str], port: int = DEFAULT_NODE_ME
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=path)
     try:
-        httpd, thread = start_http_server(port, addr=addr, registry=registry)
+        server = MetricsServer(_MergedRegistry(registry), lambda: (True, ""), host=addr, port=port)  # type: ignore[arg-type]
     except OSError as exc:
         raise ConfigError(f"cannot serve /metrics on {addr}:{port} ({exc.strerror}); pick "
                           "another --metrics-port or stop what holds it") from exc
-    return NodeMetricsServer(port=httpd.server_port, path=path, _httpd=httpd, _thread=thread)
+    return NodeMetricsServer(port=server.port, path=path, _server=server)
 
 
 def remove_multiprocess_dir(path: str | os.PathLike[str]) -> None:

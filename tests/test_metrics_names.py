@@ -251,3 +251,41 @@ def test_serve_node_metrics_errors_name_the_fix(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="not a directory"):
         metrics.prepare_multiprocess_dir(tmp_path / "file")
+
+
+def test_node_agent_metrics_idle_connections_hold_a_bounded_number_of_threads(tmp_path):
+    """200 idle connections to a node agent's /metrics: at most MAX_HTTP_THREADS handler
+    threads, the rest answered 503 at once, and a scrape still succeeds."""
+    import socket
+    import threading
+
+    from resilient.coordinator.metrics import MAX_HTTP_THREADS
+
+    mdir = metrics.prepare_multiprocess_dir(tmp_path / "prom")
+    conns: list[socket.socket] = []
+    with metrics.serve_node_metrics(mdir, port=0, addr="127.0.0.1") as server:
+        baseline = threading.active_count()
+        try:
+            for _ in range(200):
+                conns.append(socket.create_connection(("127.0.0.1", server.port), timeout=10))
+            refused: set[int] = set()
+            peak = baseline
+            deadline = time.monotonic() + 30
+            while len(refused) < 200 - MAX_HTTP_THREADS:
+                assert time.monotonic() < deadline, f"only {len(refused)} connections answered 503"
+                peak = max(peak, threading.active_count())
+                for i, c in enumerate(conns):
+                    if i not in refused:
+                        c.setblocking(False)
+                        try:
+                            if c.recv(64).startswith(b"HTTP/1.0 503"):
+                                refused.add(i)
+                        except BlockingIOError:
+                            pass
+                time.sleep(0.01)
+            assert peak <= baseline + MAX_HTTP_THREADS, (baseline, peak)
+        finally:
+            for c in conns:
+                c.close()
+        s = _scrape(server.port)     # served again once the idle connections are gone
+        assert isinstance(s, dict)

@@ -253,3 +253,15 @@ def test_launcher_rendezvous_parsers_raise_only_record_error(raw):
     assert node is None or (0 <= node["store_port"] <= 65535 and node["nproc"] >= 1)
     started = _only_record_error(parse_started, raw)
     assert started is None or (1 <= started["master_port"] <= 65535 and all(n >= 0 for n in started["nodes"]))
+
+
+@FAST
+@given(RAW)
+def test_joinseq_blob_raises_record_error_only(raw):
+    from resilient.collectives.communicator import _joinseq
+
+    try:
+        seq = _joinseq(raw)
+    except RecordError:
+        return
+    assert isinstance(seq, int) and 0 <= seq <= records.MAX_INT

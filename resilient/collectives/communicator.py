@@ -58,6 +58,7 @@ from resilient.errors import (
     TransportError,
 )
 from resilient.kernels import ReduceOp
+from resilient.coordinator import records
 from resilient.transport.base import OpMismatch, PeerReportedError, Transport
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,13 @@ def _cause_of(e: Any) -> str:
     return {"member_lost": "member_lost", "lease_expired": "lease_expired", "suspect_confirmed": "suspect_confirmed",
             "health": "demoted", "demoted": "demoted", "evicted": "demoted"}.get(getattr(e, "cause", ""), "member_lost")
 
+
+
+def _joinseq(raw: bytes) -> int:
+    """The op sequence number in a member's ``joinseq`` blob (``{"seq": n}``), validated
+    like every etcd record: a malformed blob raises :class:`~resilient.errors.RecordError`
+    naming the rule (a joiner never starts at a guessed sequence number)."""
+    return int(records.fields("rendezvous", raw, "joinseq").int("seq"))
 
 class Communicator:
     def __init__(self, view: GroupView, transport: Transport, *, policy: Policy | str = Policy.DEFAULT,
@@ -138,7 +146,7 @@ class Communicator:
             # the op seq at which they adopt this epoch; we start there.
             olds = [m for m in epoch.members if m not in (getattr(epoch, "added", ()) or ())]
             raw = view.wait_blobs(epoch.number, "joinseq", olds, epoch_timeout) if olds else {}
-            self._seq = max((int(json.loads(v)["seq"]) for v in raw.values()), default=0)
+            self._seq = max((_joinseq(v) for v in raw.values()), default=0)
             log.info("member %s joins epoch %d at op #%d", self.member_id, epoch.number, self._seq)
         else:
             self._announce(epoch.number)
@@ -189,7 +197,7 @@ class Communicator:
         self._announce(e.number)
         olds = [m for m in self._members() if m in e.members]
         raw = self.view.wait_blobs(e.number, "joinseq", olds, self.epoch_timeout)
-        at = max(int(json.loads(v)["seq"]) for v in raw.values())
+        at = max(_joinseq(v) for v in raw.values())
         self._switch = (at, e)
 
     def _enter(self, e: Any) -> None:
