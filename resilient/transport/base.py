@@ -80,6 +80,10 @@ class TransportStats:
     sent_by_peer: dict[str, int] = field(default_factory=dict)
     received_by_peer: dict[str, int] = field(default_factory=dict)
     wait_s_by_peer: dict[str, float] = field(default_factory=dict)
+    #: connections refused or dropped by the transport's hardening, by reason (e.g.
+    #: ``handshake_timeout``, ``pending_evicted``, ``hello_refused``, ``link_taken``,
+    #: ``protocol_error``, ``internal_error``, ``accept_emfile``)
+    dropped: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add_sent(self, peer: str, n: int) -> None:
@@ -93,6 +97,9 @@ class TransportStats:
     def add_wait(self, peer: str, seconds: float) -> None:
         self.wait_s_by_peer[peer] = self.wait_s_by_peer.get(peer, 0.0) + seconds
 
+    def add_dropped(self, reason: str, n: int = 1) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + n
+
     def snapshot(self) -> dict[str, Any]:
         """A JSON-able copy of the counters."""
         return {
@@ -101,6 +108,7 @@ class TransportStats:
             "sent_by_peer": dict(self.sent_by_peer),
             "received_by_peer": dict(self.received_by_peer),
             "wait_s_by_peer": dict(self.wait_s_by_peer),
+            "dropped": dict(self.dropped),
         }
 
 
