@@ -73,8 +73,9 @@ SPARE_CAP = 32 << 20
 #: bytes of frames buffered per connection before their receive is posted; beyond it the
 #: connection is not read until a receive is posted (a header never allocates on trust)
 EARLY_CAP = int(os.environ.get("RESILIENT_TCP_EARLY_CAP", 256 << 20))
-#: connections accepted per progress round (a connect flood cannot starve member links)
-ACCEPT_BATCH = 64
+#: connections accepted per progress round (a connect flood cannot starve member links,
+#: nor evict, in one round, pending handshakes that have not been read yet)
+ACCEPT_BATCH = 16
 #: accept pauses after EMFILE/ENFILE with nothing to evict: first and longest pause
 ACCEPT_PAUSE_S, ACCEPT_PAUSE_MAX_S = 0.05, 1.0
 #: ERROR messages kept per op, and ops with a kept error per epoch
@@ -464,6 +465,7 @@ class TcpTransport(Transport):
             left = max(0.0, timer - time.monotonic())
             timeout = left if timeout is None else min(timeout, left)
         events = self._sel.select(timeout)
+        accept = False
         for key, mask in events:
             data = key.data
             if data == "wake":
@@ -473,12 +475,14 @@ class TcpTransport(Transport):
                 except (BlockingIOError, OSError):
                     pass
             elif data == "listener":
-                self._accept()
+                accept = True  # after the connections: read pending HELLOs before evicting any
             else:
                 conn: _Conn = data
                 if conn.failed is not None or conn.sock is None:
                     continue
                 self._guarded(conn, lambda c, m=mask: self._serve(c, m))
+        if accept:
+            self._accept()
         self._timers()
         self._update_masks()
 
