@@ -598,7 +598,7 @@ class TcpTransport(Transport):
                 if exc.errno in _FD_ERRNOS and self._out_of_descriptors(exc):
                     continue
                 return  # ECONNABORTED and the like: the next round tries again
-            self._fd_warned, self._accept_pause = False, ACCEPT_PAUSE_S
+            self._accept_pause = ACCEPT_PAUSE_S
             conn = _Conn(sock, None, None)
             conn.handshaken = False
             conn.origin = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
@@ -616,8 +616,9 @@ class TcpTransport(Transport):
 
     def _out_of_descriptors(self, exc: OSError) -> bool:
         """EMFILE/ENFILE on accept: close the oldest pending handshake (True: accept
-        again) or, with none, stop accepting for a growing pause (False). Logged once per
-        episode; never spins on a listener that stays readable."""
+        again) or, with none, stop accepting for a growing pause (False). Logged
+        once per transport (then only counted in ``stats.dropped["accept_emfile"]``); never
+        spins on a listener that stays readable."""
         self._stats.add_dropped("accept_emfile")
         if not self._fd_warned:
             self._fd_warned = True
