@@ -10,8 +10,9 @@ exception while serving a connection drops that connection, never the member."""
 from __future__ import annotations
 
 import socket
-import threading
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +22,9 @@ from resilient.errors import FrameError, TransportError
 from resilient.transport import frames
 from resilient.transport.handshake import HandshakeLimits
 from resilient.transport.tcp import TcpTransport
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from transport_helpers import both, transport_pair  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -54,11 +58,7 @@ def _hello(member: str, epoch: int = 1, token: str = "tok", job: str = "job") ->
 
 
 def _both(a, ra, b, rb) -> None:
-    t = threading.Thread(target=lambda: a.wait([ra], timeout=10))
-    t.start()
-    assert b.wait([rb], timeout=10)
-    t.join(10)
-    assert not t.is_alive() and ra.done()
+    both(a, ra, b, rb, timeout=10)
 
 
 def _exchange(a: TcpTransport, b: TcpTransport, seq: int) -> None:
@@ -70,14 +70,9 @@ def _exchange(a: TcpTransport, b: TcpTransport, seq: int) -> None:
 
 @pytest.fixture
 def pair():
-    lim = HandshakeLimits(max_pending=8, max_bytes=16 << 10, timeout_s=0.5, parked_timeout_s=1.0)
-    a, b = TcpTransport("a", "job", limits=lim), TcpTransport("b", "job", limits=lim)
-    addrs = {"a": a.address, "b": b.address}
-    a.configure(1, "tok", addrs)
-    b.configure(1, "tok", addrs)
-    yield a, b, addrs
-    a.close()
-    b.close()
+    with transport_pair(limits=HandshakeLimits(max_pending=8, max_bytes=16 << 10, timeout_s=0.5,
+                                               parked_timeout_s=1.0)) as p:
+        yield p
 
 
 def test_pending_handshakes_are_capped_and_the_oldest_evicted(pair):

@@ -38,6 +38,12 @@ Contract every implementation keeps
   is ever unpickled. A wait that passes ``timeout`` seconds returns ``False`` (the caller
   then reports the slow peer as suspect and keeps waiting or aborts) — it never raises by
   itself and never marks a request failed.
+* **Unauthenticated peers.** Whoever can reach a listener may connect: until its HELLO
+  is validated a connection costs a bounded share of descriptors, memory and time (caps
+  and deadlines across connections), a HELLO never silently replaces a live link of the
+  member it names, no announced frame length is allocated on trust, and nothing one
+  connection does (a corrupt frame, an exception while serving it) fails more than that
+  connection; each refusal or drop is counted in :attr:`TransportStats.dropped`.
 * **Counters.** :attr:`stats` counts payload bytes sent/received (total and per peer) and
   the seconds the caller spent waiting on each peer (for straggler detection and for
   the ``resent_fraction`` of the recovery benchmark).
