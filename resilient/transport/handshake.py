@@ -159,9 +159,9 @@ class PendingHandshakes(Generic[T]):
 def peer_closed(sock: socket.socket) -> bool:
     """Whether the remote end of ``sock`` has closed or reset it (a non-blocking peek:
     EOF or an error means closed; no data or pending data means open). Never raises."""
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    try:  # the raw socket's recv, also for a TLS socket (its own refuses flags)
+        return socket.socket.recv(sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
     except (BlockingIOError, InterruptedError):
         return False
-    except OSError:
+    except (OSError, ValueError):
         return True

@@ -53,6 +53,7 @@ import os
 import secrets
 import selectors
 import socket
+import ssl
 import threading
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -63,6 +64,7 @@ from resilient.transport.base import (
     Buffer, OpMismatch, PeerReportedError, Request, Transport, TransportStats, is_control,
 )
 from resilient.transport.handshake import HandshakeLimits, PendingHandshakes, peer_closed
+from resilient.transport.tls import TlsConfig, names_of
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,10 @@ ACCEPT_PAUSE_S, ACCEPT_PAUSE_MAX_S = 0.05, 1.0
 #: ERROR messages kept per op, and ops with a kept error per epoch
 ERROR_MESSAGE_CAP, ERRORS_PER_EPOCH = 4096, 4096
 _FD_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+#: "try again later" from a non-blocking plain or TLS socket
+_WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+#: largest TLS write (without partial writes a record batch is retried whole)
+_TLS_CHUNK = 256 << 10
 
 
 def as_memoryview(buf: Buffer) -> memoryview:
@@ -162,10 +168,14 @@ class _Conn:
         self.session = ""     # acceptor: the dialler's HELLO session
         self.origin = ""      # acceptor: remote address, for logs
         self.quiet = False    # parked HELLO that sent more bytes: no longer watched for EOF
+        self.tls_handshaking = False  # TLS: handshake not finished (no frame I/O yet)
+        self.tls_want_write = False
         self.failed: BaseException | None = None
         self.mask = 0
 
     def wants_write(self) -> bool:
+        if self.tls_handshaking:
+            return self.tls_want_write
         return self.connecting or bool(self.raw_out) or self.pad > 0 or self.pad_head is not None or bool(self.sendq)
 
 
@@ -175,13 +185,17 @@ class TcpTransport(Transport):
 
     def __init__(self, member_id: str, job: str, host: str = "127.0.0.1", port: int = 0,
                  connect_timeout: float = 10.0, limits: HandshakeLimits | None = None,
-                 early_cap: int = EARLY_CAP) -> None:
+                 early_cap: int = EARLY_CAP, tls: TlsConfig | None | bool = True) -> None:
         self.member_id = member_id
         self.job = job
         self.connect_timeout = connect_timeout
         self.limits = limits or HandshakeLimits.from_env()
         self.early_cap = early_cap
         self._session = secrets.token_hex(16)  # identifies this dialler's links; never published
+        #: mutual TLS (``tls=True``: from the environment, see :mod:`resilient.transport.tls`;
+        #: None/False: plain TCP)
+        self.tls = TlsConfig.from_env() if tls is True else (tls or None)
+        self._tls_ctx = self.tls.contexts() if self.tls is not None else None
         self._stats = TransportStats()
         self._sel = getattr(selectors, os.environ.get("RESILIENT_SELECTOR", "DefaultSelector"))()
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -335,8 +349,51 @@ class TcpTransport(Transport):
             conn.raw_out.extend(memoryview(m) for m in self._posted_errors.values())
             self._sel.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
             conn.mask = selectors.EVENT_READ | selectors.EVENT_WRITE
+            if not conn.connecting and self._tls_ctx is not None:
+                self._start_tls(conn, server_side=False)
         self._conns[peer] = conn
         return conn
+
+    # -- TLS --------------------------------------------------------------------------
+
+    def _start_tls(self, conn: _Conn, server_side: bool) -> None:
+        """Wrap ``conn``'s connected socket for mutual TLS; the handshake then runs
+        non-blocking in :meth:`_tls_step` before any frame is read or written."""
+        assert self._tls_ctx is not None and conn.sock is not None
+        if conn.mask:
+            self._sel.unregister(conn.sock)
+            conn.mask = 0
+        ctx = self._tls_ctx[0 if server_side else 1]
+        conn.sock = ctx.wrap_socket(conn.sock, server_side=server_side, do_handshake_on_connect=False)
+        conn.tls_handshaking, conn.tls_want_write = True, not server_side
+
+    def _tls_step(self, conn: _Conn) -> bool:
+        """Advance the TLS handshake of ``conn``; True once it is done. A failed handshake
+        (no or a foreign certificate, plain TCP, EOF) or, with ``verify_member``, an
+        acceptor whose certificate does not name the member we dialled closes ``conn``."""
+        sock = conn.sock
+        assert isinstance(sock, ssl.SSLSocket) and self.tls is not None
+        try:
+            sock.do_handshake()
+        except ssl.SSLWantReadError:
+            conn.tls_want_write = False
+            return False
+        except ssl.SSLWantWriteError:
+            conn.tls_want_write = True
+            return False
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            self._drop_conn(conn, "tls_refused", f"TLS handshake failed: {exc}")
+            return False
+        conn.tls_handshaking = conn.tls_want_write = False
+        if conn.handshaken and self.tls.verify_member and conn.peer not in names_of(sock.getpeercert()):
+            self._drop_conn(conn, "tls_identity", f"its certificate does not name member {conn.peer}")
+            return False
+        return True
+
+    def _send(self, conn: _Conn, mv: memoryview) -> int:
+        sock = conn.sock
+        assert sock is not None
+        return sock.send(mv[:_TLS_CHUNK] if isinstance(sock, ssl.SSLSocket) else mv)
 
     @staticmethod
     def _tune(sock: socket.socket) -> None:
@@ -487,6 +544,8 @@ class TcpTransport(Transport):
         self._update_masks()
 
     def _serve(self, conn: _Conn, mask: int) -> None:
+        if conn.tls_handshaking and not self._tls_step(conn):
+            return
         if not conn.handshaken and conn.hello is not None:  # a parked HELLO: only watch for EOF
             self._watch_parked(conn)
             return
@@ -538,7 +597,9 @@ class TcpTransport(Transport):
         for conn in list(self._conns.values()) + list(self._accepting):
             if conn.sock is None or conn.failed is not None:
                 continue
-            if not conn.handshaken and conn.hello is not None:
+            if conn.tls_handshaking:
+                mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.tls_want_write else 0)
+            elif not conn.handshaken and conn.hello is not None:
                 mask = 0 if conn.quiet else selectors.EVENT_READ  # parked HELLO: EOF watch
             else:
                 mask = 0 if conn.parked or conn.stalled else selectors.EVENT_READ
@@ -608,10 +669,12 @@ class TcpTransport(Transport):
                 self._tune(sock)
                 sock.setblocking(False)
                 self._sel.register(sock, selectors.EVENT_READ, conn)
+                conn.mask = selectors.EVENT_READ
+                if self._tls_ctx is not None:
+                    self._start_tls(conn, server_side=True)
             except (OSError, ValueError) as exc:
                 self._drop_conn(conn, "internal_error", f"cannot set up the accepted socket: {exc}")
                 continue
-            conn.mask = selectors.EVENT_READ
             self._guarded(conn, self._read)  # its HELLO is usually there already
 
     def _out_of_descriptors(self, exc: OSError) -> bool:
@@ -663,6 +726,10 @@ class TcpTransport(Transport):
             self._drop_conn(conn, "hello_refused", f"HELLO from {member[:80]!r}: epoch {h.epoch}/token/member "
                                                    f"does not match epoch {self._epoch}")
             return
+        if self.tls is not None and self.tls.verify_member and member not in names_of(conn.sock.getpeercert()):
+            self._drop_conn(conn, "tls_identity", f"HELLO naming member {member[:80]!r}, which its certificate "
+                                                  f"does not name")
+            return
         old = self._conns.get(member)
         live = old is not None and old.sock is not None and old.failed is None
         if live and not (h.session and h.session == old.session) and not peer_closed(old.sock):
@@ -703,26 +770,31 @@ class TcpTransport(Transport):
             else:
                 self._fail_conn(conn, TransportError(f"cannot connect to member {conn.peer} at {conn.address}: {os.strerror(err)}"))
                 return
+            if self._tls_ctx is not None:
+                self._start_tls(conn, server_side=False)
+        if conn.tls_handshaking and not self._tls_step(conn):
+            return
+        sock = conn.sock
         try:
             while True:
                 # Control frames (HELLO/ERROR) go out only at a frame boundary: never inside
                 # the padding of a cut frame or a half-written DATA frame (that would
                 # desynchronise the peer's byte stream).
                 if conn.pad_head is not None:
-                    n = sock.send(conn.pad_head)
+                    n = self._send(conn, conn.pad_head)
                     conn.pad_head = conn.pad_head[n:] if n < len(conn.pad_head) else None
                     if n == 0:
                         return
                     continue
                 if conn.pad > 0:
-                    n = sock.send(self._zeros(min(conn.pad, _SCRATCH)))
+                    n = self._send(conn, self._zeros(min(conn.pad, _SCRATCH)))
                     conn.pad -= n
                     if n == 0:
                         return
                     continue
                 if conn.raw_out and not (conn.sendq and conn.sendq[0].offset > 0):
                     mv = conn.raw_out[0]
-                    n = sock.send(mv)
+                    n = self._send(conn, mv)
                     if n < len(mv):
                         conn.raw_out[0] = mv[n:]
                         return
@@ -733,10 +805,12 @@ class TcpTransport(Transport):
                 req = conn.sendq[0]
                 hl = len(req.header)
                 if req.offset < hl:
-                    n = sock.sendmsg([memoryview(req.header)[req.offset:], req.mv]) if req.nbytes else sock.send(memoryview(req.header)[req.offset:])
+                    head = memoryview(req.header)[req.offset:]
+                    tls = isinstance(sock, ssl.SSLSocket)  # no sendmsg: header, then payload
+                    n = sock.sendmsg([head, req.mv]) if req.nbytes and not tls else self._send(conn, head)
                     payload = max(0, req.offset + n - hl)
                 else:
-                    n = sock.send(req.mv[req.offset - hl:])
+                    n = self._send(conn, req.mv[req.offset - hl:])
                     payload = n
                 req.offset += n
                 if payload:
@@ -746,7 +820,7 @@ class TcpTransport(Transport):
                     req._finish()
                 elif n == 0:
                     return
-        except (BlockingIOError, InterruptedError):
+        except _WOULD_BLOCK:
             return
         except OSError as exc:
             self._fail_conn(conn, TransportError(f"connection to member {conn.peer} failed while sending: {exc}"))
@@ -763,6 +837,8 @@ class TcpTransport(Transport):
     def _read(self, conn: _Conn) -> None:
         """Read what ``conn`` has. Raises :class:`FrameError` on a bad or unexpected frame
         (the caller's :meth:`_guarded` closes the connection); EOF/reset fail it here."""
+        if conn.tls_handshaking and not self._tls_step(conn):
+            return
         sock = conn.sock
         try:
             while sock is not None and conn.failed is None and not conn.parked and not conn.stalled:
@@ -798,7 +874,7 @@ class TcpTransport(Transport):
                     conn.cur = frames.decode_header(conn.hdr)
                     continue
                 return
-        except (BlockingIOError, InterruptedError):
+        except _WOULD_BLOCK:
             return
         except FrameError:
             raise
