@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,24 +19,17 @@ from resilient.transport import frames
 from resilient.transport.base import OpMismatch
 from resilient.transport.tcp import TcpTransport
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from transport_helpers import both, transport_pair  # noqa: E402
+
 
 @pytest.fixture
 def pair():
-    a, b = TcpTransport("a", "job"), TcpTransport("b", "job")
-    addrs = {"a": a.address, "b": b.address}
-    a.configure(1, "tok", addrs)
-    b.configure(1, "tok", addrs)
-    yield a, b, addrs
-    a.close()
-    b.close()
+    with transport_pair() as p:
+        yield p
 
 
-def _both(a, ra, b, rb):
-    t = threading.Thread(target=lambda: a.wait([ra]))
-    t.start()
-    b.wait([rb])
-    t.join(10)
-    assert not t.is_alive()
+_both = both
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.float16])

@@ -38,6 +38,12 @@ Contract every implementation keeps
   is ever unpickled. A wait that passes ``timeout`` seconds returns ``False`` (the caller
   then reports the slow peer as suspect and keeps waiting or aborts) — it never raises by
   itself and never marks a request failed.
+* **Unauthenticated peers.** Whoever can reach a listener may connect: until its HELLO
+  is validated a connection costs a bounded share of descriptors, memory and time (caps
+  and deadlines across connections), a HELLO never silently replaces a live link of the
+  member it names, no announced frame length is allocated on trust, and nothing one
+  connection does (a corrupt frame, an exception while serving it) fails more than that
+  connection; each refusal or drop is counted in :attr:`TransportStats.dropped`.
 * **Counters.** :attr:`stats` counts payload bytes sent/received (total and per peer) and
   the seconds the caller spent waiting on each peer (for straggler detection and for
   the ``resent_fraction`` of the recovery benchmark).
@@ -80,6 +86,10 @@ class TransportStats:
     sent_by_peer: dict[str, int] = field(default_factory=dict)
     received_by_peer: dict[str, int] = field(default_factory=dict)
     wait_s_by_peer: dict[str, float] = field(default_factory=dict)
+    #: connections refused or dropped by the transport's hardening, by reason (e.g.
+    #: ``handshake_timeout``, ``pending_evicted``, ``hello_refused``, ``link_taken``,
+    #: ``protocol_error``, ``internal_error``, ``accept_emfile``)
+    dropped: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add_sent(self, peer: str, n: int) -> None:
@@ -93,6 +103,9 @@ class TransportStats:
     def add_wait(self, peer: str, seconds: float) -> None:
         self.wait_s_by_peer[peer] = self.wait_s_by_peer.get(peer, 0.0) + seconds
 
+    def add_dropped(self, reason: str, n: int = 1) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + n
+
     def snapshot(self) -> dict[str, Any]:
         """A JSON-able copy of the counters."""
         return {
@@ -101,6 +114,7 @@ class TransportStats:
             "sent_by_peer": dict(self.sent_by_peer),
             "received_by_peer": dict(self.received_by_peer),
             "wait_s_by_peer": dict(self.wait_s_by_peer),
+            "dropped": dict(self.dropped),
         }
 
 

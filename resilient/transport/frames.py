@@ -13,10 +13,17 @@ Header (48 bytes)::
     digest   u32  digest of the op descriptor (kind, shape, dtype, reduce op)
     crc      u32  zlib.crc32 of the 44 bytes above
 
-The payload is raw bytes (DATA), or UTF-8 JSON (HELLO, ERROR). Nothing is ever
-unpickled. :func:`decode_header` raises :class:`~resilient.errors.FrameError` on a bad
-magic, version, kind, checksum or an absurd length, so a corrupt stream is refused at
-the first bad header instead of being written into a user buffer.
+The payload is raw bytes (DATA, ERROR) or UTF-8 JSON (HELLO). Nothing is ever
+unpickled.
+
+Failure behaviour: every function here raises :class:`~resilient.errors.FrameError` and
+nothing else on bad input — :func:`decode_header` on a bad size, magic, version, kind,
+checksum or a payload length over the kind's cap (:data:`MAX_HELLO_PAYLOAD` for HELLO,
+:data:`MAX_CONTROL_PAYLOAD` for ERROR), :func:`decode_hello` / :func:`decode_json` on a
+payload that is not the documented JSON object, and :func:`encode_header` on a field that
+does not fit its u64/u32 slot (e.g. an epoch number >= 2**64 from a corrupt epoch record),
+so a corrupt stream is refused at the first bad header instead of being written into a
+user buffer, and a bad local value never surfaces as a ``struct.error``.
 """
 from __future__ import annotations
 
@@ -36,8 +43,13 @@ KINDS = {HELLO: "HELLO", DATA: "DATA", ERROR: "ERROR"}
 _BODY = struct.Struct("<4sBBHQQQQI")
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _BODY.size + _CRC.size  # 48
-MAX_CONTROL_PAYLOAD = 1 << 20  # HELLO / ERROR payloads are small JSON
+MAX_CONTROL_PAYLOAD = 1 << 20  # ERROR payloads: a short message
+#: a HELLO is ~200 bytes of JSON; anything bigger before the handshake is refused
+MAX_HELLO_PAYLOAD = 4096
 MAX_PAYLOAD = 1 << 48
+U64_MAX = (1 << 64) - 1
+#: longest job name / member id / token / session a HELLO may carry
+MAX_HELLO_FIELD = 512
 
 
 @dataclass(frozen=True)
@@ -50,7 +62,22 @@ class Header:
     digest: int = 0
 
 
+def check_u64(what: str, value: object) -> int:
+    """``value`` if it is an int that fits a u64 header field; else :class:`FrameError`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= U64_MAX:
+        raise FrameError(f"{what} {value!r} does not fit the frame header's unsigned 64-bit field "
+                         f"(0..2**64-1): the value is corrupt (e.g. a bad epoch record); fix its source")
+    return value
+
+
 def encode_header(h: Header) -> bytes:
+    """The 48 header bytes of ``h``; :class:`FrameError` if a field is out of range."""
+    if h.kind not in KINDS:
+        raise FrameError(f"unknown frame kind {h.kind!r}")
+    for what in ("epoch", "op_seq", "tag", "length"):
+        check_u64(f"frame {what}", getattr(h, what))
+    if isinstance(h.digest, bool) or not isinstance(h.digest, int):
+        raise FrameError(f"frame digest must be an int, got {h.digest!r}")
     body = _BODY.pack(MAGIC, VERSION, h.kind, 0, h.epoch, h.op_seq, h.tag, h.length, h.digest & 0xFFFFFFFF)
     return body + _CRC.pack(zlib.crc32(body))
 
@@ -70,8 +97,9 @@ def decode_header(raw: bytes | bytearray | memoryview) -> Header:
         raise FrameError(f"frame version {version} is not supported (this side speaks {VERSION}); upgrade both sides")
     if kind not in KINDS:
         raise FrameError(f"unknown frame kind {kind}")
-    if length > (MAX_CONTROL_PAYLOAD if kind != DATA else MAX_PAYLOAD):
-        raise FrameError(f"{KINDS[kind]} frame announces an absurd payload length {length}")
+    cap = {HELLO: MAX_HELLO_PAYLOAD, ERROR: MAX_CONTROL_PAYLOAD}.get(kind, MAX_PAYLOAD)
+    if length > cap:
+        raise FrameError(f"{KINDS[kind]} frame announces a payload of {length} bytes (limit {cap})")
     return Header(kind, epoch, op_seq, tag, length, digest)
 
 
@@ -79,11 +107,55 @@ def encode_json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
 
 
-def decode_json(payload: bytes | bytearray, what: str) -> dict:
+def decode_json(payload: bytes | bytearray | memoryview, what: str) -> dict:
+    """A JSON object from UTF-8 bytes; :class:`FrameError` for anything else (bad UTF-8,
+    bad JSON, nesting too deep to parse, an integer too long to convert, a non-object)."""
     try:
         obj = json.loads(bytes(payload).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FrameError(f"{what} payload is not valid UTF-8 JSON: {exc}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        raise FrameError(f"{what} payload is not valid UTF-8 JSON: {str(exc)[:200]}") from None
     if not isinstance(obj, dict):
         raise FrameError(f"{what} payload must be a JSON object")
     return obj
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The dialler's first frame: who it claims to be and for which epoch. ``session`` is
+    a random id of the dialling transport (one per process), sent only on the wire: a
+    second HELLO for a member whose link is live is accepted only from the same session."""
+
+    job: str
+    epoch: int
+    token: str
+    member: str
+    session: str = ""
+
+
+def encode_hello(h: Hello) -> bytes:
+    """A whole HELLO frame (header + JSON payload)."""
+    payload = encode_json({"job": h.job, "epoch": h.epoch, "token": h.token, "member": h.member,
+                           "session": h.session})
+    if len(payload) > MAX_HELLO_PAYLOAD:
+        raise FrameError(f"HELLO payload of {len(payload)} bytes exceeds {MAX_HELLO_PAYLOAD}: job name, "
+                         f"member id or token too long (each at most {MAX_HELLO_FIELD} characters)")
+    return encode_header(Header(HELLO, check_u64("epoch", h.epoch), 0, 0, len(payload))) + payload
+
+
+def decode_hello(payload: bytes | bytearray | memoryview) -> Hello:
+    """Parse and type-check a HELLO payload; :class:`FrameError` names the bad field."""
+    if len(payload) > MAX_HELLO_PAYLOAD:
+        raise FrameError(f"HELLO payload of {len(payload)} bytes exceeds {MAX_HELLO_PAYLOAD}")
+    obj = decode_json(payload, "HELLO")
+    fields: dict[str, Any] = {}
+    for name in ("job", "token", "member", "session"):
+        v = obj.get(name, "" if name == "session" else None)
+        if not isinstance(v, str) or len(v) > MAX_HELLO_FIELD:
+            raise FrameError(f"HELLO field {name!r} must be a string of at most {MAX_HELLO_FIELD} characters")
+        fields[name] = v
+    if not fields["member"]:
+        raise FrameError("HELLO field 'member' is empty")
+    epoch = obj.get("epoch")
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= U64_MAX:
+        raise FrameError(f"HELLO field 'epoch' must be an integer in 0..2**64-1, got {str(epoch)[:40]!r}")
+    return Hello(epoch=epoch, **fields)

@@ -4,9 +4,24 @@ Design (see :mod:`resilient.transport.base` for the contract):
 
 * One listener per member; one connection per unordered pair, dialled by the member
   whose id sorts lower and opened lazily on the first request. The dialler's first frame
-  is HELLO {job, epoch, token, member}; the acceptor checks job and token of *its* epoch
-  (a HELLO from a newer epoch is parked until this side reaches it; an older one is
-  refused by closing the connection).
+  is HELLO {job, epoch, token, member, session}; the acceptor checks job and token of
+  *its* epoch (a HELLO from a newer epoch is parked until this side reaches it; an older
+  one is refused by closing the connection).
+* Hardening against whoever can reach the listener (:mod:`resilient.transport.handshake`):
+  connections that have not completed a HELLO are capped in number and buffered bytes
+  (across connections) and closed after a deadline; a HELLO is refused unless its job
+  matches and its member id sorts below ours (only lower ids dial); a parked HELLO is
+  watched for EOF; a second HELLO for a member whose link is live is refused (the token
+  proves membership of the epoch, not identity) unless it comes from the same dialling
+  transport (``session``) or the old link is really closed; EMFILE/ENFILE on accept
+  evicts the oldest pending handshake or pauses accepting with a back-off (logged once).
+  On member links, frames that arrive before their receive is posted are buffered up to
+  ``early_cap`` bytes per connection; beyond that the connection stops being read until
+  the receive is posted (TCP flow control holds the sender), so an announced length is
+  never allocated on trust, and a DATA frame whose length differs from the posted
+  receive is a protocol error for that connection only. Any exception while serving one
+  connection (``MemoryError`` included) drops that connection and is counted in
+  :attr:`TransportStats.dropped`; it never escapes into another connection's wait.
 * No I/O thread: :meth:`TcpTransport.wait` runs a ``selectors`` loop in the calling
   thread, progressing every posted request (sends of later slices keep flowing while
   an earlier one is awaited). Payloads are written with ``sendmsg`` straight from the
@@ -22,30 +37,56 @@ Design (see :mod:`resilient.transport.base` for the contract):
 
 Failure behaviour: EOF/reset on a connection fails every request to/from that peer with
 :class:`~resilient.errors.TransportError` naming it (the communicator then reports the
-peer as suspect and waits for the coordinator's verdict); a corrupt header raises
-:class:`~resilient.errors.FrameError` and closes that connection.
+peer as suspect and waits for the coordinator's verdict); a corrupt or unexpected frame
+(:class:`~resilient.errors.FrameError`) or any other exception while serving a
+connection closes that connection only, failing its requests with a
+:class:`~resilient.errors.TransportError` that names the cause. :meth:`TcpTransport.configure`
+raises :class:`~resilient.errors.FrameError` for an epoch number outside 0..2**64-1.
 """
 from __future__ import annotations
 
 import collections
 import errno
+import hmac
+import logging
 import os
+import secrets
 import selectors
 import socket
+import ssl
 import threading
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from resilient.errors import FrameError, TransportAborted, TransportError
 from resilient.transport import frames
 from resilient.transport.base import (
     Buffer, OpMismatch, PeerReportedError, Request, Transport, TransportStats, is_control,
 )
+from resilient.transport.handshake import HandshakeLimits, PendingHandshakes, peer_closed
+from resilient.transport.tls import TlsConfig, names_of
+
+log = logging.getLogger(__name__)
 
 SOCK_BUF = int(os.environ.get("RESILIENT_TCP_SOCKBUF", 4 << 20))
 _SCRATCH = 1 << 20
 #: bytes of early-arrival buffers kept for reuse
 SPARE_CAP = 32 << 20
+#: bytes of frames buffered per connection before their receive is posted; beyond it the
+#: connection is not read until a receive is posted (a header never allocates on trust)
+EARLY_CAP = int(os.environ.get("RESILIENT_TCP_EARLY_CAP", 256 << 20))
+#: connections accepted per progress round (a connect flood cannot starve member links,
+#: nor evict, in one round, pending handshakes that have not been read yet)
+ACCEPT_BATCH = 16
+#: accept pauses after EMFILE/ENFILE with nothing to evict: first and longest pause
+ACCEPT_PAUSE_S, ACCEPT_PAUSE_MAX_S = 0.05, 1.0
+#: ERROR messages kept per op, and ops with a kept error per epoch
+ERROR_MESSAGE_CAP, ERRORS_PER_EPOCH = 4096, 4096
+_FD_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+#: "try again later" from a non-blocking plain or TLS socket
+_WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+#: largest TLS write (without partial writes a record batch is retried whole)
+_TLS_CHUNK = 256 << 10
 
 
 def as_memoryview(buf: Buffer) -> memoryview:
@@ -121,11 +162,20 @@ class _Conn:
         self.target_req: _Req | None = None
         self.target_got = 0
         self.discard = 0
-        self.parked = False
+        self.parked = False   # member link: a header of a future epoch waits for configure()
+        self.stalled = False  # member link: a header waits for its receive (early_cap reached)
+        self.early_bytes = 0  # bytes of ``unexpected`` payloads (and one being read into)
+        self.session = ""     # acceptor: the dialler's HELLO session
+        self.origin = ""      # acceptor: remote address, for logs
+        self.quiet = False    # parked HELLO that sent more bytes: no longer watched for EOF
+        self.tls_handshaking = False  # TLS: handshake not finished (no frame I/O yet)
+        self.tls_want_write = False
         self.failed: BaseException | None = None
         self.mask = 0
 
     def wants_write(self) -> bool:
+        if self.tls_handshaking:
+            return self.tls_want_write
         return self.connecting or bool(self.raw_out) or self.pad > 0 or self.pad_head is not None or bool(self.sendq)
 
 
@@ -134,10 +184,18 @@ class TcpTransport(Transport):
     wait/cancel_op/post_error (the communicator's op thread); :meth:`abort` from any."""
 
     def __init__(self, member_id: str, job: str, host: str = "127.0.0.1", port: int = 0,
-                 connect_timeout: float = 10.0) -> None:
+                 connect_timeout: float = 10.0, limits: HandshakeLimits | None = None,
+                 early_cap: int = EARLY_CAP, tls: TlsConfig | None | bool = True) -> None:
         self.member_id = member_id
         self.job = job
         self.connect_timeout = connect_timeout
+        self.limits = limits or HandshakeLimits.from_env()
+        self.early_cap = early_cap
+        self._session = secrets.token_hex(16)  # identifies this dialler's links; never published
+        #: mutual TLS (``tls=True``: from the environment, see :mod:`resilient.transport.tls`;
+        #: None/False: plain TCP)
+        self.tls = TlsConfig.from_env() if tls is True else (tls or None)
+        self._tls_ctx = self.tls.contexts() if self.tls is not None else None
         self._stats = TransportStats()
         self._sel = getattr(selectors, os.environ.get("RESILIENT_SELECTOR", "DefaultSelector"))()
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -156,7 +214,10 @@ class TcpTransport(Transport):
         self._token = ""
         self._addresses: dict[str, str] = {}
         self._conns: dict[str, _Conn] = {}
-        self._accepting: list[_Conn] = []
+        self._accepting: PendingHandshakes[_Conn] = PendingHandshakes(self.limits)
+        self._accept_paused_until: float | None = None
+        self._accept_pause = ACCEPT_PAUSE_S
+        self._fd_warned = False
         self._abort_lock = threading.Lock()
         self._abort_reason: str | None = None
         self._abort_handled = False
@@ -189,6 +250,7 @@ class TcpTransport(Transport):
     # -- epoch ------------------------------------------------------------------------
 
     def configure(self, epoch: int, token: str, addresses: Mapping[str, str]) -> None:
+        frames.check_u64("epoch", epoch)
         if epoch < self._epoch:
             raise TransportError(f"configure: epoch {epoch} is older than the current {self._epoch}")
         self._handle_abort()  # turn half-done frames into padding/discards first
@@ -204,10 +266,8 @@ class TcpTransport(Transport):
             conn.recvq.clear()
             if conn.target_req is not None:
                 self._to_discard(conn)
-            conn.unexpected = collections.deque(
-                (h, p) for h, p in conn.unexpected if h.epoch >= epoch)
-            if conn.parked:
-                conn.parked = False
+            self._filter_unexpected(conn, lambda h: h.epoch >= epoch)
+            conn.parked = conn.stalled = False
         self._addresses = addresses
         self._op_errors.clear()
         self._cancelled.clear()
@@ -215,12 +275,12 @@ class TcpTransport(Transport):
         with self._abort_lock:
             self._abort_reason = None
             self._abort_handled = False
-        for conn in list(self._accepting):
+        for conn in self._accepting:
             if conn.hello is not None:
-                self._validate_hello(conn)
+                self._guarded(conn, self._validate_hello)
         for conn in list(self._conns.values()):
             if conn.cur is not None and conn.sock is not None and conn.failed is None:
-                self._read(conn)
+                self._guarded(conn, self._read)
         self._update_masks()
 
     # -- posting ----------------------------------------------------------------------
@@ -240,6 +300,9 @@ class TcpTransport(Transport):
         if conn is not None:
             conn.recvq.append(req)
             self._match_unexpected(conn)
+            if conn.stalled and conn.sock is not None and conn.failed is None:
+                conn.stalled = False  # the waiting header may be this receive's (or fit now)
+                self._guarded(conn, self._read)
         return req
 
     def _conn_for(self, req: _Req) -> _Conn | None:
@@ -281,13 +344,56 @@ class TcpTransport(Transport):
             conn.failed = TransportError(f"cannot connect to member {peer} at {self._addresses[peer]}: {os.strerror(err)}")
         else:
             conn.connecting = err != 0
-            hello = frames.encode_json({"job": self.job, "epoch": self._epoch, "token": self._token, "member": self.member_id})
-            conn.raw_out.append(memoryview(frames.encode_header(frames.Header(frames.HELLO, self._epoch, 0, 0, len(hello))) + hello))
+            hello = frames.Hello(self.job, self._epoch, self._token, self.member_id, self._session)
+            conn.raw_out.append(memoryview(frames.encode_hello(hello)))
             conn.raw_out.extend(memoryview(m) for m in self._posted_errors.values())
             self._sel.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
             conn.mask = selectors.EVENT_READ | selectors.EVENT_WRITE
+            if not conn.connecting and self._tls_ctx is not None:
+                self._start_tls(conn, server_side=False)
         self._conns[peer] = conn
         return conn
+
+    # -- TLS --------------------------------------------------------------------------
+
+    def _start_tls(self, conn: _Conn, server_side: bool) -> None:
+        """Wrap ``conn``'s connected socket for mutual TLS; the handshake then runs
+        non-blocking in :meth:`_tls_step` before any frame is read or written."""
+        assert self._tls_ctx is not None and conn.sock is not None
+        if conn.mask:
+            self._sel.unregister(conn.sock)
+            conn.mask = 0
+        ctx = self._tls_ctx[0 if server_side else 1]
+        conn.sock = ctx.wrap_socket(conn.sock, server_side=server_side, do_handshake_on_connect=False)
+        conn.tls_handshaking, conn.tls_want_write = True, not server_side
+
+    def _tls_step(self, conn: _Conn) -> bool:
+        """Advance the TLS handshake of ``conn``; True once it is done. A failed handshake
+        (no or a foreign certificate, plain TCP, EOF) or, with ``verify_member``, an
+        acceptor whose certificate does not name the member we dialled closes ``conn``."""
+        sock = conn.sock
+        assert isinstance(sock, ssl.SSLSocket) and self.tls is not None
+        try:
+            sock.do_handshake()
+        except ssl.SSLWantReadError:
+            conn.tls_want_write = False
+            return False
+        except ssl.SSLWantWriteError:
+            conn.tls_want_write = True
+            return False
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            self._drop_conn(conn, "tls_refused", f"TLS handshake failed: {exc}")
+            return False
+        conn.tls_handshaking = conn.tls_want_write = False
+        if conn.handshaken and self.tls.verify_member and conn.peer not in names_of(sock.getpeercert()):
+            self._drop_conn(conn, "tls_identity", f"its certificate does not name member {conn.peer}")
+            return False
+        return True
+
+    def _send(self, conn: _Conn, mv: memoryview) -> int:
+        sock = conn.sock
+        assert sock is not None
+        return sock.send(mv[:_TLS_CHUNK] if isinstance(sock, ssl.SSLSocket) else mv)
 
     @staticmethod
     def _tune(sock: socket.socket) -> None:
@@ -351,7 +457,7 @@ class TcpTransport(Transport):
         exc = self._op_errors.get(op_seq) or TransportAborted(f"op #{op_seq} was cancelled")
         for conn in self._conns.values():
             self._cut(conn, exc, lambda r: r.op_seq == op_seq)
-            conn.unexpected = collections.deque((h, p) for h, p in conn.unexpected if h.op_seq != op_seq)
+            self._filter_unexpected(conn, lambda h: h.op_seq != op_seq)
         self._update_masks()
 
     def post_error(self, peers: Sequence[str], op_seq: int, message: bytes, timeout: float = 2.0) -> None:
@@ -411,7 +517,12 @@ class TcpTransport(Transport):
 
     def _progress(self, timeout: float | None) -> None:
         self._update_masks()
+        timer = self._next_timer()
+        if timer is not None:
+            left = max(0.0, timer - time.monotonic())
+            timeout = left if timeout is None else min(timeout, left)
         events = self._sel.select(timeout)
+        accept = False
         for key, mask in events:
             data = key.data
             if data == "wake":
@@ -421,27 +532,79 @@ class TcpTransport(Transport):
                 except (BlockingIOError, OSError):
                     pass
             elif data == "listener":
-                self._accept()
+                accept = True  # after the connections: read pending HELLOs before evicting any
             else:
                 conn: _Conn = data
                 if conn.failed is not None or conn.sock is None:
                     continue
-                try:
-                    if mask & selectors.EVENT_WRITE:
-                        self._try_write(conn)
-                    if mask & selectors.EVENT_READ and conn.failed is None:
-                        self._read(conn)
-                except FrameError as exc:
-                    self._fail_conn(conn, exc)
+                self._guarded(conn, lambda c, m=mask: self._serve(c, m))
+        if accept:
+            self._accept()
+        self._timers()
         self._update_masks()
 
+    def _serve(self, conn: _Conn, mask: int) -> None:
+        if conn.tls_handshaking and not self._tls_step(conn):
+            return
+        if not conn.handshaken and conn.hello is not None:  # a parked HELLO: only watch for EOF
+            self._watch_parked(conn)
+            return
+        if mask & selectors.EVENT_WRITE:
+            self._try_write(conn)
+        if mask & selectors.EVENT_READ and conn.failed is None:
+            self._read(conn)
+
+    def _guarded(self, conn: _Conn, fn: Callable[[_Conn], None]) -> None:
+        """Run ``fn(conn)``; whatever it raises closes ``conn`` only (counted, logged)."""
+        try:
+            fn(conn)
+        except FrameError as exc:
+            self._drop_conn(conn, "protocol_error", f"protocol error: {exc}")
+        except Exception as exc:  # noqa: BLE001 - MemoryError, struct.error, a bug: never wedge the member
+            self._drop_conn(conn, "internal_error", f"{type(exc).__name__} while serving it: {exc}")
+
+    def _drop_conn(self, conn: _Conn, reason: str, why: str) -> None:
+        who = f"member {conn.peer}" if conn.handshaken else f"unauthenticated connection {conn.origin or '?'}"
+        self._note(reason, f"closed the connection from/to {who}: {why}")
+        self._fail_conn(conn, TransportError(f"connection to {who} closed: {why}"))
+
+    def _note(self, reason: str, message: str) -> None:
+        """Count a dropped/refused connection; log the 1st, 10th, 100th... of each reason."""
+        self._stats.add_dropped(reason)
+        n = self._stats.dropped[reason]
+        if str(n).rstrip("0") == "1":  # 1, 10, 100, ...
+            log.warning("transport %s: %s (%s #%d)", self.member_id, message, reason, n)
+
+    def _next_timer(self) -> float | None:
+        t = self._accepting.next_deadline()
+        if self._accept_paused_until is not None:
+            t = self._accept_paused_until if t is None else min(t, self._accept_paused_until)
+        return t
+
+    def _timers(self) -> None:
+        """Reap handshakes past their deadline; resume accepting after a pause."""
+        now = time.monotonic()
+        for conn in self._accepting.expired(now):
+            parked = self._accepting.is_parked(conn)
+            self._drop_conn(conn, "parked_timeout" if parked else "handshake_timeout",
+                            f"no {'configure() for its epoch' if parked else 'complete HELLO'} within "
+                            f"{self.limits.parked_timeout_s if parked else self.limits.timeout_s}s")
+        if self._accept_paused_until is not None and now >= self._accept_paused_until and not self._closed:
+            self._accept_paused_until = None
+            self._sel.register(self._listener, selectors.EVENT_READ, "listener")
+
     def _update_masks(self) -> None:
-        for conn in list(self._conns.values()) + self._accepting:
+        for conn in list(self._conns.values()) + list(self._accepting):
             if conn.sock is None or conn.failed is not None:
                 continue
-            mask = 0 if conn.parked else selectors.EVENT_READ
-            if conn.wants_write() and conn.handshaken_or_dialer():
-                mask |= selectors.EVENT_WRITE
+            if conn.tls_handshaking:
+                mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.tls_want_write else 0)
+            elif not conn.handshaken and conn.hello is not None:
+                mask = 0 if conn.quiet else selectors.EVENT_READ  # parked HELLO: EOF watch
+            else:
+                mask = 0 if conn.parked or conn.stalled else selectors.EVENT_READ
+                if conn.wants_write() and conn.handshaken_or_dialer():
+                    mask |= selectors.EVENT_WRITE
             if mask != conn.mask:
                 if conn.mask == 0:
                     self._sel.register(conn.sock, mask, conn)
@@ -459,9 +622,11 @@ class TcpTransport(Transport):
         conn.sendq.clear()
         conn.recvq.clear()
         conn.raw_out.clear()
+        conn.unexpected.clear()
+        conn.early_bytes = 0
+        conn.target = conn.target_req = conn.cur = None
         self._close_sock(conn)
-        if conn in self._accepting:
-            self._accepting.remove(conn)
+        self._accepting.remove(conn)
 
     def _close_sock(self, conn: _Conn) -> None:
         if conn.sock is not None:
@@ -485,39 +650,96 @@ class TcpTransport(Transport):
     # -- accept / handshake -----------------------------------------------------------
 
     def _accept(self) -> None:
-        while True:
+        for _ in range(ACCEPT_BATCH):
             try:
-                sock, _ = self._listener.accept()
+                sock, addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
-                return
-            self._tune(sock)
-            sock.setblocking(False)
+            except OSError as exc:
+                if exc.errno in _FD_ERRNOS and self._out_of_descriptors(exc):
+                    continue
+                return  # ECONNABORTED and the like: the next round tries again
+            self._accept_pause = ACCEPT_PAUSE_S
             conn = _Conn(sock, None, None)
             conn.handshaken = False
-            self._accepting.append(conn)
-            self._sel.register(sock, selectors.EVENT_READ, conn)
-            conn.mask = selectors.EVENT_READ
+            conn.origin = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+            for old in self._accepting.add(conn, time.monotonic()):
+                self._drop_conn(old, "pending_evicted", f"more than {self.limits.max_pending} pending handshakes")
+            try:
+                self._tune(sock)
+                sock.setblocking(False)
+                self._sel.register(sock, selectors.EVENT_READ, conn)
+                conn.mask = selectors.EVENT_READ
+                if self._tls_ctx is not None:
+                    self._start_tls(conn, server_side=True)
+            except (OSError, ValueError) as exc:
+                self._drop_conn(conn, "internal_error", f"cannot set up the accepted socket: {exc}")
+                continue
+            self._guarded(conn, self._read)  # its HELLO is usually there already
+
+    def _out_of_descriptors(self, exc: OSError) -> bool:
+        """EMFILE/ENFILE on accept: close the oldest pending handshake (True: accept
+        again) or, with none, stop accepting for a growing pause (False). Logged
+        once per transport (then only counted in ``stats.dropped["accept_emfile"]``); never
+        spins on a listener that stays readable."""
+        self._stats.add_dropped("accept_emfile")
+        if not self._fd_warned:
+            self._fd_warned = True
+            log.warning("transport %s: accept() failed (%s): out of file descriptors; closing pending handshakes "
+                        "and pausing accepts (raise the limit with `ulimit -n`)", self.member_id, exc)
+        victim = next(iter(self._accepting), None)
+        if victim is not None:
+            self._drop_conn(victim, "pending_evicted", "out of file descriptors")
+            return True
+        self._accept_paused_until = time.monotonic() + self._accept_pause
+        self._accept_pause = min(ACCEPT_PAUSE_MAX_S, self._accept_pause * 2)
+        try:
+            self._sel.unregister(self._listener)
+        except (KeyError, ValueError):
+            pass
+        return False
+
+    def _watch_parked(self, conn: _Conn) -> None:
+        """A parked HELLO's socket is readable: closed by its peer (reap it) or the
+        dialler already sent frames (keep them unread; stop watching)."""
+        if peer_closed(conn.sock):
+            self._drop_conn(conn, "parked_closed", "the peer closed it while its HELLO was parked")
+        else:
+            conn.quiet = True
 
     def _validate_hello(self, conn: _Conn) -> None:
         h = conn.hello
         assert h is not None
-        epoch = h.get("epoch")
-        if h.get("job") != self.job or not isinstance(epoch, int):
-            self._fail_conn(conn, TransportError(f"refused connection: job {h.get('job')!r} is not {self.job!r}"))
+        member = h.member
+        if h.job != self.job:
+            self._drop_conn(conn, "hello_refused", f"HELLO for job {h.job[:80]!r}, this is {self.job!r}")
             return
-        if epoch > self._epoch:
-            conn.parked = True  # wait until we are configured for that epoch
+        if not member < self.member_id:
+            self._drop_conn(conn, "hello_refused", f"HELLO from {member[:80]!r}: only members whose id sorts "
+                                                   f"below {self.member_id!r} dial it")
             return
-        member = h.get("member")
-        if epoch < self._epoch or h.get("token") != self._token or member not in self._addresses or member == self.member_id:
-            self._fail_conn(conn, TransportError(f"refused connection from {member!r}: epoch {epoch}/token does not match epoch {self._epoch}"))
+        if h.epoch > self._epoch:
+            self._accepting.park(conn, time.monotonic())  # token checked once we reach that epoch
             return
-        conn.parked = False
+        if (h.epoch < self._epoch or not hmac.compare_digest(h.token.encode(), self._token.encode())
+                or member not in self._addresses):
+            self._drop_conn(conn, "hello_refused", f"HELLO from {member[:80]!r}: epoch {h.epoch}/token/member "
+                                                   f"does not match epoch {self._epoch}")
+            return
+        if self.tls is not None and self.tls.verify_member and member not in names_of(conn.sock.getpeercert()):
+            self._drop_conn(conn, "tls_identity", f"HELLO naming member {member[:80]!r}, which its certificate "
+                                                  f"does not name")
+            return
+        old = self._conns.get(member)
+        live = old is not None and old.sock is not None and old.failed is None
+        if live and not (h.session and h.session == old.session) and not peer_closed(old.sock):
+            self._drop_conn(conn, "link_taken", f"HELLO naming member {member}, whose link from "
+                                                f"{old.origin or '?'} is live (the epoch token proves membership, not "
+                                                f"identity; a genuine reconnect is accepted once the old link is closed)")
+            return
         self._accepting.remove(conn)
         conn.peer, conn.address, conn.handshaken, conn.hello = member, self._addresses[member], True, None
-        old = self._conns.get(member)
+        conn.session, conn.quiet = h.session, False
         if old is not None:
             if old.sock is None and old.failed is None:  # placeholder with waiting requests
                 conn.sendq, conn.recvq, conn.raw_out = old.sendq, old.recvq, old.raw_out
@@ -548,26 +770,31 @@ class TcpTransport(Transport):
             else:
                 self._fail_conn(conn, TransportError(f"cannot connect to member {conn.peer} at {conn.address}: {os.strerror(err)}"))
                 return
+            if self._tls_ctx is not None:
+                self._start_tls(conn, server_side=False)
+        if conn.tls_handshaking and not self._tls_step(conn):
+            return
+        sock = conn.sock
         try:
             while True:
                 # Control frames (HELLO/ERROR) go out only at a frame boundary: never inside
                 # the padding of a cut frame or a half-written DATA frame (that would
                 # desynchronise the peer's byte stream).
                 if conn.pad_head is not None:
-                    n = sock.send(conn.pad_head)
+                    n = self._send(conn, conn.pad_head)
                     conn.pad_head = conn.pad_head[n:] if n < len(conn.pad_head) else None
                     if n == 0:
                         return
                     continue
                 if conn.pad > 0:
-                    n = sock.send(self._zeros(min(conn.pad, _SCRATCH)))
+                    n = self._send(conn, self._zeros(min(conn.pad, _SCRATCH)))
                     conn.pad -= n
                     if n == 0:
                         return
                     continue
                 if conn.raw_out and not (conn.sendq and conn.sendq[0].offset > 0):
                     mv = conn.raw_out[0]
-                    n = sock.send(mv)
+                    n = self._send(conn, mv)
                     if n < len(mv):
                         conn.raw_out[0] = mv[n:]
                         return
@@ -578,10 +805,12 @@ class TcpTransport(Transport):
                 req = conn.sendq[0]
                 hl = len(req.header)
                 if req.offset < hl:
-                    n = sock.sendmsg([memoryview(req.header)[req.offset:], req.mv]) if req.nbytes else sock.send(memoryview(req.header)[req.offset:])
+                    head = memoryview(req.header)[req.offset:]
+                    tls = isinstance(sock, ssl.SSLSocket)  # no sendmsg: header, then payload
+                    n = sock.sendmsg([head, req.mv]) if req.nbytes and not tls else self._send(conn, head)
                     payload = max(0, req.offset + n - hl)
                 else:
-                    n = sock.send(req.mv[req.offset - hl:])
+                    n = self._send(conn, req.mv[req.offset - hl:])
                     payload = n
                 req.offset += n
                 if payload:
@@ -591,7 +820,7 @@ class TcpTransport(Transport):
                     req._finish()
                 elif n == 0:
                     return
-        except (BlockingIOError, InterruptedError):
+        except _WOULD_BLOCK:
             return
         except OSError as exc:
             self._fail_conn(conn, TransportError(f"connection to member {conn.peer} failed while sending: {exc}"))
@@ -606,9 +835,13 @@ class TcpTransport(Transport):
     # -- reading ----------------------------------------------------------------------
 
     def _read(self, conn: _Conn) -> None:
+        """Read what ``conn`` has. Raises :class:`FrameError` on a bad or unexpected frame
+        (the caller's :meth:`_guarded` closes the connection); EOF/reset fail it here."""
+        if conn.tls_handshaking and not self._tls_step(conn):
+            return
         sock = conn.sock
         try:
-            while sock is not None and conn.failed is None and not conn.parked:
+            while sock is not None and conn.failed is None and not conn.parked and not conn.stalled:
                 if conn.discard > 0:
                     n = sock.recv_into(self._scratch, min(conn.discard, _SCRATCH))
                     if n == 0:
@@ -628,6 +861,8 @@ class TcpTransport(Transport):
                 if conn.cur is not None:  # a header parked until configure() or matched late
                     self._route(conn)
                     continue
+                if conn.hello is not None:  # a parked HELLO: nothing more is read before configure()
+                    return
                 if conn.hdr_got < frames.HEADER_SIZE:
                     n = sock.recv_into(memoryview(conn.hdr)[conn.hdr_got:])
                     if n == 0:
@@ -635,24 +870,33 @@ class TcpTransport(Transport):
                     conn.hdr_got += n
                     if conn.hdr_got < frames.HEADER_SIZE:
                         continue
-                    conn.cur = frames.decode_header(conn.hdr)
                     conn.hdr_got = 0
+                    conn.cur = frames.decode_header(conn.hdr)
                     continue
                 return
-        except (BlockingIOError, InterruptedError):
+        except _WOULD_BLOCK:
             return
+        except FrameError:
+            raise
         except EOFError:
             self._fail_conn(conn, TransportError(f"member {conn.peer or '(handshaking)'} closed the connection"))
         except OSError as exc:
             self._fail_conn(conn, TransportError(f"connection to member {conn.peer} failed while receiving: {exc}"))
 
     def _route(self, conn: _Conn) -> None:
-        """A header was read: decide where its payload goes."""
+        """A header was read: decide where its payload goes. Nothing is allocated for an
+        announced length beyond the caps (HELLO: the pending-handshake byte budget; early
+        DATA: ``early_cap``); a header that does not fit waits (``stalled``)."""
         h = conn.cur
         assert h is not None
         if not conn.handshaken:
             if h.kind != frames.HELLO:
                 raise FrameError("the first frame on a connection must be HELLO")
+            evicted = self._accepting.reserve(conn, h.length)
+            if evicted is None:
+                raise FrameError(f"HELLO of {h.length} bytes exceeds the pending-handshake budget")
+            for old in evicted:
+                self._drop_conn(old, "pending_evicted", f"pending HELLOs over {self.limits.max_bytes} bytes")
             conn.target, conn.target_got, conn.target_req = memoryview(bytearray(h.length)), 0, None
             return
         if h.kind in (frames.HELLO, frames.ERROR):
@@ -666,13 +910,13 @@ class TcpTransport(Transport):
             return
         req = self._head_recv(conn, is_control(h.op_seq))
         if req is None:
-            conn.target, conn.target_got, conn.target_req = memoryview(self._spare_buf(h.length)), 0, None
+            self._buffer_early(conn, h)
             return
         if (h.op_seq >> 62) == (req.op_seq >> 62) and h.op_seq != req.op_seq:
             if h.op_seq < req.op_seq:
                 conn.discard, conn.cur = h.length, None  # left over from an op this side already ended
             else:  # a later op's frame (the sender finished or abandoned this op): keep it for that op
-                conn.target, conn.target_got, conn.target_req = memoryview(self._spare_buf(h.length)), 0, None
+                self._buffer_early(conn, h)
             return
         self._check_match(conn, req, h)
         if req.error is not None:
@@ -681,6 +925,15 @@ class TcpTransport(Transport):
             return
         conn.target, conn.target_got, conn.target_req = req.mv, 0, req
         req.started = True
+
+    def _buffer_early(self, conn: _Conn, h: frames.Header) -> None:
+        """Read a frame whose receive is not posted into a spare buffer, if it fits the
+        connection's ``early_cap``; else stop reading until a receive is posted."""
+        if conn.early_bytes + h.length > self.early_cap:
+            conn.stalled = True
+            return
+        conn.early_bytes += h.length
+        conn.target, conn.target_got, conn.target_req = memoryview(self._spare_buf(h.length)), 0, None
 
     def _check_match(self, conn: _Conn, req: _Req, h: frames.Header) -> None:
         if h.digest != req.digest:
@@ -697,15 +950,16 @@ class TcpTransport(Transport):
         conn.cur, conn.target, conn.target_req, conn.target_got = None, None, None, 0
         assert h is not None and target is not None
         if not conn.handshaken:
-            from resilient.transport.frames import decode_json
-            conn.hello = decode_json(target, "HELLO")
+            self._accepting.release(conn)
+            conn.hello = frames.decode_hello(target)
             self._validate_hello(conn)
             return
         if h.kind == frames.HELLO:
             return
         if h.kind == frames.ERROR:
-            if h.epoch >= self._epoch:
-                self._op_errors.setdefault(h.op_seq, PeerReportedError(conn.peer or "?", h.op_seq, bytes(target)))
+            if h.epoch >= self._epoch and (h.op_seq in self._op_errors or len(self._op_errors) < ERRORS_PER_EPOCH):
+                self._op_errors.setdefault(h.op_seq, PeerReportedError(conn.peer or "?", h.op_seq,
+                                                                       bytes(target[:ERROR_MESSAGE_CAP])))
             return
         if req is not None:
             if conn.recvq and conn.recvq[0] is req:
@@ -735,6 +989,7 @@ class TcpTransport(Transport):
                 blocked.add(ctl)  # for a later op, or nothing posted yet: ``req`` waits
                 kept.append((h, payload))
                 continue
+            conn.early_bytes -= len(payload)
             if h.epoch < self._epoch or h.op_seq in self._cancelled or (same_ns and h.op_seq < req.op_seq):
                 self._spare_return(payload)  # stale: an op this side already ended
                 continue
@@ -742,7 +997,7 @@ class TcpTransport(Transport):
                 self._check_match(conn, req, h)
             except FrameError as exc:
                 conn.unexpected = kept
-                self._fail_conn(conn, exc)
+                self._drop_conn(conn, "protocol_error", f"protocol error: {exc}")
                 return
             conn.recvq.remove(req)
             if req.error is None:
@@ -764,6 +1019,17 @@ class TcpTransport(Transport):
             if is_control(r.op_seq) == control:
                 return r
         return None
+
+    def _filter_unexpected(self, conn: _Conn, keep: Callable[[frames.Header], bool]) -> None:
+        """Drop buffered early frames for which ``keep(header)`` is false."""
+        kept = collections.deque((h, p) for h, p in conn.unexpected if keep(h))
+        for h, p in conn.unexpected:
+            if not keep(h):
+                self._spare_return(p)
+        conn.unexpected = kept
+        conn.early_bytes = sum(len(p) for _, p in kept) + (
+            len(conn.target) if conn.target is not None and conn.target_req is None and conn.cur is not None
+            and conn.cur.kind == frames.DATA else 0)
 
     def _spare_buf(self, n: int) -> bytearray:
         """A buffer of ``n`` bytes for a DATA frame that arrived before its receive was
