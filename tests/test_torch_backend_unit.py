@@ -126,11 +126,10 @@ def test_async_work_future_and_contributors_after_member_death():
 
 
 @pytest.mark.parametrize("call,name", [
-    (lambda pg, t: pg.reduce([t], dist.ReduceOptions()), "reduce"),
-    (lambda pg, t: pg.gather([[t]], [t], dist.GatherOptions()), "gather"),
-    (lambda pg, t: pg.scatter([t], [[t]], dist.ScatterOptions()), "scatter"),
-    (lambda pg, t: pg.alltoall_base(t, t, [], [], dist.AllToAllOptions()), "all_to_all_single"),
-    (lambda pg, t: pg.allreduce([t], ar_opts(dist.ReduceOp.BAND)), "reduce op"),
+    (lambda pg, t: pg.recv_anysource([t], 0), "any source"),
+    (lambda pg, t: pg.allreduce([t], ar_opts(dist.ReduceOp.BAND)), "BAND on torch.float32"),
+    (lambda pg, t: pg.allreduce([t.to(torch.complex64)], ar_opts(dist.ReduceOp.MAX)), "MAX on torch.complex64"),
+    (lambda pg, t: pg.allreduce([t.bool()], ar_opts(dist.ReduceOp.AVG)), "AVG on torch.bool"),
     (lambda pg, t: pg.allreduce([t, t], ar_opts(dist.ReduceOp.SUM)), "2 tensors"),
     (lambda pg, t: pg.allreduce([t.to("meta")], ar_opts(dist.ReduceOp.SUM)), "meta tensor"),
 ])
