@@ -179,8 +179,11 @@ def test_init_process_group_registers_and_dist_api_reports_live_world():
         out = torch.zeros(1)
         dist.all_gather_into_tensor(out, torch.tensor([5.0]))
         assert out.item() == 5.0
-        with pytest.raises(UnsupportedOperation, match="all_to_all"):
-            dist.all_to_all_single(torch.zeros(1), torch.zeros(1))
+        got = torch.zeros(1)
+        dist.all_to_all_single(got, torch.tensor([7.0]))
+        assert got.item() == 7.0
+        with pytest.raises(UnsupportedOperation, match="any source"):
+            dist.recv(torch.zeros(1))
         w.join("other", at_seq=10**6)  # admitted: the live world grows at once
         assert (dist.get_rank(), dist.get_world_size()) == (0, 2)
         assert world().members == ("solo", "other") and world().epoch == 2

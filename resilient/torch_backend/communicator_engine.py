@@ -227,14 +227,27 @@ def from_environment(store: Any = None, rank: int = 0, size: int = 1,
     host = os.environ.get("RESILIENT_HOST", "127.0.0.1")
     st = Store(endpoints)
     transport = TcpTransport(member_id, job, host=host)
-    info = MemberInfo(member_id=member_id, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+    # launched by our own agent: it placed us; otherwise (mp.spawn, torchrun, torch's test
+    # suite) the rank given to init_process_group is the ring position we register for
+    explicit = "RESILIENT_MEMBER_ID" not in os.environ
+    info = MemberInfo(member_id=member_id, local_rank=rank if explicit else int(os.environ.get("LOCAL_RANK", "0")),
                       address=transport.address)
     session = MemberSession.register(st, job, info, ttl=ttl, lease_id=int(lease) if lease else None)
     watcher = EpochWatcher(st, job)
-    watcher.wait_for(lambda e: member_id in e.members, timeout.total_seconds())
+    if explicit:  # all `size` members, and only them (a dead earlier run's leases expire first)
+        watcher.wait_for(lambda e: member_id in e.members and len(e.members) == size, timeout.total_seconds())
+    else:
+        watcher.wait_for(lambda e: member_id in e.members, timeout.total_seconds())
     comm = _make_communicator(st, job, session, watcher, transport)
-    return CommunicatorEngine(comm, watcher, session, member_id, closers=[transport, session],
-                              store=st, job=job, transport=transport)
+    engine = CommunicatorEngine(comm, watcher, session, member_id, closers=[transport, session],
+                                store=st, job=job, transport=transport)
+    if explicit and engine.world().rank != rank:
+        got = engine.world()
+        engine.close()
+        raise ConfigError(f"init_process_group asked for rank {rank}, but epoch {got.epoch} of job {job!r} puts this "
+                          f"member at rank {got.rank} of {list(got.members)}: two processes asked for the same rank, "
+                          "or they run on hosts whose names do not sort in rank order (use resilient-run there)")
+    return engine
 
 
 class AdmittedView:
