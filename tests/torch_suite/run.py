@@ -1,0 +1,80 @@
+"""Run torch's own distributed tests (``DistributedTest._DistTestBase`` from the installed
+wheel) against the resilient backend; the selection and the skips are in
+tests/torch_suite_skips.txt. Started by tests/test_torch_suite.py with BACKEND=resilient,
+WORLD_SIZE, TEMP_DIR, RESILIENT_ETCD and RESILIENT_JOB set (a coordinator runs for the job).
+
+    python tests/torch_suite/run.py SKIPS_FILE RESULT_JSON [NAME ...]
+
+Each test forks WORLD_SIZE ranks (torch's MultiProcessTestCase), which call
+``init_process_group("resilient", init_method=file://..., rank=r, world_size=n)``; when a
+rank's test body ends, its engine is closed (lease revoked) so the next test's ranks form
+the next epoch at once. Writes {"passed": [...], "failed": {name: text}, "skipped": {...}}.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import unittest
+
+import torch.multiprocessing
+
+import resilient  # noqa: F401 - registers the backend
+from resilient.torch_backend import current_engine
+from torch.testing._internal import common_distributed
+from torch.testing._internal.distributed import distributed_test as dt
+
+
+def read_rules(path: str) -> tuple[list[str], dict[str, str]]:
+    select, skips = [], {}
+    for line in open(path):
+        line = line.strip()
+        if line.startswith("SELECT "):
+            select += line.split()[1:]
+        elif line.startswith("SKIP "):
+            name, _, reason = line[5:].partition("#")
+            skips[name.strip()] = reason.strip()
+    return select, skips
+
+
+common_distributed.DistTestCases.backend_feature["plugin"].add("resilient")
+
+
+class TestResilient(dt.TestDistBackend, dt.DistributedTest._DistTestBase):
+    def setUp(self):
+        super().setUp()
+        # forked ranks inherit the imported torch (spawn would re-import it per rank per test)
+        self._start_processes(torch.multiprocessing.get_context("fork").Process)
+
+    @classmethod
+    def _run(cls, rank, test_name, file_name, pipe, **kwargs):
+        try:
+            super()._run(rank, test_name, file_name, pipe, **kwargs)
+        finally:  # sys.exit(0) at the end of a test: leave the job now, not at lease expiry
+            engine = current_engine()
+            if engine is not None:
+                engine.close()
+
+
+def main() -> int:
+    skips_file, out = sys.argv[1], sys.argv[2]
+    select, skips = read_rules(skips_file)
+    names = sorted(n for n in dir(dt.DistributedTest._DistTestBase)
+                   if n.startswith("test_") and any(n.startswith(p) for p in select))
+    if len(sys.argv) > 3:
+        names = [n for n in names if n in sys.argv[3:]]
+    skipped = {n: skips[n] for n in names if n in skips}
+    skipped.update({n: "skipped by torch for this backend" for n in names
+                    if getattr(getattr(TestResilient, n), "__unittest_skip__", False) and n not in skipped})
+    run = [n for n in names if n not in skipped]
+    suite = unittest.TestSuite(TestResilient(n) for n in run)
+    result = unittest.TextTestRunner(verbosity=2, stream=sys.stderr).run(suite)
+    bad = {t.id().rsplit(".", 1)[-1]: text[-1500:] for t, text in result.failures + result.errors}
+    torch_skipped = {t.id().rsplit(".", 1)[-1]: str(r) for t, r in result.skipped}
+    skipped.update(torch_skipped)
+    passed = [n for n in run if n not in bad and n not in torch_skipped]
+    json.dump({"passed": passed, "failed": bad, "skipped": skipped}, open(out, "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
