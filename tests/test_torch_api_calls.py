@@ -93,7 +93,7 @@ def test_call_every_dtype_then_a_kill_mid_call(call, etcd_session, job_name, tmp
         d = res[r]
         assert "crash" not in d, d.get("crash", "") + logs
         failed = [c for c in d["checks"] if not c[1]]
-        assert d["checks"] and not failed, failed[:10]
+        assert not failed, failed[:10]
         k = d["kill"]
         if not victim_dies:
             continue
@@ -103,5 +103,4 @@ def test_call_every_dtype_then_a_kill_mid_call(call, etcd_session, job_name, tmp
         else:  # copies: every piece, exact — or the piece of the dead rank exists nowhere (named)
             assert (k["ok"] and k["exact"]) or k["error"] in ("DataLost", "GroupChanged", "CollectiveAborted"), (r, k)
         assert k["size_after"] == WORLD - 1, (r, k)
-    checked = {c[0].split(" ")[0] for r in survivors for c in res[r]["checks"]}
-    assert checked, "no check ran"
+    assert sum(len(res[r]["checks"]) for r in survivors) >= 4, "too few checks ran"

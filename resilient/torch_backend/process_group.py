@@ -104,6 +104,18 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def name(self) -> str:  # type: ignore[override]
         return BACKEND_NAME
 
+    def _set_group_name(self, name: str) -> None:  # torch names every group after creating it
+        self._group_name = name
+        try:
+            super()._set_group_name(name)
+        except RuntimeError:  # no C++ backend registered under a Python process group
+            pass
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        name = getattr(self, "_group_name", None)
+        return name if name is not None else super().group_name
+
     def rank(self) -> int:  # type: ignore[override]
         return self.engine.world().rank
 
@@ -211,9 +223,11 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists, input_list, opts=None):  # type: ignore[override]
         _check_cpu([*input_list, *[t for lst in output_lists for t in lst]], "all_gather_coalesced")
         n = self.size()
-        if len(output_lists) != len(input_list) or any(len(lst) != n for lst in output_lists):
-            raise ValueError(f"all_gather_coalesced: need one output list of world size {n} per input")
-        pair = composed.allgather_coalesced(self.engine, output_lists, input_list, n, "all_gather_coalesced")
+        if len(output_lists) != n or any(len(lst) != len(input_list) for lst in output_lists):
+            raise ValueError(f"all_gather_coalesced: need world size {n} output lists (one per rank) of "
+                             f"{len(input_list)} tensors (one per input)")
+        by_input = [[output_lists[r][k] for r in range(n)] for k in range(len(input_list))]
+        pair = composed.allgather_coalesced(self.engine, by_input, input_list, n, "all_gather_coalesced")
         return self._work(pair, output_lists)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):  # type: ignore[override]

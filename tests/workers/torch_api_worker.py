@@ -301,7 +301,7 @@ def kill_phase(engine, members0):
     skip = {"all_to_all": 1, "objects": 1, "rank": 1}.get(CALL, 0)
     if CALL == "send_recv":  # point-to-point has no survivors to finish it: nothing to check
         return {"skipped": "send/recv between two members"}
-    eng = _SUB.engine if CALL == "new_group" else engine  # the subgroup's own Communicator
+    eng = getattr(_SUB, "engine", None) if CALL == "new_group" else engine  # the subgroup's own Communicator
     if RANK == VICTIM:
         arm(eng, plan[CALL], skip)
 
