@@ -219,7 +219,7 @@ def run_send_recv():
 
 
 def obj(r: int):
-    return {"rank": r, "name": f"member-{r}", "blob": bytes(range(r + 3)), "nested": [r, (r, "t"), None]}
+    return {"rank": r, "name": f"member-{r}", "blob": bytes(range(r % 200 + 3)), "nested": [r, (r, "t"), None]}
 
 
 def run_objects():
