@@ -21,7 +21,16 @@ import torch.multiprocessing
 import resilient  # noqa: F401 - registers the backend
 from resilient.torch_backend import current_engine
 from torch.testing._internal import common_distributed
-from torch.testing._internal.distributed import distributed_test as dt
+
+# Before distributed_test is imported (its skip decorators read these sets at import):
+# "plugin" makes torch treat the backend as available; "gpu" is torch's name for the
+# backends whose *CPU* object-collective tests (broadcast_object_list, all_gather_object,
+# gather_object, scatter_object_list, ...) run — their CUDA variants still skip on a machine
+# without GPUs (skip_if_no_gpu / require_n_gpus).
+common_distributed.DistTestCases.backend_feature["plugin"].add("resilient")
+common_distributed.DistTestCases.backend_feature["gpu"].add("resilient")
+
+from torch.testing._internal.distributed import distributed_test as dt  # noqa: E402
 
 
 def read_rules(path: str) -> tuple[list[str], dict[str, str]]:
@@ -34,9 +43,6 @@ def read_rules(path: str) -> tuple[list[str], dict[str, str]]:
             name, _, reason = line[5:].partition("#")
             skips[name.strip()] = reason.strip()
     return select, skips
-
-
-common_distributed.DistTestCases.backend_feature["plugin"].add("resilient")
 
 
 class TestResilient(dt.TestDistBackend, dt.DistributedTest._DistTestBase):
