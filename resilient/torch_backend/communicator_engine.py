@@ -9,13 +9,19 @@ the job's control plane, built from the environment ``resilient-run`` gives a wo
 2. opens a TCP transport listener, registers a :class:`MemberSession` whose
    ``MemberInfo.address`` is that listener;
 3. waits (up to the ``timeout`` given to ``init_process_group``) for an epoch that
-   contains this member (a joiner is admitted by the coordinator in the next epoch);
+   contains this member (a joiner is admitted by the coordinator in the next epoch).
+   Outside ``resilient-run`` (no ``RESILIENT_MEMBER_ID``: mp.spawn, torchrun, torch's test
+   suite) the member registers with ``local_rank`` = the ``rank`` given to
+   ``init_process_group`` (the planner orders a host's members by it), waits for an epoch
+   of exactly ``world_size`` members, and checks that it sits at that rank;
 4. builds the Communicator on the etcd-backed group view.
 
 The torch ``store`` (the launcher's TCPStore) is not used: etcd is the rendezvous.
 
 Failure behaviour: missing variables -> :class:`~resilient.errors.ConfigError` naming
-them and that ``resilient-run`` sets them; etcd down -> StoreUnavailable; no epoch with
+them and that ``resilient-run`` sets them; the ring putting this member at another rank
+than the one asked for -> ConfigError (two processes asked for one rank, or host names that
+do not sort in rank order); etcd down -> StoreUnavailable; no epoch with
 us in time -> TimeoutError naming the last epoch; the Communicator not importable ->
 ConfigError saying so. Once running, a member removed from the job (lease expired) gets
 RemovedFromGroup from :meth:`CommunicatorEngine.world` and every op.

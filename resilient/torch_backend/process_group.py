@@ -1,13 +1,20 @@
 """``ResilientProcessGroup``: a ``torch.distributed.ProcessGroup`` over an :class:`~.engine.Engine`.
 
-Supported (CPU tensors): ``all_reduce`` (SUM, AVG, MIN, MAX, PRODUCT), ``broadcast``,
-``all_gather``, ``all_gather_into_tensor`` (torch 2.13 calls it ``all_gather_single``;
-the older ``_allgather_base`` name is kept as an alias), ``reduce_scatter_tensor``
-(``reduce_scatter_single`` / ``_reduce_scatter_base``), ``reduce_scatter`` (lists),
-``barrier``, ``send``/``recv``, each sync or async (``async_op=True`` returns a
-:class:`~.work.ResilientWork` whose ``contributors`` is the exact member set in the
-result). Every other op raises :class:`UnsupportedOperation` naming the op and what to use
-instead; so do CUDA tensors and reduce ops other than the five above.
+Supported (CPU tensors, every dtype torch takes — see :mod:`.dtypes`): ``all_reduce``
+(SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR, BXOR), ``broadcast``, ``all_gather``,
+``all_gather_into_tensor`` (torch 2.13: ``all_gather_single``; alias ``_allgather_base``),
+``reduce_scatter`` (lists), ``reduce_scatter_tensor`` (``reduce_scatter_single`` /
+``_reduce_scatter_base``), ``reduce``, ``gather``, ``scatter``, ``all_to_all`` and
+``all_to_all_single`` (even or uneven splits), the coalesced forms (``allreduce_coalesced``,
+``allgather_coalesced``, ``all_gather_single_coalesced``, ``reduce_scatter_single_coalesced``
+— what ``_coalescing_manager``, DDP and FSDP issue), ``barrier``, ``send``/``recv``; the
+object collectives run on these (torch pickles on the caller's side). Ops without a
+Communicator primitive are composed in :mod:`.composed`. Each is sync or async
+(``async_op=True`` returns a :class:`~.work.ResilientWork` whose ``contributors`` is the
+exact member set in the result). ``recv`` from any source, ``monitored_barrier``,
+``split_group``, CUDA tensors and reduce ops torch does not define for a dtype raise
+:class:`UnsupportedOperation` naming the op and what to use instead. ``dist.new_group``
+is handled by :mod:`.subgroup`.
 
 Ranks and sizes: ``rank()`` / ``size()`` — hence ``dist.get_rank()`` /
 ``dist.get_world_size()`` — are the live values of the newest epoch (see
