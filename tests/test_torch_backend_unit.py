@@ -196,3 +196,74 @@ def test_init_process_group_registers_and_dist_api_reports_live_world():
         world_mod.install(None)
     with pytest.raises(ConfigError, match="init_process_group"):
         world()
+
+
+ALL_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+              torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_every_dtype_copies_and_reductions_over_threads(dtype):
+    """Byte-packed copies are exact for every dtype; reductions follow torch/gloo semantics
+    (narrow ints wrap, bool SUM = OR / PRODUCT = AND, bitwise ops bit by bit)."""
+    def val(i):
+        x = torch.tensor([1, 2, 100, 127]) + i
+        return (x % 2 == 0) if dtype == torch.bool else x.to(dtype)
+
+    def fn(i, pg):
+        b = val(i)
+        pg.broadcast([b], None).wait()
+        outs = [torch.empty(4, dtype=dtype) for _ in range(3)]
+        pg.allgather([outs], [val(i)]).wait()
+        s = val(i)
+        pg.allreduce([s], ar_opts(dist.ReduceOp.SUM)).wait()
+        bits = val(i)
+        if not (dtype.is_floating_point or dtype.is_complex):
+            pg.allreduce([bits], ar_opts(dist.ReduceOp.BXOR)).wait()
+        return b, outs, s, bits
+
+    res = run_ranks(fn, n=3)
+    wide = torch.stack([val(i).to(torch.complex128 if dtype.is_complex else torch.float64
+                                  if dtype.is_floating_point else torch.int64) for i in range(3)])
+    for i in range(3):
+        b, outs, s, bits = res[i]
+        assert torch.equal(b, val(0))
+        assert all(torch.equal(o, val(r)) for r, o in enumerate(outs))
+        if dtype == torch.bool:
+            assert torch.equal(s, wide.max(0).values != 0)  # logical OR
+        else:
+            assert torch.equal(s, wide.sum(0).to(dtype))  # int8 127*3 wraps like int8 arithmetic
+        if not (dtype.is_floating_point or dtype.is_complex):
+            want = wide[0] ^ wide[1] ^ wide[2]
+            assert torch.equal(bits, (want != 0) if dtype == torch.bool else want.to(dtype))
+
+
+def test_composed_ops_over_threads():
+    """reduce/gather/scatter/all_to_all(uneven)/coalesced composed from the engine's ops."""
+    def fn(i, pg):
+        r = torch.full((2,), float(i + 1))
+        o = dist.ReduceOptions(); o.rootRank = 1; o.reduceOp = dist.ReduceOp.SUM
+        pg.reduce([r], o).wait()
+        g = [torch.empty(2, dtype=torch.int8) for _ in range(3)] if i == 0 else []
+        go = dist.GatherOptions(); go.rootRank = 0
+        pg.gather([g] if i == 0 else [], [torch.full((2,), i, dtype=torch.int8)], go).wait()
+        sc = torch.empty(2, dtype=torch.int16)
+        so = dist.ScatterOptions(); so.rootRank = 2
+        ins = [[torch.full((2,), 10 * k, dtype=torch.int16) for k in range(3)]] if i == 2 else []
+        pg.scatter([sc], ins, so).wait()
+        a2a_out = torch.empty(sum(j + i + 1 for j in range(3)))
+        a2a_in = torch.cat([torch.full((i + k + 1,), float(10 * i + k)) for k in range(3)])
+        pg.alltoall_base(a2a_out, a2a_in, [j + i + 1 for j in range(3)], [i + k + 1 for k in range(3)],
+                         dist.AllToAllOptions()).wait()
+        co = [torch.ones(3), torch.ones(2, dtype=torch.int64)]
+        pg.allreduce_coalesced(co, dist.AllreduceCoalescedOptions()).wait()
+        return r, g, sc, a2a_out, co
+
+    res = run_ranks(fn, n=3)
+    assert torch.equal(res[1][0], torch.full((2,), 6.0)) and torch.equal(res[0][0], torch.full((2,), 1.0))
+    assert [t.tolist() for t in res[0][1]] == [[0, 0], [1, 1], [2, 2]]
+    for i in range(3):
+        _, _, sc, a2a, co = res[i]
+        assert sc.tolist() == [10 * i] * 2
+        assert a2a.tolist() == [float(10 * j + i) for j in range(3) for _ in range(j + i + 1)]
+        assert co[0].tolist() == [3.0] * 3 and co[1].tolist() == [3, 3]
