@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 
 from resilient.errors import CollectiveError
-from resilient.torch_backend.dtypes import Packed, for_reduce, packed_like
+from resilient.torch_backend.dtypes import Packed, for_reduce
 from resilient.torch_backend.engine import Engine, Handle
 
 Then = Callable[[], None] | None

@@ -61,11 +61,6 @@ class Packed:
         self.tensor.copy_(self._bytes[:self.nbytes].view(self.tensor.dtype).view(self.tensor.shape))
 
 
-def packed_like(t: torch.Tensor) -> torch.Tensor:
-    """An empty wire buffer for a tensor shaped and typed like ``t``."""
-    return Packed(t, fill=False).wire
-
-
 def for_reduce(t: torch.Tensor, op: str, where: str) -> tuple[torch.Tensor, str, WriteBack | None]:
     """``(wire, wire_op, write_back)`` for reducing ``t`` with ``op``: run the
     Communicator's reduction with ``wire_op`` on ``wire`` (filled from ``t``), then

@@ -286,6 +286,15 @@ def arm(engine, phase: str, skip: int = 0) -> None:
     failpoints.ACTIVE = True
 
 
+def issue(coalesced: bool, fn, *args):
+    """``fn(*args)`` async, alone or inside torch's coalescing manager (its one Work)."""
+    if not coalesced:
+        return fn(*args, async_op=True)
+    with dist._coalescing_manager(async_ops=True) as cm:
+        fn(*args)
+    return cm.works[0]
+
+
 def kill_phase(engine, members0):
     """Run CALL once more with the victim dying half-way; returns what the survivor saw."""
     d = torch.int16 if CALL in ("all_reduce", "reduce", "reduce_scatter_tensor", "all_reduce_coalesced",
@@ -331,12 +340,7 @@ def kill_phase(engine, members0):
         elif CALL in ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"):
             out = torch.empty(n // WORLD, dtype=d)
             inp = x(RANK, d, n // WORLD * WORLD)
-            if CALL == "reduce_scatter_tensor":
-                work = dist.reduce_scatter_tensor(out, inp, async_op=True)
-            else:
-                with dist._coalescing_manager(async_ops=True) as cm:
-                    dist.reduce_scatter_tensor(out, inp)
-                work = cm.works[0]
+            work = issue(CALL.endswith("coalesced"), dist.reduce_scatter_tensor, out, inp)
             work.wait()
             m = n // WORLD
             want = expect("SUM", d, ranks_of(work.contributors), m * WORLD)[RANK * m:(RANK + 1) * m]
@@ -362,12 +366,7 @@ def kill_phase(engine, members0):
                 work = dist.gather(inp, outs, dst=0, async_op=True)
             else:
                 flat = torch.empty(WORLD * inp.numel(), dtype=d)
-                if CALL == "all_gather_into_tensor":
-                    work = dist.all_gather_into_tensor(flat, inp, async_op=True)
-                else:
-                    with dist._coalescing_manager(async_ops=True) as cm:
-                        dist.all_gather_into_tensor(flat, inp)
-                    work = cm.works[0]
+                work = issue(CALL.endswith("coalesced"), dist.all_gather_into_tensor, flat, inp)
                 outs = list(flat.chunk(WORLD))
             work.wait()
             res["exact"] = outs is None or all(torch.equal(outs[r], x(r, d, n // WORLD)) for r in range(WORLD))
