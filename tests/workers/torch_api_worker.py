@@ -7,7 +7,8 @@ world_size=WORLD)`` (RESILIENT_ETCD / RESILIENT_JOB from the environment, as an
 mp.spawn-style launcher leaves them), then CALL over every dtype torch takes, each result
 checked here against the value computed locally from every rank's (deterministic) input.
 Then the *kill phase*: the last rank arms a failpoint (SIGKILL at half of the op's data
-movement) on its next Communicator op and calls CALL once more; the survivors check that
+movement) on its next Communicator op and calls CALL once more (send_recv: it dies before
+sending, rank 0 waits on the recv); the survivors check that
 the result is exact over ``work.contributors`` or that the op raised a named
 CollectiveError. Writes ``OUT_DIR/RANK.json``: {"rank", "checks": [[name, ok, detail]],
 "kill": {...}}. Prints ``LEASE <member> <lease>`` so the test can revoke a dead rank's
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 import resilient  # noqa: F401 - registers the backend
 from resilient.collectives import failpoints
-from resilient.errors import CollectiveError
+from resilient.errors import CollectiveError, ResilientError
 from resilient.torch_backend import current_engine
 
 CALL, RANK, WORLD, INIT, OUT = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
@@ -308,8 +309,16 @@ def kill_phase(engine, members0):
         "all_to_all_single": "ag", "all_to_all": "ag", "new_group": "rs", "rank": "ag", "send_recv": "rs",
     }
     skip = {"all_to_all": 1, "objects": 1, "rank": 1}.get(CALL, 0)
-    if CALL == "send_recv":  # point-to-point has no survivors to finish it: nothing to check
-        return {"skipped": "send/recv between two members"}
+    if CALL == "send_recv":  # the sender dies before sending: the receiver gets a named error, no hang
+        if RANK == VICTIM:
+            os.kill(os.getpid(), 9)
+        if RANK != 0:
+            return {"ok": True, "exact": True}
+        try:
+            dist.recv(torch.empty(n, dtype=d), src=VICTIM)
+            return {"ok": True, "exact": False}
+        except ResilientError as exc:
+            return {"ok": False, "error": type(exc).__name__, "message": str(exc)[:300]}
     eng = getattr(_SUB, "engine", None) if CALL == "new_group" else engine  # the subgroup's own Communicator
     if RANK == VICTIM:
         arm(eng, plan[CALL], skip)
@@ -438,8 +447,7 @@ def main() -> int:
         record["kill"] = kill_phase(engine, members0)
         print(f"kill {time.monotonic() - t0:.2f}", file=sys.stderr, flush=True)
         dist.barrier()  # the survivors: nobody leaves while another may still need its part
-        if "skipped" not in record["kill"]:
-            record["kill"]["size_after"] = dist.get_world_size()
+        record["kill"]["size_after"] = dist.get_world_size()
     except BaseException:  # noqa: BLE001 - reported to the test
         record["checks"] = checks
         record["crash"] = traceback.format_exc()[-3000:]
