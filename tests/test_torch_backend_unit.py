@@ -255,6 +255,11 @@ def test_composed_ops_over_threads():
         a2a_in = torch.cat([torch.full((i + k + 1,), float(10 * i + k)) for k in range(3)])
         pg.alltoall_base(a2a_out, a2a_in, [j + i + 1 for j in range(3)], [i + k + 1 for k in range(3)],
                          dist.AllToAllOptions()).wait()
+        own = torch.empty(2)
+        w_recv = pg.recv([own], i, 5)  # a receive from oneself posted before the send
+        pg.send([torch.full((2,), float(i))], i, 5).wait()
+        w_recv.wait()
+        assert own.tolist() == [float(i)] * 2
         co = [torch.ones(3), torch.ones(2, dtype=torch.int64)]
         pg.allreduce_coalesced(co, dist.AllreduceCoalescedOptions()).wait()
         return r, g, sc, a2a_out, co

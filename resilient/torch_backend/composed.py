@@ -258,3 +258,52 @@ def reduce_scatter_coalesced(engine: Engine, outputs: Sequence[torch.Tensor], in
         handles.append(engine.reduce_scatter(wire, wires, wop))
         steps.append(_chain(wb, lambda flat=flat, outs=outs: _split_into(flat, outs)))
     return AllOf(handles, "reduce_scatter_tensor_coalesced"), _chain(*steps)
+
+
+# -- point-to-point with oneself ----------------------------------------------------------
+
+
+class SelfMailbox:
+    """send/recv where the peer is this rank (torch allows it; ``batch_isend_irecv`` lists
+    do it): a copy kept here, matched by tag in order, never through the Communicator
+    (whose one op thread would wait on a receive that only a later send of the same
+    thread could satisfy)."""
+
+    def __init__(self, member_id: str) -> None:
+        import threading
+
+        self.member_id = member_id
+        self._cond = threading.Condition()
+        self._boxes: dict[int, list[torch.Tensor]] = {}
+
+    def send(self, t: torch.Tensor, tag: int) -> Handle:
+        with self._cond:
+            self._boxes.setdefault(tag, []).append(t.detach().clone())
+            self._cond.notify_all()
+        return _SelfHandle(self, None, tag)
+
+    def recv(self, t: torch.Tensor, tag: int) -> Handle:
+        return _SelfHandle(self, t, tag)
+
+
+class _SelfHandle:
+    def __init__(self, box: SelfMailbox, target: torch.Tensor | None, tag: int) -> None:
+        self.box, self.target, self.tag = box, target, tag
+        self.contributors = (box.member_id,)
+        self._done = target is None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._done:
+            return True
+        with self.box._cond:
+            if not self.box._cond.wait_for(lambda: self.box._boxes.get(self.tag), timeout):
+                return False
+            self.target.copy_(self.box._boxes[self.tag].pop(0).view(self.target.shape))
+        self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        if not self._done:
+            with self.box._cond:
+                return bool(self.box._boxes.get(self.tag))
+        return True

@@ -261,12 +261,24 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def barrier(self, opts=None):  # type: ignore[override]
         return ResilientWork(self.engine.barrier(), None)
 
+    def _mailbox(self) -> composed.SelfMailbox:
+        box = self.__dict__.get("_self_box")
+        if box is None:
+            box = self.__dict__["_self_box"] = composed.SelfMailbox(self.engine.world().member_id)
+        return box
+
     def send(self, tensors, dst_rank, tag=0):  # type: ignore[override]
-        p = Packed(_one(tensors, "send"))
+        t = _one(tensors, "send")
+        if int(dst_rank) == self.rank():
+            return ResilientWork(self._mailbox().send(t, int(tag)), list(tensors))
+        p = Packed(t)
         return ResilientWork(self.engine.send(p.wire, int(dst_rank), int(tag)), list(tensors))
 
     def recv(self, tensors, src_rank, tag=0):  # type: ignore[override]
-        p = Packed(_one(tensors, "recv"), fill=False)
+        t = _one(tensors, "recv")
+        if int(src_rank) == self.rank():
+            return ResilientWork(self._mailbox().recv(t, int(tag)), list(tensors))
+        p = Packed(t, fill=False)
         return ResilientWork(self.engine.recv(p.wire, int(src_rank), int(tag)), list(tensors),
                              None if p.native else p.unpack)
 
