@@ -5,6 +5,9 @@ WORLD_SIZE, TEMP_DIR, RESILIENT_ETCD and RESILIENT_JOB set (a coordinator runs f
 
     python tests/torch_suite/run.py SKIPS_FILE RESULT_JSON [NAME ...]
 
+``RESILIENT_TORCH_SUITE=full`` runs the whole selection; the default (``quick``, what
+``make test`` runs) leaves out the QUICK-EXCLUDE variants of the rules file.
+
 Each test forks WORLD_SIZE ranks (torch's MultiProcessTestCase), which call
 ``init_process_group("resilient", init_method=file://..., rank=r, world_size=n)``; when a
 rank's test body ends, its engine is closed (lease revoked) so the next test's ranks form
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import unittest
 
@@ -34,9 +38,9 @@ common_distributed.DistTestCases.backend_feature["gpu"].add("resilient")
 from torch.testing._internal.distributed import distributed_test as dt  # noqa: E402
 
 
-def read_rules(path: str) -> tuple[list[str], dict[str, str], list[str]]:
-    """(SELECT prefixes, SKIP name -> reason, UNSKIP names)."""
-    select, skips, unskip = [], {}, []
+def read_rules(path: str) -> tuple[list[str], dict[str, str], list[str], list[str]]:
+    """(SELECT prefixes, SKIP name -> reason, UNSKIP names, QUICK-EXCLUDE substrings)."""
+    select, skips, unskip, exclude = [], {}, [], []
     for line in open(path):
         line = line.strip()
         if line.startswith("SELECT "):
@@ -46,7 +50,9 @@ def read_rules(path: str) -> tuple[list[str], dict[str, str], list[str]]:
             skips[name.strip()] = reason.strip()
         elif line.startswith("UNSKIP "):
             unskip.append(line[7:].partition("#")[0].strip())
-    return select, skips, unskip
+        elif line.startswith("QUICK-EXCLUDE "):
+            exclude += line.split()[1:]
+    return select, skips, unskip, exclude
 
 
 def unskipped(fn):
@@ -84,14 +90,19 @@ class TestResilient(dt.TestDistBackend, dt.DistributedTest._DistTestBase):
 
 def main() -> int:
     skips_file, out = sys.argv[1], sys.argv[2]
-    select, skips, unskip = read_rules(skips_file)
+    select, skips, unskip, exclude = read_rules(skips_file)
+    if os.environ.get("RESILIENT_TORCH_SUITE", "quick") == "full":
+        exclude = []
     for name in unskip:  # CPU tests torch gates on another backend's name (see the rules file)
         setattr(TestResilient, name, unskipped(getattr(dt.DistributedTest._DistTestBase, name)))
     names = sorted(n for n in dir(dt.DistributedTest._DistTestBase)
-                   if n.startswith("test_") and any(n.startswith(p) for p in select))
+                   if n.startswith("test_") and any(n.startswith(p) for p in select)
+                   and not any(x in n for x in exclude))
     if len(sys.argv) > 3:
         names = [n for n in names if n in sys.argv[3:]]
     skipped = {n: skips[n] for n in names if n in skips}
+    skipped.update({n: "CUDA variant: no GPU, and the backend is registered for cpu" for n in names
+                    if "cuda" in n.lower() and n not in skipped})
     skipped.update({n: "skipped by torch for this backend" for n in names
                     if getattr(getattr(TestResilient, n), "__unittest_skip__", False) and n not in skipped})
     run = [n for n in names if n not in skipped]
