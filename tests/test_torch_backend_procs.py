@@ -47,10 +47,11 @@ if r == 1:
     t = torch.zeros(2); dist.recv(t, 0); res["recv"] = t.tolist()
 w = dist.all_reduce(torch.ones(10), async_op=True); w.wait()
 res["async_contributors"] = list(w.contributors)
+red = torch.ones(1); dist.reduce(red, 0); res["reduce"] = red.item()
 try:
-    dist.reduce(torch.ones(1), 0)
+    dist.recv(torch.zeros(1))  # any source: not supported
 except UnsupportedOperation as exc:
-    res["reduce_error"] = str(exc)
+    res["unsupported_error"] = str(exc)
 dist.barrier()
 # phase 2: rank 3 dies while the others are in an allreduce
 if r == 3:
@@ -95,7 +96,8 @@ def test_dist_ops_and_live_world_under_resilient_run(tmp_path):
         # chunk r of sum_k (arange(8) + k) = 4 * arange + 6
         assert d["reduce_scatter_tensor"] == [4.0 * (2 * r) + 6, 4.0 * (2 * r + 1) + 6]
         assert len(d["async_contributors"]) == 4
-        assert "reduce" in d["reduce_error"] and "resilient" in d["reduce_error"]
+        assert d["reduce"] == (4.0 if r == 0 else 1.0)  # only dst gets the sum
+        assert "any source" in d["unsupported_error"] and "resilient" in d["unsupported_error"]
     assert res[1]["recv"] == [42.0, 43.0]
     survivors = [res[r]["member"] for r in (0, 1, 2)]
     for r, d in res.items():

@@ -126,11 +126,10 @@ def test_async_work_future_and_contributors_after_member_death():
 
 
 @pytest.mark.parametrize("call,name", [
-    (lambda pg, t: pg.reduce([t], dist.ReduceOptions()), "reduce"),
-    (lambda pg, t: pg.gather([[t]], [t], dist.GatherOptions()), "gather"),
-    (lambda pg, t: pg.scatter([t], [[t]], dist.ScatterOptions()), "scatter"),
-    (lambda pg, t: pg.alltoall_base(t, t, [], [], dist.AllToAllOptions()), "all_to_all_single"),
-    (lambda pg, t: pg.allreduce([t], ar_opts(dist.ReduceOp.BAND)), "reduce op"),
+    (lambda pg, t: pg.recv_anysource([t], 0), "any source"),
+    (lambda pg, t: pg.allreduce([t], ar_opts(dist.ReduceOp.BAND)), "BAND on torch.float32"),
+    (lambda pg, t: pg.allreduce([t.to(torch.complex64)], ar_opts(dist.ReduceOp.MAX)), "MAX on torch.complex64"),
+    (lambda pg, t: pg.allreduce([t.bool()], ar_opts(dist.ReduceOp.AVG)), "AVG on torch.bool"),
     (lambda pg, t: pg.allreduce([t, t], ar_opts(dist.ReduceOp.SUM)), "2 tensors"),
     (lambda pg, t: pg.allreduce([t.to("meta")], ar_opts(dist.ReduceOp.SUM)), "meta tensor"),
 ])
@@ -180,8 +179,11 @@ def test_init_process_group_registers_and_dist_api_reports_live_world():
         out = torch.zeros(1)
         dist.all_gather_into_tensor(out, torch.tensor([5.0]))
         assert out.item() == 5.0
-        with pytest.raises(UnsupportedOperation, match="all_to_all"):
-            dist.all_to_all_single(torch.zeros(1), torch.zeros(1))
+        got = torch.zeros(1)
+        dist.all_to_all_single(got, torch.tensor([7.0]))
+        assert got.item() == 7.0
+        with pytest.raises(UnsupportedOperation, match="any source"):
+            dist.recv(torch.zeros(1))
         w.join("other", at_seq=10**6)  # admitted: the live world grows at once
         assert (dist.get_rank(), dist.get_world_size()) == (0, 2)
         assert world().members == ("solo", "other") and world().epoch == 2
@@ -194,3 +196,79 @@ def test_init_process_group_registers_and_dist_api_reports_live_world():
         world_mod.install(None)
     with pytest.raises(ConfigError, match="init_process_group"):
         world()
+
+
+ALL_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+              torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_every_dtype_copies_and_reductions_over_threads(dtype):
+    """Byte-packed copies are exact for every dtype; reductions follow torch/gloo semantics
+    (narrow ints wrap, bool SUM = OR / PRODUCT = AND, bitwise ops bit by bit)."""
+    def val(i):
+        x = torch.tensor([1, 2, 100, 127]) + i
+        return (x % 2 == 0) if dtype == torch.bool else x.to(dtype)
+
+    def fn(i, pg):
+        b = val(i)
+        pg.broadcast([b], None).wait()
+        outs = [torch.empty(4, dtype=dtype) for _ in range(3)]
+        pg.allgather([outs], [val(i)]).wait()
+        s = val(i)
+        pg.allreduce([s], ar_opts(dist.ReduceOp.SUM)).wait()
+        bits = val(i)
+        if not (dtype.is_floating_point or dtype.is_complex):
+            pg.allreduce([bits], ar_opts(dist.ReduceOp.BXOR)).wait()
+        return b, outs, s, bits
+
+    res = run_ranks(fn, n=3)
+    wide = torch.stack([val(i).to(torch.complex128 if dtype.is_complex else torch.float64
+                                  if dtype.is_floating_point else torch.int64) for i in range(3)])
+    for i in range(3):
+        b, outs, s, bits = res[i]
+        assert torch.equal(b, val(0))
+        assert all(torch.equal(o, val(r)) for r, o in enumerate(outs))
+        if dtype == torch.bool:
+            assert torch.equal(s, wide.max(0).values != 0)  # logical OR
+        else:
+            assert torch.equal(s, wide.sum(0).to(dtype))  # int8 127*3 wraps like int8 arithmetic
+        if not (dtype.is_floating_point or dtype.is_complex):
+            want = wide[0] ^ wide[1] ^ wide[2]
+            assert torch.equal(bits, (want != 0) if dtype == torch.bool else want.to(dtype))
+
+
+def test_composed_ops_over_threads():
+    """reduce/gather/scatter/all_to_all(uneven)/coalesced composed from the engine's ops."""
+    def fn(i, pg):
+        r = torch.full((2,), float(i + 1))
+        o = dist.ReduceOptions(); o.rootRank = 1; o.reduceOp = dist.ReduceOp.SUM
+        pg.reduce([r], o).wait()
+        g = [torch.empty(2, dtype=torch.int8) for _ in range(3)] if i == 0 else []
+        go = dist.GatherOptions(); go.rootRank = 0
+        pg.gather([g] if i == 0 else [], [torch.full((2,), i, dtype=torch.int8)], go).wait()
+        sc = torch.empty(2, dtype=torch.int16)
+        so = dist.ScatterOptions(); so.rootRank = 2
+        ins = [[torch.full((2,), 10 * k, dtype=torch.int16) for k in range(3)]] if i == 2 else []
+        pg.scatter([sc], ins, so).wait()
+        a2a_out = torch.empty(sum(j + i + 1 for j in range(3)))
+        a2a_in = torch.cat([torch.full((i + k + 1,), float(10 * i + k)) for k in range(3)])
+        pg.alltoall_base(a2a_out, a2a_in, [j + i + 1 for j in range(3)], [i + k + 1 for k in range(3)],
+                         dist.AllToAllOptions()).wait()
+        own = torch.empty(2)
+        w_recv = pg.recv([own], i, 5)  # a receive from oneself posted before the send
+        pg.send([torch.full((2,), float(i))], i, 5).wait()
+        w_recv.wait()
+        assert own.tolist() == [float(i)] * 2
+        co = [torch.ones(3), torch.ones(2, dtype=torch.int64)]
+        pg.allreduce_coalesced(co, dist.AllreduceCoalescedOptions()).wait()
+        return r, g, sc, a2a_out, co
+
+    res = run_ranks(fn, n=3)
+    assert torch.equal(res[1][0], torch.full((2,), 6.0)) and torch.equal(res[0][0], torch.full((2,), 1.0))
+    assert [t.tolist() for t in res[0][1]] == [[0, 0], [1, 1], [2, 2]]
+    for i in range(3):
+        _, _, sc, a2a, co = res[i]
+        assert sc.tolist() == [10 * i] * 2
+        assert a2a.tolist() == [float(10 * j + i) for j in range(3) for _ in range(j + i + 1)]
+        assert co[0].tolist() == [3.0] * 3 and co[1].tolist() == [3, 3]

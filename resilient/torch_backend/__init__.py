@@ -66,14 +66,26 @@ def _create(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
     from resilient import live_world as world_mod
     from resilient.torch_backend.process_group import ResilientProcessGroup
 
+    import torch.distributed as dist
+
+    if dist.is_initialized() and _current is not None:  # dist.new_group(): see subgroup.py
+        from resilient.torch_backend import subgroup
+
+        return ResilientProcessGroup(subgroup.create(_current, store, rank, size, timeout), rank, size)
     factory = _engine_factory
     if factory is None:
         from resilient.torch_backend.communicator_engine import from_environment as factory
     engine = factory(store=store, rank=rank, size=size, timeout=timeout)
+    from resilient.errors import RemovedFromGroup
     from resilient.torch_backend.op_log import wrap_from_environment
 
+    try:
+        live = engine.world()  # the C++ side gets the rank Python reports (the job's ring position)
+        c_rank, c_size = live.rank, live.size
+    except RemovedFromGroup:   # a joiner that is not admitted yet is in no op's ring
+        c_rank, c_size = rank, size
     engine = wrap_from_environment(engine)  # RESILIENT_OP_LOG=path: one JSON line per op
-    pg = ResilientProcessGroup(engine, rank, size)
+    pg = ResilientProcessGroup(engine, c_rank, c_size)
     with _lock:
         _current = engine
     world_mod.install(engine.world)

@@ -11,7 +11,11 @@ the job's control plane, built from the environment ``resilient-run`` gives a wo
 2. opens a TCP transport listener, registers a :class:`MemberSession` whose
    ``MemberInfo.address`` is that listener;
 3. waits (up to the ``timeout`` given to ``init_process_group``) for an epoch that
-   contains this member (a joiner is admitted by the coordinator in the next epoch);
+   contains this member (a joiner is admitted by the coordinator in the next epoch).
+   Outside ``resilient-run`` (no ``RESILIENT_MEMBER_ID``: mp.spawn, torchrun, torch's test
+   suite) the member registers with ``local_rank`` = the ``rank`` given to
+   ``init_process_group`` (the planner orders a host's members by it), waits for an epoch
+   of exactly ``world_size`` members, and checks that it sits at that rank;
 4. builds the Communicator on the etcd-backed group view.
 
 The torch ``store`` (the launcher's TCPStore) is not used: etcd is the rendezvous.
@@ -28,7 +32,9 @@ with exit code 0 and a message saying why (:func:`leave_unadmitted`); the job go
 with the survivors and its status stays a success.
 
 Failure behaviour: missing variables -> :class:`~resilient.errors.ConfigError` naming
-them and that ``resilient-run`` sets them; etcd down -> StoreUnavailable; no epoch with
+them and that ``resilient-run`` sets them; the ring putting this member at another rank
+than the one asked for -> ConfigError (two processes asked for one rank, or host names that
+do not sort in rank order); etcd down -> StoreUnavailable; no epoch with
 us in time -> TimeoutError naming the last epoch; the Communicator not importable ->
 ConfigError saying so. Once running, a member removed from the job (lease expired) gets
 RemovedFromGroup from :meth:`CommunicatorEngine.world` and every op.
@@ -251,16 +257,29 @@ def from_environment(store: Any = None, rank: int = 0, size: int = 1,
     host = os.environ.get("RESILIENT_HOST", "127.0.0.1")
     st = open_store_from_env(endpoints)
     transport = TcpTransport(member_id, job, host=host)
-    info = MemberInfo(member_id=member_id, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+    # launched by our own agent: it placed us; otherwise (mp.spawn, torchrun, torch's test
+    # suite) the rank given to init_process_group is the ring position we register for
+    explicit = "RESILIENT_MEMBER_ID" not in os.environ
+    info = MemberInfo(member_id=member_id, local_rank=rank if explicit else int(os.environ.get("LOCAL_RANK", "0")),
                       address=transport.address)
     session = MemberSession.register(st, job, info, ttl=ttl, lease_id=int(lease) if lease else None)
     watcher = EpochWatcher(st, job)
-    watcher.wait_for(lambda e: member_id in e.members, timeout.total_seconds())
+    if explicit:  # all `size` members, and only them (a dead earlier run's leases expire first)
+        watcher.wait_for(lambda e: member_id in e.members and len(e.members) == size, timeout.total_seconds())
+    else:
+        watcher.wait_for(lambda e: member_id in e.members, timeout.total_seconds())
     comm = _make_communicator(st, job, session, watcher, transport)
     if os.environ.get("RESILIENT_JOINER", "0") == "1":
         comm = NotAdmittedGate(comm, member_id)
-    return CommunicatorEngine(comm, watcher, session, member_id, closers=[transport, session],
-                              store=st, job=job, transport=transport)
+    engine = CommunicatorEngine(comm, watcher, session, member_id, closers=[transport, session],
+                                store=st, job=job, transport=transport)
+    if explicit and engine.world().rank != rank:
+        got = engine.world()
+        engine.close()
+        raise ConfigError(f"init_process_group asked for rank {rank}, but epoch {got.epoch} of job {job!r} puts this "
+                          f"member at rank {got.rank} of {list(got.members)}: two processes asked for the same rank, "
+                          "or they run on hosts whose names do not sort in rank order (use resilient-run there)")
+    return engine
 
 
 def leave_unadmitted(member_id: str, op: str) -> None:

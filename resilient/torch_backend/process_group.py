@@ -1,13 +1,20 @@
 """``ResilientProcessGroup``: a ``torch.distributed.ProcessGroup`` over an :class:`~.engine.Engine`.
 
-Supported (CPU tensors): ``all_reduce`` (SUM, AVG, MIN, MAX, PRODUCT), ``broadcast``,
-``all_gather``, ``all_gather_into_tensor`` (torch 2.13 calls it ``all_gather_single``;
-the older ``_allgather_base`` name is kept as an alias), ``reduce_scatter_tensor``
-(``reduce_scatter_single`` / ``_reduce_scatter_base``), ``reduce_scatter`` (lists),
-``barrier``, ``send``/``recv``, each sync or async (``async_op=True`` returns a
-:class:`~.work.ResilientWork` whose ``contributors`` is the exact member set in the
-result). Every other op raises :class:`UnsupportedOperation` naming the op and what to use
-instead; so do CUDA tensors and reduce ops other than the five above.
+Supported (CPU tensors, every dtype torch takes — see :mod:`.dtypes`): ``all_reduce``
+(SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR, BXOR), ``broadcast``, ``all_gather``,
+``all_gather_into_tensor`` (torch 2.13: ``all_gather_single``; alias ``_allgather_base``),
+``reduce_scatter`` (lists), ``reduce_scatter_tensor`` (``reduce_scatter_single`` /
+``_reduce_scatter_base``), ``reduce``, ``gather``, ``scatter``, ``all_to_all`` and
+``all_to_all_single`` (even or uneven splits), the coalesced forms (``allreduce_coalesced``,
+``allgather_coalesced``, ``all_gather_single_coalesced``, ``reduce_scatter_single_coalesced``
+— what ``_coalescing_manager``, DDP and FSDP issue), ``barrier``, ``send``/``recv``; the
+object collectives run on these (torch pickles on the caller's side). Ops without a
+Communicator primitive are composed in :mod:`.composed`. Each is sync or async
+(``async_op=True`` returns a :class:`~.work.ResilientWork` whose ``contributors`` is the
+exact member set in the result). ``recv`` from any source, ``monitored_barrier``,
+``split_group``, CUDA tensors and reduce ops torch does not define for a dtype raise
+:class:`UnsupportedOperation` naming the op and what to use instead. ``dist.new_group``
+is handled by :mod:`.subgroup`.
 
 Ranks and sizes: ``rank()`` / ``size()`` — hence ``dist.get_rank()`` /
 ``dist.get_world_size()`` — are the live values of the newest epoch (see
@@ -28,6 +35,8 @@ import torch
 import torch.distributed as dist
 
 from resilient.errors import ResilientError
+from resilient.torch_backend import composed
+from resilient.torch_backend.dtypes import Packed, for_reduce
 from resilient.torch_backend.engine import Engine
 from resilient.torch_backend.work import ResilientWork
 
@@ -43,16 +52,24 @@ class UnsupportedOperation(ResilientError, NotImplementedError):
         self.op = op
 
 
+_OPS = {"SUM": "sum", "AVG": "avg", "MIN": "min", "MAX": "max", "PRODUCT": "prod",
+        "BAND": "band", "BOR": "bor", "BXOR": "bxor"}
+
+
 def _reduce_op_name(op: object, where: str) -> str:
-    table = {
-        dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MIN: "min",
-        dist.ReduceOp.MAX: "max", dist.ReduceOp.PRODUCT: "prod",
-    }
-    for k, v in table.items():
-        if op == k:
+    for name, v in _OPS.items():
+        if op == getattr(dist.ReduceOp, name):
             return v
     raise UnsupportedOperation(f"{where} with reduce op {op}",
-                               "use ReduceOp.SUM, AVG, MIN, MAX or PRODUCT")
+                               "use ReduceOp.SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR or BXOR")
+
+
+def _op_of(opts: object, where: str) -> str:
+    return _reduce_op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, where)
+
+
+def _root(opts: object) -> int:
+    return int(opts.rootRank) if opts is not None else 0
 
 
 def _check_cpu(tensors: Sequence[torch.Tensor], where: str) -> None:
@@ -71,6 +88,13 @@ def _one(tensors: Sequence[torch.Tensor], where: str) -> torch.Tensor:
     return tensors[0]
 
 
+def _chunks(flat_owner: torch.Tensor, n: int, shape: torch.Size) -> list[torch.Tensor]:
+    """``n`` views of ``shape`` over ``flat_owner`` (contiguous), in rank order."""
+    m = shape.numel()
+    flat = flat_owner.view(-1)
+    return [flat[i * m:(i + 1) * m].view(shape) for i in range(n)]
+
+
 class ResilientProcessGroup(dist.ProcessGroup):
     """See the module docstring."""
 
@@ -87,6 +111,18 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def name(self) -> str:  # type: ignore[override]
         return BACKEND_NAME
 
+    def _set_group_name(self, name: str) -> None:  # torch names every group after creating it
+        self._group_name = name
+        try:
+            super()._set_group_name(name)
+        except RuntimeError:  # no C++ backend registered under a Python process group
+            pass
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        name = getattr(self, "_group_name", None)
+        return name if name is not None else super().group_name
+
     def rank(self) -> int:  # type: ignore[override]
         return self.engine.world().rank
 
@@ -95,23 +131,26 @@ class ResilientProcessGroup(dist.ProcessGroup):
 
     # -- collectives ------------------------------------------------------------------
 
+    def _work(self, pair: tuple, result: object) -> ResilientWork:
+        handle, then = pair
+        return ResilientWork(handle, result, then)
+
     def allreduce(self, tensors, opts=None):  # type: ignore[override]
         t = _one(tensors, "all_reduce")
-        op = _reduce_op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce")
-        return ResilientWork(self.engine.allreduce(t, op), list(tensors))
+        wire, op, wb = for_reduce(t, _op_of(opts, "all_reduce"), "all_reduce")
+        return ResilientWork(self.engine.allreduce(wire, op), list(tensors), wb)
 
     def broadcast(self, tensors, opts=None):  # type: ignore[override]
         t = _one(tensors, "broadcast")
-        root = opts.rootRank if opts is not None else 0
-        return ResilientWork(self.engine.broadcast(t, int(root)), list(tensors))
+        p = Packed(t)
+        return ResilientWork(self.engine.broadcast(p.wire, _root(opts)), list(tensors), None if p.native else p.unpack)
 
     def allgather(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
         inp = _one(input_tensors, "all_gather")
         if len(output_tensors) != 1:
             raise UnsupportedOperation("all_gather with several input tensors per process")
-        outs = output_tensors[0]
-        _check_cpu(outs, "all_gather")
-        return ResilientWork(self.engine.allgather(outs, inp), output_tensors)
+        _check_cpu(output_tensors[0], "all_gather")
+        return self._work(composed.allgather_into(self.engine, output_tensors[0], inp), output_tensors)
 
     def all_gather_single(self, output, input, opts=None):  # noqa: A002 - torch's names
         _check_cpu([output, input], "all_gather_into_tensor")
@@ -119,9 +158,10 @@ class ResilientProcessGroup(dist.ProcessGroup):
         if output.numel() != n * input.numel():
             raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements, need world size "
                              f"{n} x input {input.numel()}; size the output from dist.get_world_size()")
-        chunks = list(output.view(-1).chunk(n)) if input.numel() else [output.view(-1)[:0]] * n
-        chunks = [c.view(input.shape) for c in chunks]
-        return ResilientWork(self.engine.allgather(chunks, input), [output])
+        target = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
+        h, then = composed.allgather_into(self.engine, _chunks(target, n, input.shape), input)
+        back = None if target is output else (lambda: output.copy_(target))
+        return ResilientWork(h, [output], composed._chain(then, back))
 
     _allgather_base = all_gather_single
 
@@ -131,8 +171,10 @@ class ResilientProcessGroup(dist.ProcessGroup):
             raise UnsupportedOperation("reduce_scatter with several output tensors per process")
         ins = input_tensors[0]
         _check_cpu(ins, "reduce_scatter")
-        op = _reduce_op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter")
-        return ResilientWork(self.engine.reduce_scatter(out, ins, op), output_tensors)
+        op = _op_of(opts, "reduce_scatter")
+        wire, wop, wb = for_reduce(out, op, "reduce_scatter")
+        wires = [for_reduce(x, op, "reduce_scatter")[0] for x in ins]
+        return ResilientWork(self.engine.reduce_scatter(wire, wires, wop), output_tensors, wb)
 
     def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002
         _check_cpu([output, input], "reduce_scatter_tensor")
@@ -140,67 +182,118 @@ class ResilientProcessGroup(dist.ProcessGroup):
         if input.numel() != n * output.numel():
             raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, need world size "
                              f"{n} x output {output.numel()}; size the input from dist.get_world_size()")
-        op = _reduce_op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor")
-        ins = [c.view(output.shape) for c in input.reshape(-1).chunk(n)] if output.numel() else \
-            [input.reshape(-1)[:0].view(output.shape)] * n
-        return ResilientWork(self.engine.reduce_scatter(output, ins, op), [output])
+        op = _op_of(opts, "reduce_scatter_tensor")
+        ins = _chunks(input.detach().contiguous(), n, output.shape)
+        wire, wop, wb = for_reduce(output, op, "reduce_scatter_tensor")
+        wires = [for_reduce(x, op, "reduce_scatter_tensor")[0] for x in ins]
+        return ResilientWork(self.engine.reduce_scatter(wire, wires, wop), [output], wb)
 
     _reduce_scatter_base = reduce_scatter_single
+
+    def reduce(self, tensors, opts=None):  # type: ignore[override]
+        t = _one(tensors, "reduce")
+        pair = composed.reduce(self.engine, t, _op_of(opts, "reduce"), _root(opts), self.rank())
+        return self._work(pair, list(tensors))
+
+    def gather(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
+        inp = _one(input_tensors, "gather")
+        outs = output_tensors[0] if output_tensors else []
+        _check_cpu(outs, "gather")
+        pair = composed.gather(self.engine, outs, inp, _root(opts), self.rank(), self.size())
+        return self._work(pair, output_tensors)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
+        out = _one(output_tensors, "scatter")
+        ins = input_tensors[0] if input_tensors else []
+        _check_cpu(ins, "scatter")
+        pair = composed.scatter(self.engine, out, ins, _root(opts), self.rank(), self.size())
+        return self._work(pair, output_tensors)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # type: ignore[override]  # noqa: A002
+        _check_cpu([output, input], "all_to_all_single")
+        pair = composed.all_to_all_single(self.engine, output, input, list(output_split_sizes or []),
+                                          list(input_split_sizes or []), self.rank(), self.size())
+        return self._work(pair, [output])
+
+    all_to_all_single = alltoall_base
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
+        _check_cpu([*output_tensors, *input_tensors], "all_to_all")
+        pair = composed.all_to_all(self.engine, output_tensors, input_tensors, self.rank(), self.size())
+        return self._work(pair, output_tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):  # type: ignore[override]
+        _check_cpu(tensors, "all_reduce_coalesced")
+        pair = composed.allreduce_coalesced(self.engine, tensors, _op_of(opts, "all_reduce_coalesced"))
+        return self._work(pair, list(tensors))
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):  # type: ignore[override]
+        _check_cpu([*input_list, *[t for lst in output_lists for t in lst]], "all_gather_coalesced")
+        n = self.size()
+        if len(output_lists) != n or any(len(lst) != len(input_list) for lst in output_lists):
+            raise ValueError(f"all_gather_coalesced: need world size {n} output lists (one per rank) of "
+                             f"{len(input_list)} tensors (one per input)")
+        by_input = [[output_lists[r][k] for r in range(n)] for k in range(len(input_list))]
+        pair = composed.allgather_coalesced(self.engine, by_input, input_list, n, "all_gather_coalesced")
+        return self._work(pair, output_lists)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):  # type: ignore[override]
+        _check_cpu([*outputs, *inputs], "all_gather_into_tensor_coalesced")
+        n = self.size()
+        for o, i in zip(outputs, inputs):
+            if o.numel() != n * i.numel() or not o.is_contiguous():
+                raise ValueError(f"all_gather_into_tensor_coalesced: each output must be contiguous with world size "
+                                 f"{n} x its input's elements ({o.numel()} vs {i.numel()})")
+        lists = [_chunks(o, n, i.shape) for o, i in zip(outputs, inputs)]
+        pair = composed.allgather_coalesced(self.engine, lists, inputs, n, "all_gather_into_tensor_coalesced")
+        return self._work(pair, list(outputs))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):  # type: ignore[override]
+        _check_cpu([*outputs, *inputs], "reduce_scatter_tensor_coalesced")
+        pair = composed.reduce_scatter_coalesced(self.engine, outputs, inputs,
+                                                 _op_of(opts, "reduce_scatter_tensor_coalesced"), self.size())
+        return self._work(pair, list(outputs))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def barrier(self, opts=None):  # type: ignore[override]
         return ResilientWork(self.engine.barrier(), None)
 
+    def _mailbox(self) -> composed.SelfMailbox:
+        box = self.__dict__.get("_self_box")
+        if box is None:
+            box = self.__dict__["_self_box"] = composed.SelfMailbox(self.engine.world().member_id)
+        return box
+
     def send(self, tensors, dst_rank, tag=0):  # type: ignore[override]
         t = _one(tensors, "send")
-        return ResilientWork(self.engine.send(t, int(dst_rank), int(tag)), list(tensors))
+        if int(dst_rank) == self.rank():
+            return ResilientWork(self._mailbox().send(t, int(tag)), list(tensors))
+        p = Packed(t)
+        return ResilientWork(self.engine.send(p.wire, int(dst_rank), int(tag)), list(tensors))
 
     def recv(self, tensors, src_rank, tag=0):  # type: ignore[override]
         t = _one(tensors, "recv")
-        return ResilientWork(self.engine.recv(t, int(src_rank), int(tag)), list(tensors))
+        if int(src_rank) == self.rank():
+            return ResilientWork(self._mailbox().recv(t, int(tag)), list(tensors))
+        p = Packed(t, fill=False)
+        return ResilientWork(self.engine.recv(p.wire, int(src_rank), int(tag)), list(tensors),
+                             None if p.native else p.unpack)
 
     # -- not supported: name the op ----------------------------------------------------
 
     def recv_anysource(self, tensors, tag=0):  # type: ignore[override]
-        raise UnsupportedOperation("recv from any source (recv with src=None)", "pass src=<rank>")
-
-    def reduce(self, tensors, opts=None):  # type: ignore[override]
-        raise UnsupportedOperation("reduce", "use all_reduce (every rank gets the result)")
-
-    def gather(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
-        raise UnsupportedOperation("gather", "use all_gather")
-
-    def scatter(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
-        raise UnsupportedOperation("scatter", "use broadcast, or reduce_scatter_tensor")
-
-    def alltoall(self, *args, **kwargs):  # type: ignore[override]
-        raise UnsupportedOperation("all_to_all")
-
-    def alltoall_base(self, *args, **kwargs):  # type: ignore[override]
-        raise UnsupportedOperation("all_to_all_single")
-
-    all_to_all_single = alltoall_base
-
-    def allreduce_coalesced(self, tensors, opts=None):  # type: ignore[override]
-        raise UnsupportedOperation("all_reduce_coalesced", "call all_reduce per tensor or flatten them")
-
-    def allgather_coalesced(self, output_lists, input_list, opts=None):  # type: ignore[override]
-        raise UnsupportedOperation("all_gather_coalesced", "call all_gather per tensor")
-
-    def all_gather_single_coalesced(self, *args, **kwargs):  # type: ignore[override]
-        raise UnsupportedOperation("all_gather_into_tensor_coalesced", "call all_gather_into_tensor per tensor")
-
-    def reduce_scatter_single_coalesced(self, *args, **kwargs):  # type: ignore[override]
-        raise UnsupportedOperation("reduce_scatter_tensor_coalesced", "call reduce_scatter_tensor per tensor")
+        raise UnsupportedOperation("recv from any source (recv with src=None)",
+                                   "pass src=<rank> (the sender is needed to resume a transfer after a failure)")
 
     def monitored_barrier(self, *args, **kwargs):  # type: ignore[override]
         raise UnsupportedOperation("monitored_barrier", "use barrier (a dead member is detected by the "
                                    "control plane and the barrier completes with the survivors)")
 
-    def new_group(self, *args, **kwargs):  # type: ignore[override]
-        raise UnsupportedOperation("new_group / subgroups", "use the default (world) group")
-
     def split_group(self, *args, **kwargs):  # type: ignore[override]
-        raise UnsupportedOperation("split_group", "use the default (world) group")
+        raise UnsupportedOperation("split_group", "use dist.new_group(ranks)")
 
     def shutdown(self) -> None:  # type: ignore[override]
         self.engine.close()

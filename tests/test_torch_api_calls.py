@@ -1,0 +1,110 @@
+"""The torch.distributed API as users call it, on the resilient backend, in real processes
+over a real etcd + coordinator: every call over every dtype torch takes (results checked
+on every rank against locally computed values), then the same call with the last rank
+SIGKILLed half-way through its data movement (a failpoint): each survivor's result is
+exact over ``work.contributors`` or the call raised a named CollectiveError. For
+send/recv the sender dies before sending: the receiver gets a named error (the transport's,
+naming the member), not a hang.
+
+One launch per call (4 ranks, ``init_process_group(rank=r, world_size=4)`` as mp.spawn
+does it); the dtypes of a call share that launch (tests/workers/torch_api_worker.py)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from collective_harness import coordinator
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "workers" / "torch_api_worker.py"
+WORLD = 4
+CALLS = ["all_reduce", "reduce", "reduce_scatter_tensor", "all_reduce_coalesced", "reduce_scatter_tensor_coalesced",
+         "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_into_tensor_coalesced", "gather", "scatter",
+         "all_to_all_single", "all_to_all", "send_recv", "objects", "new_group", "rank"]
+#: calls whose kill-phase op is a reduction: the survivors must finish it (no error allowed)
+REDUCTIONS = {"all_reduce", "reduce", "reduce_scatter_tensor", "all_reduce_coalesced",
+              "reduce_scatter_tensor_coalesced", "new_group"}
+
+
+def _run(etcd: str, job: str, call: str, tmp: Path) -> tuple[dict, list[int], str]:
+    out = tmp / "out"
+    out.mkdir()
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}", RESILIENT_ETCD=etcd, RESILIENT_JOB=job,
+               RESILIENT_LEASE_TTL="2", OMP_NUM_THREADS="1")
+    for k in ("RESILIENT_MEMBER_ID", "RESILIENT_FAILPOINTS", "RANK", "WORLD_SIZE"):
+        env.pop(k, None)
+    procs = [subprocess.Popen([sys.executable, str(WORKER), call, str(r), str(WORLD), str(tmp / "init"), str(out)],
+                              stdout=subprocess.PIPE, stderr=open(tmp / f"{r}.err", "w"), text=True, env=env, cwd=ROOT)
+             for r in range(WORLD)]
+
+    def watch(p: subprocess.Popen) -> None:
+        """Revoke the rank's lease the moment it exits (what resilient-run's agent does)."""
+        lease = None
+        for line in p.stdout:
+            if line.startswith("LEASE "):
+                lease = line.split()[1:]
+        p.wait()
+        if lease:
+            from resilient.coordinator import Store
+            from resilient.coordinator.membership import revoke_member
+
+            st = Store(etcd)
+            try:
+                revoke_member(st, job, lease[0], int(lease[1]), reason=f"exited {p.returncode}")
+            except Exception:  # noqa: BLE001 - the TTL removes it anyway
+                pass
+            finally:
+                st.close()
+
+    threads = [threading.Thread(target=watch, args=(p,), daemon=True) for p in procs]
+    for t in threads:
+        t.start()
+    try:
+        for p in procs:
+            p.wait(timeout=120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for t in threads:
+            t.join(10)
+    logs = "\n".join(f"--- rank {r}\n" + (tmp / f"{r}.err").read_text()[-2500:] for r in range(WORLD))
+    res = {int(f.stem): json.loads(f.read_text()) for f in out.glob("*.json")}
+    return res, [p.returncode for p in procs], logs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("call", CALLS)
+def test_call_every_dtype_then_a_kill_mid_call(call, etcd_session, job_name, tmp_path):
+    with coordinator(etcd_session.endpoint_arg, job_name, ttl=2.0):
+        res, rcs, logs = _run(etcd_session.endpoint_arg, job_name, call, tmp_path)
+    survivors = list(range(WORLD - 1))
+    assert rcs[-1] == -signal.SIGKILL, (rcs, logs)
+    assert sorted(res) == survivors, (rcs, logs)
+    for r in survivors:
+        d = res[r]
+        assert "crash" not in d, d.get("crash", "") + logs
+        failed = [c for c in d["checks"] if not c[1]]
+        assert not failed, failed[:10]
+        k = d["kill"]
+        if call == "send_recv":  # rank 0 waited on a recv from the dead rank: a named error, no hang
+            assert r != 0 or (not k["ok"] and k["error"]), (r, k)
+        elif call in REDUCTIONS:
+            assert k["ok"] and k["exact"], (r, k)
+            if call == "new_group":  # the subgroup [1, 2, 3] lost rank 3; rank 0 is not in it
+                assert r == 0 or set(k["contributors"]) in ({1, 2}, {1, 2, 3}), (r, k)
+            else:
+                assert set(k["contributors"]) in ({0, 1, 2}, {0, 1, 2, 3}), (r, k)
+        else:  # copies: every piece, exact — or the piece of the dead rank exists nowhere (named)
+            assert (k["ok"] and k["exact"]) or k["error"] in ("DataLost", "GroupChanged", "CollectiveAborted"), (r, k)
+        assert k["size_after"] == WORLD - 1, (r, k)
+    assert sum(len(res[r]["checks"]) for r in survivors) >= 4, "too few checks ran"
