@@ -40,6 +40,8 @@ before re-raising. A payload that does not parse raises
 """
 from __future__ import annotations
 
+import copy
+import ipaddress
 import os
 import time
 from typing import Any, Callable
@@ -47,7 +49,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from resilient.errors import CollectiveError, ConfigError, ResilientError
+from resilient.elastic.stream import Snapshot, StateReceiver, endpoint_words, serve
+from resilient.errors import CollectiveError, ConfigError, DataLost, ResilientError
 from resilient.torch_backend.codec import decode, encode
 from resilient.live_world import World
 
@@ -70,6 +73,10 @@ def _live_world(group: Any = None) -> World | None:
         return None
 
 
+class _StreamFailed(Exception):
+    """The joiner's state stream broke (raised past sync()'s retry as DataLost)."""
+
+
 class TrainingFinished(ResilientError):
     """A joiner arrived after the other members called :meth:`State.finish`: there is no
     training left to take part in (exit normally)."""
@@ -78,8 +85,12 @@ class TrainingFinished(ResilientError):
 class State:
     """See the module docstring."""
 
+    #: seconds a joiner waits for its state stream (and a source's send may take)
+    stream_timeout: float = 120.0
+
     def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 group: Any = None, joiner: bool | None = None, **user_fields: Any) -> None:
+                 group: Any = None, joiner: bool | None = None, full_snapshots: bool = False,
+                 **user_fields: Any) -> None:
         for name in user_fields:
             if name.startswith("_") or name in ("commit", "restore", "sync", "state_dict", "load_state_dict",
                                                 "on_membership_change", "group", "world"):
@@ -94,6 +105,8 @@ class State:
         object.__setattr__(self, "_fresh", True)  # has not received / confirmed the shared state yet
         object.__setattr__(self, "_commits", 0)
         object.__setattr__(self, "_snapshot", None)
+        object.__setattr__(self, "full_snapshots", bool(full_snapshots))
+        object.__setattr__(self, "_serving", None)  # the Snapshot being streamed to joiners (source only)
         object.__setattr__(self, "_epoch_seen", None)
         object.__setattr__(self, "_callbacks", [])
         object.__setattr__(self, "syncs_received", 0)
@@ -147,16 +160,85 @@ class State:
     def commits(self) -> int:
         return self._commits
 
+    # -- restore points -------------------------------------------------------------------
+    #
+    # A commit is a marker, not a copy: parameters and optimizer state (the bulk of a
+    # training state) change only in ``optimizer.step()``, so commit() records their
+    # version counters and copies only the small rest (model buffers, optimizer
+    # hyper-parameters, user fields). restore() puts the small rest back and checks the
+    # counters: unchanged means the bulk is exactly what it was at the commit (a step that
+    # failed in its gradient allreduce never reached optimizer.step()).
+
+    def _bulk(self) -> list[Any]:
+        """Version stamps of every parameter and optimizer-state entry."""
+        out: list[Any] = []
+        if self.model is not None:
+            out.extend(("p", id(p), p._version) for p in self.model.parameters())  # noqa: SLF001
+        if self.optimizer is not None:
+            for param, st in self.optimizer.state.items():
+                for k, v in st.items():
+                    out.append((id(param), k, ("t", id(v), v._version) if isinstance(v, torch.Tensor)  # noqa: SLF001
+                                else ("v", v)))
+        return out
+
+    def _small(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"fields": copy.deepcopy({k: v.state_dict() if hasattr(v, "state_dict") else v
+                                                        for k, v in self._fields.items()})}
+        if self.model is not None:
+            out["buffers"] = [b.detach().clone() for b in self.model.buffers()]
+        if self.optimizer is not None:
+            out["groups"] = copy.deepcopy([{k: v for k, v in g.items() if k != "params"}
+                                           for g in self.optimizer.param_groups])
+        return out
+
+    def _mark(self) -> None:
+        if self.full_snapshots:
+            object.__setattr__(self, "_snapshot", encode(self.state_dict()))
+        else:
+            object.__setattr__(self, "_snapshot", {"bulk": self._bulk(), "small": self._small()})
+
     def commit(self) -> None:
-        """Snapshot everything in memory (what :meth:`restore` returns to)."""
-        object.__setattr__(self, "_snapshot", encode(self.state_dict()))
+        """Mark a restore point (what :meth:`restore` returns to). Cheap by default: no
+        copy of parameters or optimizer state (see :meth:`restore`); with
+        ``State(full_snapshots=True)`` a full in-memory copy, as Horovod's commit."""
+        self._mark()
         object.__setattr__(self, "_commits", self._commits + 1)
+        serving = self._serving
+        if serving is not None and not any(t.is_alive() for t in serving.threads):
+            object.__setattr__(self, "_serving", None)
 
     def restore(self) -> None:
-        """Roll back to the last :meth:`commit`; ConfigError if there was none."""
-        if self._snapshot is None:
+        """Roll back to the last :meth:`commit`. By default that is exact for what a failed
+        step can have changed before ``optimizer.step()`` (user fields, the sampler, model
+        buffers, optimizer hyper-parameters; parameters and optimizer state untouched). If
+        parameters or optimizer state changed since the commit (``optimizer.step()`` ran),
+        ConfigError says so: build the State with ``full_snapshots=True`` to roll back
+        across an optimizer step. ConfigError too if there was no commit."""
+        snap = self._snapshot
+        if snap is None:
             raise ConfigError("State.restore() before any commit(); call commit() after each good step")
-        self.load_state_dict(decode(self._snapshot))
+        if self.full_snapshots:
+            self.load_state_dict(decode(snap))
+            return
+        if self._bulk() != snap["bulk"]:
+            raise ConfigError("State.restore(): parameters or optimizer state changed since the last commit() "
+                              "(optimizer.step() ran); the default commit is a marker, not a copy. Restore only "
+                              "steps that failed before optimizer.step(), or build State(..., full_snapshots=True) "
+                              "to keep a full copy at every commit")
+        small = snap["small"]
+        if self.model is not None:
+            with torch.no_grad():
+                for b, saved in zip(self.model.buffers(), small["buffers"]):
+                    b.copy_(saved)
+        if self.optimizer is not None:
+            for g, saved in zip(self.optimizer.param_groups, small["groups"]):
+                g.update(copy.deepcopy(saved))
+        for k, v in copy.deepcopy(small["fields"]).items():
+            if hasattr(self._fields[k], "state_dict"):
+                self._fields[k].load_state_dict(v)
+            else:
+                self._fields[k] = v
+        object.__setattr__(self, "_snapshot", {"bulk": self._bulk(), "small": small})
 
     def finish(self) -> None:
         """Training is over: tell joiners that arrive from now on (they get
@@ -205,12 +287,7 @@ class State:
         self._allreduce(cand, dist.ReduceOp.MIN)
         src = int(cand[0])
         if src == _BIG:
-            engine = self._engine()
-            if getattr(engine, "job_done", lambda: False)():
-                raise TrainingFinished("the other members finished training before this joiner could sync; "
-                                       "nothing is left to do")
-            raise ConfigError("State.sync(): every live member is a joiner with no state; restart the job "
-                              "(at least one member must hold the training state)")
+            raise self._no_source()
         me = self._pg().rank()
         payload = encode(self.state_dict()) if me == src else b""
         n = torch.tensor([len(payload), self._commits], dtype=torch.int64)
@@ -225,7 +302,76 @@ class State:
             self.load_state_dict(decode(buf.numpy().tobytes()))
             object.__setattr__(self, "syncs_received", self.syncs_received + 1)
         object.__setattr__(self, "_commits", max_commits)
-        object.__setattr__(self, "_snapshot", encode(self.state_dict()))
+        self._mark()
+
+    def _no_source(self) -> ResilientError:
+        engine = self._engine()
+        if getattr(engine, "job_done", lambda: False)():
+            return TrainingFinished("the other members finished training before this joiner could sync; "
+                                    "nothing is left to do")
+        return ConfigError("State.sync(): every live member is a joiner with no state; restart the job "
+                           "(at least one member must hold the training state)")
+
+    def _admit(self, max_commits: int, timing: dict[str, float], t0: float) -> None:
+        """Admission of joiners (every member of the rebuilt group calls it): one small
+        allreduce agrees on the source (lowest-ranked healthy member with the most
+        commits) and on each joiner's stream endpoint; the source snapshots its state and
+        streams it from a background thread (:mod:`resilient.elastic.stream`) and, like
+        every other healthy member, returns to training at once; each joiner receives and
+        loads it before its first op. Falls back to the broadcast transfer when a joiner
+        cannot open an IPv4 receiver."""
+        pg = self._pg()
+        me, n = pg.rank(), pg.size()
+        needy = self._fresh or self.joiner
+        healthy = not needy and self._commits == max_commits
+        info = torch.zeros(3 + 3 * n, dtype=torch.int64)
+        info[0] = _BIG - me if healthy else 0
+        info[1] = self._commits
+        receiver = None
+        if needy:
+            try:
+                receiver = StateReceiver(os.environ.get("RESILIENT_HOST", "127.0.0.1"))
+                ip, port = endpoint_words(receiver.host, receiver.port)
+                info[3 + 3 * me:6 + 3 * me] = torch.tensor([ip, port, receiver.token])
+            except (OSError, ValueError):
+                if receiver is not None:
+                    receiver.close()
+                receiver = None
+                info[2] = 1  # no receiver here: everyone uses the broadcast transfer
+        try:
+            self._allreduce(info, dist.ReduceOp.MAX)
+        except BaseException:
+            if receiver is not None:
+                receiver.close()
+            raise
+        if int(info[2]):
+            if receiver is not None:
+                receiver.close()
+            self._transfer(_live_world(self.group), max_commits)
+            return
+        if int(info[0]) == 0:
+            if receiver is not None:
+                receiver.close()
+            raise self._no_source()
+        src, max_commits = _BIG - int(info[0]), int(info[1])
+        if me == src:
+            snap = Snapshot(self.state_dict())
+            for r in range(n):
+                ip, port, token = (int(v) for v in info[3 + 3 * r:6 + 3 * r])
+                if r != me and port:
+                    serve(snap, str(ipaddress.IPv4Address(ip)), port, token, timeout=self.stream_timeout)
+            object.__setattr__(self, "_serving", snap)
+            timing["snapshot_s"] = time.monotonic() - t0
+        if receiver is not None:
+            try:
+                obj = receiver.receive(self.stream_timeout)
+            except (DataLost, TimeoutError) as exc:
+                raise _StreamFailed(str(exc)) from exc
+            self.load_state_dict(obj)
+            object.__setattr__(self, "syncs_received", self.syncs_received + 1)
+            timing["stream_s"] = time.monotonic() - t0
+        object.__setattr__(self, "_commits", max_commits)
+        self._mark()
 
     def sync(self) -> bool:
         """The step-boundary agreement (see the module docstring). Collective: every live
@@ -247,7 +393,7 @@ class State:
                     if hasattr(engine, "announce_ready"):
                         engine.announce_ready()
                         engine.wait_admitted()
-                    self._transfer(world, 0)
+                    self._admit(0, timing, t0)
                     timing["transfer_s"] = time.monotonic() - t0
                     break
                 epoch, needed, max_commits, pending = self._exchange(world)
@@ -255,13 +401,15 @@ class State:
                 if pending and rebuilds:
                     engine.rebuild(epoch)
                     timing["rebuild_s"] = time.monotonic() - t0
-                    self._transfer(_live_world(self.group), max_commits)
+                    self._admit(max_commits, timing, t0)
                     timing["transfer_s"] = time.monotonic() - t0
                     needed = True
                 elif needed:
                     self._transfer(world, max_commits)
                     timing["transfer_s"] = time.monotonic() - t0
                 break
+            except _StreamFailed as exc:  # the others are training already: no second attempt
+                raise DataLost(f"State.sync(): the joiner's state stream failed: {exc}") from exc
             except CollectiveError:
                 if attempt:
                     raise

@@ -1,0 +1,161 @@
+"""A side channel that streams a state snapshot to a joiner while the others keep training.
+
+At a joiner's admission ``State.sync()`` (see :mod:`resilient.elastic.state`) the joiner
+opens a :class:`StateReceiver` (a listening TCP socket on the data-plane host, a random
+64-bit token) and tells the group its endpoint and token through one small allreduce.
+The source member copies its state into a :class:`Snapshot` (one memory copy of every
+tensor, taken at that step boundary, so training may change the live tensors at once)
+and :func:`serve` streams it from a background thread; the source's training thread
+returns to training right away. The joiner receives straight into one buffer, checks the
+token and the sizes, and loads the state (no pickle anywhere: the header is the codec's
+JSON, the rest raw tensor bytes).
+
+Wire format (little endian): ``b"RSTATE01"``, token ``u64``, header length ``u64``,
+area length ``u64``, the header (:func:`resilient.torch_backend.codec.split`), the
+tensor area.
+
+Failure behaviour: a connection whose magic or token is wrong is closed and the receiver
+keeps waiting for the right one; no (right) connection before the deadline raises
+``TimeoutError``; a stream cut short (the source died) raises
+:class:`~resilient.errors.DataLost`; a header that does not parse raises
+:class:`~resilient.errors.FrameError`. On the serving side a failed send is recorded in
+``Snapshot.errors`` (the joiner sees it as a cut stream); it never raises into training.
+"""
+from __future__ import annotations
+
+import ipaddress
+import secrets
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+import torch
+
+from resilient.errors import DataLost, FrameError
+from resilient.torch_backend.codec import assemble, pack_into, split
+
+MAGIC = b"RSTATE01"
+_PREFIX = struct.Struct("<8sQQQ")
+_MAX_HEADER = 256 << 20
+
+
+class Snapshot:
+    """The state at one step boundary, copied out of the live tensors: ``header`` (codec
+    JSON) and ``area`` (one uint8 tensor holding every tensor's bytes)."""
+
+    def __init__(self, obj: Any) -> None:
+        self.header, tensors, nbytes = split(obj)
+        self.area = torch.empty(nbytes, dtype=torch.uint8)
+        pack_into(self.header, tensors, self.area)
+        self.errors: list[str] = []
+        self.threads: list[threading.Thread] = []
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.area.numel())
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for every stream started by :func:`serve` (tests; shutdown)."""
+        for t in self.threads:
+            t.join(timeout)
+
+
+def endpoint_words(host: str, port: int) -> tuple[int, int]:
+    """``(ipv4 as int, port)``: how an endpoint travels in an int64 collective. Raises
+    ValueError for a host that is not an IPv4 address (the caller falls back)."""
+    return int(ipaddress.IPv4Address(socket.gethostbyname(host))), port
+
+
+class StateReceiver:
+    """The joiner's end: a listening socket on ``host`` (port chosen by the OS) and a
+    random token (what the source must present)."""
+
+    def __init__(self, host: str) -> None:
+        self.token = secrets.randbits(63) or 1
+        self._sock = socket.create_server((host, 0))
+        self.host, self.port = host, self._sock.getsockname()[1]
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def receive(self, timeout: float) -> Any:
+        """Accept the source's stream and return the state object (its tensors are views of
+        one freshly allocated buffer). See the module docstring for failures."""
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no state stream arrived at {self.host}:{self.port} within {timeout:.0f}s "
+                                       "(did the source member die before it connected?)")
+                self._sock.settimeout(left)
+                try:
+                    conn, _ = self._sock.accept()
+                except socket.timeout:
+                    continue
+                with conn:
+                    conn.settimeout(max(1.0, deadline - time.monotonic()))
+                    got = self._read_one(conn)
+                    if got is not None:
+                        return got
+        finally:
+            self.close()
+
+    def _read_one(self, conn: socket.socket) -> Any:
+        try:
+            magic, token, hlen, nbytes = _PREFIX.unpack(_recv_exact(conn, _PREFIX.size))
+        except DataLost:
+            return None  # a stray connection that closed early: keep waiting for the source
+        if magic != MAGIC or token != self.token:
+            return None
+        if hlen > _MAX_HEADER:
+            raise FrameError(f"state stream header of {hlen} bytes exceeds {_MAX_HEADER}")
+        header = bytes(_recv_exact(conn, hlen))
+        area = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes:
+            _recv_into(conn, memoryview(area.numpy()))
+        return assemble(header, area)
+
+
+def serve(snapshot: Snapshot, host: str, port: int, token: int, timeout: float = 120.0) -> threading.Thread:
+    """Stream ``snapshot`` to the receiver at ``host:port`` from a daemon thread (started,
+    returned, and kept in ``snapshot.threads``). Never raises into the caller; errors go to
+    ``snapshot.errors``."""
+
+    def run() -> None:
+        try:
+            with socket.create_connection((host, port), timeout=timeout) as conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn.sendall(_PREFIX.pack(MAGIC, token, len(snapshot.header), snapshot.nbytes) + snapshot.header)
+                if snapshot.nbytes:
+                    conn.sendall(memoryview(snapshot.area.numpy()))
+        except OSError as exc:
+            snapshot.errors.append(f"{host}:{port}: {exc}")
+
+    t = threading.Thread(target=run, name=f"state-stream-{port}", daemon=True)
+    snapshot.threads.append(t)
+    t.start()
+    return t
+
+
+def _recv_into(conn: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        try:
+            n = conn.recv_into(view[got:])
+        except OSError as exc:
+            raise DataLost(f"the state stream broke after {got} of {len(view)} bytes: {exc} (the source member "
+                           "died? the joiner restarts and is synced again)") from None
+        if n == 0:
+            raise DataLost(f"the state stream ended after {got} of {len(view)} bytes (the source member died? "
+                           "the joiner restarts and is synced again)")
+        got += n
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    if n:
+        _recv_into(conn, memoryview(buf))
+    return buf
