@@ -5,21 +5,29 @@ optimizer and any user fields (objects with ``state_dict()``/``load_state_dict()
 elastic sampler, an LR scheduler — or plain values: numbers, strings, lists, dicts,
 tensors), reachable as attributes (``state.step += 1``).
 
-* ``commit()`` snapshots everything in memory (a pickle-free byte copy);
-* ``restore()`` rolls back to the last commit (after a step that failed as a whole, e.g.
-  under the ``strict`` policy);
+* ``commit()`` marks a restore point. It copies no parameter and no optimizer state
+  (the bulk: what training changes only in ``optimizer.step()``): it records their
+  version counters and copies the small rest (model buffers, optimizer
+  hyper-parameters, user fields). After an exact allreduce the survivors are already
+  consistent, so nothing on the step's common path needs a copy.
+* ``restore()`` rolls back to the last commit: exact for a step that failed before
+  ``optimizer.step()`` (e.g. a gradient allreduce that raised under the ``strict``
+  policy: the bulk is untouched, the rest is put back). If the bulk did change since the
+  commit it raises ConfigError instead of guessing; ``State(..., full_snapshots=True)``
+  keeps a full in-memory copy at every commit (Horovod's semantics, at the cost of a
+  copy of the whole state per step) and then restores across an optimizer step too.
 * ``sync()`` is the step-boundary agreement. **Every live member calls it at the same
   point of each step** (before the forward pass). It costs one 4-element int64 allreduce
   (MAX) when nothing changed: the newest membership epoch any member has seen, whether a
   member still needs the state (every member on the first call of a fresh job), the most
-  commits, and whether admitted joiners are waiting. If state must move, the source is
-  the lowest-ranked healthy member with the most commits (rank 0 on the first call) and
-  it is sent with two broadcasts (length + commit count, then the payload as int64
-  words); every member that needed it loads it before it takes part in training. If the
-  epoch changed, the ``on_membership_change(world)`` callbacks run on every member, in
-  registration order, at that same step boundary (re-shard the sampler there). ``sync()``
-  returns True when the world changed or state was transferred; ``last_sync`` has the
-  seconds each phase took.
+  commits, and whether admitted joiners are waiting. On the first call of a fresh job
+  the source (rank 0) broadcasts the state (length + commit count, then the payload as
+  int64 words). If the epoch changed, the ``on_membership_change(world)`` callbacks run
+  on every member, in registration order, at that same step boundary (re-shard the
+  sampler there). ``sync()`` returns True when the world changed or state was
+  transferred; ``last_sync`` has the seconds (since the start of the call) at which each
+  phase ended: ``exchange_s``, ``rebuild_s``, ``snapshot_s`` (source), ``stream_s``
+  (joiner), ``transfer_s``.
 * ``finish()`` after the last step: a joiner that arrives later gets
   :class:`TrainingFinished` from ``sync()`` (exit normally) instead of an error.
 
@@ -28,14 +36,26 @@ fresh Communicator over the epoch that admitted it. The Communicator's group nev
 grows, so the others admit it by rebuilding theirs (``CommunicatorEngine.rebuild``) at
 the ``sync()`` where the exchange says a joiner is waiting; the joiner announces it is
 waiting (an etcd key on its lease) when it enters ``sync()``, so the others never stall
-on its start-up, only on the transfer itself. The joiner's first op is the transfer: it
-takes part in no gradient allreduce before it holds the healthy members' parameters.
-On the in-process test engine (no ``rebuild``) a joiner takes part in the exchange.
+on its start-up. At admission one small allreduce (3 + 3 x world int64) agrees on the
+source (the lowest-ranked healthy member with the most commits) and carries each
+joiner's stream endpoint (a listening socket on ``RESILIENT_HOST`` and a random token).
+The source copies its state once into a snapshot (the state at that step boundary) and
+streams it from a background thread (:mod:`resilient.elastic.stream`); the source and
+every other survivor return to training at once. The joiner receives the snapshot,
+loads it and only then takes part in its first op, so its state equals the survivors'
+at admission exactly; the survivors wait for it only inside their next gradient
+allreduce, for as long as the stream took longer than their step's compute. If a joiner
+cannot open an IPv4 receiver, everyone falls back to the broadcast transfer. On the
+in-process test engine (no ``rebuild``) a joiner takes part in the exchange and gets
+the broadcast.
 
 Failure behaviour: a member dying during ``sync()`` is absorbed by the collectives; if the
-chosen source dies before the payload arrives the broadcast fails with
+chosen source dies before the broadcast payload arrives the broadcast fails with
 :class:`~resilient.errors.DataLost` and ``sync()`` starts over once on the new world
-before re-raising. A payload that does not parse raises
+before re-raising. If the source dies while it streams to a joiner (or no stream
+arrives within ``State.stream_timeout``, 120 s), the joiner's ``sync()`` raises DataLost
+(the others are training already; the launcher restarts the joiner, which is synced
+again). A payload that does not parse raises
 :class:`~resilient.errors.FrameError`; data that came over the network is never unpickled.
 """
 from __future__ import annotations
