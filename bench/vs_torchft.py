@@ -26,11 +26,15 @@ its first gradient bucket entered the allreduce at that step. Sizes: ``small`` (
 gradients, 128 MiB of state, 0.5 s compute), or ``--size layers:dim:compute``.
 
 Lost seconds, each system from its own step logs (every replica logs each committed
-step's end time): the fault-free run's median step interval ``m`` (steps after the
-third), and in the failing run, on the replica launched as rank 0 (a survivor),
-``lost = (t[last step] - t[kill_step - 3]) - (last - (kill_step - 3)) * m``: the extra time
-of the steps around the failure, the joiner's admission included (runs go on until
-``--steps`` committed steps; a discarded torchft step is not a committed one). ``ratio`` =
+step's end time), on the replica launched as rank 0 (a survivor):
+``lost = (t[last step] - t[kill_step - 3]) - (last - (kill_step - 3)) * m``, ``m`` being the
+failing run's own median step interval (steps after the third: its fault-free step
+time, robust to steps getting faster or slower while the world is smaller), the extra time
+of the steps around the failure, the joiner's admission included (a run goes on past
+``--steps`` committed steps until the restarted replica has trained 3 steps in the full
+world, at most 400 steps more; a discarded torchft step is not a committed one).
+``*_lost_vs_fault_free_s``: the same with ``m`` from a separate fault-free run
+(``*_step_s``; biased on a loaded machine, where a world of 2 steps faster). ``ratio`` =
 torchft lost / resilient lost. Also printed: fault-free step times, resilient's joiner
 admission (``admission_extra_s``: extra time of the survivors' step during which the
 joiner was admitted; ``admission_phases``: ``State.last_sync``), whether the joiner was
@@ -65,6 +69,8 @@ SIZES = {"small": (1, 512, 0.05), "realistic": (4, 2048, 0.5)}
 REPLICAS = 3
 VICTIM = 1
 BATCH = 8
+FULL_STEPS = 3  # steps with the joiner back before a run may end
+MAX_EXTRA = 400  # steps past --steps after which a run ends even if the joiner is not back
 
 TORCHFT = {
     "default": {"join_timeout_ms": 60000, "quorum_tick_ms": 100, "heartbeat_timeout_ms": 5000,
@@ -135,6 +141,12 @@ class _Killer:
             threading.Timer(self.delay, _kill_self, args=(self.log,)).start()
 
 
+def _done(a: argparse.Namespace, step: int, full_after: int) -> bool:
+    """Stop after ``--steps`` committed steps once the joiner has trained FULL_STEPS steps
+    in the full world (so its admission is inside the measured span), or at the cap."""
+    return step >= a.steps + MAX_EXTRA or (step >= a.steps and full_after >= FULL_STEPS)
+
+
 def worker_resilient(a: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
@@ -159,26 +171,35 @@ def worker_resilient(a: argparse.Namespace) -> int:
     ddp.register_comm_hook(tracker, hook)
     ddp.reducer = _NoRebuildReducer(ddp.reducer)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-    state = State(model=model, optimizer=opt, step=0)
+    state = State(model=model, optimizer=opt, step=0, full_after=0)
     log = killer.log = _Log(os.path.join(a.log_dir, f"resilient-{launch_rank}-{restart}-{os.getpid()}.jsonl"))
     while True:
+        t_a = time.monotonic()
         try:
             changed = state.sync()
         except TrainingFinished:
             break
         if changed and ("rebuild_s" in state.last_sync or "stream_s" in state.last_sync):
             log.write(event="admit", step=state.step, t=time.time(), phases=state.last_sync)
-        if state.step >= a.steps:
+        if _done(a, state.step, state.full_after):
             break
         killer.at_step_start(state.step)
+        t_b = time.monotonic()
         time.sleep(a.compute)
         tracker.reset()
         opt.zero_grad()
+        t_c = time.monotonic()
         ddp(_batch(state.step, dist.get_rank(), a.dim)).pow(2).mean().backward()
+        t_d = time.monotonic()
         opt.step()
+        t_e = time.monotonic()
+        world = dist.get_world_size()
+        if state.step > a.kill_step and world == REPLICAS:
+            state.full_after += 1  # every member counts alike (the group is agreed at sync())
         state.step += 1
         state.commit()
-        log.write(step=state.step, t=time.time(), world=dist.get_world_size())
+        ph = [t_b - t_a, t_c - t_b, t_d - t_c, t_e - t_d, time.monotonic() - t_e]
+        log.write(step=state.step, t=time.time(), world=world, ph=[round(x, 4) for x in ph])
     state.finish()
     dist.destroy_process_group()
     return 0
@@ -198,12 +219,15 @@ def worker_torchft(a: argparse.Namespace) -> int:
     model = _model(a.layers, a.dim)
     inner = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
 
+    full_after = [0]  # steps after the kill with every replica in the quorum (healed with the state)
+
     def load_state_dict(sd: dict) -> None:
         model.load_state_dict(sd["model"])
         inner.load_state_dict(sd["optim"])
+        full_after[0] = int(sd["full_after"])
 
     def state_dict() -> dict:
-        return {"model": model.state_dict(), "optim": inner.state_dict()}
+        return {"model": model.state_dict(), "optim": inner.state_dict(), "full_after": full_after[0]}
 
     pg = ProcessGroupGloo(timeout=timedelta(seconds=cfg["gloo_timeout_s"]))
     manager = Manager(pg=pg, min_replica_size=2, load_state_dict=load_state_dict, state_dict=state_dict,
@@ -222,13 +246,23 @@ def worker_torchft(a: argparse.Namespace) -> int:
     log = killer.log = _Log(os.path.join(a.log_dir, f"torchft-{a.replica}-{restart}-{os.getpid()}.jsonl"))
     if not restart:
         _start_barrier(a.log_dir, a.replica)
-    while manager.current_step() < a.steps:
-        killer.at_step_start(manager.current_step())
+    while not _done(a, manager.current_step(), full_after[0]):
+        step = manager.current_step()
+        killer.at_step_start(step)
+        t_a = time.monotonic()
         opt.zero_grad()  # starts the quorum (async, overlapping the forward pass)
+        t_b = time.monotonic()
         time.sleep(a.compute)
-        ddp(_batch(manager.current_step(), a.replica, a.dim)).pow(2).mean().backward()
+        t_c = time.monotonic()
+        ddp(_batch(step, a.replica, a.dim)).pow(2).mean().backward()
+        t_d = time.monotonic()
         opt.step()  # applied only if should_commit()
-        log.write(step=manager.current_step(), t=time.time(), world=manager.num_participants())
+        t_e = time.monotonic()
+        world = manager.num_participants()
+        ph = [t_b - t_a, t_c - t_b, t_d - t_c, t_e - t_d, 0.0]
+        if manager.current_step() > step and step > a.kill_step and world == REPLICAS:
+            full_after[0] += 1
+        log.write(step=manager.current_step(), t=time.time(), world=world, ph=[round(x, 4) for x in ph])
     manager.shutdown(wait=False)
     return 0
 
@@ -376,15 +410,18 @@ def bench_case(a: argparse.Namespace, size_name: str, size: tuple, case: str, tm
     if case == "allreduce":
         out["kill_delay_s"] = a.kill_delay
     s_from = a.kill_step - 3
-    for system in ("resilient", "torchft-default", "torchft-tuned"):
+    for system in a.systems:
         key = system.replace("-", "_")
         if system not in ff:
             run = measure(a, system, "none", size, tmp)
             ff[system] = median_step(run["rank0"]) if run["ok"] else None
         run = measure(a, system, case, size, tmp)
-        m = ff[system]
+        m, own = ff[system], median_step(run["rank0"])
         out[f"{key}_step_s"] = None if m is None else round(m, 4)
-        out[f"{key}_lost_s"] = None if (m is None or not run["ok"]) else _r(lost_seconds(run["rank0"], m, s_from))
+        out[f"{key}_failing_run_step_s"] = None if own is None else round(own, 4)
+        ok = run["ok"] and own is not None
+        out[f"{key}_lost_s"] = _r(lost_seconds(run["rank0"], own, s_from)) if ok else None
+        out[f"{key}_lost_vs_fault_free_s"] = _r(lost_seconds(run["rank0"], m, s_from)) if ok and m else None
         if not run["ok"]:
             out[f"{key}_hung"] = True
         kills = [r["t"] for r in run["all"] if r.get("event") == "kill"]
@@ -402,7 +439,8 @@ def bench_case(a: argparse.Namespace, size_name: str, size: tuple, case: str, tm
                 out["resilient_admission_phases"] = {k: round(v, 4) for k, v in admits[-1]["phases"].items()}
             joiner_admits = [r for r in run["all"] if r.get("event") == "admit" and "stream_s" in r.get("phases", {})]
             if joiner_admits:
-                out["resilient_joiner_stream_s"] = round(joiner_admits[-1]["phases"]["stream_s"], 4)
+                ph = joiner_admits[-1]["phases"]
+                out["resilient_joiner_stream_s"] = round(ph["stream_s"] - ph.get("admitted_s", 0.0), 4)
     for cfg in ("default", "tuned"):
         t, r = out.get(f"torchft_{cfg}_lost_s"), out.get("resilient_lost_s")
         out[f"ratio_vs_{cfg}"] = _r(t / r) if (t is not None and r is not None and r > 0) else None
@@ -429,6 +467,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="case allreduce: seconds after the victim's first bucket entered the allreduce")
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket size (both systems)")
     ap.add_argument("--run-timeout", type=float, default=300.0, help="seconds before a run counts as hung")
+    ap.add_argument("--systems", default="resilient,torchft-default,torchft-tuned",
+                    help="comma-separated subset of resilient,torchft-default,torchft-tuned")
     ap.add_argument("--keep", action="store_true", help="keep the run logs (path printed on stderr)")
     # worker mode (internal)
     ap.add_argument("--worker", choices=["resilient", "torchft"], help=argparse.SUPPRESS)
@@ -456,6 +496,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             except ValueError:
                 ap.error(f"--size {s!r}: use small, realistic or LAYERS:DIM:COMPUTE_S (e.g. 4:2048:0.5)")
     a.case = a.case or ["start", "allreduce"]
+    a.systems = [x for x in a.systems.split(",") if x]
+    bad = [x for x in a.systems if x not in ("resilient", "torchft-default", "torchft-tuned")]
+    if bad or not a.systems:
+        ap.error(f"--systems {bad or a.systems}: pick from resilient, torchft-default, torchft-tuned")
     return a
 
 

@@ -19,7 +19,9 @@ from resilient.errors import DataLost
 
 def _training_state(seed: int) -> State:
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.BatchNorm1d(256), torch.nn.Linear(256, 8))
+    # ~24 MiB of parameters + Adam state: more than the loopback socket buffers hold
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.BatchNorm1d(256), torch.nn.Linear(256, 8192),
+                                torch.nn.Linear(8192, 8))
     opt = torch.optim.Adam(model.parameters())
     state = State(model=model, optimizer=opt, sampler=ElasticSampler(1000, 10, seed=3), step=0,
                   extra=torch.arange(5, dtype=torch.float16), name="run", joiner=False)
@@ -53,16 +55,23 @@ def test_joiner_gets_the_admission_snapshot_exactly_while_the_source_keeps_train
     source, joiner = _training_state(1), _training_state(2)
     for _ in range(3):
         _train_step(source)
+    source.model(torch.randn(16, 64))  # a forward pass moved the BatchNorm stats: buffers are copied
     at_admission = {k: v for k, v in source.state_dict().items()}
     expected = Snapshot(at_admission)  # an independent copy to compare against
     receiver = StateReceiver("127.0.0.1")
     got: dict = {}
+    snap = source._snapshot_for_stream()  # noqa: SLF001 - what State.sync() serves: live params, no copy
+    assert snap.area is None and snap.tensors
+    serve(snap, "127.0.0.1", receiver.port, receiver.token)
+    # the survivors' next steps overlap the stream: the source trains on while its send is
+    # stuck on full socket buffers (the joiner reads only later); its optimizer.step() must
+    # wait for the stream to end, or the joiner would get parameters from after admission
+    trainer = threading.Thread(target=lambda: [_train_step(source) for _ in range(3)])
+    trainer.start()
     t = threading.Thread(target=lambda: got.setdefault("obj", receiver.receive(30)))
     t.start()
-    snap = Snapshot(source.state_dict())
-    serve(snap, "127.0.0.1", receiver.port, receiver.token)
-    for _ in range(3):  # the survivors' next steps overlap the stream
-        _train_step(source)
+    trainer.join(30)
+    assert not source.optimizer._optimizer_step_pre_hooks  # noqa: SLF001 - the one-shot hold is gone
     t.join(30)
     snap.join(30)
     assert not snap.errors and "obj" in got

@@ -26,8 +26,8 @@ tensors), reachable as attributes (``state.step += 1``).
   on every member, in registration order, at that same step boundary (re-shard the
   sampler there). ``sync()`` returns True when the world changed or state was
   transferred; ``last_sync`` has the seconds (since the start of the call) at which each
-  phase ended: ``exchange_s``, ``rebuild_s``, ``snapshot_s`` (source), ``stream_s``
-  (joiner), ``transfer_s``.
+  phase ended: ``exchange_s``, ``rebuild_s``, ``snapshot_s`` (source), ``admitted_s``
+  and ``stream_s`` (joiner: admitted, state received and loaded), ``transfer_s``.
 * ``finish()`` after the last step: a joiner that arrives later gets
   :class:`TrainingFinished` from ``sync()`` (exit normally) instead of an error.
 
@@ -39,9 +39,11 @@ waiting (an etcd key on its lease) when it enters ``sync()``, so the others neve
 on its start-up. At admission one small allreduce (3 + 3 x world int64) agrees on the
 source (the lowest-ranked healthy member with the most commits) and carries each
 joiner's stream endpoint (a listening socket on ``RESILIENT_HOST`` and a random token).
-The source copies its state once into a snapshot (the state at that step boundary) and
-streams it from a background thread (:mod:`resilient.elastic.stream`); the source and
-every other survivor return to training at once. The joiner receives the snapshot,
+The source streams its state at that step boundary from a background thread
+(:mod:`resilient.elastic.stream`): parameters and optimizer state straight from the live
+tensors (no copy; its next ``optimizer.step()`` waits for the stream to end, which a
+one-shot step pre-hook enforces), the small rest from a copy. The source and every
+other survivor return to training at once. The joiner receives the snapshot,
 loads it and only then takes part in its first op, so its state equals the survivors'
 at admission exactly; the survivors wait for it only inside their next gradient
 allreduce, for as long as the stream took longer than their step's compute. If a joiner
@@ -332,6 +334,31 @@ class State:
         return ConfigError("State.sync(): every live member is a joiner with no state; restart the job "
                            "(at least one member must hold the training state)")
 
+    def _snapshot_for_stream(self) -> Snapshot:
+        """The state at this step boundary for the joiners' stream. Parameters and optimizer
+        state are sent from the live tensors (no copy): they change only in
+        ``optimizer.step()``, which a one-shot step pre-hook holds back until the stream is
+        done (the joiner is behind anyway: the next gradient allreduce waits for it). The
+        small rest (buffers, which a forward pass may change, hyper-parameters, fields) is
+        copied. Without an optimizer everything is copied."""
+        sd = self.state_dict()
+        if self.optimizer is None:
+            return Snapshot(sd)
+        params = {p.data_ptr() for p in self.model.parameters()} if self.model is not None else set()
+        if "model" in sd:
+            sd["model"] = {k: v if isinstance(v, torch.Tensor) and v.data_ptr() in params else copy.deepcopy(v)
+                           for k, v in sd["model"].items()}
+        sd["fields"] = copy.deepcopy(sd["fields"])
+        snap = Snapshot(sd, copy=False)
+        handle: list[Any] = []
+
+        def hold_step(*_: Any) -> None:
+            snap.join()
+            handle[0].remove()
+
+        handle.append(self.optimizer.register_step_pre_hook(hold_step))
+        return snap
+
     def _admit(self, max_commits: int, timing: dict[str, float], t0: float) -> None:
         """Admission of joiners (every member of the rebuilt group calls it): one small
         allreduce agrees on the source (lowest-ranked healthy member with the most
@@ -375,7 +402,7 @@ class State:
             raise self._no_source()
         src, max_commits = _BIG - int(info[0]), int(info[1])
         if me == src:
-            snap = Snapshot(self.state_dict())
+            snap = self._snapshot_for_stream()
             for r in range(n):
                 ip, port, token = (int(v) for v in info[3 + 3 * r:6 + 3 * r])
                 if r != me and port:
@@ -413,6 +440,7 @@ class State:
                     if hasattr(engine, "announce_ready"):
                         engine.announce_ready()
                         engine.wait_admitted()
+                    timing["admitted_s"] = time.monotonic() - t0
                     self._admit(0, timing, t0)
                     timing["transfer_s"] = time.monotonic() - t0
                     break

@@ -3,8 +3,9 @@
 At a joiner's admission ``State.sync()`` (see :mod:`resilient.elastic.state`) the joiner
 opens a :class:`StateReceiver` (a listening TCP socket on the data-plane host, a random
 64-bit token) and tells the group its endpoint and token through one small allreduce.
-The source member copies its state into a :class:`Snapshot` (one memory copy of every
-tensor, taken at that step boundary, so training may change the live tensors at once)
+The source member wraps its state at that step boundary in a :class:`Snapshot` (either
+one memory copy of every tensor, or — what ``State`` does for parameters and optimizer
+state — the live tensors themselves, which it keeps unchanged until the stream is done)
 and :func:`serve` streams it from a background thread; the source's training thread
 returns to training right away. The joiner receives straight into one buffer, checks the
 token and the sizes, and loads the state (no pickle anywhere: the header is the codec's
@@ -24,6 +25,7 @@ keeps waiting for the right one; no (right) connection before the deadline raise
 from __future__ import annotations
 
 import ipaddress
+import json
 import secrets
 import socket
 import struct
@@ -42,19 +44,43 @@ _MAX_HEADER = 256 << 20
 
 
 class Snapshot:
-    """The state at one step boundary, copied out of the live tensors: ``header`` (codec
-    JSON) and ``area`` (one uint8 tensor holding every tensor's bytes)."""
+    """The state at one step boundary: ``header`` (codec JSON) and its tensors. With
+    ``copy=True`` they are copied into one buffer (``area``) at once, so the caller may
+    change the live tensors right away. With ``copy=False`` they are sent from the live
+    tensors themselves (no copy): the caller must not change them until :meth:`join`
+    returns (``State`` holds ``optimizer.step()`` back for that)."""
 
-    def __init__(self, obj: Any) -> None:
-        self.header, tensors, nbytes = split(obj)
-        self.area = torch.empty(nbytes, dtype=torch.uint8)
-        pack_into(self.header, tensors, self.area)
+    def __init__(self, obj: Any, copy: bool = True) -> None:
+        self.header, tensors, self._nbytes = split(obj)
+        self._table = json.loads(self.header)["t"]
+        self.area: torch.Tensor | None = None
+        self.tensors: list[torch.Tensor] = tensors
+        if copy:
+            self.area = torch.empty(self._nbytes, dtype=torch.uint8)
+            pack_into(self.header, tensors, self.area)
+            self.tensors = []
         self.errors: list[str] = []
         self.threads: list[threading.Thread] = []
 
     @property
     def nbytes(self) -> int:
-        return int(self.area.numel())
+        return self._nbytes
+
+    def send_to(self, conn: socket.socket) -> None:
+        """Write the tensor area to ``conn`` (from the copy, or tensor by tensor)."""
+        if self.area is not None:
+            if self._nbytes:
+                conn.sendall(memoryview(self.area.numpy()))
+            return
+        pos = 0
+        for t, (_, _, off, n) in zip(self.tensors, self._table):
+            if off > pos:
+                conn.sendall(bytes(off - pos))  # alignment padding
+            if n:
+                conn.sendall(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            pos = off + n
+        if self._nbytes > pos:
+            conn.sendall(bytes(self._nbytes - pos))
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for every stream started by :func:`serve` (tests; shutdown)."""
@@ -129,8 +155,7 @@ def serve(snapshot: Snapshot, host: str, port: int, token: int, timeout: float =
             with socket.create_connection((host, port), timeout=timeout) as conn:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 conn.sendall(_PREFIX.pack(MAGIC, token, len(snapshot.header), snapshot.nbytes) + snapshot.header)
-                if snapshot.nbytes:
-                    conn.sendall(memoryview(snapshot.area.numpy()))
+                snapshot.send_to(conn)
         except OSError as exc:
             snapshot.errors.append(f"{host}:{port}: {exc}")
 
