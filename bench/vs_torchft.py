@@ -43,8 +43,9 @@ be shared: figures are indicative.
 
 One JSON line per (size, case) on stdout. ``--quick``: small size only, fewer steps.
 Every process started here is ended here by PID (its own session) at the end of a run.
-Failure behaviour: a run that does not finish within ``--run-timeout`` is killed and its
-lost time reported as null with ``"hung": true``; torchft not installed -> SystemExit
+Failure behaviour: a run that does not finish within ``--run-timeout`` is killed and
+reported with ``"hung": true``; its ``lost_s`` is then what it had lost by then against
+the fault-free step time (``lost_is_lower_bound``), and a ratio over it a lower bound; torchft not installed -> SystemExit
 naming the extra to install.
 """
 from __future__ import annotations
@@ -421,7 +422,10 @@ def bench_case(a: argparse.Namespace, size_name: str, size: tuple, case: str, tm
         out[f"{key}_failing_run_step_s"] = None if own is None else round(own, 4)
         ok = run["ok"] and own is not None
         out[f"{key}_lost_s"] = _r(lost_seconds(run["rank0"], own, s_from)) if ok else None
-        out[f"{key}_lost_vs_fault_free_s"] = _r(lost_seconds(run["rank0"], m, s_from)) if ok and m else None
+        out[f"{key}_lost_vs_fault_free_s"] = _r(lost_seconds(run["rank0"], m, s_from)) if m else None
+        if not ok and m:  # did not finish: what it had lost when it was stopped (a lower bound)
+            out[f"{key}_lost_s"] = out[f"{key}_lost_vs_fault_free_s"]
+            out[f"{key}_lost_is_lower_bound"] = True
         if not run["ok"]:
             out[f"{key}_hung"] = True
         kills = [r["t"] for r in run["all"] if r.get("event") == "kill"]
@@ -433,9 +437,9 @@ def bench_case(a: argparse.Namespace, size_name: str, size: tuple, case: str, tm
         if system == "resilient":
             admits = [r for r in run["rank0"] if r.get("event") == "admit"]
             iv = step_intervals(run["rank0"])
-            if admits and m is not None:
+            if admits and own is not None:
                 s = admits[-1]["step"] + 1
-                out["resilient_admission_extra_s"] = _r(iv.get(s, m) - m) if s in iv else None
+                out["resilient_admission_extra_s"] = _r(iv[s] - own) if s in iv else None
                 out["resilient_admission_phases"] = {k: round(v, 4) for k, v in admits[-1]["phases"].items()}
             joiner_admits = [r for r in run["all"] if r.get("event") == "admit" and "stream_s" in r.get("phases", {})]
             if joiner_admits:
@@ -466,7 +470,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kill-delay", type=float, default=0.02,
                     help="case allreduce: seconds after the victim's first bucket entered the allreduce")
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket size (both systems)")
-    ap.add_argument("--run-timeout", type=float, default=300.0, help="seconds before a run counts as hung")
+    ap.add_argument("--run-timeout", type=float, default=180.0, help="seconds before a run counts as hung")
     ap.add_argument("--systems", default="resilient,torchft-default,torchft-tuned",
                     help="comma-separated subset of resilient,torchft-default,torchft-tuned")
     ap.add_argument("--keep", action="store_true", help="keep the run logs (path printed on stderr)")
