@@ -12,7 +12,9 @@ plus the real forward/backward, DDP buckets of ``--bucket-mb``. Everything on lo
   lighthouse (``torchft_lighthouse``, bound to 127.0.0.1), one ``Manager`` per replica
   (replica group of one, its own TCPStore), ``torchft.DistributedDataParallel``,
   ``torchft.Optimizer``, ``ProcessGroupGloo``; the killed replica is restarted at once
-  by this driver (as torchelastic would) and heals from a peer. Two configurations:
+  by this driver (as torchelastic would) and heals from a peer. A restarted replica of
+either system runs one local forward/backward before it joins (no collective), so its
+first real step is not a cold one. Two configurations:
   ``default`` (lighthouse CLI defaults: join 60 s, quorum tick 100 ms, heartbeat timeout
   5 s; Manager heartbeat every 100 ms; gloo timeout 60 s) and ``tuned`` (the most
   aggressive values in torchft's own tests/examples: join 100 ms, quorum tick 10 ms,
@@ -142,6 +144,14 @@ class _Killer:
             threading.Timer(self.delay, _kill_self, args=(self.log,)).start()
 
 
+def _warm_up(model: Any, dim: int) -> None:
+    """A restarted replica runs one local forward/backward (no DDP, no collective) before
+    it joins, so its first real step is not a cold one the others would wait for (both
+    systems alike)."""
+    model(_batch(0, 0, dim)).pow(2).mean().backward()
+    model.zero_grad(set_to_none=True)
+
+
 def _done(a: argparse.Namespace, step: int, full_after: int) -> bool:
     """Stop after ``--steps`` committed steps once the joiner has trained FULL_STEPS steps
     in the full world (so its admission is inside the measured span), or at the cap."""
@@ -162,6 +172,8 @@ def worker_resilient(a: argparse.Namespace) -> int:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     killer = _Killer(a.case, a.kill_step, a.kill_delay, launch_rank == VICTIM and restart == 0 and a.case != "none")
     model = _model(a.layers, a.dim)
+    if restart:
+        _warm_up(model, a.dim)
     ddp = DDP(model, init_sync=False, forward_sync_buffers=False, bucket_cap_mb=a.bucket_mb)
     tracker = ContributorTracker()
 
@@ -230,6 +242,8 @@ def worker_torchft(a: argparse.Namespace) -> int:
     def state_dict() -> dict:
         return {"model": model.state_dict(), "optim": inner.state_dict(), "full_after": full_after[0]}
 
+    if restart:
+        _warm_up(model, a.dim)
     pg = ProcessGroupGloo(timeout=timedelta(seconds=cfg["gloo_timeout_s"]))
     manager = Manager(pg=pg, min_replica_size=2, load_state_dict=load_state_dict, state_dict=state_dict,
                       replica_id=f"replica{a.replica}", store_addr="127.0.0.1", store_port=store.port, rank=0,

@@ -68,13 +68,16 @@ def test_joiner_gets_the_admission_snapshot_exactly_while_the_source_keeps_train
     # wait for the stream to end, or the joiner would get parameters from after admission
     trainer = threading.Thread(target=lambda: [_train_step(source) for _ in range(3)])
     trainer.start()
-    t = threading.Thread(target=lambda: got.setdefault("obj", receiver.receive(30)))
+    t = threading.Thread(target=lambda: got.setdefault("obj", receiver.receive(
+        30, into=joiner._param_targets)))  # noqa: SLF001 - what State.sync() does: straight into the parameters
     t.start()
     trainer.join(30)
     assert not source.optimizer._optimizer_step_pre_hooks  # noqa: SLF001 - the one-shot hold is gone
     t.join(30)
     snap.join(30)
     assert not snap.errors and "obj" in got
+    params = dict(joiner.model.named_parameters())
+    assert all(got["obj"]["model"][k].data_ptr() == p.data_ptr() for k, p in params.items())  # received in place
     joiner.load_state_dict(got["obj"])
     from resilient.torch_backend.codec import assemble
 

@@ -359,6 +359,21 @@ class State:
         handle.append(self.optimizer.register_step_pre_hook(hold_step))
         return snap
 
+    def _param_targets(self, structure: Any) -> dict[int, torch.Tensor]:
+        """Tensor index -> this model's parameter, for the stream's ``model`` entries that are
+        parameters: received straight into the parameters' memory (their load is then a
+        no-op self-copy)."""
+        if self.model is None or not isinstance(structure, dict):
+            return {}
+        top = dict((k, v) for k, v in structure.get("__d__", []) if isinstance(k, str))
+        entries = top.get("model", {}).get("__d__", []) if isinstance(top.get("model"), dict) else []
+        params = dict(self.model.named_parameters())
+        out: dict[int, torch.Tensor] = {}
+        for name, node in entries:
+            if name in params and isinstance(node, dict) and "__t__" in node:
+                out[int(node["__t__"])] = params[name].data
+        return out
+
     def _admit(self, max_commits: int, timing: dict[str, float], t0: float) -> None:
         """Admission of joiners (every member of the rebuilt group calls it): one small
         allreduce agrees on the source (lowest-ranked healthy member with the most
@@ -411,7 +426,7 @@ class State:
             timing["snapshot_s"] = time.monotonic() - t0
         if receiver is not None:
             try:
-                obj = receiver.receive(self.stream_timeout)
+                obj = receiver.receive(self.stream_timeout, into=self._param_targets)
             except (DataLost, TimeoutError) as exc:
                 raise _StreamFailed(str(exc)) from exc
             self.load_state_dict(obj)

@@ -31,7 +31,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -106,9 +106,12 @@ class StateReceiver:
     def close(self) -> None:
         self._sock.close()
 
-    def receive(self, timeout: float) -> Any:
+    def receive(self, timeout: float, into: Callable[[Any], dict[int, torch.Tensor]] | None = None) -> Any:
         """Accept the source's stream and return the state object (its tensors are views of
-        one freshly allocated buffer). See the module docstring for failures."""
+        one freshly allocated buffer). ``into(structure)`` may name, by tensor index,
+        existing tensors to receive straight into (no copy; e.g. the model's parameters);
+        each must match its entry's dtype and shape and be contiguous, else it is ignored.
+        See the module docstring for failures."""
         deadline = time.monotonic() + timeout
         try:
             while True:
@@ -123,13 +126,13 @@ class StateReceiver:
                     continue
                 with conn:
                     conn.settimeout(max(1.0, deadline - time.monotonic()))
-                    got = self._read_one(conn)
+                    got = self._read_one(conn, into)
                     if got is not None:
                         return got
         finally:
             self.close()
 
-    def _read_one(self, conn: socket.socket) -> Any:
+    def _read_one(self, conn: socket.socket, into: Callable[[Any], dict[int, torch.Tensor]] | None) -> Any:
         try:
             magic, token, hlen, nbytes = _PREFIX.unpack(_recv_exact(conn, _PREFIX.size))
         except DataLost:
@@ -139,10 +142,53 @@ class StateReceiver:
         if hlen > _MAX_HEADER:
             raise FrameError(f"state stream header of {hlen} bytes exceeds {_MAX_HEADER}")
         header = bytes(_recv_exact(conn, hlen))
+        targets: dict[int, torch.Tensor] = {}
+        if into is not None:
+            try:
+                parsed = json.loads(header)
+                table = parsed["t"]
+                for i, t in into(parsed["s"]).items():
+                    dtype_name, shape, _, n = table[i]
+                    if (str(t.dtype).replace("torch.", "") == dtype_name and list(t.shape) == list(shape)
+                            and t.is_contiguous() and t.device.type == "cpu" and t.numel() * t.element_size() == n):
+                        targets[i] = t
+            except (ValueError, KeyError, TypeError, IndexError) as exc:
+                raise FrameError(f"state stream header is not valid: {exc}") from None
+        if not targets:
+            area = torch.empty(nbytes, dtype=torch.uint8)
+            if nbytes:
+                _recv_into(conn, memoryview(area.numpy()))
+            return assemble(header, area)
+        # the rest into one buffer, each target straight into its own memory
         area = torch.empty(nbytes, dtype=torch.uint8)
-        if nbytes:
-            _recv_into(conn, memoryview(area.numpy()))
-        return assemble(header, area)
+        spans = sorted((table[i][2], table[i][3], t) for i, t in targets.items())
+        pos = 0
+        for off, n, t in spans:
+            if off < pos or off + n > nbytes:
+                raise FrameError(f"state stream tensor at offset {off} (+{n}) overlaps or runs past the end")
+            if off > pos:
+                _recv_into(conn, memoryview(area.numpy())[pos:off])
+            if n:
+                _recv_into(conn, memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()))
+            pos = off + n
+        if nbytes > pos:
+            _recv_into(conn, memoryview(area.numpy())[pos:nbytes])
+        obj = assemble(header, area)
+        return _substitute(obj, parsed["s"], targets)
+
+
+def _substitute(obj: Any, structure: Any, targets: dict[int, torch.Tensor]) -> Any:
+    """Put the received-into tensors where :func:`assemble` placed views of the area."""
+    if isinstance(structure, dict):
+        if "__t__" in structure:
+            return targets.get(int(structure["__t__"]), obj)
+        if "__d__" in structure:
+            return {k: _substitute(obj[k], v, targets) for k, v in structure["__d__"]}
+        if "__u__" in structure:
+            return tuple(_substitute(o, v, targets) for o, v in zip(obj, structure["__u__"]))
+    if isinstance(structure, list):
+        return [_substitute(o, v, targets) for o, v in zip(obj, structure)]
+    return obj
 
 
 def serve(snapshot: Snapshot, host: str, port: int, token: int, timeout: float = 120.0) -> threading.Thread:
