@@ -114,3 +114,30 @@ def test_cut_stream_is_data_lost_and_no_stream_is_a_timeout():
             receiver.receive(30)
     with pytest.raises(TimeoutError, match="no state stream"):
         StateReceiver("127.0.0.1").receive(0.2)
+
+
+def test_two_joiners_admitted_together_both_get_the_admission_state():
+    """A whole node's joiners: one live snapshot, one stream each, the source's next
+    optimizer step held until both streams are done."""
+    from resilient.torch_backend.codec import assemble
+
+    source, joiners = _training_state(1), [_training_state(2), _training_state(3)]
+    _train_step(source)
+    expected = Snapshot(source.state_dict())
+    receivers = [StateReceiver("127.0.0.1") for _ in joiners]
+    snap = source._snapshot_for_stream()  # noqa: SLF001
+    for r in receivers:
+        serve(snap, "127.0.0.1", r.port, r.token)
+    trainer = threading.Thread(target=lambda: _train_step(source))
+    trainer.start()
+    got: list = [None, None]
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, receivers[i].receive(
+        30, into=joiners[i]._param_targets))) for i in range(2)]  # noqa: SLF001
+    for t in threads:
+        t.start()
+    for t in [*threads, trainer]:
+        t.join(30)
+    assert not snap.errors
+    for j, obj in zip(joiners, got):
+        j.load_state_dict(obj)
+        _assert_same(j.state_dict(), assemble(expected.header, expected.area))
