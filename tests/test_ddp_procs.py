@@ -101,4 +101,5 @@ def test_ddp_4_workers_one_sigkilled_at_random_step(tmp_path):
     assert len(synced) == 1, events
     s0 = synced[0]["step"]
     assert synced[0]["params_sha"] == by_step[s0 - 1][0]["params_sha"]
+    assert "stream_s" in synced[0]["sync_phases"], synced  # streamed over the side channel, not broadcast
     assert min(r["step"] for r in joiner) == s0 and all(r["world"] == 4 for r in joiner)

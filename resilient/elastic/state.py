@@ -5,21 +5,29 @@ optimizer and any user fields (objects with ``state_dict()``/``load_state_dict()
 elastic sampler, an LR scheduler — or plain values: numbers, strings, lists, dicts,
 tensors), reachable as attributes (``state.step += 1``).
 
-* ``commit()`` snapshots everything in memory (a pickle-free byte copy);
-* ``restore()`` rolls back to the last commit (after a step that failed as a whole, e.g.
-  under the ``strict`` policy);
+* ``commit()`` marks a restore point. It copies no parameter and no optimizer state
+  (the bulk: what training changes only in ``optimizer.step()``): it records their
+  version counters and copies the small rest (model buffers, optimizer
+  hyper-parameters, user fields). After an exact allreduce the survivors are already
+  consistent, so nothing on the step's common path needs a copy.
+* ``restore()`` rolls back to the last commit: exact for a step that failed before
+  ``optimizer.step()`` (e.g. a gradient allreduce that raised under the ``strict``
+  policy: the bulk is untouched, the rest is put back). If the bulk did change since the
+  commit it raises ConfigError instead of guessing; ``State(..., full_snapshots=True)``
+  keeps a full in-memory copy at every commit (Horovod's semantics, at the cost of a
+  copy of the whole state per step) and then restores across an optimizer step too.
 * ``sync()`` is the step-boundary agreement. **Every live member calls it at the same
   point of each step** (before the forward pass). It costs one 4-element int64 allreduce
   (MAX) when nothing changed: the newest membership epoch any member has seen, whether a
   member still needs the state (every member on the first call of a fresh job), the most
-  commits, and whether admitted joiners are waiting. If state must move, the source is
-  the lowest-ranked healthy member with the most commits (rank 0 on the first call) and
-  it is sent with two broadcasts (length + commit count, then the payload as int64
-  words); every member that needed it loads it before it takes part in training. If the
-  epoch changed, the ``on_membership_change(world)`` callbacks run on every member, in
-  registration order, at that same step boundary (re-shard the sampler there). ``sync()``
-  returns True when the world changed or state was transferred; ``last_sync`` has the
-  seconds each phase took.
+  commits, and whether admitted joiners are waiting. On the first call of a fresh job
+  the source (rank 0) broadcasts the state (length + commit count, then the payload as
+  int64 words). If the epoch changed, the ``on_membership_change(world)`` callbacks run
+  on every member, in registration order, at that same step boundary (re-shard the
+  sampler there). ``sync()`` returns True when the world changed or state was
+  transferred; ``last_sync`` has the seconds (since the start of the call) at which each
+  phase ended: ``exchange_s``, ``rebuild_s``, ``snapshot_s`` (source), ``admitted_s``
+  and ``stream_s`` (joiner: admitted, state received and loaded), ``transfer_s``.
 * ``finish()`` after the last step: a joiner that arrives later gets
   :class:`TrainingFinished` from ``sync()`` (exit normally) instead of an error.
 
@@ -28,18 +36,34 @@ fresh Communicator over the epoch that admitted it. The Communicator's group nev
 grows, so the others admit it by rebuilding theirs (``CommunicatorEngine.rebuild``) at
 the ``sync()`` where the exchange says a joiner is waiting; the joiner announces it is
 waiting (an etcd key on its lease) when it enters ``sync()``, so the others never stall
-on its start-up, only on the transfer itself. The joiner's first op is the transfer: it
-takes part in no gradient allreduce before it holds the healthy members' parameters.
-On the in-process test engine (no ``rebuild``) a joiner takes part in the exchange.
+on its start-up. At admission one small allreduce (3 + 3 x world int64) agrees on the
+source (the lowest-ranked healthy member with the most commits) and carries each
+joiner's stream endpoint (a listening socket on ``RESILIENT_HOST`` and a random token).
+The source streams its state at that step boundary from a background thread
+(:mod:`resilient.elastic.stream`): parameters and optimizer state straight from the live
+tensors (no copy; its next ``optimizer.step()`` waits for the stream to end, which a
+one-shot step pre-hook enforces), the small rest from a copy. The source and every
+other survivor return to training at once. The joiner receives the snapshot,
+loads it and only then takes part in its first op, so its state equals the survivors'
+at admission exactly; the survivors wait for it only inside their next gradient
+allreduce, for as long as the stream took longer than their step's compute. If a joiner
+cannot open an IPv4 receiver, everyone falls back to the broadcast transfer. On the
+in-process test engine (no ``rebuild``) a joiner takes part in the exchange and gets
+the broadcast.
 
 Failure behaviour: a member dying during ``sync()`` is absorbed by the collectives; if the
-chosen source dies before the payload arrives the broadcast fails with
+chosen source dies before the broadcast payload arrives the broadcast fails with
 :class:`~resilient.errors.DataLost` and ``sync()`` starts over once on the new world
-before re-raising. A payload that does not parse raises
+before re-raising. If the source dies while it streams to a joiner (or no stream
+arrives within ``State.stream_timeout``, 120 s), the joiner's ``sync()`` raises DataLost
+(the others are training already; the launcher restarts the joiner, which is synced
+again). A payload that does not parse raises
 :class:`~resilient.errors.FrameError`; data that came over the network is never unpickled.
 """
 from __future__ import annotations
 
+import copy
+import ipaddress
 import os
 import time
 from typing import Any, Callable
@@ -47,7 +71,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from resilient.errors import CollectiveError, ConfigError, ResilientError
+from resilient.elastic.stream import Snapshot, StateReceiver, endpoint_words, serve
+from resilient.errors import CollectiveError, ConfigError, DataLost, ResilientError
 from resilient.torch_backend.codec import decode, encode
 from resilient.live_world import World
 
@@ -70,6 +95,10 @@ def _live_world(group: Any = None) -> World | None:
         return None
 
 
+class _StreamFailed(Exception):
+    """The joiner's state stream broke (raised past sync()'s retry as DataLost)."""
+
+
 class TrainingFinished(ResilientError):
     """A joiner arrived after the other members called :meth:`State.finish`: there is no
     training left to take part in (exit normally)."""
@@ -78,8 +107,12 @@ class TrainingFinished(ResilientError):
 class State:
     """See the module docstring."""
 
+    #: seconds a joiner waits for its state stream (and a source's send may take)
+    stream_timeout: float = 120.0
+
     def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 group: Any = None, joiner: bool | None = None, **user_fields: Any) -> None:
+                 group: Any = None, joiner: bool | None = None, full_snapshots: bool = False,
+                 **user_fields: Any) -> None:
         for name in user_fields:
             if name.startswith("_") or name in ("commit", "restore", "sync", "state_dict", "load_state_dict",
                                                 "on_membership_change", "group", "world"):
@@ -94,6 +127,8 @@ class State:
         object.__setattr__(self, "_fresh", True)  # has not received / confirmed the shared state yet
         object.__setattr__(self, "_commits", 0)
         object.__setattr__(self, "_snapshot", None)
+        object.__setattr__(self, "full_snapshots", bool(full_snapshots))
+        object.__setattr__(self, "_serving", None)  # the Snapshot being streamed to joiners (source only)
         object.__setattr__(self, "_epoch_seen", None)
         object.__setattr__(self, "_callbacks", [])
         object.__setattr__(self, "syncs_received", 0)
@@ -147,16 +182,85 @@ class State:
     def commits(self) -> int:
         return self._commits
 
+    # -- restore points -------------------------------------------------------------------
+    #
+    # A commit is a marker, not a copy: parameters and optimizer state (the bulk of a
+    # training state) change only in ``optimizer.step()``, so commit() records their
+    # version counters and copies only the small rest (model buffers, optimizer
+    # hyper-parameters, user fields). restore() puts the small rest back and checks the
+    # counters: unchanged means the bulk is exactly what it was at the commit (a step that
+    # failed in its gradient allreduce never reached optimizer.step()).
+
+    def _bulk(self) -> list[Any]:
+        """Version stamps of every parameter and optimizer-state entry."""
+        out: list[Any] = []
+        if self.model is not None:
+            out.extend(("p", id(p), p._version) for p in self.model.parameters())  # noqa: SLF001
+        if self.optimizer is not None:
+            for param, st in self.optimizer.state.items():
+                for k, v in st.items():
+                    out.append((id(param), k, ("t", id(v), v._version) if isinstance(v, torch.Tensor)  # noqa: SLF001
+                                else ("v", v)))
+        return out
+
+    def _small(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"fields": copy.deepcopy({k: v.state_dict() if hasattr(v, "state_dict") else v
+                                                        for k, v in self._fields.items()})}
+        if self.model is not None:
+            out["buffers"] = [b.detach().clone() for b in self.model.buffers()]
+        if self.optimizer is not None:
+            out["groups"] = copy.deepcopy([{k: v for k, v in g.items() if k != "params"}
+                                           for g in self.optimizer.param_groups])
+        return out
+
+    def _mark(self) -> None:
+        if self.full_snapshots:
+            object.__setattr__(self, "_snapshot", encode(self.state_dict()))
+        else:
+            object.__setattr__(self, "_snapshot", {"bulk": self._bulk(), "small": self._small()})
+
     def commit(self) -> None:
-        """Snapshot everything in memory (what :meth:`restore` returns to)."""
-        object.__setattr__(self, "_snapshot", encode(self.state_dict()))
+        """Mark a restore point (what :meth:`restore` returns to). Cheap by default: no
+        copy of parameters or optimizer state (see :meth:`restore`); with
+        ``State(full_snapshots=True)`` a full in-memory copy, as Horovod's commit."""
+        self._mark()
         object.__setattr__(self, "_commits", self._commits + 1)
+        serving = self._serving
+        if serving is not None and not any(t.is_alive() for t in serving.threads):
+            object.__setattr__(self, "_serving", None)
 
     def restore(self) -> None:
-        """Roll back to the last :meth:`commit`; ConfigError if there was none."""
-        if self._snapshot is None:
+        """Roll back to the last :meth:`commit`. By default that is exact for what a failed
+        step can have changed before ``optimizer.step()`` (user fields, the sampler, model
+        buffers, optimizer hyper-parameters; parameters and optimizer state untouched). If
+        parameters or optimizer state changed since the commit (``optimizer.step()`` ran),
+        ConfigError says so: build the State with ``full_snapshots=True`` to roll back
+        across an optimizer step. ConfigError too if there was no commit."""
+        snap = self._snapshot
+        if snap is None:
             raise ConfigError("State.restore() before any commit(); call commit() after each good step")
-        self.load_state_dict(decode(self._snapshot))
+        if self.full_snapshots:
+            self.load_state_dict(decode(snap))
+            return
+        if self._bulk() != snap["bulk"]:
+            raise ConfigError("State.restore(): parameters or optimizer state changed since the last commit() "
+                              "(optimizer.step() ran); the default commit is a marker, not a copy. Restore only "
+                              "steps that failed before optimizer.step(), or build State(..., full_snapshots=True) "
+                              "to keep a full copy at every commit")
+        small = snap["small"]
+        if self.model is not None:
+            with torch.no_grad():
+                for b, saved in zip(self.model.buffers(), small["buffers"]):
+                    b.copy_(saved)
+        if self.optimizer is not None:
+            for g, saved in zip(self.optimizer.param_groups, small["groups"]):
+                g.update(copy.deepcopy(saved))
+        for k, v in copy.deepcopy(small["fields"]).items():
+            if hasattr(self._fields[k], "state_dict"):
+                self._fields[k].load_state_dict(v)
+            else:
+                self._fields[k] = v
+        object.__setattr__(self, "_snapshot", {"bulk": self._bulk(), "small": small})
 
     def finish(self) -> None:
         """Training is over: tell joiners that arrive from now on (they get
@@ -205,12 +309,7 @@ class State:
         self._allreduce(cand, dist.ReduceOp.MIN)
         src = int(cand[0])
         if src == _BIG:
-            engine = self._engine()
-            if getattr(engine, "job_done", lambda: False)():
-                raise TrainingFinished("the other members finished training before this joiner could sync; "
-                                       "nothing is left to do")
-            raise ConfigError("State.sync(): every live member is a joiner with no state; restart the job "
-                              "(at least one member must hold the training state)")
+            raise self._no_source()
         me = self._pg().rank()
         payload = encode(self.state_dict()) if me == src else b""
         n = torch.tensor([len(payload), self._commits], dtype=torch.int64)
@@ -225,7 +324,116 @@ class State:
             self.load_state_dict(decode(buf.numpy().tobytes()))
             object.__setattr__(self, "syncs_received", self.syncs_received + 1)
         object.__setattr__(self, "_commits", max_commits)
-        object.__setattr__(self, "_snapshot", encode(self.state_dict()))
+        self._mark()
+
+    def _no_source(self) -> ResilientError:
+        engine = self._engine()
+        if getattr(engine, "job_done", lambda: False)():
+            return TrainingFinished("the other members finished training before this joiner could sync; "
+                                    "nothing is left to do")
+        return ConfigError("State.sync(): every live member is a joiner with no state; restart the job "
+                           "(at least one member must hold the training state)")
+
+    def _snapshot_for_stream(self) -> Snapshot:
+        """The state at this step boundary for the joiners' stream. Parameters and optimizer
+        state are sent from the live tensors (no copy): they change only in
+        ``optimizer.step()``, which a one-shot step pre-hook holds back until the stream is
+        done (the joiner is behind anyway: the next gradient allreduce waits for it). The
+        small rest (buffers, which a forward pass may change, hyper-parameters, fields) is
+        copied. Without an optimizer everything is copied."""
+        sd = self.state_dict()
+        if self.optimizer is None:
+            return Snapshot(sd)
+        params = {p.data_ptr() for p in self.model.parameters()} if self.model is not None else set()
+        if "model" in sd:
+            sd["model"] = {k: v if isinstance(v, torch.Tensor) and v.data_ptr() in params else copy.deepcopy(v)
+                           for k, v in sd["model"].items()}
+        sd["fields"] = copy.deepcopy(sd["fields"])
+        snap = Snapshot(sd, copy=False)
+        handle: list[Any] = []
+
+        def hold_step(*_: Any) -> None:
+            snap.join()
+            handle[0].remove()
+
+        handle.append(self.optimizer.register_step_pre_hook(hold_step))
+        return snap
+
+    def _param_targets(self, structure: Any) -> dict[int, torch.Tensor]:
+        """Tensor index -> this model's parameter, for the stream's ``model`` entries that are
+        parameters: received straight into the parameters' memory (their load is then a
+        no-op self-copy)."""
+        if self.model is None or not isinstance(structure, dict):
+            return {}
+        top = dict((k, v) for k, v in structure.get("__d__", []) if isinstance(k, str))
+        entries = top.get("model", {}).get("__d__", []) if isinstance(top.get("model"), dict) else []
+        params = dict(self.model.named_parameters())
+        out: dict[int, torch.Tensor] = {}
+        for name, node in entries:
+            if name in params and isinstance(node, dict) and "__t__" in node:
+                out[int(node["__t__"])] = params[name].data
+        return out
+
+    def _admit(self, max_commits: int, timing: dict[str, float], t0: float) -> None:
+        """Admission of joiners (every member of the rebuilt group calls it): one small
+        allreduce agrees on the source (lowest-ranked healthy member with the most
+        commits) and on each joiner's stream endpoint; the source snapshots its state and
+        streams it from a background thread (:mod:`resilient.elastic.stream`) and, like
+        every other healthy member, returns to training at once; each joiner receives and
+        loads it before its first op. Falls back to the broadcast transfer when a joiner
+        cannot open an IPv4 receiver."""
+        pg = self._pg()
+        me, n = pg.rank(), pg.size()
+        needy = self._fresh or self.joiner
+        healthy = not needy and self._commits == max_commits
+        info = torch.zeros(3 + 3 * n, dtype=torch.int64)
+        info[0] = _BIG - me if healthy else 0
+        info[1] = self._commits
+        receiver = None
+        if needy:
+            try:
+                receiver = StateReceiver(os.environ.get("RESILIENT_HOST", "127.0.0.1"))
+                ip, port = endpoint_words(receiver.host, receiver.port)
+                info[3 + 3 * me:6 + 3 * me] = torch.tensor([ip, port, receiver.token])
+            except (OSError, ValueError):
+                if receiver is not None:
+                    receiver.close()
+                receiver = None
+                info[2] = 1  # no receiver here: everyone uses the broadcast transfer
+        try:
+            self._allreduce(info, dist.ReduceOp.MAX)
+        except BaseException:
+            if receiver is not None:
+                receiver.close()
+            raise
+        if int(info[2]):
+            if receiver is not None:
+                receiver.close()
+            self._transfer(_live_world(self.group), max_commits)
+            return
+        if int(info[0]) == 0:
+            if receiver is not None:
+                receiver.close()
+            raise self._no_source()
+        src, max_commits = _BIG - int(info[0]), int(info[1])
+        if me == src:
+            snap = self._snapshot_for_stream()
+            for r in range(n):
+                ip, port, token = (int(v) for v in info[3 + 3 * r:6 + 3 * r])
+                if r != me and port:
+                    serve(snap, str(ipaddress.IPv4Address(ip)), port, token, timeout=self.stream_timeout)
+            object.__setattr__(self, "_serving", snap)
+            timing["snapshot_s"] = time.monotonic() - t0
+        if receiver is not None:
+            try:
+                obj = receiver.receive(self.stream_timeout, into=self._param_targets)
+            except (DataLost, TimeoutError) as exc:
+                raise _StreamFailed(str(exc)) from exc
+            self.load_state_dict(obj)
+            object.__setattr__(self, "syncs_received", self.syncs_received + 1)
+            timing["stream_s"] = time.monotonic() - t0
+        object.__setattr__(self, "_commits", max_commits)
+        self._mark()
 
     def sync(self) -> bool:
         """The step-boundary agreement (see the module docstring). Collective: every live
@@ -247,7 +455,8 @@ class State:
                     if hasattr(engine, "announce_ready"):
                         engine.announce_ready()
                         engine.wait_admitted()
-                    self._transfer(world, 0)
+                    timing["admitted_s"] = time.monotonic() - t0
+                    self._admit(0, timing, t0)
                     timing["transfer_s"] = time.monotonic() - t0
                     break
                 epoch, needed, max_commits, pending = self._exchange(world)
@@ -255,13 +464,15 @@ class State:
                 if pending and rebuilds:
                     engine.rebuild(epoch)
                     timing["rebuild_s"] = time.monotonic() - t0
-                    self._transfer(_live_world(self.group), max_commits)
+                    self._admit(max_commits, timing, t0)
                     timing["transfer_s"] = time.monotonic() - t0
                     needed = True
                 elif needed:
                     self._transfer(world, max_commits)
                     timing["transfer_s"] = time.monotonic() - t0
                 break
+            except _StreamFailed as exc:  # the others are training already: no second attempt
+                raise DataLost(f"State.sync(): the joiner's state stream failed: {exc}") from exc
             except CollectiveError:
                 if attempt:
                     raise

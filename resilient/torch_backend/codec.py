@@ -24,8 +24,15 @@ _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128)}
 
 
-def encode(obj: Any) -> bytes:
-    """Serialise ``obj`` (see the module docstring)."""
+_ALIGN = 64  # tensor offsets in the payload are multiples of this (typed views need aligned storage)
+
+
+def split(obj: Any) -> tuple[bytes, list[torch.Tensor], int]:
+    """Serialise ``obj``'s structure only: returns ``(header, tensors, nbytes)`` where
+    ``header`` is the JSON header :func:`encode` writes, ``tensors`` the (CPU, contiguous)
+    tensors whose bytes follow it, in order, at the header's offsets, and ``nbytes`` the
+    size of that tensor area. For streaming a state without building one big payload
+    (``resilient.elastic``). Unsupported objects raise ConfigError naming their path."""
     tensors: list[torch.Tensor] = []
 
     def walk(x: Any, path: str) -> Any:
@@ -58,16 +65,29 @@ def encode(obj: Any) -> bytes:
     for t in tensors:
         n = t.numel() * t.element_size()
         table.append([str(t.dtype).replace("torch.", ""), list(t.shape), offset, n])
-        offset += n
+        offset += (n + _ALIGN - 1) // _ALIGN * _ALIGN
     header = json.dumps({"s": structure, "t": table}, separators=(",", ":")).encode()
-    out = bytearray(8 + len(header) + offset)
-    struct.pack_into("<Q", out, 0, len(header))
-    out[8:8 + len(header)] = header
-    base = 8 + len(header)
+    return header, tensors, offset
+
+
+def pack_into(header: bytes, tensors: list[torch.Tensor], area: torch.Tensor) -> None:
+    """Copy ``tensors`` (from :func:`split`) into ``area`` (a uint8 tensor of at least
+    ``nbytes``) at the header's offsets: one memory copy per tensor, nothing else."""
+    table = json.loads(header)["t"]
     for t, (_, _, off, n) in zip(tensors, table):
         if n:
-            out[base + off:base + off + n] = t.reshape(-1).view(torch.uint8).numpy().tobytes()
-    return bytes(out)
+            area[off:off + n].copy_(t.reshape(-1).view(torch.uint8))
+
+
+def encode(obj: Any) -> bytes:
+    """Serialise ``obj`` (see the module docstring)."""
+    header, tensors, nbytes = split(obj)
+    out = torch.zeros(8 + len(header) + nbytes, dtype=torch.uint8)
+    raw = out.numpy()
+    struct.pack_into("<Q", raw, 0, len(header))
+    raw[8:8 + len(header)] = memoryview(header)
+    pack_into(header, tensors, out[8 + len(header):])
+    return raw.tobytes()
 
 
 #: Largest JSON header accepted, and most dimensions of one tensor.
@@ -123,21 +143,34 @@ def decode(payload: bytes | bytearray | memoryview) -> Any:
     if 8 + hlen > len(buf) or hlen > MAX_HEADER_BYTES:
         raise FrameError(f"state payload header length {hlen} exceeds the payload ({len(buf)} bytes) "
                          f"or {MAX_HEADER_BYTES} bytes")
+    area = torch.frombuffer(bytearray(buf[8 + hlen:]), dtype=torch.uint8) if len(buf) > 8 + hlen else \
+        torch.zeros(0, dtype=torch.uint8)
+    return assemble(bytes(buf[8:8 + hlen]), area)
+
+
+def assemble(header: bytes, area: torch.Tensor) -> Any:
+    """Rebuild the object from a :func:`split` header and its tensor area (a uint8 tensor;
+    the tensors returned are views of it, no copy). Every entry is checked against the
+    area's length before anything is allocated (:func:`_tensor_entry`); a malformed header
+    or an area too short for its table raises FrameError and nothing else."""
+    if len(header) > MAX_HEADER_BYTES:
+        raise FrameError(f"state payload header of {len(header)} bytes exceeds {MAX_HEADER_BYTES} bytes")
     try:
-        header = json.loads(bytes(buf[8:8 + hlen]))
-        structure, table = header["s"], header["t"]
+        parsed = json.loads(header)
+        structure, table = parsed["s"], parsed["t"]
         if not isinstance(table, list):
             raise TypeError("the tensor table is not a list")
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise FrameError(f"state payload header is not valid: {type(exc).__name__}: {exc}") from None
-    base = 8 + hlen
     tensors = []
     for entry in table:
-        dtype, shape, off, n = _tensor_entry(entry, base, len(buf))
-        t = torch.empty(shape, dtype=dtype)
-        if n:
-            t.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(buf[base + off:base + off + n]),
-                                                                    dtype=torch.uint8))
+        dtype, shape, off, n = _tensor_entry(entry, 0, area.numel())
+        if off % _ALIGN == 0:
+            t = area[off:off + n].view(dtype).view(shape) if n else torch.empty(shape, dtype=dtype)
+        else:  # an unaligned offset (not written by split): copy out
+            t = torch.empty(shape, dtype=dtype)
+            if n:
+                t.reshape(-1).view(torch.uint8).copy_(area[off:off + n])
         tensors.append(t)
 
     def build(x: Any) -> Any:

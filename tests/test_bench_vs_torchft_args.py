@@ -1,0 +1,44 @@
+"""bench/vs_torchft.py's argument parsing and lost-time arithmetic (the bench itself is not
+run by the tests: it needs torchft and minutes)."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("vs_torchft_bench", ROOT / "bench" / "vs_torchft.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_quick_defaults_custom_sizes_and_bad_arguments():
+    b = _bench()
+    a = b.parse_args(["--quick"])
+    assert (a.size, a.case, a.steps, a.kill_step) == (["small"], ["start", "allreduce"], 16, 6)
+    a = b.parse_args(["--size", "2:256:0.1", "--case", "allreduce", "--steps", "30"])
+    assert b.SIZES["2:256:0.1"] == (2, 256, 0.1) and a.case == ["allreduce"] and a.kill_step == 10
+    assert b.parse_args(["--worker", "torchft", "--case", "start"]).case == "start"
+    with pytest.raises(SystemExit):
+        b.parse_args(["--size", "huge"])
+    with pytest.raises(SystemExit):
+        b.parse_args(["--steps", "10", "--kill-step", "9"])
+
+
+def test_lost_seconds_counts_only_the_extra_time_of_committed_steps():
+    b = _bench()
+    # steps every 0.5 s, except step 7 took 2.0 s (a failure) and step 8 was logged twice
+    t, recs = 0.0, []
+    for s in range(1, 13):
+        t += 2.0 if s == 7 else 0.5
+        recs.append({"step": s, "t": t})
+    recs.append({"step": 8, "t": recs[7]["t"] + 0.1})  # a later record of the same step is ignored
+    recs.append({"event": "admit", "step": 9, "t": 99.0})
+    assert b.median_step(recs) == 0.5
+    assert b.lost_seconds(recs, 0.5, 3) == pytest.approx(1.5)
+    assert b.lost_seconds(recs, 0.5, 40) is None

@@ -1,0 +1,143 @@
+"""The joiner's state stream (resilient.elastic.stream) over real loopback sockets.
+
+Asserted: the joiner receives exactly the state as it was when the source took its
+snapshot (the admission step boundary), even though the source's live tensors go on
+changing (training continues while the stream runs); a connection with a wrong token is
+ignored; a cut stream is DataLost; no stream is a TimeoutError."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+
+from resilient.elastic import ElasticSampler, State
+from resilient.elastic.stream import MAGIC, _PREFIX, Snapshot, StateReceiver, serve
+from resilient.errors import DataLost
+
+
+def _training_state(seed: int) -> State:
+    torch.manual_seed(seed)
+    # ~24 MiB of parameters + Adam state: more than the loopback socket buffers hold
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.BatchNorm1d(256), torch.nn.Linear(256, 8192),
+                                torch.nn.Linear(8192, 8))
+    opt = torch.optim.Adam(model.parameters())
+    state = State(model=model, optimizer=opt, sampler=ElasticSampler(1000, 10, seed=3), step=0,
+                  extra=torch.arange(5, dtype=torch.float16), name="run", joiner=False)
+    return state
+
+
+def _train_step(state: State) -> None:
+    state.model(torch.randn(16, 64)).pow(2).mean().backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad()
+    state.sampler.record_step()
+    state.step += 1
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        elif isinstance(a[k], dict):
+            _assert_same(a[k], b[k])
+        elif isinstance(a[k], (list, tuple)):
+            assert len(a[k]) == len(b[k])
+            for x, y in zip(a[k], b[k]):
+                _assert_same({"x": x}, {"x": y})
+        else:
+            assert a[k] == b[k], k
+
+
+def test_joiner_gets_the_admission_snapshot_exactly_while_the_source_keeps_training():
+    source, joiner = _training_state(1), _training_state(2)
+    for _ in range(3):
+        _train_step(source)
+    source.model(torch.randn(16, 64))  # a forward pass moved the BatchNorm stats: buffers are copied
+    at_admission = {k: v for k, v in source.state_dict().items()}
+    expected = Snapshot(at_admission)  # an independent copy to compare against
+    receiver = StateReceiver("127.0.0.1")
+    got: dict = {}
+    snap = source._snapshot_for_stream()  # noqa: SLF001 - what State.sync() serves: live params, no copy
+    assert snap.area is None and snap.tensors
+    serve(snap, "127.0.0.1", receiver.port, receiver.token)
+    # the survivors' next steps overlap the stream: the source trains on while its send is
+    # stuck on full socket buffers (the joiner reads only later); its optimizer.step() must
+    # wait for the stream to end, or the joiner would get parameters from after admission
+    trainer = threading.Thread(target=lambda: [_train_step(source) for _ in range(3)])
+    trainer.start()
+    t = threading.Thread(target=lambda: got.setdefault("obj", receiver.receive(
+        30, into=joiner._param_targets)))  # noqa: SLF001 - what State.sync() does: straight into the parameters
+    t.start()
+    trainer.join(30)
+    assert not source.optimizer._optimizer_step_pre_hooks  # noqa: SLF001 - the one-shot hold is gone
+    t.join(30)
+    snap.join(30)
+    assert not snap.errors and "obj" in got
+    params = dict(joiner.model.named_parameters())
+    assert all(got["obj"]["model"][k].data_ptr() == p.data_ptr() for k, p in params.items())  # received in place
+    joiner.load_state_dict(got["obj"])
+    from resilient.torch_backend.codec import assemble
+
+    _assert_same(joiner.state_dict(), assemble(expected.header, expected.area))
+    assert joiner.step == 3 and joiner.sampler.processed == source.sampler.processed - 3 * 10
+    assert not torch.equal(next(joiner.model.parameters()), next(source.model.parameters()))  # source moved on
+    # and the joiner then trains bitwise like a survivor that was at the admission point
+    twin = _training_state(5)
+    twin.load_state_dict(assemble(expected.header, expected.area))
+    torch.manual_seed(9)
+    _train_step(joiner)
+    torch.manual_seed(9)
+    _train_step(twin)
+    _assert_same(joiner.state_dict(), twin.state_dict())
+
+
+def test_wrong_token_is_ignored_then_the_right_stream_is_received():
+    receiver = StateReceiver("127.0.0.1")
+    with socket.create_connection(("127.0.0.1", receiver.port)) as bad:
+        bad.sendall(_PREFIX.pack(MAGIC, receiver.token ^ 1, 2, 0) + b"{}")
+        snap = Snapshot({"w": torch.ones(3)})
+        serve(snap, "127.0.0.1", receiver.port, receiver.token)
+        obj = receiver.receive(30)
+    assert torch.equal(obj["w"], torch.ones(3))
+
+
+def test_cut_stream_is_data_lost_and_no_stream_is_a_timeout():
+    receiver = StateReceiver("127.0.0.1")
+    header = b'{"s":{"__t__":0},"t":[["float32",[1000],0,4000]]}'
+    with socket.create_connection(("127.0.0.1", receiver.port)) as src:
+        src.sendall(_PREFIX.pack(MAGIC, receiver.token, len(header), 4000) + header + b"\0" * 100)
+        src.shutdown(socket.SHUT_WR)  # the source dies mid-stream
+        with pytest.raises(DataLost, match="100 of 4000"):
+            receiver.receive(30)
+    with pytest.raises(TimeoutError, match="no state stream"):
+        StateReceiver("127.0.0.1").receive(0.2)
+
+
+def test_two_joiners_admitted_together_both_get_the_admission_state():
+    """A whole node's joiners: one live snapshot, one stream each, the source's next
+    optimizer step held until both streams are done."""
+    from resilient.torch_backend.codec import assemble
+
+    source, joiners = _training_state(1), [_training_state(2), _training_state(3)]
+    _train_step(source)
+    expected = Snapshot(source.state_dict())
+    receivers = [StateReceiver("127.0.0.1") for _ in joiners]
+    snap = source._snapshot_for_stream()  # noqa: SLF001
+    for r in receivers:
+        serve(snap, "127.0.0.1", r.port, r.token)
+    trainer = threading.Thread(target=lambda: _train_step(source))
+    trainer.start()
+    got: list = [None, None]
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, receivers[i].receive(
+        30, into=joiners[i]._param_targets))) for i in range(2)]  # noqa: SLF001
+    for t in threads:
+        t.start()
+    for t in [*threads, trainer]:
+        t.join(30)
+    assert not snap.errors
+    for j, obj in zip(joiners, got):
+        j.load_state_dict(obj)
+        _assert_same(j.state_dict(), assemble(expected.header, expected.area))
