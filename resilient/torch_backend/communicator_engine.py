@@ -246,11 +246,11 @@ def from_environment(store: Any = None, rank: int = 0, size: int = 1,
                           f"available: {exc}") from exc
     from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession
     from resilient.coordinator.etcd_access import open_store_from_env
-    from resilient.transport.tcp import TcpTransport
+    from resilient.transport.hybrid import make_transport
 
     host = os.environ.get("RESILIENT_HOST", "127.0.0.1")
     st = open_store_from_env(endpoints)
-    transport = TcpTransport(member_id, job, host=host)
+    transport = make_transport(member_id, job, host=host)
     info = MemberInfo(member_id=member_id, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                       address=transport.address)
     session = MemberSession.register(st, job, info, ttl=ttl, lease_id=int(lease) if lease else None)
