@@ -146,6 +146,9 @@ class ShmChannel(socket.socket):
                 data, anc, flags, _ = socket.socket.recvmsg(self, _RECV, socket.CMSG_SPACE(4))
             except (BlockingIOError, InterruptedError):
                 break
+            except ConnectionResetError:  # the peer closed with doorbells unread: EOF all the same
+                self._eof = True          # (what it announced was completely written)
+                break
             fds = self._descriptors(anc, flags)
             if not data:
                 for fd in fds:
@@ -153,7 +156,7 @@ class ShmChannel(socket.socket):
                 self._eof = True
                 break
             self._records(data, fds)
-            if len(data) < _RECV:
+            if len(data) < _RECV and not anc:  # drained (a descriptor ends a read early)
                 break
 
     @staticmethod
