@@ -330,7 +330,12 @@ class ShmListener:
                 if self._on_refused is not None:
                     self._on_refused("shm_uid")
                 continue
-            return ShmChannel(sock, self.capacity), f"shm:pid={pid}"
+            try:
+                return ShmChannel(sock, self.capacity), f"shm:pid={pid}"
+            except OSError:  # EMFILE/ENOMEM creating the ring, or the peer went away
+                sock.close()
+                if self._on_refused is not None:
+                    self._on_refused("shm_setup")
 
     def close(self) -> None:
         self._sock.close()
@@ -346,4 +351,8 @@ def connect(name: str, capacity: int = DEFAULT_CAPACITY) -> tuple[socket.socket,
         err = errno.ECONNREFUSED
     if err != 0:
         return sock, err
-    return ShmChannel(sock, capacity), 0
+    try:
+        return ShmChannel(sock, capacity), 0
+    except OSError as exc:  # EMFILE/ENOMEM creating the ring, or the peer went away
+        sock.close()
+        return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), exc.errno or errno.EIO
