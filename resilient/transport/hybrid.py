@@ -34,7 +34,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from resilient.errors import ConfigError
+from resilient.errors import ConfigError, TransportError
 from resilient.transport import shm
 from resilient.transport.tcp import TcpTransport, _Conn
 
@@ -113,7 +113,18 @@ class HybridTransport(TcpTransport):
         # announcements) leave no readable event behind: read such links first.
         if self._read_announced():
             timeout = 0.0
+        self._flush_doorbells()
         super()._progress(timeout)
+
+    def _flush_doorbells(self) -> None:
+        """Send every batched credit before this thread may block in ``select``."""
+        for conn in list(self._conns.values()):
+            ch = conn.sock
+            if isinstance(ch, shm.ShmChannel) and conn.failed is None and ch.doorbell_pending:
+                try:
+                    ch.flush()
+                except OSError as exc:
+                    self._fail_conn(conn, TransportError(f"connection to member {conn.peer} failed while sending: {exc}"))
 
     def _read_announced(self) -> bool:
         progressed = False

@@ -134,6 +134,7 @@ class ShmChannel(socket.socket):
         self._consumed = 0      # of those, bytes I read
         self._rx = bytearray()  # a partial doorbell record
         self._tx = bytearray()  # doorbell bytes not sent yet (the socket was full)
+        self._credit = 0        # consumed bytes not credited yet (sent by :meth:`flush`)
         self._eof = False
         self.chunk = max(MIN_CAPACITY // 2, capacity // 4)  # largest single write: keeps both sides busy
 
@@ -206,7 +207,12 @@ class ShmChannel(socket.socket):
         self.flush()
 
     def flush(self) -> None:
-        """Send queued doorbell records as far as the socket takes them."""
+        """Send queued doorbell records (and the pending credit) as far as the socket
+        takes them. The transport calls it before every ``select``, so no credit is held
+        back while this side waits."""
+        if self._credit:
+            self._tx += _REC.pack(b"C", self._credit)
+            self._credit = 0
         while self._tx:
             try:
                 n = socket.socket.send(self, self._tx)
@@ -219,7 +225,7 @@ class ShmChannel(socket.socket):
     @property
     def doorbell_pending(self) -> bool:
         """Doorbell records wait for the socket to become writable."""
-        return bool(self._tx)
+        return bool(self._tx) or self._credit > 0
 
     @property
     def has_room(self) -> bool:
@@ -247,10 +253,13 @@ class ShmChannel(socket.socket):
         """Copy a prefix of ``buffers`` into free ring space and announce it: the number of
         bytes taken; :class:`BlockingIOError` while the ring is full;
         :class:`BrokenPipeError` once the peer closed."""
-        self.pump()
-        if self._eof:
-            raise BrokenPipeError("peer closed the shared-memory link")
+        buffers = list(buffers)
         room = min(self._cap - (self._written - self._credited), self.chunk)
+        if room < min(self.chunk, sum(memoryview(b).nbytes for b in buffers)):
+            self.pump()  # credits first (a dead peer shows up here or as EPIPE of the doorbell)
+            if self._eof:
+                raise BrokenPipeError("peer closed the shared-memory link")
+            room = min(self._cap - (self._written - self._credited), self.chunk)
         if room <= 0:
             raise BlockingIOError("shared-memory ring full")
         total = 0
@@ -273,18 +282,22 @@ class ShmChannel(socket.socket):
         """Copy up to ``nbytes`` (default: all of ``buf``) announced bytes into ``buf`` and
         credit them; 0 at EOF with nothing announced left; :class:`BlockingIOError` when
         nothing is announced yet."""
-        self.pump()
+        mv = _flat(buf)
+        want = min(nbytes or len(mv), len(mv))
+        if self._announced - self._consumed < want:
+            self.pump()
         avail = self._announced - self._consumed
         if avail <= 0:
             if self._eof:
                 return 0
             raise BlockingIOError("no shared-memory bytes announced")
-        mv = _flat(buf)
-        k = min(nbytes or len(mv), len(mv), avail)
+        k = min(want, avail)
         assert self._in_mv is not None
         _copy_ring(self._in_mv, self._in_cap, self._consumed, mv[:k], False)
         self._consumed += k
-        self._ring(b"C", k)
+        self._credit += k
+        if self._credit >= self.chunk // 2 or self._consumed == self._announced:
+            self.flush()  # else batched: the next read or the transport's pre-select flush sends it
         return k
 
     def close(self) -> None:
