@@ -7,6 +7,7 @@ ever received; the abort wakes the waiting member). No segment is left in /dev/s
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -248,4 +249,24 @@ def test_sigstopped_shm_peer_never_tears_a_chunk_and_abort_wakes_the_wait():
         os.kill(p.pid, signal.SIGCONT)
         p.kill()
         p.wait()
+        b.close()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make certificates")
+def test_mutual_tls_keeps_same_host_pairs_on_tls(tmp_path):
+    from test_transport_hardening_tls import _ca, _leaf
+
+    _ca(tmp_path, "ca")
+    a = HybridTransport("a", "job", tls=_leaf(tmp_path, "ca", "a"))
+    b = HybridTransport("b", "job", tls=_leaf(tmp_path, "ca", "b"))
+    try:
+        assert split_address(a.address)[1] is None   # no shm suffix: certificates cannot be checked on it
+        addrs = {"a": a.address, "b": b.address}
+        a.configure(1, "tok", addrs)
+        b.configure(1, "tok", addrs)
+        x, y = np.arange(1000.0), np.zeros(1000)
+        both(a, a.isend("b", x, 1, 0), b, b.irecv("a", y, 1, 0), timeout=20)
+        assert (x == y).all() and not isinstance(a._conns["b"].sock, shm.ShmChannel)
+    finally:
+        a.close()
         b.close()
