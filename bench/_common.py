@@ -220,10 +220,10 @@ def join(args: Any, **comm_kwargs: Any) -> tuple[Any, Any, Any, int]:
     from resilient.collectives.group import EtcdGroupView
     from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession
     from resilient.coordinator.etcd_access import open_store_from_env
-    from resilient.transport.tcp import TcpTransport
+    from resilient.transport.hybrid import make_transport
 
     store = open_store_from_env(args.etcd)  # RESILIENT_ETCD_* TLS/credentials
-    transport = TcpTransport(args.id, args.job)
+    transport = make_transport(args.id, args.job)
     session = MemberSession.register(store, args.job, MemberInfo(member_id=args.id, address=transport.address),
                                      lease_id=args.lease_id)
     watcher = EpochWatcher(store, args.job)

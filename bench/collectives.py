@@ -1,9 +1,11 @@
-"""Allreduce bandwidth: resilient's TCP ring vs torch's gloo, in the same processes.
+"""Allreduce bandwidth: resilient's ring vs torch's gloo, in the same processes.
 
-    python bench/collectives.py --world 4 --sizes 64K,1M,16M,64M [--rounds 10]
+    python bench/collectives.py --world 4 --sizes 64K,1M,16M,64M [--rounds 10] [--transport auto|tcp]
 
 Starts a real etcd, a real coordinator and ``--world`` member processes. Each member
-joins the job (a :class:`~resilient.collectives.Communicator` over the TCP transport) and
+joins the job (a :class:`~resilient.collectives.Communicator` over the transport
+``--transport`` names: ``auto``, the default, is shared memory between these same-host
+members (:mod:`resilient.transport.hybrid`); ``tcp`` is TCP only) and
 also ``dist.init_process_group("gloo")`` (a TCPStore hosted by member 0), both with
 ``torch.set_num_threads(1)``. For every size, each round times gloo's ``all_reduce``, then
 ours with the ledger on and off (``Communicator.ledger_enabled``, toggled on every member
@@ -11,7 +13,7 @@ between ops) in an order that alternates between rounds; every timing
 starts after a gloo barrier and runs ``iters`` back-to-back float32 SUM allreduces. A
 round's time is the slowest member's. One JSON line per size::
 
-    {"size_bytes", "busbw_resilient", "busbw_gloo", "ratio_vs_gloo", "ledger_overhead", ...}
+    {"size_bytes", "transport", "busbw_resilient", "busbw_gloo", "ratio_vs_gloo", "ledger_overhead", ...}
 
 busbw = 2(n-1)/n * size / time (NCCL tests' definition) in bytes/s from the median round;
 ``cpu_per_op_*_s`` = median process CPU seconds (all threads, user+sys) per op on one member
@@ -103,6 +105,8 @@ def main() -> None:
                     help="override the communicator's pipelining slice size (default: its own)")
     ap.add_argument("--small-bytes", type=int, default=0,
                     help="override the size up to which recursive doubling is used (default: the communicator's)")
+    ap.add_argument("--transport", choices=("auto", "tcp"), default="auto",
+                    help="members' transport: auto = shared memory on one host (the shm arm), tcp = TCP only")
     ap.add_argument("--gloo-port", type=int, default=0, help=argparse_hidden())
     args = ap.parse_args()
     if args.worker:
@@ -114,6 +118,7 @@ def main() -> None:
     from resilient.coordinator.local_etcd import free_port
 
     port = free_port()
+    os.environ["RESILIENT_TRANSPORT"] = args.transport  # inherited by the member processes
     with BenchCluster(os.path.abspath(__file__), args.world, job="bench-collectives",
                       worker_args=["--gloo-port", str(port), "--slice-bytes", str(args.slice_bytes),
                                    "--small-bytes", str(args.small_bytes)]) as cl:
@@ -127,7 +132,7 @@ def main() -> None:
             overhead = median([on / off - 1 for on, off in zip(per_round["ledger_on"], per_round["ledger_off"])])
             bw_ours, bw_gloo = busbw(size, t_ours, args.world), busbw(size, t_gloo, args.world)
             print(json.dumps({
-                "size_bytes": size, "busbw_resilient": round(bw_ours), "busbw_gloo": round(bw_gloo),
+                "size_bytes": size, "transport": args.transport, "busbw_resilient": round(bw_ours), "busbw_gloo": round(bw_gloo),
                 "ratio_vs_gloo": round(bw_ours / bw_gloo, 3), "ledger_overhead": round(overhead, 4),
                 "world": args.world, "rounds": args.rounds, "iters_per_round": res[mids[0]]["iters"],
                 "t_resilient_s": t_ours, "t_gloo_s": t_gloo, "t_ledger_off_s": median(per_round["ledger_off"]),

@@ -121,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.backend == "resilient":
         op_start = _take_op_start_failpoints()  # before resilient.collectives parses the rest
         from resilient.transport.shaping import shaped_from_env
-        from resilient.transport.tcp import TcpTransport
+        from resilient.transport.hybrid import make_transport
 
         # RESILIENT_HOST: the runner places a member in a network namespace and names its address there
-        transport = shaped_from_env(TcpTransport(mid, args.job, host=os.environ.get("RESILIENT_HOST", "127.0.0.1")))
+        transport = shaped_from_env(make_transport(mid, args.job, host=os.environ.get("RESILIENT_HOST", "127.0.0.1")))
         import resilient.collectives  # noqa: F401  (torch: paid before READY, not inside the timed run)
     store = open_store_from_env(args.etcd)  # RESILIENT_ETCD_* TLS/credentials from the runner
     info = MemberInfo(member_id=mid, address=transport.address if transport is not None else "")

@@ -10,10 +10,10 @@ from resilient.transport.tcp import TcpTransport
 
 
 @contextlib.contextmanager
-def transport_pair(**kw: Any) -> Iterator[tuple[TcpTransport, TcpTransport, dict[str, str]]]:
-    """Transports "a" and "b" of job "job", both configured for epoch 1, token "tok";
-    closed on exit."""
-    a, b = TcpTransport("a", "job", **kw), TcpTransport("b", "job", **kw)
+def transport_pair(cls: type = TcpTransport, **kw: Any) -> Iterator[tuple[TcpTransport, TcpTransport, dict[str, str]]]:
+    """Transports "a" and "b" (of class ``cls``) of job "job", both configured for epoch 1,
+    token "tok"; closed on exit."""
+    a, b = cls("a", "job", **kw), cls("b", "job", **kw)
     addrs = {"a": a.address, "b": b.address}
     try:
         a.configure(1, "tok", addrs)

@@ -252,11 +252,11 @@ def from_environment(store: Any = None, rank: int = 0, size: int = 1,
                           f"available: {exc}") from exc
     from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession
     from resilient.coordinator.etcd_access import open_store_from_env
-    from resilient.transport.tcp import TcpTransport
+    from resilient.transport.hybrid import make_transport
 
     host = os.environ.get("RESILIENT_HOST", "127.0.0.1")
     st = open_store_from_env(endpoints)
-    transport = TcpTransport(member_id, job, host=host)
+    transport = make_transport(member_id, job, host=host)
     # launched by our own agent: it placed us; otherwise (mp.spawn, torchrun, torch's test
     # suite) the rank given to init_process_group is the ring position we register for
     explicit = "RESILIENT_MEMBER_ID" not in os.environ

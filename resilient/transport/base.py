@@ -2,8 +2,10 @@
 
 An algorithm never sees sockets, NCCL communicators or etcd: it posts tagged
 point-to-point sends and receives of raw buffers to members of the current epoch and
-waits on them. Two implementations exist or are planned: :mod:`resilient.transport.tcp`
-(CPU, the default and what the tests run) and an NCCL transport for GPUs.
+waits on them. Implementations: :mod:`resilient.transport.tcp` (CPU),
+:mod:`resilient.transport.hybrid` (what members build: the TCP transport with
+shared-memory links between members on one host, :mod:`resilient.transport.shm`) and an
+NCCL transport for GPUs.
 
 Why the transport is ours (DESIGN §3): when the coordinator publishes an epoch that
 removes a peer, every blocked send/recv on every survivor must return *at once*, whatever

@@ -204,6 +204,8 @@ class TcpTransport(Transport):
         self._listener.listen(128)
         self._listener.setblocking(False)
         self._sel.register(self._listener, selectors.EVENT_READ, "listener")
+        #: every listening socket (a subclass may add others); all are paused together
+        self._listeners: list[Any] = [self._listener]
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -331,13 +333,18 @@ class TcpTransport(Transport):
             return None
         return conn
 
-    def _dial(self, peer: str) -> _Conn:
-        host, _, port = self._addresses[peer].rpartition(":")
+    def _open_link(self, peer: str, address: str) -> tuple[socket.socket, int]:
+        """A non-blocking socket that started connecting to ``peer`` at ``address``, and
+        the errno of ``connect_ex`` (subclasses route some peers over other links)."""
+        host, _, port = address.rpartition(":")
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._tune(sock)
         sock.setblocking(False)
+        return sock, sock.connect_ex((host, int(port)))
+
+    def _dial(self, peer: str) -> _Conn:
+        sock, err = self._open_link(peer, self._addresses[peer])
         conn = _Conn(sock, peer, self._addresses[peer])
-        err = sock.connect_ex((host, int(port)))
         if err not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
             sock.close()
             conn.sock = None
@@ -591,7 +598,8 @@ class TcpTransport(Transport):
                             f"{self.limits.parked_timeout_s if parked else self.limits.timeout_s}s")
         if self._accept_paused_until is not None and now >= self._accept_paused_until and not self._closed:
             self._accept_paused_until = None
-            self._sel.register(self._listener, selectors.EVENT_READ, "listener")
+            for listener in self._listeners:
+                self._sel.register(listener, selectors.EVENT_READ, "listener")
 
     def _update_masks(self) -> None:
         for conn in list(self._conns.values()) + list(self._accepting):
@@ -650,9 +658,14 @@ class TcpTransport(Transport):
     # -- accept / handshake -----------------------------------------------------------
 
     def _accept(self) -> None:
+        for listener in list(self._listeners):
+            if self._accept_paused_until is None:
+                self._accept_from(listener)
+
+    def _accept_from(self, listener: Any) -> None:
         for _ in range(ACCEPT_BATCH):
             try:
-                sock, addr = self._listener.accept()
+                sock, addr = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
@@ -693,10 +706,11 @@ class TcpTransport(Transport):
             return True
         self._accept_paused_until = time.monotonic() + self._accept_pause
         self._accept_pause = min(ACCEPT_PAUSE_MAX_S, self._accept_pause * 2)
-        try:
-            self._sel.unregister(self._listener)
-        except (KeyError, ValueError):
-            pass
+        for listener in self._listeners:
+            try:
+                self._sel.unregister(listener)
+            except (KeyError, ValueError):
+                pass
         return False
 
     def _watch_parked(self, conn: _Conn) -> None:
@@ -1056,11 +1070,12 @@ class TcpTransport(Transport):
         for conn in list(self._conns.values()) + list(self._accepting):
             self._fail_conn(conn, TransportError("transport closed"))
         self._conns.clear()
-        try:
-            self._sel.unregister(self._listener)
-        except (KeyError, ValueError):
-            pass
-        self._listener.close()
+        for listener in self._listeners:
+            try:
+                self._sel.unregister(listener)
+            except (KeyError, ValueError):
+                pass
+            listener.close()
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)

@@ -52,11 +52,11 @@ def main() -> int:
     from resilient.collectives.group import EtcdGroupView
     from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession, Store
     from resilient.errors import RemovedFromGroup, ResilientError
-    from resilient.transport.tcp import TcpTransport
+    from resilient.transport.hybrid import make_transport
 
     index = int(args.id.lstrip("m"))
     store = Store(args.etcd)
-    transport = TcpTransport(args.id, args.job)
+    transport = make_transport(args.id, args.job)  # RESILIENT_TRANSPORT: auto (shm on one host) | tcp
     session = MemberSession.register(store, args.job, MemberInfo(member_id=args.id, address=transport.address), ttl=args.ttl)
     print(f"LEASE {args.id} {session.lease_id}", flush=True)  # the harness revokes it when we exit
     watcher = EpochWatcher(store, args.job)
