@@ -72,3 +72,54 @@ def test_planner_without_speeds_is_unchanged_and_measured_overrides_declared():
     assert p.ring == ("a1", "a0", "b1", "b0") and p.shard_weights == (0.75, 0.25)
     # a speed missing for one member: no classes, no weights
     assert plan(ms, link_speed={"a0": 1.0, "a1": 3.0, "b0": 1.0}).shard_weights is None
+
+
+def test_link_rates_are_bytes_over_wait_for_busy_links_only():
+    from resilient.health_reporter import LINK_MIN_BYTES, link_rates
+
+    got = link_rates({"a": 10 * LINK_MIN_BYTES, "b": 5 * LINK_MIN_BYTES, "c": 100, "d": 4 * LINK_MIN_BYTES},
+                     {"a": 2 * LINK_MIN_BYTES, "d": 0}, {"a": 0.5, "b": 1.0, "c": 1.0, "d": 0.0})
+    assert got == {"a": 16 * LINK_MIN_BYTES, "b": 5 * LINK_MIN_BYTES}
+
+
+def test_reporter_windows_measure_a_slow_link_slower(etcd_session, job_name):
+    """Real TCP transports: b sends to a at 4 MB/s, c at 16 MB/s (shaped); a's window
+    reports b's link as the slower one, and the planner's reader classes them apart."""
+    import threading
+
+    import numpy as np
+
+    from resilient.coordinator import Store
+    from resilient.coordinator.health import read_health
+    from resilient.health_reporter import HealthReporter
+    from resilient.transport.shaping import ShapedTransport
+    from resilient.transport.tcp import TcpTransport
+
+    store = Store(etcd_session.endpoints)
+    ts = {m: TcpTransport(m, job_name) for m in "abc"}
+    addrs = {m: t.address for m, t in ts.items()}
+    for t in ts.values():
+        t.configure(1, "t", addrs)
+    clock = [0.0]
+    rep = HealthReporter(store, job_name, "a", None, ts["a"].stats, interval=1.0, clock=lambda: clock[0])
+    senders = {"b": ShapedTransport(ts["b"], "bw=4MB/s"), "c": ShapedTransport(ts["c"], "bw=16MB/s")}
+    try:
+        n = 1 << 20
+        for op, p in enumerate(["b", "c", "b", "c"]):   # one sender at a time: each wait is its transfer
+            buf = np.zeros(n, dtype=np.uint8)
+            th = threading.Thread(target=lambda: senders[p].wait([senders[p].isend("a", np.ones(n, dtype=np.uint8), op, 0)]))
+            th.start()
+            ts["a"].wait([ts["a"].irecv(p, buf, op, 0)], timeout=30)
+            th.join(30)
+            assert buf.all()
+        clock[0] += 1.5
+        assert rep.op_done(1, 0.5)
+        rec = read_health(store, job_name)["a"]
+        assert set(rec["link_bps"]) == {"b", "c"}
+        assert rec["link_bps"]["b"] < 0.6 * rec["link_bps"]["c"], rec["link_bps"]
+        speeds = speeds_from_health({"a": rec}, {"a": "A", "b": "B", "c": "C"})
+        assert [ids for _, ids in link_classes(speeds)] == [["c"], ["b"]]
+    finally:
+        for t in ts.values():
+            t.close()
+        store.close()
