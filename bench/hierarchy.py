@@ -62,6 +62,18 @@ def _expected(world: int, numel: int):
     return ((torch.arange(numel, dtype=torch.int64) % 251) * sum(range(1, world + 1))).to(torch.float32)
 
 
+def _batch(mode: str, barrier: Any, allreduce: Any, index: int, args: argparse.Namespace, exp: Any) -> None:
+    """One timed batch of ``args.ops`` allreduces after a barrier; emits its time and
+    how many outputs were not the exact sum."""
+    barrier()
+    t0, wrong = time.monotonic(), 0
+    for _ in range(args.ops):
+        x = _input(index, args.numel)
+        allreduce(x)
+        wrong += int(not bool((x == exp).all()))
+    emit("batch", mode=mode, seconds=time.monotonic() - t0, wrong=wrong)
+
+
 def worker(args: argparse.Namespace) -> int:
     index = int(args.id.lstrip("m"))
     exp = _expected(args.world, args.numel)
@@ -72,13 +84,7 @@ def worker(args: argparse.Namespace) -> int:
         emit("ready")
         wait_go()
         for _ in range(args.rounds):
-            dist.barrier()
-            t0, wrong = time.monotonic(), 0
-            for _ in range(args.ops):
-                x = _input(index, args.numel)
-                dist.all_reduce(x)
-                wrong += int(not bool((x == exp).all()))
-            emit("batch", mode="gloo", seconds=time.monotonic() - t0, wrong=wrong)
+            _batch("gloo", dist.barrier, dist.all_reduce, index, args, exp)
         dist.barrier()
         dist.destroy_process_group()
         emit("done")
@@ -107,13 +113,7 @@ def worker(args: argparse.Namespace) -> int:
     for _ in range(args.rounds):
         for mode in args.modes.split(","):
             comm.hierarchical = mode != "flat"   # every member runs the same schedule
-            comm.barrier()
-            t0, wrong = time.monotonic(), 0
-            for _ in range(args.ops):
-                x = _input(index, args.numel)
-                comm.allreduce(x)
-                wrong += int(not bool((x == exp).all()))
-            emit("batch", mode=mode, seconds=time.monotonic() - t0, wrong=wrong)
+            _batch(mode, comm.barrier, comm.allreduce, index, args, exp)
     comm.barrier()
     emit("done")
     wait_go()

@@ -2,20 +2,16 @@
 them: pure functions, plain member records."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import sys
+from pathlib import Path
 
 from resilient.coordinator.link_classes import (
     declared_speeds, link_classes, member_speeds, shard_weights, speeds_from_health,
 )
 from resilient.coordinator.planner import plan
 
-
-@dataclass(frozen=True)
-class M:
-    member_id: str
-    host: str
-    local_rank: int = 0
-    labels: dict = field(default_factory=dict)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_cp_planner import M  # noqa: E402  (plain member records)
 
 
 def test_classes_group_within_ratio_fastest_first_and_take_the_slowest_speed():
