@@ -117,3 +117,65 @@ def test_weighted_shards_are_exact_and_follow_the_weights():
     _check(ids, results, ops, numel)
     # local index 1 carries twice local index 0's bytes across hosts
     assert cross["h0m1"] == pytest.approx(2 * cross["h0m0"], rel=1e-3)
+
+
+def _run_per_member(kind: str, hosts: int, k: int, m: int, hierarchical: bool = True):
+    """Every member runs one reduce_scatter or allgather (chunks of ``m``) over a static
+    epoch with ``hosts`` x ``k`` host groups; returns outputs and cross-host bytes sent."""
+    import threading
+
+    from resilient.collectives.communicator import Communicator
+    from static_group import StaticView, run_members
+
+    ids = [f"h{h}m{c}" for h in range(hosts) for c in range(k)]
+    n = len(ids)
+    trs = {x: TcpTransport(x, "hierjob") for x in ids}
+    ep = _Epoch(1, tuple(ids), "tok", {x: _Info(trs[x].address) for x in ids},
+                plan={"host_groups": [[h * k, k] for h in range(hosts)]})
+    blobs: dict = {"lock": threading.Condition()}
+    outs: dict = {}
+    comms: dict = {}
+
+    def member(x: str) -> None:
+        i = ids.index(x)
+        c = Communicator(StaticView(x, ep, blobs), trs[x], op_timeout=20, slice_bytes=4096, hierarchical=hierarchical)
+        comms[x] = c
+        if kind == "reduce_scatter":
+            out = torch.empty(m)
+            c.reduce_scatter(out, [member_input(i, 100 + j, m) for j in range(n)])
+            outs[x] = out
+        else:
+            res = [torch.empty(m) for _ in range(n)]
+            c.allgather(res, member_input(i, 7, m))
+            outs[x] = res
+
+    try:
+        run_members(member, ids, 60)
+    finally:
+        for c in comms.values():
+            c.close()
+        for t in trs.values():
+            t.close()
+    host = {x: x.split("m")[0] for x in ids}
+    cross = {x: sum(b for p, b in trs[x].stats.sent_by_peer.items() if host[p] != host[x]) for x in ids}
+    return ids, outs, cross
+
+
+@pytest.mark.parametrize("hosts,k,m", [(2, 3, 5_001), (3, 2, 2_000)])
+def test_hierarchical_reduce_scatter_is_exact_and_sends_less_across_hosts(hosts, k, m):
+    ids, outs, cross = _run_per_member("reduce_scatter", hosts, k, m)
+    n = len(ids)
+    for j, x in enumerate(ids):
+        exp = sum(member_input(i, 100 + j, m).double() for i in range(n))
+        torch.testing.assert_close(outs[x].double(), exp, rtol=0, atol=0)
+    # each member sends (H-1)/H of its H chunks of index c across hosts: (H-1) chunks
+    assert all(cross[x] == (hosts - 1) * m * 4 for x in ids), cross
+
+
+@pytest.mark.parametrize("hosts,k,m", [(2, 3, 5_001), (3, 2, 2_000)])
+def test_hierarchical_allgather_is_exact_and_sends_less_across_hosts(hosts, k, m):
+    ids, outs, cross = _run_per_member("allgather", hosts, k, m)
+    for x in ids:
+        for i in range(len(ids)):
+            torch.testing.assert_close(outs[x][i], member_input(i, 7, m), rtol=0, atol=0)
+    assert all(cross[x] == (hosts - 1) * m * 4 for x in ids), cross

@@ -44,7 +44,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from resilient.collectives.algorithms import ChainBroadcast, OpContext, RecursiveDoubling, RingReduceScatterAllgather
-from resilient.collectives.algorithms.hierarchical import select as select_hierarchical
+from resilient.collectives.algorithms.hierarchical import select as select_hierarchical, select_per_member
 from resilient.collectives.algorithms.leaf import LeafPath
 from resilient.collectives.eviction import removed_error
 from resilient.collectives.group import GroupView, addresses_of
@@ -798,9 +798,13 @@ class Communicator:
             n = n0
             S = self._slices(m * out.element_size())
             pieces = [(c * m + a, c * m + b) for c in range(n) for (a, b) in split(m, S)]
+            want, algo = [c for c in range(n) for _ in range(S)], RingReduceScatterAllgather(S, shift=1, do_ag=False)
+            hier = select_per_member("reduce_scatter", members, self._epoch, m, S) if self.hierarchical else None
+            if hier is not None:
+                pieces, want, algo = hier[0].pieces, hier[0].owner, hier[1]
             L = Ledger(seq, "reduce_scatter", tuple(members), me, self._epoch.number, digest, inp, torch.empty_like(inp), pieces,
-                       want=[c for c in range(n) for _ in range(S)])
-            return L, RingReduceScatterAllgather(S, shift=1, do_ag=False)
+                       want=want)
+            return L, algo
 
         old = self.policy
         if policy is not None:
@@ -826,14 +830,19 @@ class Communicator:
             n = n0
             S = self._slices(m * t.element_size())
             pieces = [(c * m + a, c * m + b) for c in range(n) for (a, b) in split(m, S)]
+            owners, offs = [c for c in range(n) for _ in range(S)], [a for c in range(n) for (a, b) in split(m, S)]
+            algo: Any = RingReduceScatterAllgather(S, shift=1, do_rs=False)
+            hier = select_per_member("allgather", members, self._epoch, m, S) if self.hierarchical else None
+            if hier is not None:
+                pieces, owners, offs, algo = hier[0].pieces, hier[0].owner, hier[0].offset, hier[1]
             out = torch.empty(n * m, dtype=t.dtype)
             L = Ledger(seq, "allgather", tuple(members), me, self._epoch.number, digest, own, out, pieces,
-                       piece_kind=PieceKind.COPY, owners=[c for c in range(n) for _ in range(S)],
-                       inp_offset=[a for c in range(n) for (a, b) in split(m, S)])
+                       piece_kind=PieceKind.COPY, owners=owners, inp_offset=offs)
             out[me * m:(me + 1) * m].copy_(own)
-            for j in range(S):
-                L.set(me * S + j, 1 << me)
-            return L, RingReduceScatterAllgather(S, shift=1, do_rs=False)
+            for p, o in enumerate(owners):
+                if o == me:
+                    L.set(p, 1 << me)
+            return L, algo
 
         L = self._run(desc, build)
         for i, o in enumerate(outs):

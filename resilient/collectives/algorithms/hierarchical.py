@@ -185,23 +185,14 @@ class HierarchicalAllreduce:
         host_mask = [sum(bit[m] for m in g) for g in self.groups]
         everything = list(range(len(L.pieces)))
 
-        def by_bits(parts: list[int]) -> Callable[[int], int]:
-            def tr(mask: int) -> int:
-                out = 0
-                for j, b in enumerate(parts):
-                    if mask >> j & 1:
-                        out |= b
-                return out
-            return tr
-
         # 1. reduce-scatter inside the host: local rank c ends with shard c over its host
-        self._phase(ctx, "intra", host, everything, by_bits(host_bits), L.inp, None,
+        self._phase(ctx, "intra", host, everything, _translator(host_bits), L.inp, None,
                     RingReduceScatterAllgather(H * S, shift=1, do_ag=False))
         # 2. allreduce of shard c across hosts, between the members with local index c
         mine = list(range(c * H * S, (c + 1) * H * S))
         lo, hi = L.pieces[mine[0]][0], L.pieces[mine[-1]][1]
         stage = L.out[lo:hi].clone()   # the ring's input: the host partial (out is overwritten)
-        self._phase(ctx, "cross", [g[c] for g in self.groups], mine, by_bits(host_mask), stage,
+        self._phase(ctx, "cross", [g[c] for g in self.groups], mine, _translator(host_mask), stage,
                     [L.pieces[q][0] - lo for q in mine], RingReduceScatterAllgather(S))
         # 3. all-gather of the final shards inside the host
         full = L.full
@@ -239,3 +230,128 @@ def select(members: Sequence[str], epoch: Any, numel: int, elem_bytes: int,
     if layout is None:
         return None
     return layout.pieces, HierarchicalAllreduce(groups, layout)
+
+
+# -- reduce_scatter / allgather: one output chunk per member ----------------------------------
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Pieces of a per-member op (chunk ``i`` of ``m`` elements belongs to member ``i``),
+    ordered local index ``c``, host ``h``, slice ``j`` (the chunk of member ``(h, c)``);
+    ``owner[p]``: the member index of piece ``p``'s chunk, ``offset[p]``: its start inside
+    that chunk."""
+
+    groups: list[list[str]]
+    S: int
+    pieces: list[tuple[int, int]]
+    owner: list[int]
+    offset: list[int]
+
+    @classmethod
+    def make(cls, members: Sequence[str], groups: Sequence[Sequence[str]], m: int, slices: int) -> "ChunkLayout":
+        from resilient.collectives.ledger import split
+
+        idx = {x: i for i, x in enumerate(members)}
+        cuts = split(m, slices)
+        pieces, owner, offset = [], [], []
+        for c in range(len(groups[0])):
+            for g in groups:
+                i = idx[g[c]]
+                for a, b in cuts:
+                    pieces.append((i * m + a, i * m + b))
+                    owner.append(i)
+                    offset.append(a)
+        return cls([list(g) for g in groups], slices, pieces, owner, offset)
+
+
+class _PerMemberHierarchy:
+    """Shared by :class:`HierarchicalReduceScatter` / :class:`HierarchicalAllgather`: the
+    member's host, local index and the op's mask helpers."""
+
+    def __init__(self, layout: ChunkLayout) -> None:
+        self.layout = layout
+
+    def _where(self, L: Ledger) -> tuple[list[str], int, int, int]:
+        groups = self.layout.groups
+        me = L.members[L.me]
+        h = next(i for i, g in enumerate(groups) if me in g)
+        return groups[h], h, groups[h].index(me), len(groups) * self.layout.S
+
+
+class HierarchicalReduceScatter(_PerMemberHierarchy):
+    """reduce_scatter in two levels: (1) ``intra_rs``: inside each host, local rank ``c``
+    collects the host's sum of the chunks of every host's local-``c`` member; (2)
+    ``cross_rs``: those ``H`` members reduce-scatter them across hosts, each ending with
+    its own chunk over everyone. Cross-host bytes per member ``(H-1)/H`` of its ``H``
+    chunks instead of the flat ring's ``(n-1)`` chunks over the host edge. Masks
+    translated as in :class:`HierarchicalAllreduce`, so recovery is the ordinary one."""
+
+    def run(self, ctx: OpContext) -> None:
+        L = ctx.ledger
+        host, h, c, HS = self._where(L)
+        bit = {m: 1 << i for i, m in enumerate(L.members)}
+        host_mask = [sum(bit[m] for m in g) for g in self.layout.groups]
+        _phase = HierarchicalAllreduce._phase
+        _phase(ctx, "intra", host, list(range(len(L.pieces))), _translator([bit[m] for m in host]), L.inp, None,
+               RingReduceScatterAllgather(HS, shift=1, do_ag=False))
+        mine = list(range(c * HS, (c + 1) * HS))
+        stage, offs = _gather(L, mine)
+        _phase(ctx, "cross", [g[c] for g in self.layout.groups], mine, _translator(host_mask), stage, offs,
+               RingReduceScatterAllgather(self.layout.S, shift=1, do_ag=False))
+
+
+class HierarchicalAllgather(_PerMemberHierarchy):
+    """allgather in two levels: (1) ``cross_ag``: the members with local index ``c``
+    all-gather their chunks across hosts; (2) ``intra_ag``: inside each host, local rank
+    ``c`` passes on the ``H`` chunks of index ``c``. Each member sends ``H-1`` chunks
+    across hosts (the flat ring sends ``n-1`` over each host edge). Copy pieces: a
+    received piece is final (the op's full mask), as in the flat ring."""
+
+    def run(self, ctx: OpContext) -> None:
+        L = ctx.ledger
+        host, h, c, HS = self._where(L)
+        full = L.full
+        final = lambda mask: full if mask else 0   # noqa: E731
+        _phase = HierarchicalAllreduce._phase
+        mine = list(range(c * HS, (c + 1) * HS))
+        _phase(ctx, "cross", [g[c] for g in self.layout.groups], mine, final, L.inp, [L.inp_offset[q] for q in mine],
+               RingReduceScatterAllgather(self.layout.S, shift=1, do_rs=False))
+        _phase(ctx, "intra", host, list(range(len(L.pieces))), final, L.inp, L.inp_offset,
+               RingReduceScatterAllgather(HS, shift=1, do_rs=False))
+
+
+def _translator(parts: list[int]) -> Callable[[int], int]:
+    """Sub-mask -> op mask: sub-bit ``j`` stands for the op bits ``parts[j]``."""
+    def tr(mask: int) -> int:
+        out = 0
+        for j, b in enumerate(parts):
+            if mask >> j & 1:
+                out |= b
+        return out
+    return tr
+
+
+def _gather(L: Ledger, index: list[int]) -> tuple[Any, list[int]]:
+    """A private copy of ``out`` over the pieces ``index`` (one after the other) and each
+    piece's offset in it: a phase's ring input."""
+    import torch
+
+    stage = torch.cat([L.view(q) for q in index]) if index else L.out[:0].clone()
+    offs, at = [], 0
+    for q in index:
+        offs.append(at)
+        at += L.pieces[q][1] - L.pieces[q][0]
+    return stage, offs
+
+
+def select_per_member(kind: str, members: Sequence[str], epoch: Any, m: int,
+                      slices: int) -> "tuple[ChunkLayout, Any] | None":
+    """Layout and algorithm of a hierarchical ``reduce_scatter`` / ``allgather`` with
+    chunks of ``m`` elements, or None (no usable host grouping, see
+    :func:`host_groups_of`; or chunks too small to slice)."""
+    groups = host_groups_of(members, epoch)
+    if groups is None or m < 1:
+        return None
+    layout = ChunkLayout.make(members, groups, m, max(1, min(slices, m)))
+    algo = HierarchicalReduceScatter(layout) if kind == "reduce_scatter" else HierarchicalAllgather(layout)
+    return layout, algo
