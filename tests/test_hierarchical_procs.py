@@ -97,3 +97,49 @@ def test_stopped_host_leader_is_removed_and_survivors_exact(etcd_session, job_na
             assert not (tmp_path / f"{victim}.2.npy").exists()
         finally:
             w.close()
+
+
+RS_AG_OPS = [{"k": "barrier"},
+             {"k": "reduce_scatter", "numel": 200_003, "dtype": "int64", "op": "sum"},
+             {"k": "allgather", "numel": 200_003, "dtype": "int64"},
+             {"k": "barrier"}]   # members that finished op 2 serve its recovery from their next op
+
+
+@pytest.mark.parametrize("victim,fp", [("m2", "kill@op=1,phase=cross_rs"), ("m0", "kill@op=2,phase=intra_ag")],
+                         ids=["reduce_scatter-leader-cross", "allgather-leader-intra"])
+def test_reduce_scatter_and_allgather_with_a_kill_exact(etcd_session, job_name, tmp_path, victim, fp):
+    everyone = [f"m{i}" for i in range(4)]
+    survivors = [m for m in everyone if m != victim]
+    op = int(fp.split("op=")[1].split(",")[0])
+    with coordinator(etcd_session.endpoint_arg, job_name, ttl=TTL):
+        w = Workers(etcd_session.endpoint_arg, job_name, 4, RS_AG_OPS, tmp_path, failpoints={victim: fp}, ttl=TTL,
+                    hosts=hosts(2))
+        try:
+            w.wait_done(everyone, 120)
+            assert w.procs[victim].wait(10) == -9, f"{victim} was not killed at {fp}"
+            for mid in survivors:
+                recs = {r["seq"]: r for r in w.records(mid)}
+                for seq in (1, 2):
+                    rec = recs[seq]
+                    if not rec["ok"]:
+                        # the killed op may only lose the victim's own piece (DataLost naming it);
+                        # an op sized for the old group before the new epoch: GroupChanged
+                        lost = seq == op and rec["error"].startswith("DataLost") and victim in rec["error"]
+                        shrank = seq > op and rec["error"].startswith("GroupChanged")
+                        assert lost or shrank, (mid, rec)
+                        continue
+                    got = w.output(mid, seq)
+                    if seq == 1:
+                        contrib = rec["contributors"]
+                        c = rec["members"].index(mid) if seq > op else everyone.index(mid)
+                        exp = sum(expected("sum", [int(m[1:])], seq * 100 + c, w.seed, 200_003, "int64")
+                                  for m in contrib)
+                        np.testing.assert_array_equal(got, exp.numpy())
+                        assert contrib in (survivors, everyone), (mid, contrib)
+                    else:
+                        members = everyone if seq <= op else survivors
+                        exp = np.stack([expected("sum", [int(m[1:])], seq, w.seed, 200_003, "int64").numpy()
+                                        for m in members])
+                        np.testing.assert_array_equal(got, exp)
+        finally:
+            w.close()
