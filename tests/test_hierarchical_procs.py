@@ -26,8 +26,8 @@ pytestmark = pytest.mark.slow
 TTL = 2.0
 #: op 1 is large (hierarchical); op 2 runs over what is left (flat ring: hosts of unequal size, or one host)
 OPS = [{"k": "allreduce", "numel": 1000, "dtype": "int64", "op": "sum"},
-       {"k": "allreduce", "numel": 600_000, "dtype": "int64", "op": "sum"},
-       {"k": "allreduce", "numel": 300_000, "dtype": "int64", "op": "sum"}]
+       {"k": "allreduce", "numel": 200_003, "dtype": "int64", "op": "sum"},
+       {"k": "allreduce", "numel": 100_000, "dtype": "int64", "op": "sum"}]
 
 
 def hosts(k: int) -> dict[str, str]:
