@@ -6,6 +6,11 @@
   deterministic whatever order the members arrive in. Demoted members (confirmed
   stragglers) come last, in the same order: the ring still includes them, but a
   tree-based algorithm never waits on them for anything but their own leaf.
+* **Link classes** (:mod:`.link_classes`): with link speeds known for every member
+  (declared ``link_bps`` labels, or measured ones passed as ``link_speed``), members of
+  one host are ordered by class (fastest first) so local index ``c`` pairs like links
+  across hosts, and ``shard_weights`` sizes the hierarchical allreduce's shards in
+  proportion to each local index's slowest class (only when hosts are equal-sized).
 * **Tree**: a binary heap over the healthy part of the ring (``parent[i] = (i-1)//2``) so
   tree neighbours are mostly ring-close; each demoted member hangs as a leaf under a
   healthy member (round-robin), never as an inner node.
@@ -16,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Collection, Iterable, Mapping, Protocol
+
+from resilient.coordinator.link_classes import class_rank, link_classes, member_speeds, shard_weights
 
 #: Label names, outermost first, that group members topologically.
 TOPOLOGY_LABELS: tuple[str, ...] = ("zone", "rack", "switch")
@@ -38,34 +45,47 @@ class Plan:
     parent: tuple[int, ...]
     host_groups: tuple[tuple[int, int], ...]
     demoted: tuple[str, ...]
+    shard_weights: tuple[float, ...] | None = None
+    link_classes: tuple[tuple[float, tuple[str, ...]], ...] = ()
 
     def to_dict(self) -> dict:
         """JSON form stored in the epoch's ``plan`` (the ring itself is ``Epoch.members``)."""
-        return {
+        d = {
             "tree_parent": list(self.parent),
             "host_groups": [list(g) for g in self.host_groups],
             "demoted": list(self.demoted),
             "topology_labels": list(TOPOLOGY_LABELS),
         }
+        if self.shard_weights:
+            d["shard_weights"] = list(self.shard_weights)
+        if self.link_classes:
+            d["link_classes"] = [[s, list(ids)] for s, ids in self.link_classes]
+        return d
 
 
 def plan(members: Iterable[PlanMember], demoted: Collection[str] = (),
-         avoid: Collection[tuple[str, str]] = ()) -> Plan:
+         avoid: Collection[tuple[str, str]] = (), link_speed: Mapping[str, float] | None = None) -> Plan:
     """Plan the ring and tree for ``members`` (anything with ``member_id``, ``host``,
     ``local_rank``, ``labels``). ``demoted``: ids moved to the ring's tail and the tree's
     leaves; ids not among ``members`` are ignored. ``avoid``: unordered pairs (slow links,
     :mod:`.straggler`) that should not be ring neighbours; the topology order is repaired
     by the fewest deterministic swaps inside the healthy / demoted part, and a pair that
-    cannot be separated (e.g. 3 members) stays — best effort, never an error. Raises
+    cannot be separated (e.g. 3 members) stays — best effort, never an error.
+    ``link_speed``: measured cross-host bytes/s per member (over declared ``link_bps``
+    labels; see the module docstring). Raises
     :class:`ValueError` on duplicate member ids (a caller bug: the keyspace cannot hold two)."""
+    members = list(members)
     d = frozenset(demoted)
+    speeds = member_speeds(members, link_speed)
+    classes = link_classes(speeds) if speeds and all(m.member_id in speeds for m in members) else []
+    rank = class_rank(classes)
     z, r, w = TOPOLOGY_LABELS
     # One string per member for (demoted, zone, rack, switch, host): sorting on a leading
     # string is several times faster in CPython than on a long tuple, and a whole host
     # shares the string, so it also delimits the host groups.
     keyed = [
         (f'{"1" if m.member_id in d else "0"}{(lab := m.labels).get(z, "")}\0{lab.get(r, "")}\0'
-         f'{lab.get(w, "")}\0{m.host}', m.local_rank, m.member_id)
+         f'{lab.get(w, "")}\0{m.host}', (rank.get(m.member_id, 0), m.local_rank), m.member_id)
         for m in members
     ]
     keyed.sort()
@@ -87,8 +107,11 @@ def plan(members: Iterable[PlanMember], demoted: Collection[str] = (),
         parent = [-1] + [(i - 1) >> 1 for i in range(1, n)] if n else []
     starts = [0] + [i for i in range(1, n) if keyed[i][0] != keyed[i - 1][0]] if n else []
     ends = starts[1:] + [n]
-    return Plan(ring=ring, parent=tuple(parent), host_groups=tuple(zip(starts, [e - b for b, e in zip(starts, ends)])),
-                demoted=ring[healthy:])
+    groups = tuple(zip(starts, [e - b for b, e in zip(starts, ends)]))
+    weights = shard_weights([ring[b:b + c] for b, c in groups], classes) if classes and not d & set(ring) else None
+    return Plan(ring=ring, parent=tuple(parent), host_groups=groups, demoted=ring[healthy:],
+                shard_weights=tuple(weights) if weights else None,
+                link_classes=tuple((s, tuple(ids)) for s, ids in classes))
 
 
 def _separate(keyed: list, healthy: int, avoid: set) -> list:

@@ -10,6 +10,14 @@ Usage (the communicator's op loop, or a training loop around it)::
     ...
     reporter.op_done(epoch_number, seconds_this_op)   # after every collective
 
+Per-link throughput (issue 16): a window also carries ``link_bps`` = {peer: bytes/s},
+the bytes received from each peer over the time this member waited on that peer's
+receives in the window (an estimate of the link's effective rate: a receive that was
+already complete when waited on costs no wait, so the figure errs fast, never slow);
+only peers with at least ``LINK_MIN_BYTES`` received and 1 ms waited appear. The
+planner turns these into link classes and shard weights
+(:func:`resilient.coordinator.link_classes.speeds_from_health`).
+
 No thread: the write happens inside :meth:`op_done` when ``interval`` has passed, so a
 member that stops doing ops stops reporting (its last window goes stale and the detector
 ignores it; a hung member is the lease's business, not the detector's). Also records
@@ -29,6 +37,9 @@ from resilient.transport.base import TransportStats
 
 log = logging.getLogger(__name__)
 
+#: a peer needs this many bytes received in a window for a ``link_bps`` figure
+LINK_MIN_BYTES = 64 << 10
+
 
 class HealthReporter:
     def __init__(self, store: Any, job: str, member_id: str, lease_id: int | None, stats: TransportStats,
@@ -42,6 +53,7 @@ class HealthReporter:
         self._clock = clock
         self._start = clock()
         self._wait0 = dict(stats.wait_s_by_peer)
+        self._recv0 = dict(stats.received_by_peer)
         self._ops = 0
         self._op_times: list[float] = []
         self.seq = 0
@@ -62,8 +74,13 @@ class HealthReporter:
         waits = dict(self.stats.wait_s_by_peer)
         delta = {p: s - self._wait0.get(p, 0.0) for p, s in waits.items()}
         self.seq += 1
+        received = dict(self.stats.received_by_peer)
+        extra = dict(self.extra)
+        links = link_rates(received, self._recv0, delta)
+        if links:
+            extra["link_bps"] = links
         rec = make_record(self.member_id, epoch, self.seq, self._ops, now - self._start, delta,
-                          self._op_times, **self.extra)
+                          self._op_times, **extra)
         try:
             write_health(self.store, self.job, self.member_id, rec, self.lease_id)
         except Exception as exc:  # never fail a collective for health reporting
@@ -74,6 +91,7 @@ class HealthReporter:
         self._failing = False
         self._record_metrics(sum(v for v in delta.values() if v > 0))
         self._start, self._wait0, self._ops, self._op_times = now, waits, 0, []
+        self._recv0 = received
         return True
 
     @staticmethod
@@ -84,3 +102,15 @@ class HealthReporter:
             rank_metrics().record_peer_wait(wait_s)
         except Exception:  # metrics are optional here (no prometheus dir, other process model)
             pass
+
+
+def link_rates(received: dict[str, int], received0: dict[str, int], waited: dict[str, float]) -> dict[str, float]:
+    """``{peer: bytes/s}`` for one window: bytes received from the peer since ``received0``
+    over the seconds waited on it (``waited``: the window's deltas); peers with fewer
+    than :data:`LINK_MIN_BYTES` or under 1 ms of waiting are left out."""
+    out = {}
+    for p, n in received.items():
+        b, w = n - received0.get(p, 0), waited.get(p, 0.0)
+        if b >= LINK_MIN_BYTES and w >= 1e-3:
+            out[p] = round(b / w, 1)
+    return out

@@ -48,8 +48,9 @@ class Workers:
 
     def __init__(self, etcd_endpoint: str, job: str, world: int, ops: list, out: Path, seed: int = 0,
                  failpoints: dict[str, str] | None = None, ttl: float = 2.0, policy: str = "default",
-                 revoke_on_exit: bool = True) -> None:
+                 revoke_on_exit: bool = True, hosts: dict[str, str] | None = None) -> None:
         self.out, self.world, self.ops, self.seed = out, world, ops, seed
+        self.hosts = hosts or {}   # member -> emulated host label (RESILIENT_TEST_HOST)
         self.etcd, self.job, self.ttl, self.policy = etcd_endpoint, job, ttl, policy
         self.failpoints = failpoints or {}
         self.revoke_on_exit = revoke_on_exit
@@ -65,6 +66,9 @@ class Workers:
         env.pop("RESILIENT_FAILPOINTS", None)
         if mid in self.failpoints:
             env["RESILIENT_FAILPOINTS"] = self.failpoints[mid]
+        env.pop("RESILIENT_TEST_HOST", None)
+        if mid in self.hosts:
+            env["RESILIENT_TEST_HOST"] = self.hosts[mid]
         cmd = [PY, str(WORKER), "--etcd", self.etcd, "--job", self.job, "--id", mid,
                "--world", str(world or self.world), "--out", str(self.out), "--ops", json.dumps(self.ops),
                "--seed", str(self.seed), "--ttl", str(self.ttl), "--policy", self.policy]

@@ -44,6 +44,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from resilient.collectives.algorithms import ChainBroadcast, OpContext, RecursiveDoubling, RingReduceScatterAllgather
+from resilient.collectives.algorithms.hierarchical import select as select_hierarchical, select_per_member
 from resilient.collectives.algorithms.leaf import LeafPath
 from resilient.collectives.eviction import removed_error
 from resilient.collectives.group import GroupView, addresses_of
@@ -111,11 +112,13 @@ class Communicator:
                  op_timeout: float | None = 30.0, small_bytes: int = 64 << 10, slice_bytes: int = 2 << 20,
                  max_slices: int = 64, recovery_timeout: float = 300.0, epoch_timeout: float = 60.0,
                  ledger: bool = True, joining: bool | None = None, health_reporter: Any = None,
-                 metrics: Any = None) -> None:
+                 metrics: Any = None, hierarchical: bool = True) -> None:
         self.view, self.transport = view, transport
+        self.hierarchical = hierarchical  # allreduce by host groups when the plan has them (algorithms/hierarchical.py)
         self._init_kwargs = dict(policy=policy, op_timeout=op_timeout, small_bytes=small_bytes, slice_bytes=slice_bytes,
                                  max_slices=max_slices, recovery_timeout=recovery_timeout, epoch_timeout=epoch_timeout,
-                                 ledger=ledger, health_reporter=health_reporter, metrics=metrics)  # for rejoin()
+                                 ledger=ledger, health_reporter=health_reporter, metrics=metrics,
+                                 hierarchical=hierarchical)  # for rejoin()
         # ops post through this: a failed link to a live member is retried (issue 5)
         self._op_transport = RetryingTransport(transport, give_up_s=op_timeout, on_suspect=self._suspect,
                                                is_member=lambda peer: peer in self._epoch.members,
@@ -737,7 +740,11 @@ class Communicator:
             n = len(members)
             leaf = LeafPath.for_epoch(members, self._epoch)   # demoted members: leaf path (algorithms/leaf.py)
             nr = leaf.ring_size if leaf else n
-            if self._ring_or_rd(nbytes, nr) and inp.numel() >= nr:
+            hier = (select_hierarchical(members, self._epoch, inp.numel(), inp.element_size(), self._slices)
+                    if self.hierarchical and not leaf and self._ring_or_rd(nbytes, n) else None)
+            if hier is not None:
+                pieces, algo = hier
+            elif self._ring_or_rd(nbytes, nr) and inp.numel() >= nr:
                 S = self._slices_for(nbytes, nr)
                 pieces = [(s0 + a, s0 + b) for (s0, e0) in split(inp.numel(), nr) for (a, b) in split(e0 - s0, S)]
                 algo: Any = RingReduceScatterAllgather(S)
@@ -791,9 +798,13 @@ class Communicator:
             n = n0
             S = self._slices(m * out.element_size())
             pieces = [(c * m + a, c * m + b) for c in range(n) for (a, b) in split(m, S)]
+            want, algo = [c for c in range(n) for _ in range(S)], RingReduceScatterAllgather(S, shift=1, do_ag=False)
+            hier = select_per_member("reduce_scatter", members, self._epoch, m, S) if self.hierarchical else None
+            if hier is not None:
+                pieces, want, algo = hier[0].pieces, hier[0].owner, hier[1]
             L = Ledger(seq, "reduce_scatter", tuple(members), me, self._epoch.number, digest, inp, torch.empty_like(inp), pieces,
-                       want=[c for c in range(n) for _ in range(S)])
-            return L, RingReduceScatterAllgather(S, shift=1, do_ag=False)
+                       want=want)
+            return L, algo
 
         old = self.policy
         if policy is not None:
@@ -819,14 +830,19 @@ class Communicator:
             n = n0
             S = self._slices(m * t.element_size())
             pieces = [(c * m + a, c * m + b) for c in range(n) for (a, b) in split(m, S)]
+            owners, offs = [c for c in range(n) for _ in range(S)], [a for c in range(n) for (a, b) in split(m, S)]
+            algo: Any = RingReduceScatterAllgather(S, shift=1, do_rs=False)
+            hier = select_per_member("allgather", members, self._epoch, m, S) if self.hierarchical else None
+            if hier is not None:
+                pieces, owners, offs, algo = hier[0].pieces, hier[0].owner, hier[0].offset, hier[1]
             out = torch.empty(n * m, dtype=t.dtype)
             L = Ledger(seq, "allgather", tuple(members), me, self._epoch.number, digest, own, out, pieces,
-                       piece_kind=PieceKind.COPY, owners=[c for c in range(n) for _ in range(S)],
-                       inp_offset=[a for c in range(n) for (a, b) in split(m, S)])
+                       piece_kind=PieceKind.COPY, owners=owners, inp_offset=offs)
             out[me * m:(me + 1) * m].copy_(own)
-            for j in range(S):
-                L.set(me * S + j, 1 << me)
-            return L, RingReduceScatterAllgather(S, shift=1, do_rs=False)
+            for p, o in enumerate(owners):
+                if o == me:
+                    L.set(p, 1 << me)
+            return L, algo
 
         L = self._run(desc, build)
         for i, o in enumerate(outs):

@@ -9,7 +9,8 @@ point of a collective, for tests, benchmarks and chaos runs.
     kill@op=4,phase=rd               recursive doubling (small messages), frac per step
 
 ``phase`` is ``rs`` / ``ag`` (ring), ``rd`` (recursive doubling), ``chain`` (broadcast),
-``recovery``; ``frac`` (default 0) fires at the first point whose progress in that phase
+``recovery``, ``intra_rs`` / ``cross_rs`` / ``cross_ag`` / ``intra_ag`` (the levels of
+the hierarchical allreduce); ``frac`` (default 0) fires at the first point whose progress in that phase
 is >= frac. ``epoch=N`` restricts a spec to ops run in epoch N. Each spec fires once.
 
 Zero cost when unset: call sites test the module constant :data:`ACTIVE` first.
@@ -26,7 +27,8 @@ from resilient.errors import ConfigError
 
 ENV = "RESILIENT_FAILPOINTS"
 _ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
-_PHASES = {"rs", "ag", "rd", "chain", "recovery"}
+_PHASES = {"rs", "ag", "rd", "chain", "recovery",
+           "intra_rs", "cross_rs", "cross_ag", "intra_ag"}  # the last four: algorithms/hierarchical.py
 
 
 @dataclass

@@ -8,7 +8,8 @@ builds a Communicator over the etcd group view and a TCP transport, runs the ops
 inputs from ``inputs.make_input(member index, seq, seed)`` and writes, per op,
 ``DIR/<id>.<seq>.npy`` (allow_pickle=False; bfloat16/float16 as float32) and a JSON line
 in ``DIR/<id>.jsonl``: {seq, ok, error, contributors, seconds}. Exit 0, or 4 when it
-raised RemovedFromGroup. Failpoints come from RESILIENT_FAILPOINTS.
+raised RemovedFromGroup. Failpoints come from RESILIENT_FAILPOINTS, an emulated host label
+(``MemberInfo.host``) from RESILIENT_TEST_HOST.
 """
 from __future__ import annotations
 
@@ -57,7 +58,9 @@ def main() -> int:
     index = int(args.id.lstrip("m"))
     store = Store(args.etcd)
     transport = make_transport(args.id, args.job)  # RESILIENT_TRANSPORT: auto (shm on one host) | tcp
-    session = MemberSession.register(store, args.job, MemberInfo(member_id=args.id, address=transport.address), ttl=args.ttl)
+    host = os.environ.get("RESILIENT_TEST_HOST")   # an emulated host label (hierarchical tests)
+    info = MemberInfo(member_id=args.id, address=transport.address, **({"host": host} if host else {}))
+    session = MemberSession.register(store, args.job, info, ttl=args.ttl)
     print(f"LEASE {args.id} {session.lease_id}", flush=True)  # the harness revokes it when we exit
     watcher = EpochWatcher(store, args.job)
     if args.join:

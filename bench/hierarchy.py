@@ -1,0 +1,315 @@
+"""Hierarchical allreduce, measured in network namespaces with htb-capped host links.
+
+    sudo python bench/hierarchy.py                        # both cases, one JSON line each
+    sudo python bench/hierarchy.py --cases hosts --cap-mbit 80 --numel 2000000
+
+Case ``hosts``: 8 members as 2 hosts x 4 — host ``i`` is network namespace ``i`` of a
+:class:`~resilient.chaos.netns.NetnsLab`, its 4 member processes talk over the
+namespace's loopback inside the host and over its veth across hosts; each veth's egress
+is capped by an ``htb`` class at ``--cap-mbit``. The same float32 allreduce runs with
+the flat host-ordered ring (``Communicator(hierarchical=False)``), the hierarchical
+algorithm (the planner's ``host_groups`` from the members' host labels) — batches of
+the two interleaved in one job — and torch.distributed ``gloo`` (8 processes, same
+namespaces, ranks host-ordered). Output: ``{"case": "hosts", "hier_s", "flat_s",
+"gloo_s", "ratio_vs_flat", "ratio_vs_gloo", ...}`` (seconds per op: the median over
+batches of the slowest member's batch time / ops).
+
+Case ``weighted``: 2 hosts x 2, one namespace per member, so each cross-host pair has
+its own link: local index 0's pair capped at ``--cap-mbit`` (B), index 1's at 2B (htb
+classes per destination; the intra-host pairs are uncapped). Hierarchical allreduce with
+uniform shards (members declare no link speed) against weighted shards (members declare
+``link_bps`` labels B / 2B; the planner classes them and publishes ``shard_weights``).
+Output: ``{"case": "weighted", "uniform_s", "weighted_s", "ratio_vs_uniform",
+"shard_weights", "measured_link_classes"}`` — the last is what the health reporter
+measured during the weighted run (``link_bps`` windows through
+``speeds_from_health``/``link_classes``), to compare with the declared classes.
+
+Every output of every op is checked against the exact sum (integer-valued float32
+inputs): ``wrong`` counts mismatches. Needs root (``ip netns``) and the htb qdisc;
+otherwise prints ``{"error": ...}`` naming the cause and exits 2. Every process and
+namespace made here is removed here (by PID / by the lab), also on errors.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from _common import BenchCluster, BenchError, emit, median, wait_go, worker_argparser  # noqa: E402
+
+PY = sys.executable
+
+
+# -- member processes ----------------------------------------------------------------------
+
+def _input(index: int, numel: int):
+    import torch
+
+    return ((torch.arange(numel, dtype=torch.int64) % 251) * (index + 1)).to(torch.float32)
+
+
+def _expected(world: int, numel: int):
+    import torch
+
+    return ((torch.arange(numel, dtype=torch.int64) % 251) * sum(range(1, world + 1))).to(torch.float32)
+
+
+def _batch(mode: str, barrier: Any, allreduce: Any, index: int, args: argparse.Namespace, exp: Any) -> None:
+    """One timed batch of ``args.ops`` allreduces after a barrier; emits its time and
+    how many outputs were not the exact sum."""
+    barrier()
+    t0, wrong = time.monotonic(), 0
+    for _ in range(args.ops):
+        x = _input(index, args.numel)
+        allreduce(x)
+        wrong += int(not bool((x == exp).all()))
+    emit("batch", mode=mode, seconds=time.monotonic() - t0, wrong=wrong)
+
+
+def worker(args: argparse.Namespace) -> int:
+    index = int(args.id.lstrip("m"))
+    exp = _expected(args.world, args.numel)
+    if args.backend == "gloo":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=index, world_size=args.world)
+        emit("ready")
+        wait_go()
+        for _ in range(args.rounds):
+            _batch("gloo", dist.barrier, dist.all_reduce, index, args, exp)
+        dist.barrier()
+        dist.destroy_process_group()
+        emit("done")
+        wait_go()
+        return 0
+
+    from resilient.collectives import Communicator
+    from resilient.collectives.group import EtcdGroupView
+    from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession
+    from resilient.coordinator.etcd_access import open_store_from_env
+    from resilient.health_reporter import HealthReporter
+    from resilient.transport.tcp import TcpTransport
+
+    store = open_store_from_env(args.etcd)
+    transport = TcpTransport(args.id, args.job, host=args.bind)
+    labels = json.loads(args.labels)
+    session = MemberSession.register(store, args.job, MemberInfo(member_id=args.id, host=args.host_label,
+                                                                 address=transport.address, labels=labels),
+                                     ttl=10.0)   # its own lease: a slow start must not outlive a granted one
+    watcher = EpochWatcher(store, args.job)
+    watcher.wait_for(lambda e: len(e.members) == args.world and args.id in e.members, 120)
+    reporter = HealthReporter(store, args.job, args.id, session.lease_id, transport.stats, interval=0.5)
+    comm = Communicator(EtcdGroupView(store, args.job, session, watcher), transport, health_reporter=reporter)
+    emit("ready", plan=watcher.current().plan)
+    wait_go()
+    for _ in range(args.rounds):
+        for mode in args.modes.split(","):
+            comm.hierarchical = mode != "flat"   # every member runs the same schedule
+            _batch(mode, comm.barrier, comm.allreduce, index, args, exp)
+    comm.barrier()
+    emit("done")
+    wait_go()
+    comm.close(leave=True)
+    return 0
+
+
+# -- driver --------------------------------------------------------------------------------
+
+class NetnsCluster(BenchCluster):
+    """:class:`BenchCluster` with etcd on the lab's bridge and member ``m<i>`` started
+    inside namespace ``ns_of[m]`` with its own extra arguments."""
+
+    def __init__(self, lab: Any, ns_of: dict[str, int], extra: dict[str, list[str]], env: dict[str, dict[str, str]],
+                 job: str, world: int) -> None:
+        super().__init__(__file__, world, job=job, ttl=10.0)
+        self.lab, self.ns_of, self.extra, self.env = lab, ns_of, extra, env
+
+    def __enter__(self) -> "NetnsCluster":
+        from resilient.coordinator import LocalEtcd
+
+        try:
+            self._etcd = LocalEtcd(host=self.lab.host_ip).start()
+            self.store = self._etcd.access.open_store(self._etcd.endpoints)
+            self._coord = subprocess.Popen(
+                [PY, "-c", "import sys; from resilient.cli import main; sys.exit(main())",
+                 "coordinator", "--etcd", self._etcd.endpoint_arg, "--job", self.job, "--ttl", str(self.ttl),
+                 "--metrics-port", "-1", "--log-level", "WARNING", "--join-debounce-ms", "300"],
+                stdout=subprocess.DEVNULL, stderr=self._open("coordinator.stderr"), cwd=ROOT, start_new_session=True,
+                env={**os.environ, **self._etcd.access.child_env()})
+            for i in range(self.world):
+                self._spawn(f"m{i}")
+            self.ready = {mid: self.expect(mid, "ready", timeout=180) for mid in self.procs}
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _spawn(self, mid: str) -> None:
+        lease = self.store.grant(self.ttl)
+        self.leases[mid] = lease
+        env = dict(os.environ, PYTHONPATH=str(ROOT), **self._etcd.access.child_env(), **self.env.get(mid, {}))
+        env.pop("RESILIENT_FAILPOINTS", None)
+        cmd = [*self.lab.exec_prefix(self.ns_of[mid]), PY, self.script, "--worker", "--etcd", self._etcd.endpoint_arg,
+               "--job", self.job, "--id", mid, "--lease-id", str(lease), "--world", str(self.world), *self.extra[mid]]
+        self.procs[mid] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           stderr=self._open(f"{mid}.stderr"), cwd=ROOT, env=env, text=True,
+                                           bufsize=1, start_new_session=True)
+
+    def run_batches(self, rounds: int, modes: list[str]) -> dict[str, Any]:
+        """Let the workers go; per mode the median over batches of the slowest member's
+        batch time, and the total of wrong outputs."""
+        mids = sorted(self.procs, key=lambda m: int(m[1:]))
+        self.send(mids, "go")
+        per: dict[str, list[float]] = {m: [] for m in modes}
+        wrong = 0
+        for _ in range(rounds):
+            for mode in modes:
+                got = self.expect_all(mids, "batch", timeout=600)
+                per[mode].append(max(g["seconds"] for g in got.values()))
+                wrong += sum(g["wrong"] for g in got.values())
+        self.expect_all(mids, "done", timeout=120)
+        return {"batches": per, "wrong": wrong}
+
+
+def _tc(lab: Any, i: int, *args: str) -> None:
+    from resilient.chaos.netns import NetnsError
+
+    cmd = [*lab.exec_prefix(i), "tc", *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if res.returncode != 0:
+        raise NetnsError(f"`{' '.join(cmd)}` failed: {res.stderr.strip()}")
+
+
+def cap_egress(lab: Any, i: int, default_mbit: float, to: dict[int, float] | None = None) -> None:
+    """htb on namespace ``i``'s veth: everything at ``default_mbit``, traffic to namespace
+    ``j`` at ``to[j]`` Mbit/s (a class per destination, u32 filter on its IP)."""
+    dev = lab.ns_veths[i]
+    _tc(lab, i, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1")
+    _tc(lab, i, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
+        "rate", f"{default_mbit}mbit", "ceil", f"{default_mbit}mbit")
+    for j, mbit in sorted((to or {}).items()):
+        cls = f"1:{j + 2:x}"
+        _tc(lab, i, "class", "add", "dev", dev, "parent", "1:", "classid", cls, "htb",
+            "rate", f"{mbit}mbit", "ceil", f"{mbit}mbit")
+        _tc(lab, i, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+            "match", "ip", "dst", f"{lab.ips[j]}/32", "flowid", cls)
+
+
+def _common_args(a: argparse.Namespace, ops: int) -> list[str]:
+    return ["--numel", str(a.numel), "--ops", str(ops), "--rounds", str(a.rounds)]
+
+
+def case_hosts(a: argparse.Namespace) -> dict[str, Any]:
+    from resilient.chaos.netns import NetnsLab
+    from resilient.coordinator.local_etcd import free_port
+
+    world, k = 8, 4
+    with NetnsLab(2) as lab:
+        for i in range(2):
+            cap_egress(lab, i, a.cap_mbit)
+        ns_of = {f"m{i}": i // k for i in range(world)}
+        host = {m: f"host{'AB'[n]}" for m, n in ns_of.items()}
+        extra = {m: [*_common_args(a, a.ops), "--bind", lab.ips[ns_of[m]], "--host-label", host[m],
+                     "--modes", "flat,hier"] for m in ns_of}
+        with NetnsCluster(lab, ns_of, extra, {}, "hier-hosts", world) as cl:
+            plan = cl.ready["m0"]["plan"]
+            ours = cl.run_batches(a.rounds, ["flat", "hier"])
+        port = free_port()   # any port: namespace 0 has its own port space
+        gextra = {m: [*_common_args(a, a.ops), "--backend", "gloo", "--master", f"{lab.ips[0]}:{port}"] for m in ns_of}
+        genv = {m: {"GLOO_SOCKET_IFNAME": lab.ns_veths[ns_of[m]]} for m in ns_of}
+        with NetnsCluster(lab, ns_of, gextra, genv, "hier-gloo", world) as cl:
+            gloo = cl.run_batches(a.rounds, ["gloo"])
+    hier_s = median(ours["batches"]["hier"]) / a.ops
+    flat_s = median(ours["batches"]["flat"]) / a.ops
+    gloo_s = median(gloo["batches"]["gloo"]) / a.ops
+    return {"case": "hosts", "world": world, "hosts": 2, "per_host": k, "bytes": a.numel * 4, "cap_mbit": a.cap_mbit,
+            "hier_s": round(hier_s, 4), "flat_s": round(flat_s, 4), "gloo_s": round(gloo_s, 4),
+            "ratio_vs_flat": round(flat_s / hier_s, 3), "ratio_vs_gloo": round(gloo_s / hier_s, 3),
+            "host_groups": plan.get("host_groups"), "wrong": ours["wrong"] + gloo["wrong"],
+            "batches": {**ours["batches"], **gloo["batches"]}}
+
+
+def case_weighted(a: argparse.Namespace) -> dict[str, Any]:
+    from resilient.chaos.netns import NetnsLab
+    from resilient.coordinator.health import read_health
+    from resilient.coordinator.link_classes import link_classes, speeds_from_health
+
+    world = 4
+    B = a.cap_mbit
+    # namespace = member: m0, m1 on host A; m2, m3 on host B; local index 0 pair (m0, m2) at B, index 1 (m1, m3) at 2B
+    host = {"m0": "hostA", "m1": "hostA", "m2": "hostB", "m3": "hostB"}
+    ns_of = {m: int(m[1:]) for m in host}
+    speed = {"m0": B, "m1": 2 * B, "m2": B, "m3": 2 * B}   # Mbit/s
+    out: dict[str, Any] = {"case": "weighted", "world": world, "bytes": a.numel * 4, "cap_mbit": [B, 2 * B]}
+    with NetnsLab(4) as lab:
+        fast = 100 * B   # intra-host (and to etcd): effectively uncapped
+        cap_egress(lab, 0, fast, {2: B, 3: B})
+        cap_egress(lab, 1, fast, {3: 2 * B, 2: B})
+        cap_egress(lab, 2, fast, {0: B, 1: B})
+        cap_egress(lab, 3, fast, {1: 2 * B, 0: B})
+        results = {}
+        for mode in ("uniform", "weighted"):
+            labels = {m: ({"link_bps": str(speed[m] * 1e6 / 8)} if mode == "weighted" else {}) for m in host}
+            extra = {m: [*_common_args(a, a.ops), "--bind", lab.ips[ns_of[m]], "--host-label", host[m],
+                         "--modes", "hier", "--labels", json.dumps(labels[m])] for m in host}
+            with NetnsCluster(lab, ns_of, extra, {}, f"hier-{mode}", world) as cl:
+                plan = cl.ready["m0"]["plan"]
+                r = cl.run_batches(a.rounds, ["hier"])
+                if mode == "weighted":
+                    health = read_health(cl.store, cl.job)
+                    classes = link_classes(speeds_from_health(health, host))
+                    out["measured_link_classes"] = [[round(s * 8 / 1e6, 1), ids] for s, ids in classes]  # Mbit/s
+                    out["shard_weights"] = plan.get("shard_weights")
+            results[mode] = r
+            out[f"{mode}_s"] = round(median(r["batches"]["hier"]) / a.ops, 4)
+    out["ratio_vs_uniform"] = round(out["uniform_s"] / out["weighted_s"], 3)
+    out["wrong"] = sum(r["wrong"] for r in results.values())
+    out["batches"] = {m: r["batches"]["hier"] for m, r in results.items()}
+    return out
+
+
+def main() -> int:
+    ap = worker_argparser(__doc__)
+    ap.add_argument("--cases", default="hosts,weighted")
+    ap.add_argument("--cap-mbit", type=float, default=60.0, help="host link cap (weighted: B, the slow link)")
+    ap.add_argument("--numel", type=int, default=1 << 21, help="float32 elements per allreduce (default 8 MiB)")
+    ap.add_argument("--ops", type=int, default=3, help="allreduces per timed batch")
+    ap.add_argument("--rounds", type=int, default=3, help="timed batches per mode")
+    # worker side
+    ap.add_argument("--world", type=int, default=8, help=argparse.SUPPRESS)
+    ap.add_argument("--backend", default="resilient", help=argparse.SUPPRESS)
+    ap.add_argument("--master", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--bind", default="127.0.0.1", help=argparse.SUPPRESS)
+    ap.add_argument("--host-label", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--labels", default="{}", help=argparse.SUPPRESS)
+    ap.add_argument("--modes", default="hier", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        return worker(a)
+    from resilient.chaos.netns import netns_unavailable_reason, qdisc_unavailable_reason
+
+    why = netns_unavailable_reason() or qdisc_unavailable_reason("htb")
+    if why is not None:
+        print(json.dumps({"error": why}))
+        return 2
+    rc = 0
+    for case in a.cases.split(","):
+        try:
+            res = {"hosts": case_hosts, "weighted": case_weighted}[case](a)
+        except (BenchError, KeyError) as exc:
+            res, rc = {"case": case, "error": str(exc)}, 1
+        res["loadavg"] = open("/proc/loadavg").read().split()[:3]
+        print(json.dumps(res), flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

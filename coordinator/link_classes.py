@@ -1,0 +1,106 @@
+"""Link classes and weighted cross-host shards (issue 16): pure functions, no I/O.
+
+A member's *link speed* is the throughput (bytes/s) of its cross-host link: declared in
+its ``MemberInfo.labels["link_bps"]`` (e.g. known NIC classes of a mixed cluster) or
+measured by the health reporter (``link_bps`` in its health windows:
+:func:`speeds_from_health`); a measured value wins over a declared one.
+
+:func:`link_classes` groups members whose speeds are within ``ratio`` of the class's
+fastest member (fastest class first; a class's speed is its slowest member's, so a
+class never promises more than each of its links gives). :func:`shard_weights` sizes
+the hierarchical allreduce's shards: shard ``c`` crosses hosts on the ring of the
+members with local index ``c``, whose speed is its slowest member's class speed, so
+shard ``c`` gets a share proportional to it (``None``: uniform shards — speeds unknown
+for some member, or every index equally fast).
+
+Failure behaviour: malformed labels or health fields (not a finite positive number,
+not a mapping) are ignored — that member's speed is unknown — never an error: the plan
+then falls back to uniform shards.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Mapping, Sequence
+
+#: the label (bytes/s, a decimal number) declaring a member's cross-host link speed
+LINK_LABEL = "link_bps"
+
+
+def _speed(v: Any) -> float | None:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) and x > 0 else None
+
+
+def declared_speeds(members: Iterable[Any]) -> dict[str, float]:
+    """``{member_id: bytes/s}`` from each member's ``labels["link_bps"]`` (valid ones)."""
+    out: dict[str, float] = {}
+    for m in members:
+        labels = getattr(m, "labels", None) or {}
+        s = _speed(labels.get(LINK_LABEL)) if isinstance(labels, Mapping) else None
+        if s is not None:
+            out[m.member_id] = s
+    return out
+
+
+def member_speeds(members: Iterable[Any], measured: Mapping[str, float] | None = None) -> dict[str, float]:
+    """Declared speeds (:func:`declared_speeds`) overridden by the valid ``measured`` ones."""
+    out = declared_speeds(members)
+    for m, v in (measured or {}).items():
+        s = _speed(v)
+        if s is not None:
+            out[m] = s
+    return out
+
+
+def speeds_from_health(health: Mapping[str, Mapping[str, Any]], host_of: Mapping[str, str]) -> dict[str, float]:
+    """Each member's measured cross-host send speed from the health windows: member
+    ``r``'s record has ``link_bps[p]`` = the rate it received from ``p``; member ``p``'s
+    speed is the slowest such rate any member on another host measured (unknown when
+    nobody on another host received from it)."""
+    out: dict[str, float] = {}
+    for r, rec in health.items():
+        rates = rec.get(LINK_LABEL) if isinstance(rec, Mapping) else None
+        if not isinstance(rates, Mapping):
+            continue
+        for p, v in rates.items():
+            s = _speed(v)
+            if s is None or p not in host_of or r not in host_of or host_of[p] == host_of[r]:
+                continue
+            out[p] = min(out.get(p, s), s)
+    return out
+
+
+def link_classes(speeds: Mapping[str, float], ratio: float = 0.8) -> list[tuple[float, list[str]]]:
+    """Members grouped into classes, fastest first, as ``(class speed, member ids)``;
+    deterministic (ties broken by member id)."""
+    order = sorted(speeds, key=lambda m: (-speeds[m], m))
+    classes: list[tuple[float, list[str]]] = []
+    top = 0.0
+    for m in order:
+        if not classes or speeds[m] < ratio * top:
+            top = speeds[m]
+            classes.append((top, []))
+        classes[-1][1].append(m)
+    return [(min(speeds[m] for m in ids), sorted(ids)) for _, ids in classes]
+
+
+def class_rank(classes: Sequence[tuple[float, Sequence[str]]]) -> dict[str, int]:
+    """``{member: index of its class}`` (0 = fastest)."""
+    return {m: i for i, (_, ids) in enumerate(classes) for m in ids}
+
+
+def shard_weights(groups: Sequence[Sequence[str]], classes: Sequence[tuple[float, Sequence[str]]]) -> list[float] | None:
+    """One weight per local index for hosts ``groups`` (equal sizes): the slowest class
+    speed among the members with that index, normalised to sum 1 (rounded, so the
+    epoch record stays short); None when a member has no class or all weights are equal."""
+    speed = {m: s for s, ids in classes for m in ids}
+    if not groups or len({len(g) for g in groups}) != 1 or any(m not in speed for g in groups for m in g):
+        return None
+    per = [min(speed[g[c]] for g in groups) for c in range(len(groups[0]))]
+    if len(set(per)) <= 1:
+        return None
+    total = sum(per)
+    return [round(x / total, 6) for x in per]

@@ -1,0 +1,357 @@
+"""Hierarchical allreduce over host groups (issue 16), written against the ledger.
+
+With ``H`` hosts of ``k`` members each (the op's members grouped by the planner's
+``host_groups``, every group the same size), one allreduce runs in three phases, each a
+pipelined ring (:class:`~.ring.RingReduceScatterAllgather`) over a subgroup:
+
+1. ``intra_rs``: reduce-scatter inside each host: local rank ``c`` ends with shard ``c``
+   of the buffer reduced over its host;
+2. ``cross_rs`` / ``cross_ag``: allreduce of shard ``c`` across hosts, between the ``H``
+   members with local index ``c`` (a ring of ``H``: every host sends ``1/k`` of the
+   buffer per member over its NIC, and the phase has ``2(H-1)`` steps);
+3. ``intra_ag``: all-gather of the final shards inside each host.
+
+Cross-host bytes per host: ``2(H-1)/H`` of the buffer in all (against ``2(n-1)/n`` of it
+through *one* member's link for the flat host-ordered ring, whose cross-host edges carry
+the whole ring's traffic); latency steps ``2(k-1) + 2(H-1)``.
+
+Weighted shards: ``weights`` (one per local index, the planner's ``shard_weights``) size
+shard ``c`` in proportion to ``weights[c]``: local index ``c``'s cross-host ring then
+carries a share of the bytes proportional to its link speed, so a slow link class does
+not gate the op (every member reads the same epoch plan, so every member cuts the same
+layout).
+
+Ledger: the op's ledger keeps the usual pieces (shard ``c`` x host sub-shard ``h`` x
+pipelining slice) and bit order = the op's members. Each phase runs the ring on a view of
+the ledger (:class:`_PhaseLedger`) whose members are the phase's subgroup and whose mask
+updates are translated to the op's bits: in phase 1 sub-bit ``j`` is host member ``j``;
+in phase 2 sub-bit ``h`` is every member of host ``h`` (what member ``(h, c)`` holds
+after phase 1); phase 3 only ever sets "final" (the op's full mask) or 0. Phase 2's ring
+input is a copy of the member's phase-1 shard (the region itself is overwritten by
+receives), the op's own input stays untouched in ``inp``. So at any abort the masks
+describe ``out`` exactly and the ordinary recovery (:mod:`..resume`) finishes the op over
+a reported contributor set, whichever level died (an intra-host member, a host leader,
+a whole host).
+
+Failure behaviour: a transport error in any phase settles that phase's in-flight
+receives into the ledger and propagates; the communicator then recovers from the ledger.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from resilient.collectives import failpoints
+from resilient.collectives.algorithms.base import OpContext
+from resilient.collectives.algorithms.ring import RingReduceScatterAllgather
+from resilient.collectives.ledger import Ledger
+
+#: failpoint phase names of the three levels
+PHASES = ("intra_rs", "cross_rs", "cross_ag", "intra_ag")
+
+
+def host_groups_of(members: Sequence[str], epoch: Any) -> list[list[str]] | None:
+    """The op's ``members`` grouped by host from ``epoch.plan["host_groups"]`` (runs of
+    ``(start, count)`` over ``epoch.members``), in ring order; ``None`` when the plan has
+    no usable grouping (missing or malformed runs, a member of the op in no run, fewer
+    than 2 hosts, hosts of different sizes, a host of one member, demoted members: the
+    caller then uses the flat ring). Deterministic: every member reads the same epoch."""
+    plan = getattr(epoch, "plan", None) or {}
+    runs = plan.get("host_groups")
+    ring = list(getattr(epoch, "members", ()) or ())
+    if not isinstance(runs, list) or not runs:
+        return None
+    roles = getattr(epoch, "roles", None) or {}
+    if any(roles.get(m) == "demoted" for m in members):
+        return None
+    gid: dict[str, int] = {}
+    for g, run in enumerate(runs):
+        if not (isinstance(run, (list, tuple)) and len(run) == 2 and all(isinstance(v, int) for v in run)):
+            return None
+        start, count = run
+        if start < 0 or count < 1 or start + count > len(ring):
+            return None
+        for m in ring[start:start + count]:
+            gid[m] = g
+    groups: dict[int, list[str]] = {}
+    for m in members:
+        if m not in gid:
+            return None
+        groups.setdefault(gid[m], []).append(m)
+    out = [groups[g] for g in sorted(groups)]
+    sizes = {len(g) for g in out}
+    if len(out) < 2 or len(sizes) != 1 or sizes.pop() < 2:
+        return None
+    return out
+
+
+def shard_weights_of(epoch: Any, k: int) -> list[float] | None:
+    """The plan's ``shard_weights`` when it has ``k`` positive finite numbers, else None
+    (uniform shards)."""
+    plan = getattr(epoch, "plan", None) or {}
+    w = plan.get("shard_weights")
+    if not isinstance(w, list) or len(w) != k:
+        return None
+    try:
+        vals = [float(x) for x in w]
+    except (TypeError, ValueError):
+        return None
+    if not all(0.0 < v < float("inf") for v in vals):
+        return None
+    return vals
+
+
+def weighted_split(n: int, weights: Sequence[float]) -> list[tuple[int, int]]:
+    """``len(weights)`` consecutive [start, end) ranges covering ``range(n)``, sized in
+    proportion to ``weights`` (integer cut points from the cumulative sums: the same on
+    every member for the same inputs)."""
+    total = float(sum(weights))
+    cuts, acc = [0], 0.0
+    for w in weights[:-1]:
+        acc += w
+        cuts.append(min(n, max(cuts[-1], int(n * acc / total))))
+    cuts.append(n)
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The piece layout of one hierarchical op: ``pieces`` (element ranges, index
+    ``(c * H + h) * S + j`` for shard ``c``, host sub-shard ``h``, slice ``j``)."""
+
+    k: int
+    H: int
+    S: int
+    pieces: list[tuple[int, int]]
+
+    @classmethod
+    def make(cls, numel: int, k: int, H: int, slices: int, weights: Sequence[float] | None) -> "Layout | None":
+        """None when some piece would be empty (a buffer too small to split this way)."""
+        from resilient.collectives.ledger import split
+
+        shards = weighted_split(numel, weights) if weights else split(numel, k)
+        smallest = min(e - s for s, e in shards)
+        if smallest < H:
+            return None
+        S = max(1, min(slices, smallest // H))
+        pieces = [(s0 + a + x, s0 + a + y)
+                  for (s0, e0) in shards for (a, b) in split(e0 - s0, H) for (x, y) in split(b - a, S)]
+        return cls(k, H, S, pieces)
+
+
+class _PhaseLedger(Ledger):
+    """The op's ledger as one phase's ring sees it: ``members`` = the phase's subgroup,
+    ``pieces`` = a subset of the op's pieces (``index`` maps them back); every ``set`` is
+    translated (``translate``: sub-mask -> op mask) and mirrored into the op's ledger."""
+
+    outer: Ledger
+    index: list[int]
+    translate: Callable[[int], int]
+
+    def set(self, p: int, mask: int) -> None:
+        super().set(p, mask)
+        self.outer.set(self.index[p], self.translate(mask))
+
+
+@dataclass
+class _PhaseContext(OpContext):
+    """A phase's context: failpoints are named ``<level>_<rs|ag>`` (``intra_rs`` ...)."""
+
+    level: str = ""
+
+    def failpoint(self, phase: str, frac: float) -> None:
+        if failpoints.ACTIVE:
+            failpoints.check(self.seq, f"{self.level}_{phase}", frac, self.epoch)
+
+
+class HierarchicalAllreduce:
+    """See the module docstring. ``groups``: the op's members by host (ring order inside
+    each host, every group of size ``k``); ``layout``: from :meth:`Layout.make` with the
+    same ``k`` and ``H = len(groups)``."""
+
+    def __init__(self, groups: Sequence[Sequence[str]], layout: Layout) -> None:
+        self.groups = [list(g) for g in groups]
+        self.layout = layout
+
+    def run(self, ctx: OpContext) -> None:
+        L = ctx.ledger
+        k, H, S = self.layout.k, self.layout.H, self.layout.S
+        bit = {m: 1 << i for i, m in enumerate(L.members)}
+        me = L.members[L.me]
+        h = next(i for i, g in enumerate(self.groups) if me in g)
+        c = self.groups[h].index(me)
+        host = self.groups[h]
+        host_bits = [bit[m] for m in host]
+        host_mask = [sum(bit[m] for m in g) for g in self.groups]
+        everything = list(range(len(L.pieces)))
+
+        # 1. reduce-scatter inside the host: local rank c ends with shard c over its host
+        self._phase(ctx, "intra", host, everything, _translator(host_bits), L.inp, None,
+                    RingReduceScatterAllgather(H * S, shift=1, do_ag=False))
+        # 2. allreduce of shard c across hosts, between the members with local index c
+        mine = list(range(c * H * S, (c + 1) * H * S))
+        lo, hi = L.pieces[mine[0]][0], L.pieces[mine[-1]][1]
+        stage = L.out[lo:hi].clone()   # the ring's input: the host partial (out is overwritten)
+        self._phase(ctx, "cross", [g[c] for g in self.groups], mine, _translator(host_mask), stage,
+                    [L.pieces[q][0] - lo for q in mine], RingReduceScatterAllgather(S))
+        # 3. all-gather of the final shards inside the host
+        full = L.full
+        self._phase(ctx, "intra", host, everything, lambda m: full if m else 0, L.inp, None,
+                    RingReduceScatterAllgather(H * S, shift=1, do_rs=False))
+
+    @staticmethod
+    def _phase(ctx: OpContext, level: str, members: list[str], index: list[int], translate: Callable[[int], int],
+               inp: Any, inp_offset: list[int] | None, ring: RingReduceScatterAllgather) -> None:
+        L = ctx.ledger
+        sub = _PhaseLedger(L.seq, L.kind, tuple(members), members.index(L.members[L.me]), L.epoch, L.digest, inp, L.out,
+                           [L.pieces[q] for q in index], inp_offset=inp_offset,
+                           masks=[0] * len(index), enabled=L.enabled)
+        sub.outer, sub.index, sub.translate = L, index, translate
+        sctx = _PhaseContext(ctx.transport, sub, ctx.op, ctx.op_timeout, ctx.on_suspect, ctx.epoch, level=level)
+        try:
+            ring.run(sctx)
+        except BaseException:
+            sctx.settle()   # in-flight receives -> exact masks, mirrored into the op's ledger
+            raise
+
+
+def select(members: Sequence[str], epoch: Any, numel: int, elem_bytes: int,
+           slices_for: Callable[[int], int]) -> "tuple[list[tuple[int, int]], HierarchicalAllreduce] | None":
+    """The pieces and algorithm of a hierarchical allreduce over ``members`` in ``epoch``,
+    or None when the epoch's plan does not group them into >= 2 equal hosts of >= 2 (or
+    the buffer is too small to cut). ``slices_for(bytes)``: pipelining slices for one
+    cross-host sub-shard of that size (the communicator's ``_slices``)."""
+    groups = host_groups_of(members, epoch)
+    if groups is None:
+        return None
+    k, H = len(groups[0]), len(groups)
+    weights = shard_weights_of(epoch, k)
+    layout = Layout.make(numel, k, H, slices_for(max(1, numel * elem_bytes // (k * H))), weights)
+    if layout is None:
+        return None
+    return layout.pieces, HierarchicalAllreduce(groups, layout)
+
+
+# -- reduce_scatter / allgather: one output chunk per member ----------------------------------
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Pieces of a per-member op (chunk ``i`` of ``m`` elements belongs to member ``i``),
+    ordered local index ``c``, host ``h``, slice ``j`` (the chunk of member ``(h, c)``);
+    ``owner[p]``: the member index of piece ``p``'s chunk, ``offset[p]``: its start inside
+    that chunk."""
+
+    groups: list[list[str]]
+    S: int
+    pieces: list[tuple[int, int]]
+    owner: list[int]
+    offset: list[int]
+
+    @classmethod
+    def make(cls, members: Sequence[str], groups: Sequence[Sequence[str]], m: int, slices: int) -> "ChunkLayout":
+        from resilient.collectives.ledger import split
+
+        idx = {x: i for i, x in enumerate(members)}
+        cuts = split(m, slices)
+        pieces, owner, offset = [], [], []
+        for c in range(len(groups[0])):
+            for g in groups:
+                i = idx[g[c]]
+                for a, b in cuts:
+                    pieces.append((i * m + a, i * m + b))
+                    owner.append(i)
+                    offset.append(a)
+        return cls([list(g) for g in groups], slices, pieces, owner, offset)
+
+
+class _PerMemberHierarchy:
+    """Shared by :class:`HierarchicalReduceScatter` / :class:`HierarchicalAllgather`: the
+    member's host, local index and the op's mask helpers."""
+
+    def __init__(self, layout: ChunkLayout) -> None:
+        self.layout = layout
+
+    def _where(self, L: Ledger) -> tuple[list[str], int, int, int]:
+        groups = self.layout.groups
+        me = L.members[L.me]
+        h = next(i for i, g in enumerate(groups) if me in g)
+        return groups[h], h, groups[h].index(me), len(groups) * self.layout.S
+
+
+class HierarchicalReduceScatter(_PerMemberHierarchy):
+    """reduce_scatter in two levels: (1) ``intra_rs``: inside each host, local rank ``c``
+    collects the host's sum of the chunks of every host's local-``c`` member; (2)
+    ``cross_rs``: those ``H`` members reduce-scatter them across hosts, each ending with
+    its own chunk over everyone. Cross-host bytes per member ``(H-1)/H`` of its ``H``
+    chunks instead of the flat ring's ``(n-1)`` chunks over the host edge. Masks
+    translated as in :class:`HierarchicalAllreduce`, so recovery is the ordinary one."""
+
+    def run(self, ctx: OpContext) -> None:
+        L = ctx.ledger
+        host, h, c, HS = self._where(L)
+        bit = {m: 1 << i for i, m in enumerate(L.members)}
+        host_mask = [sum(bit[m] for m in g) for g in self.layout.groups]
+        _phase = HierarchicalAllreduce._phase
+        _phase(ctx, "intra", host, list(range(len(L.pieces))), _translator([bit[m] for m in host]), L.inp, None,
+               RingReduceScatterAllgather(HS, shift=1, do_ag=False))
+        mine = list(range(c * HS, (c + 1) * HS))
+        stage, offs = _gather(L, mine)
+        _phase(ctx, "cross", [g[c] for g in self.layout.groups], mine, _translator(host_mask), stage, offs,
+               RingReduceScatterAllgather(self.layout.S, shift=1, do_ag=False))
+
+
+class HierarchicalAllgather(_PerMemberHierarchy):
+    """allgather in two levels: (1) ``cross_ag``: the members with local index ``c``
+    all-gather their chunks across hosts; (2) ``intra_ag``: inside each host, local rank
+    ``c`` passes on the ``H`` chunks of index ``c``. Each member sends ``H-1`` chunks
+    across hosts (the flat ring sends ``n-1`` over each host edge). Copy pieces: a
+    received piece is final (the op's full mask), as in the flat ring."""
+
+    def run(self, ctx: OpContext) -> None:
+        L = ctx.ledger
+        host, h, c, HS = self._where(L)
+        full = L.full
+        final = lambda mask: full if mask else 0   # noqa: E731
+        _phase = HierarchicalAllreduce._phase
+        mine = list(range(c * HS, (c + 1) * HS))
+        _phase(ctx, "cross", [g[c] for g in self.layout.groups], mine, final, L.inp, [L.inp_offset[q] for q in mine],
+               RingReduceScatterAllgather(self.layout.S, shift=1, do_rs=False))
+        _phase(ctx, "intra", host, list(range(len(L.pieces))), final, L.inp, L.inp_offset,
+               RingReduceScatterAllgather(HS, shift=1, do_rs=False))
+
+
+def _translator(parts: list[int]) -> Callable[[int], int]:
+    """Sub-mask -> op mask: sub-bit ``j`` stands for the op bits ``parts[j]``."""
+    def tr(mask: int) -> int:
+        out = 0
+        for j, b in enumerate(parts):
+            if mask >> j & 1:
+                out |= b
+        return out
+    return tr
+
+
+def _gather(L: Ledger, index: list[int]) -> tuple[Any, list[int]]:
+    """A private copy of ``out`` over the pieces ``index`` (one after the other) and each
+    piece's offset in it: a phase's ring input."""
+    import torch
+
+    stage = torch.cat([L.view(q) for q in index]) if index else L.out[:0].clone()
+    offs, at = [], 0
+    for q in index:
+        offs.append(at)
+        at += L.pieces[q][1] - L.pieces[q][0]
+    return stage, offs
+
+
+def select_per_member(kind: str, members: Sequence[str], epoch: Any, m: int,
+                      slices: int) -> "tuple[ChunkLayout, Any] | None":
+    """Layout and algorithm of a hierarchical ``reduce_scatter`` / ``allgather`` with
+    chunks of ``m`` elements, or None (no usable host grouping, see
+    :func:`host_groups_of`; or chunks too small to slice)."""
+    groups = host_groups_of(members, epoch)
+    if groups is None or m < 1:
+        return None
+    layout = ChunkLayout.make(members, groups, m, max(1, min(slices, m)))
+    algo = HierarchicalReduceScatter(layout) if kind == "reduce_scatter" else HierarchicalAllgather(layout)
+    return layout, algo

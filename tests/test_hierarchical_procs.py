@@ -1,0 +1,145 @@
+"""The hierarchical allreduce's fault contract with real etcd, coordinator and processes:
+2 or 3 members on each of 2 emulated hosts (``MemberInfo.host`` from RESILIENT_TEST_HOST, all on
+loopback), SIGKILL / SIGSTOP by failpoint at each level — an intra-host member in the
+host reduce-scatter, a host leader (local rank 0) in the cross-host ring, a whole host
+at mixed phases, a stopped leader found by lease expiry — and every survivor's output
+of every op checked exactly against the contributors it reports. A victim that died by
+its failpoint proves the op ran the hierarchical algorithm (the failpoint phases
+``intra_rs`` / ``cross_rs`` / ``cross_ag`` / ``intra_ag`` exist nowhere else)."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
+from collective_harness import Workers, coordinator  # noqa: E402
+from inputs import expected  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+TTL = 2.0
+#: op 1 is large (hierarchical); op 2 runs over what is left (flat ring: hosts of unequal size, or one host)
+OPS = [{"k": "allreduce", "numel": 1000, "dtype": "int64", "op": "sum"},
+       {"k": "allreduce", "numel": 200_003, "dtype": "int64", "op": "sum"},
+       {"k": "allreduce", "numel": 100_000, "dtype": "int64", "op": "sum"}]
+
+
+def hosts(k: int) -> dict[str, str]:
+    """2 emulated hosts of ``k``: m0..m{k-1} on hostA (m0 its leader), the rest on hostB."""
+    return {f"m{i}": ("hostA" if i < k else "hostB") for i in range(2 * k)}
+
+
+#: a victim that may already be in the recovery of an earlier death when its point comes
+#: dies at that recovery's first round instead (still in the same op)
+OR_RECOVERY = ";kill@op=1,phase=recovery"
+CASES = {
+    # an intra-host member (not the leader) dies halfway through its host's reduce-scatter
+    "intra-member": (3, {"m1": "kill@op=1,phase=intra_rs,frac=0.5"}),
+    # host leader (local rank 0 of host B) dies in the cross-host reduce-scatter
+    "host-leader-cross-rs": (2, {"m2": "kill@op=1,phase=cross_rs"}),
+    # host leader of host A dies in the cross-host all-gather
+    "host-leader-cross-ag": (2, {"m0": "kill@op=1,phase=cross_ag"}),
+    # a whole host goes, its members at different levels
+    "whole-host": (2, {"m2": "kill@op=1,phase=intra_rs", "m3": "kill@op=1,phase=intra_ag" + OR_RECOVERY}),
+}
+
+
+def _check_survivors(w: Workers, survivors: list[str]) -> dict[int, list[str]]:
+    contrib_of: dict[int, list[str]] = {}
+    for mid in survivors:
+        recs = {r["seq"]: r for r in w.records(mid)}
+        for seq, spec in enumerate(OPS):
+            rec = recs[seq]
+            assert rec["ok"], (mid, rec)
+            contrib = rec["contributors"]
+            assert contrib_of.setdefault(seq, contrib) == contrib, (mid, seq, contrib, contrib_of[seq])
+            exp = expected("sum", [int(m[1:]) for m in contrib], seq, w.seed, spec["numel"], spec["dtype"])
+            np.testing.assert_array_equal(w.output(mid, seq), exp.numpy())
+    return contrib_of
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kill_at_each_level_every_survivor_exact(etcd_session, job_name, tmp_path, case):
+    k, fps = CASES[case]
+    with coordinator(etcd_session.endpoint_arg, job_name, ttl=TTL):
+        w = Workers(etcd_session.endpoint_arg, job_name, 2 * k, OPS, tmp_path, failpoints=fps, ttl=TTL, hosts=hosts(k))
+        try:
+            survivors = [m for m in w.procs if m not in fps]
+            w.wait_done(list(w.procs), 120)
+            for v in fps:
+                assert w.procs[v].wait(10) == -9, f"{v} was not killed at {fps[v]}"
+            contrib = _check_survivors(w, survivors)
+            assert contrib[0] == sorted(w.procs)
+            assert set(survivors) <= set(contrib[1])
+            assert contrib[2] == survivors
+        finally:
+            w.close()
+
+
+def test_stopped_host_leader_is_removed_and_survivors_exact(etcd_session, job_name, tmp_path):
+    victim = "m2"   # host B's leader
+    with coordinator(etcd_session.endpoint_arg, job_name, ttl=TTL):
+        w = Workers(etcd_session.endpoint_arg, job_name, 4, OPS, tmp_path, ttl=TTL, hosts=hosts(2),
+                    failpoints={victim: "stop@op=1,phase=intra_ag"})
+        try:
+            survivors = [m for m in w.procs if m != victim]
+            w.wait_done(survivors, 120)
+            contrib = _check_survivors(w, survivors)
+            assert contrib[2] == survivors
+            os.kill(w.procs[victim].pid, signal.SIGCONT)
+            assert w.procs[victim].wait(60) == 4   # RemovedFromGroup: it contributes to nothing later
+            assert not (tmp_path / f"{victim}.2.npy").exists()
+        finally:
+            w.close()
+
+
+RS_AG_OPS = [{"k": "barrier"},
+             {"k": "reduce_scatter", "numel": 200_003, "dtype": "int64", "op": "sum"},
+             {"k": "allgather", "numel": 200_003, "dtype": "int64"},
+             {"k": "barrier"}]   # members that finished op 2 serve its recovery from their next op
+
+
+@pytest.mark.parametrize("victim,fp", [("m2", "kill@op=1,phase=cross_rs"), ("m0", "kill@op=2,phase=intra_ag")],
+                         ids=["reduce_scatter-leader-cross", "allgather-leader-intra"])
+def test_reduce_scatter_and_allgather_with_a_kill_exact(etcd_session, job_name, tmp_path, victim, fp):
+    everyone = [f"m{i}" for i in range(4)]
+    survivors = [m for m in everyone if m != victim]
+    op = int(fp.split("op=")[1].split(",")[0])
+    with coordinator(etcd_session.endpoint_arg, job_name, ttl=TTL):
+        w = Workers(etcd_session.endpoint_arg, job_name, 4, RS_AG_OPS, tmp_path, failpoints={victim: fp}, ttl=TTL,
+                    hosts=hosts(2))
+        try:
+            w.wait_done(everyone, 120)
+            assert w.procs[victim].wait(10) == -9, f"{victim} was not killed at {fp}"
+            for mid in survivors:
+                recs = {r["seq"]: r for r in w.records(mid)}
+                for seq in (1, 2):
+                    rec = recs[seq]
+                    if not rec["ok"]:
+                        # the killed op may only lose the victim's own piece (DataLost naming it);
+                        # an op sized for the old group before the new epoch: GroupChanged
+                        lost = seq == op and rec["error"].startswith("DataLost") and victim in rec["error"]
+                        shrank = seq > op and rec["error"].startswith("GroupChanged")
+                        assert lost or shrank, (mid, rec)
+                        continue
+                    got = w.output(mid, seq)
+                    if seq == 1:
+                        contrib = rec["contributors"]
+                        c = rec["members"].index(mid) if seq > op else everyone.index(mid)
+                        exp = sum(expected("sum", [int(m[1:])], seq * 100 + c, w.seed, 200_003, "int64")
+                                  for m in contrib)
+                        np.testing.assert_array_equal(got, exp.numpy())
+                        assert contrib in (survivors, everyone), (mid, contrib)
+                    else:
+                        members = everyone if seq <= op else survivors
+                        exp = np.stack([expected("sum", [int(m[1:])], seq, w.seed, 200_003, "int64").numpy()
+                                        for m in members])
+                        np.testing.assert_array_equal(got, exp)
+        finally:
+            w.close()
