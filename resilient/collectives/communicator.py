@@ -243,31 +243,23 @@ class Communicator:
 
     def allreduce(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False,
                   policy: Policy | str | None = None, compression: Any = None) -> Any:
-        """``compression``: None (exact float sum), ``"q8"``/``"q4"``/``"q2"``, a
-        :class:`~.compressed.Compression`, or ``"auto"`` (the measured-link switch,
+        """``compression``: None (exact float sum), ``"q8"``/``"q4"``/``"q2"``, ``"auto"``
+        or a :class:`~.compressed.Compression` (``auto=True``: the measured-link switch of
         :mod:`.compression_switch`): the exact quantized allreduce of ``docs/compression.md``."""
         t = _as_tensor(tensor, "allreduce tensor")
         rop = ReduceOp.parse(op)
         if compression is not None:
-            from resilient.collectives.compressed import run_compressed
+            from resilient.collectives.compressed import Compression, run_compressed
+            from resilient.collectives.compression_switch import run_auto
 
-            comp = self._compression_for(t, compression)
+            comp = Compression.parse(compression)
             segs = comp.layout(t) if comp is not None else None
             if segs is not None:
-                return self._submit(lambda: run_compressed(self, t, rop, comp, segs, policy), async_op, "allreduce",
+                body = run_auto if comp.auto else run_compressed
+                return self._submit(lambda: body(self, t, rop, comp, segs, policy), async_op, "allreduce",
                                     t.numel() * t.element_size())
         desc = {"k": "allreduce", "shape": list(t.shape), "dtype": str(t.dtype), "op": rop.value}
         return self._submit(lambda: self._reduce(t, rop, desc, policy), async_op, "allreduce", t.numel() * t.element_size())
-
-    def _compression_for(self, t: torch.Tensor, compression: Any) -> Any:
-        """The Compression to use for ``t`` (None: uncompressed); ``"auto"`` asks the switch."""
-        from resilient.collectives.compressed import Compression
-
-        if isinstance(compression, str) and compression.strip().lower() == "auto":
-            from resilient.collectives.compression_switch import switch_for
-
-            return switch_for(self).choose(t.numel() * t.element_size(), self.size)
-        return Compression.parse(compression)
 
     def reduce_scatter(self, output: Any, inputs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM,
                        async_op: bool = False, policy: Policy | str | None = None) -> Any:
@@ -745,7 +737,8 @@ class Communicator:
     def _ring_or_rd(self, nbytes: int, n: int) -> bool:
         return nbytes > self.small_bytes and n > 1
 
-    def _reduce(self, t: torch.Tensor, op: ReduceOp, desc: dict, policy: Any, reserve: int = 1) -> OpResult:
+    def _reduce(self, t: torch.Tensor, op: ReduceOp, desc: dict, policy: Any, reserve: int = 1,
+                seq: int | None = None) -> OpResult:
         if t.is_contiguous():
             inp = t.detach().view(-1)  # the ledger's kept input: t is not written before the op completes
         else:
@@ -773,7 +766,7 @@ class Communicator:
         if policy is not None:
             self.policy = Policy.parse(policy)
         try:
-            L = self._run(desc, build, reserve=reserve)
+            L = self._run(desc, build, seq=seq, reserve=reserve)
         finally:
             self.policy = old
         t.copy_(self._finish_avg(L, op).view(t.shape))

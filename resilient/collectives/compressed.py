@@ -52,6 +52,7 @@ class Compression:
     bucket: int = 1024
     min_numel: int = 4096
     segments: tuple[tuple[int, int, int], ...] | None = None
+    auto: bool = False  #: let the measured-link switch choose between this and fp32 per call
 
     def __post_init__(self) -> None:
         if self.bits not in BITS or self.bits == FINE:
@@ -62,18 +63,21 @@ class Compression:
     @classmethod
     def parse(cls, value: Any) -> "Compression | None":
         """``None`` / ``"none"`` / ``"fp32"`` -> no compression; ``"q8"``, ``"q4"``,
-        ``"q2"`` or an int -> that many bits; a Compression -> itself."""
+        ``"q2"`` or an int -> that many bits; ``"auto"`` -> 4 bits where the switch
+        predicts a gain (:mod:`.compression_switch`); a Compression -> itself."""
         if value is None or isinstance(value, Compression):
             return value
         if isinstance(value, str):
             v = value.strip().lower()
             if v in ("none", "fp32", "off", ""):
                 return None
+            if v == "auto":
+                return cls(auto=True)
             if v.startswith("q") and v[1:].isdigit():
                 return cls(bits=int(v[1:]))
         if isinstance(value, int) and not isinstance(value, bool):
             return cls(bits=value)
-        raise ConfigError(f"compression {value!r}: use None, 'q8', 'q4', 'q2', an int or a Compression")
+        raise ConfigError(f"compression {value!r}: use None, 'q8', 'q4', 'q2', 'auto', an int or a Compression")
 
     def layout(self, t: torch.Tensor) -> list[Segment] | None:
         """The segments for ``t``, or None when it stays uncompressed."""
@@ -108,8 +112,10 @@ def _layout_digest(comp: Compression, segs: list[Segment]) -> int:
 
 
 def run_compressed(comm: Any, t: torch.Tensor, op: ReduceOp, comp: Compression, segs: list[Segment],
-                   policy: Policy | str | None) -> Any:
-    """The op body (on the communicator's op thread); returns the ring's OpResult."""
+                   policy: Policy | str | None, seqs: tuple[int, int] | None = None) -> Any:
+    """The op body (on the communicator's op thread); returns the ring's result as a
+    :class:`CompressedResult`. ``seqs``: pre-reserved (scale, ring) sequence numbers
+    (the automatic switch reserves them with its vote); else two are reserved here."""
     if op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise ConfigError(f"a compressed allreduce supports sum and avg, not {op.value}")
     if not t.is_floating_point():
@@ -121,8 +127,12 @@ def run_compressed(comm: Any, t: torch.Tensor, op: ReduceOp, comp: Compression, 
     scale_in = torch.cat([maxima, torch.tensor([float(comm.size)])])
     desc_s = {"k": "allreduce", "shape": [scale_in.numel()], "dtype": "torch.float32", "op": "max",
               "q": "scale", "layout": lay}
-    res_s = comm._reduce(scale_in, ReduceOp.MAX, desc_s, policy, reserve=2)
-    ring_seq = comm._retained.seq + 1
+    if seqs is None:
+        res_s = comm._reduce(scale_in, ReduceOp.MAX, desc_s, policy, reserve=2)
+        ring_seq = comm._retained.seq + 1
+    else:
+        res_s = comm._reduce(scale_in, ReduceOp.MAX, desc_s, policy, seq=seqs[0])
+        ring_seq = seqs[1]
     n_bound = max(1, int(scale_in[-1].item()))
     sc = scales(scale_in[:-1], segs, bucket, n_bound)
     q = quantize(x, sc, segs, bucket, n_bound)
@@ -162,6 +172,25 @@ def run_compressed(comm: Any, t: torch.Tensor, op: ReduceOp, comp: Compression, 
             a, b = L.pieces[p]
             res[a:b].div_(bin(m).count("1"))
     t.copy_(res.view(t.shape))
-    comm.last_compression = {"seq": L.seq, "scales": sc, "q": q, "scale_contributors": tuple(res_s.contributors),
-                             "members_bound": n_bound, "segments": segs, "bucket": bucket}
-    return comm._result(L)
+    info = {"seq": L.seq, "scales": sc, "q": q, "scale_contributors": tuple(res_s.contributors),
+            "members_bound": n_bound, "segments": segs, "bucket": bucket}
+    comm.last_compression = info
+    r = comm._result(L)
+    return CompressedResult(r.contributors, r.piece_contributors, r.recovered, info)
+
+
+@dataclass(frozen=True)
+class CompressedResult:
+    """What ``Work.result()`` holds for a compressed op: the ring's contributor sets and
+    ``compression`` (scales, this member's ``q``, scale contributors, layout) — what error
+    feedback needs to know this member's dequantized input."""
+
+    contributors: tuple[str, ...]
+    piece_contributors: list[tuple[str, ...]] | None = None
+    recovered: bool = False
+    compression: dict | None = None
+
+    def dequantized_input(self) -> torch.Tensor:
+        """``s * q`` of this member (float32, flat)."""
+        c = self.compression
+        return dequantize(c["q"], c["scales"], c["segments"], c["bucket"])
