@@ -153,3 +153,73 @@ def test_compressed_allreduce_is_the_exact_dequantized_sum(bits, numel, world):
         exact = sum(xs)
         err = float((got[ids[0]][0][0][0].reshape(-1) - exact).abs().max())
         assert err <= world * float(max(x.abs().max() for x in xs)) / qmax(bits) / 2 * 1.001
+
+
+# -- the automatic switch ------------------------------------------------------------------
+
+def test_switch_predicts_from_the_link_and_the_codec():
+    from resilient.collectives.compression_switch import CompressionSwitch, ring_wire_bytes
+
+    assert ring_wire_bytes(4 << 20, 4, None) == 2 * 3 * (1 << 20)          # fp32: 2(n-1)/n of the bytes
+    assert ring_wire_bytes(4 << 20, 4, 4) == (1 << 18) * (4 + 8 + 8 + 3 * 8) / 8
+    sw = CompressionSwitch(codec_s_per_byte={4: (1e-9, 1e-9)})
+    v = sw.vote(64 << 20, 4, 4)
+    assert float(v[1]) == 1.0 and sw.decide(v, 4) == "fp32"   # no estimate yet: an fp32 probe
+    sw.observe("fp32", 64 << 20, 4, sent=100_000_000, seconds=1.0)  # 100 MB/s
+    slow = sw.vote(64 << 20, 4, 4)
+    assert -float(slow[0]) > 2 and sw.decide(slow, 4) == "q4"
+    sw.link_bytes_per_s = 1e11                                 # a fast link: the codec dominates
+    assert sw.decide(sw.vote(64 << 20, 4, 4), 4) == "fp32"
+    # the agreed vote is the MAX over members: the slowest prediction and any probe win
+    agreed = torch.maximum(slow, torch.tensor([-1.0, 0.0]))
+    assert sw.decide(agreed, 4) == "fp32"
+
+
+def test_auto_mode_agrees_on_one_arm_and_stays_exact():
+    from resilient.collectives.communicator import Communicator
+    from resilient.collectives.compression_switch import CompressionSwitch
+
+    ids = ["m0", "m1", "m2"]
+    trs = {m: TcpTransport(m, "qauto") for m in ids}
+    ep = StaticEpoch(1, tuple(ids), "tok", {m: Info(trs[m].address) for m in ids})
+    blobs: dict = {"lock": threading.Condition()}
+    x0 = {m: torch.randn(200, 100, generator=torch.Generator().manual_seed(i)) for i, m in enumerate(ids)}
+    got: dict = {}
+    errors: list = []
+
+    def member(m: str) -> None:
+        try:
+            c = Communicator(StaticView(m, ep, blobs), trs[m], op_timeout=20, small_bytes=1024)
+            sw = c.compression_switch = CompressionSwitch(codec_s_per_byte={4: (0.0, 0.0)})
+            outs = []
+            for step in range(3):
+                if step == 1:  # every member now believes in a slow link (m2 asks for a probe at step 2)
+                    sw.link_bytes_per_s, sw._since_probe = 1e6, 0
+                if step == 2 and m == "m2":
+                    sw._since_probe = sw.probe_every
+                t = x0[m].clone()
+                w = c.allreduce(t, compression="auto")
+                outs.append((t, sw.last_choice, w.contributors))
+                if step == 1:
+                    sw.link_bytes_per_s = 1e6  # observe() moved it; keep the belief for the next step
+            got[m] = outs
+            c.close()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    try:
+        run_members(member, ids, 60)
+    finally:
+        for t in trs.values():
+            t.close()
+    assert not errors, errors
+    assert [o[1] for o in got["m0"]] == ["fp32", "q4", "fp32"]
+    for m in ids:
+        assert [o[1] for o in got[m]] == ["fp32", "q4", "fp32"]
+        for k in range(3):
+            assert torch.equal(got[m][k][0], got["m0"][k][0])
+    exact = sum(x0[m] for m in ids)
+    # fp32 arm: the plain ring's float sum; q4 arm: the dequantized sum
+    assert torch.allclose(got["m0"][0][0], exact, atol=1e-5)
+    ref = _reference([x0[m].reshape(-1) for m in ids], [Segment(0, 20_000, 4)], 1024, False).view(200, 100)
+    assert torch.equal(got["m0"][1][0], ref)

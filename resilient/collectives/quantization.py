@@ -19,7 +19,7 @@ order in which the integers were added.
 
 Wire widths: a partial sum over ``k`` contributors is sent packed at ``bits`` (``k = 1``,
 bits < 8) or as the narrowest of int8 / int16 / int32 that holds ``k * qmax``
-(:func:`wire_bits`). Packed 2/4-bit values use offset binary (``q + 2**(bits-1)``).
+(:func:`wire_bits`). Packed 2/4-bit fields are two's complement, first value lowest.
 
 Failure behaviour: shapes that do not match the layout raise :class:`ConfigError`;
 non-finite inputs quantize to 0 (NaN) or ``±qmax`` (±inf) instead of poisoning the sum.
@@ -141,9 +141,8 @@ def quantize(x: torch.Tensor, sc: torch.Tensor, segments: list[Segment], bucket:
         for vv, ss, oo in ((vh, hs, oh), (vt, ts, ot)):
             if vv is None or vv.numel() == 0:
                 continue
-            safe = torch.where(ss > 0, ss, torch.ones_like(ss))
-            r = torch.div(vv, safe)
-            r = torch.nan_to_num(r, nan=0.0, posinf=qm, neginf=-qm).round_().clamp_(-qm, qm)
+            inv = torch.where(ss > 0, 1.0 / ss, torch.zeros_like(ss))  # a zero bound: everything -> 0
+            r = torch.mul(vv, inv).nan_to_num_(nan=0.0, posinf=qm, neginf=-qm).clamp_(-qm, qm).round_()
             oo.copy_(r)
     return out
 
@@ -154,49 +153,56 @@ def dequantize(Q: torch.Tensor, sc: torch.Tensor, segments: list[Segment], bucke
     out = torch.empty(Q.numel(), dtype=torch.float32) if out is None else out
     off = 0
     for s in segments:
-        hs, ts = _per_element(sc.to(torch.float64), s, bucket, off)
+        # |Q| < 2**24 outside fixed point: Q is exact in float32 and one float32 multiply is
+        # the correctly rounded exact product; fixed point needs the float64 product
+        dt = torch.float64 if s.bits == FINE else torch.float32
+        hs, ts = _per_element(sc.to(dt), s, bucket, off)
         off += s.n_buckets(bucket)
         (qh, qt), (oh, ot) = _rows(Q[s.start:s.end], bucket), _rows(out[s.start:s.end], bucket)
         for qq, ss, oo in ((qh, hs, oh), (qt, ts, ot)):
             if qq is not None and qq.numel():
-                oo.copy_(qq.to(torch.float64) * ss)
+                if dt is torch.float32:
+                    torch.mul(qq, ss, out=oo)
+                else:
+                    oo.copy_(qq.to(dt) * ss)
     return out
 
 
 # -- wire packing ---------------------------------------------------------------------
 
 def pack(q: torch.Tensor, width: int) -> torch.Tensor:
-    """Flat int32 ``q`` as the uint8 wire bytes of ``width`` (2, 4, 8, 16, 32)."""
+    """Flat int32 ``q`` as the uint8 wire bytes of ``width`` (2, 4: two's complement
+    fields, the first value in the low bits; 8, 16, 32: little-endian integers)."""
     if width == 32:
         return q.contiguous().view(torch.uint8)
     if width == 16:
         return q.to(torch.int16).view(torch.uint8)
+    b = q.to(torch.int8)
     if width == 8:
-        return q.to(torch.int8).view(torch.uint8)
+        return b.view(torch.uint8)
     per = 8 // width
-    n = q.numel()
-    pad = (-n) % per
-    u = (q + (1 << (width - 1))).to(torch.uint8)
+    pad = (-b.numel()) % per
     if pad:
-        u = torch.cat([u, torch.zeros(pad, dtype=torch.uint8)])
-    u = u.view(-1, per)
-    out = u[:, 0].clone()
+        b = torch.cat([b, torch.zeros(pad, dtype=torch.int8)])
+    v = b.view(torch.uint8).view(-1, per)
+    mask = (1 << width) - 1
+    out = v[:, 0] & mask
     for j in range(1, per):
-        out |= u[:, j] << (width * j)
+        out |= (v[:, j] & mask) << (width * j)
     return out
 
 
 def unpack(wire: torch.Tensor, count: int, width: int) -> torch.Tensor:
     """The ``count`` values of ``wire`` (uint8) as a tensor that adds into int32 (int8 /
-    int16 / int32 views without a copy where possible)."""
+    int16 / int32; views without a copy where possible)."""
     if width == 32:
         return wire[:count * 4].view(torch.int32)
     if width == 16:
         return wire[:count * 2].view(torch.int16)
+    w = wire.view(torch.int8)
     if width == 8:
-        return wire[:count].view(torch.int8)
+        return w[:count]
     per = 8 // width
-    mask = (1 << width) - 1
-    cols = [((wire >> (width * j)) & mask) for j in range(per)]
-    u = torch.stack(cols, 1).view(-1)[:count]
-    return u.to(torch.int32) - (1 << (width - 1))
+    # sign-extend each field: shift it to the top of the byte, then arithmetic-shift down
+    cols = [(w << (8 - width * (j + 1))) >> (8 - width) for j in range(per)]
+    return torch.stack(cols, 1).view(-1)[:count]
