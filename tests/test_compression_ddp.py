@@ -54,13 +54,16 @@ def _train(world: int, steps: int, bits: int = 4):
     errors: list = []
     from resilient.collectives.communicator import Communicator
 
+    torch.manual_seed(0)
+    init = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)).state_dict()
+
     def member(m: str) -> None:
         try:
             i = ids.index(m)
             comm = Communicator(StaticView(m, ep, blobs), trs[m], op_timeout=20, small_bytes=1024)
             pg = ResilientProcessGroup(CommunicatorEngine(comm, None, None, m), i, world)
-            torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+            model.load_state_dict(init)  # the global RNG is shared by the threads
             ddp = DDP(model, process_group=pg, init_sync=False, forward_sync_buffers=False)
             ef = ErrorFeedback(bits=bits, group=pg)
             ddp.register_comm_hook(ef, compression_hook)
