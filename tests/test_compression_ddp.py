@@ -3,7 +3,6 @@ thread per member) under torch's DDP, and the pure residual/State rules."""
 from __future__ import annotations
 
 import sys
-import threading
 from pathlib import Path
 
 import torch
@@ -13,10 +12,9 @@ from resilient.ddp import ErrorFeedback, compression_hook
 from resilient.elastic import State
 from resilient.torch_backend.communicator_engine import CommunicatorEngine
 from resilient.torch_backend.process_group import ResilientProcessGroup
-from resilient.transport.tcp import TcpTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from static_group import Info, StaticEpoch, StaticView, run_members  # noqa: E402
+from static_group import run_communicators  # noqa: E402
 
 
 def test_residual_rule_contributor_and_left_out():
@@ -46,52 +44,33 @@ def test_state_keeps_own_residuals_and_a_joiner_starts_at_zero():
 
 
 def _train(world: int, steps: int, bits: int = 4):
-    ids = [f"m{i}" for i in range(world)]
-    trs = {m: TcpTransport(m, "qddp") for m in ids}
-    ep = StaticEpoch(1, tuple(ids), "tok", {m: Info(trs[m].address) for m in ids})
-    blobs: dict = {"lock": threading.Condition()}
-    out: dict = {}
-    errors: list = []
-    from resilient.collectives.communicator import Communicator
-
     torch.manual_seed(0)
     init = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)).state_dict()
 
-    def member(m: str) -> None:
-        try:
-            i = ids.index(m)
-            comm = Communicator(StaticView(m, ep, blobs), trs[m], op_timeout=20, small_bytes=1024)
-            pg = ResilientProcessGroup(CommunicatorEngine(comm, None, None, m), i, world)
-            model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
-            model.load_state_dict(init)  # the global RNG is shared by the threads
-            ddp = DDP(model, process_group=pg, init_sync=False, forward_sync_buffers=False)
-            ef = ErrorFeedback(bits=bits, group=pg)
-            ddp.register_comm_hook(ef, compression_hook)
-            opt = torch.optim.SGD(model.parameters(), lr=0.05)
-            trace = []
-            for step in range(steps):
-                g = torch.Generator().manual_seed(step * 100 + i)
-                x = torch.randn(32, 64, generator=g)
-                opt.zero_grad()
-                loss = ((ddp(x) - x[:, :1]) ** 2).mean()
-                loss.backward()
-                grads = [p.grad.clone() for p in model.parameters()]
-                res = {k: v.clone() for k, v in ef.residuals.items()}
-                opt.step()
-                trace.append((grads, res, ef.tracker.bucket_sets()))
-                ef.tracker.reset()
-            out[m] = ([p.detach().clone() for p in model.parameters()], trace, comm.next_seq)
-            comm.close()
-        except BaseException as exc:  # noqa: BLE001 - surfaced below
-            errors.append(exc)
+    def body(m, comm):
+        i = int(m[1:])
+        pg = ResilientProcessGroup(CommunicatorEngine(comm, None, None, m), i, world)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+        model.load_state_dict(init)  # the global RNG is shared by the threads
+        ddp = DDP(model, process_group=pg, init_sync=False, forward_sync_buffers=False)
+        ef = ErrorFeedback(bits=bits, group=pg)
+        ddp.register_comm_hook(ef, compression_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        trace = []
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step * 100 + i)
+            x = torch.randn(32, 64, generator=g)
+            opt.zero_grad()
+            loss = ((ddp(x) - x[:, :1]) ** 2).mean()
+            loss.backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            res = {k: v.clone() for k, v in ef.residuals.items()}
+            opt.step()
+            trace.append((grads, res, ef.tracker.bucket_sets()))
+            ef.tracker.reset()
+        return [p.detach().clone() for p in model.parameters()], trace, comm.next_seq
 
-    try:
-        run_members(member, ids, 120)
-    finally:
-        for t in trs.values():
-            t.close()
-    assert not errors, errors
-    return ids, out
+    return run_communicators(world, "qddp", body, timeout=120, small_bytes=1024)
 
 
 def test_ddp_compression_hook_keeps_members_bitwise_identical():

@@ -23,10 +23,14 @@ pytestmark = pytest.mark.slow
 
 TTL = 2.0
 NUMEL, BUCKET = 200_000, 1024
-# comm op seqs: 0 = plain, 1 = scale (MAX, recursive doubling), 2 = integer ring, 3 = plain
-OPS = [{"k": "allreduce", "numel": 1000, "dtype": "float32", "op": "sum"},
-       {"k": "allreduce", "numel": NUMEL, "dtype": "float32", "op": "sum", "bits": 4, "bucket": BUCKET},
-       {"k": "allreduce", "numel": 1000, "dtype": "float32", "op": "sum"}]
+PLAIN = {"k": "allreduce", "numel": 1000, "dtype": "float32", "op": "sum"}
+COMP = {"k": "allreduce", "numel": NUMEL, "dtype": "float32", "op": "sum", "bits": 4, "bucket": BUCKET}
+# worker op index -> comm op seqs: 0 plain (0); 1 compressed (1 scale, 2 ring); 2 plain (3);
+# 3 compressed (4 scale, 5 ring); 4 plain (6); 5 compressed (7 scale, 8 ring); 6 plain (9)
+OPS = [PLAIN, COMP, PLAIN, COMP, PLAIN, COMP, PLAIN]
+#: one victim per phase: m2 in the first ring's reduce-scatter, m4 in the second op's
+#: scale agreement (recursive doubling of 197 floats), m1 in the third ring's all-gather
+KILLS = {"m2": "kill@op=2,phase=rs,frac=0.5", "m4": "kill@op=4,phase=rd,frac=0.4", "m1": "kill@op=8,phase=ag,frac=0.3"}
 
 
 def _expected(seed: int, contrib: list[str], scale_contrib: list[str], bound: int, bits: int, seq: int,
@@ -57,41 +61,20 @@ def _check(w: Workers, survivors: list[str], seq: int, op: str = "sum") -> list[
     return contrib
 
 
-def _run(etcd_session, job, tmp_path, fps: dict[str, str]):
-    with coordinator(etcd_session.endpoint_arg, job, ttl=TTL):
-        w = Workers(etcd_session.endpoint_arg, job, 4, OPS, tmp_path, failpoints=fps, ttl=TTL)
+def test_sigkill_in_each_phase_keeps_every_result_exact(etcd_session, job_name, tmp_path):
+    with coordinator(etcd_session.endpoint_arg, job_name, ttl=TTL):
+        w = Workers(etcd_session.endpoint_arg, job_name, 5, OPS, tmp_path, failpoints=KILLS, ttl=TTL)
         try:
-            victims = list(fps)
-            survivors = [m for m in w.procs if m not in victims]
-            w.wait_done(list(w.procs), 120)
-            for v in victims:
-                assert w.procs[v].wait(10) == -9, f"{v} was not killed: {fps[v]}"
-            return w, survivors
-        except BaseException:
+            w.wait_done(list(w.procs), 150)
+            for v in KILLS:
+                assert w.procs[v].wait(10) == -9, f"{v} was not killed: {KILLS[v]}"
+            first = _check(w, ["m0", "m1", "m3", "m4"], 1)             # m2 died in the ring's reduce-scatter
+            assert {"m0", "m1", "m3", "m4"} <= set(first)
+            second = _check(w, ["m0", "m1", "m3"], 3)                  # m4 died agreeing the scales
+            assert second == ["m0", "m1", "m3"]                        # it never quantized: not in the sum
+            third = _check(w, ["m0", "m3"], 5)                         # m1 died in the all-gather
+            assert {"m0", "m3"} <= set(third) <= {"m0", "m1", "m3"}
+            for m in ("m0", "m3"):                                     # the plain ops between them ran in step
+                assert all(w.records(m)[k]["ok"] for k in (0, 2, 4, 6))
+        finally:
             w.close()
-            raise
-
-
-def test_compressed_allreduce_without_failure_is_exact(etcd_session, job_name, tmp_path):
-    w, survivors = _run(etcd_session, job_name, tmp_path, {})
-    try:
-        assert _check(w, survivors, 1) == ["m0", "m1", "m2", "m3"]
-        for m in survivors:  # the plain op after it ran at the right sequence number
-            assert w.records(m)[2]["ok"]
-    finally:
-        w.close()
-
-
-@pytest.mark.parametrize("fp", ["kill@op=1,phase=rd,frac=0.4", "kill@op=2,phase=rs,frac=0.5",
-                                "kill@op=2,phase=ag,frac=0.3"], ids=["scale", "ring-rs", "ring-ag"])
-def test_sigkill_in_each_phase_keeps_the_result_exact(etcd_session, job_name, tmp_path, fp):
-    w, survivors = _run(etcd_session, job_name, tmp_path, {"m2": fp})
-    try:
-        contrib = _check(w, survivors, 1)
-        assert set(survivors) <= set(contrib)
-        if "phase=rd" in fp:  # died before quantizing: it cannot be in the integer sum
-            assert "m2" not in contrib
-        for m in survivors:
-            assert w.records(m)[2]["ok"]
-    finally:
-        w.close()

@@ -4,7 +4,6 @@ bitwise against the sum of the members' dequantized inputs."""
 from __future__ import annotations
 
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -15,10 +14,9 @@ from resilient.collectives.quantization import (
     Segment, bucket_maxima, dequantize, pack, qmax, quantize, scales, unpack, wire_bits, wire_nbytes,
 )
 from resilient.errors import ConfigError
-from resilient.transport.tcp import TcpTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from static_group import Info, StaticEpoch, StaticView, run_members  # noqa: E402
+from static_group import run_communicators  # noqa: E402
 
 
 @pytest.mark.parametrize("width", [2, 4, 8, 16, 32])
@@ -103,42 +101,22 @@ def _reference(xs: list[torch.Tensor], segs: list[Segment], bucket: int, avg: bo
 
 @pytest.mark.parametrize("bits,numel,world", [(4, 40_000, 3), (8, 40_000, 4), (2, 9_001, 2), (4, 5_000, 1)])
 def test_compressed_allreduce_is_the_exact_dequantized_sum(bits, numel, world):
-    from resilient.collectives.communicator import Communicator
-
-    ids = [f"m{i}" for i in range(world)]
-    trs = {m: TcpTransport(m, "qjob") for m in ids}
-    ep = StaticEpoch(1, tuple(ids), "tok", {m: Info(trs[m].address) for m in ids})
-    blobs: dict = {"lock": threading.Condition()}
-    inputs = {m: torch.randn(numel // 100, 100, generator=torch.Generator().manual_seed(i)) * (i + 1)
-              for i, m in enumerate(ids)}
+    inputs = {f"m{i}": torch.randn(numel // 100, 100, generator=torch.Generator().manual_seed(i)) * (i + 1)
+              for i in range(world)}
     segs = [Segment(0, numel // 100 * 100, bits)]
-    got: dict = {}
-    errors: list = []
 
-    def member(m: str) -> None:
-        try:
-            c = Communicator(StaticView(m, ep, blobs), trs[m], op_timeout=20, small_bytes=1024, slice_bytes=16 << 10)
-            try:
-                outs = []
-                for op in ("sum", "avg"):
-                    t = inputs[m].clone()
-                    w = c.allreduce(t, op, compression=Compression(bits=bits, bucket=512, min_numel=100))
-                    outs.append((t, w.contributors))
-                plain = torch.ones(10)   # 1-D: stays uncompressed in the same API
-                c.allreduce(plain, compression="q4")
-                outs.append((plain, None))
-                got[m] = (outs, c.next_seq)
-            finally:
-                c.close()
-        except BaseException as exc:  # noqa: BLE001 - surfaced below
-            errors.append(exc)
+    def body(m, c):
+        outs = []
+        for op in ("sum", "avg"):
+            t = inputs[m].clone()
+            w = c.allreduce(t, op, compression=Compression(bits=bits, bucket=512, min_numel=100))
+            outs.append((t, w.contributors))
+        plain = torch.ones(10)   # 1-D: stays uncompressed in the same API
+        c.allreduce(plain, compression="q4")
+        outs.append((plain, None))
+        return outs, c.next_seq
 
-    try:
-        run_members(member, ids, 60)
-    finally:
-        for t in trs.values():
-            t.close()
-    assert not errors, errors
+    ids, got = run_communicators(world, "qjob", body, small_bytes=1024, slice_bytes=16 << 10)
     xs = [inputs[m].reshape(-1) for m in ids]
     for k, avg in enumerate((False, True)):
         ref = _reference(xs, segs, 512, avg).view(inputs[ids[0]].shape)
@@ -157,62 +135,56 @@ def test_compressed_allreduce_is_the_exact_dequantized_sum(bits, numel, world):
 
 # -- the automatic switch ------------------------------------------------------------------
 
-def test_switch_predicts_from_the_link_and_the_codec():
+def test_switch_probes_then_follows_measured_times():
     from resilient.collectives.compression_switch import CompressionSwitch, ring_wire_bytes
 
     assert ring_wire_bytes(4 << 20, 4, None) == 2 * 3 * (1 << 20)          # fp32: 2(n-1)/n of the bytes
     assert ring_wire_bytes(4 << 20, 4, 4) == (1 << 18) * (4 + 8 + 8 + 3 * 8) / 8
-    sw = CompressionSwitch(codec_s_per_byte={4: (1e-9, 1e-9)})
-    v = sw.vote(64 << 20, 4, 4)
-    assert float(v[1]) == 1.0 and sw.decide(v, 4) == "fp32"   # no estimate yet: an fp32 probe
-    sw.observe("fp32", 64 << 20, 4, sent=100_000_000, seconds=1.0)  # 100 MB/s
-    slow = sw.vote(64 << 20, 4, 4)
-    assert -float(slow[0]) > 2 and sw.decide(slow, 4) == "q4"
-    sw.link_bytes_per_s = 1e11                                 # a fast link: the codec dominates
-    assert sw.decide(sw.vote(64 << 20, 4, 4), 4) == "fp32"
-    # the agreed vote is the MAX over members: the slowest prediction and any probe win
-    agreed = torch.maximum(slow, torch.tensor([-1.0, 0.0]))
-    assert sw.decide(agreed, 4) == "fp32"
+    nb = 64 << 20
+    sw = CompressionSwitch(codec_s_per_byte={4: (1e-9, 1e-9)}, probe_every=10)
+    v = sw.vote(nb, 4, 4)
+    assert v[0] == 1 and sw.decide(v, 4, nb) == "fp32"            # nothing measured: fp32 probe first
+    sw.observe("fp32", nb, 4, sent=100_000_000, seconds=1.0)       # 100 MB/s
+    assert -2 > float(sw.vote(nb, 4, 4)[2]) and sw.predicted_speedup(nb, 4, 4) > 2
+    v = sw.vote(nb, 4, 4)
+    assert v[1] == 1 and sw.decide(v, 4, nb) == "q4"                # model predicts a gain: probe q4
+    sw.observe("q4", nb, 4, sent=0, seconds=2.0)                    # measured: q4 loses (loaded CPUs)
+    v = sw.vote(nb, 4, 4)
+    assert float(v[0]) == float(v[1]) == 0 and sw.decide(v, 4, nb) == "fp32"
+    sw.observe("q4", nb, 4, sent=0, seconds=0.1)                     # later calls: q4 got fast
+    sw.observe("q4", nb, 4, sent=0, seconds=0.1)
+    assert sw.decide(sw.vote(nb, 4, 4), 4, nb) == "q4"
+    # the agreed vote is the MAX over members: any probe request and the slowest speedup win
+    mine = sw.vote(nb, 4, 4)
+    assert sw.decide(torch.maximum(mine, torch.tensor([0.0, 0.0, -0.9])), 4, nb) == "fp32"
+    assert sw.decide(torch.maximum(mine, torch.tensor([1.0, 0.0, -9.0])), 4, nb) == "fp32"
+    fast = CompressionSwitch(codec_s_per_byte={4: (1e-9, 1e-9)})
+    fast.observe("fp32", nb, 4, sent=10**11, seconds=1.0)           # a fast link: no q4 probe at all
+    assert fast.vote(nb, 4, 4)[1] == 0
 
 
 def test_auto_mode_agrees_on_one_arm_and_stays_exact():
-    from resilient.collectives.communicator import Communicator
     from resilient.collectives.compression_switch import CompressionSwitch
 
-    ids = ["m0", "m1", "m2"]
-    trs = {m: TcpTransport(m, "qauto") for m in ids}
-    ep = StaticEpoch(1, tuple(ids), "tok", {m: Info(trs[m].address) for m in ids})
-    blobs: dict = {"lock": threading.Condition()}
-    x0 = {m: torch.randn(200, 100, generator=torch.Generator().manual_seed(i)) for i, m in enumerate(ids)}
-    got: dict = {}
-    errors: list = []
+    x0 = {f"m{i}": torch.randn(200, 100, generator=torch.Generator().manual_seed(i)) for i in range(3)}
 
-    def member(m: str) -> None:
-        try:
-            c = Communicator(StaticView(m, ep, blobs), trs[m], op_timeout=20, small_bytes=1024)
-            sw = c.compression_switch = CompressionSwitch(codec_s_per_byte={4: (0.0, 0.0)})
-            outs = []
-            for step in range(3):
-                if step == 1:  # every member now believes in a slow link (m2 asks for a probe at step 2)
-                    sw.link_bytes_per_s, sw._since_probe = 1e6, 0
-                if step == 2 and m == "m2":
-                    sw._since_probe = sw.probe_every
-                t = x0[m].clone()
-                w = c.allreduce(t, compression="auto")
-                outs.append((t, sw.last_choice, w.contributors))
-                if step == 1:
-                    sw.link_bytes_per_s = 1e6  # observe() moved it; keep the belief for the next step
-            got[m] = outs
-            c.close()
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
+    def body(m, c):
+        sw = c.compression_switch = CompressionSwitch(codec_s_per_byte={4: (0.0, 0.0)})
+        outs = []
+        for step in range(3):
+            # step 0: nothing measured, fp32 probe; step 1: the model (slow link, free codec)
+            # asks for a q4 probe; step 2: m2 measured q4 as slower, so the agreed arm is fp32
+            if step == 1:
+                sw.link_bytes_per_s = 1e6
+            if step == 2 and m == "m2":
+                key = (t.numel() * 4).bit_length()
+                sw.measured[(key, "q4")] = 10 * sw.measured[(key, "fp32")]
+            t = x0[m].clone()
+            w = c.allreduce(t, compression="auto")
+            outs.append((t, sw.last_choice, w.contributors))
+        return outs
 
-    try:
-        run_members(member, ids, 60)
-    finally:
-        for t in trs.values():
-            t.close()
-    assert not errors, errors
+    ids, got = run_communicators(3, "qauto", body, small_bytes=1024)
     assert [o[1] for o in got["m0"]] == ["fp32", "q4", "fp32"]
     for m in ids:
         assert [o[1] for o in got[m]] == ["fp32", "q4", "fp32"]

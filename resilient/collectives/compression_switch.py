@@ -1,16 +1,17 @@
 """The automatic compression switch: compress only where the measured link predicts a gain
 (``docs/compression.md``).
 
-Every member keeps its own measurements — the wire throughput of its last allreduces
-(bytes it sent / seconds, the codec's share taken out) and its codec speed (timed once on
-1 Mi floats) — and predicts the speedup of the compressed ring over the fp32 ring for the
-op at hand: ``t_fp32 = W_fp32 / B``, ``t_q = W_q / B + codec(nbytes)`` with ``W`` the bytes
-a member sends in the ring (:func:`ring_wire_bytes`). Members measure different things,
-and a decision that differs between members would desynchronise them, so the decision is
-**agreed**: a 2-float MAX allreduce of ``[-speedup, probe]`` precedes the op (the slowest
-prediction wins; any member may ask for an fp32 *probe* to refresh its link estimate,
-every ``probe_every`` calls, and before it has any estimate). The chosen arm is logged
-when it changes and counted in ``resilient_compression_decisions_total{choice}``.
+Every member measures, per size class, the seconds each arm took on its recent calls,
+and its link (bytes it sent / seconds of its fp32 calls) for a model prediction
+``t_fp32 / t_q`` with ``t = W / B (+ codec)``, ``W`` the bytes a member sends in the ring
+(:func:`ring_wire_bytes`) and the codec timed once on 1 Mi floats. The model only
+decides whether the compressed arm is worth a first probe; after that measured times
+decide (a model cannot see how loaded the CPUs are). Members measure different things,
+and a decision that differs between members would desynchronise them, so the decision
+is **agreed**: a 3-float MAX allreduce of ``[need fp32 probe, need compressed probe,
+-speedup]`` precedes the op (any probe request wins, then the slowest member's speedup).
+The chosen arm is logged when it changes and counted in
+``resilient_compression_decisions_total{choice}``.
 
 One call takes three sequence numbers, reserved together: vote, then either the scale
 agreement + integer ring, or the plain fp32 allreduce (the third number stays unused).
@@ -64,15 +65,22 @@ def measure_codec(bits: int, bucket: int, numel: int = 1 << 20) -> tuple[float, 
 
 
 class CompressionSwitch:
-    """Per-communicator state of the switch (see the module docstring). ``bits``/``bucket``:
-    the compressed arm; ``margin``: the predicted speedup it must beat."""
+    """Per-communicator state of the switch (see the module docstring).
 
-    def __init__(self, margin: float = 1.15, probe_every: int = 50,
+    Per size class (``nbytes.bit_length()``) it keeps the measured seconds of each arm
+    (moving average). Before both arms are measured it probes: fp32 first (that also
+    measures the link), then the compressed arm unless the link model predicts a clear
+    loss (speedup below ``skip_below``); after that the measured faster arm runs, the
+    compressed one only if it beats fp32 by ``margin``, and every ``probe_every`` calls
+    the other arm is measured again. Every member votes; the vote is MAX-agreed."""
+
+    def __init__(self, margin: float = 1.05, probe_every: int = 200, skip_below: float = 0.7,
                  codec_s_per_byte: dict[int, tuple[float, float]] | None = None) -> None:
-        self.margin, self.probe_every = margin, probe_every
+        self.margin, self.probe_every, self.skip_below = margin, probe_every, skip_below
         self._codec = codec_s_per_byte
         self.link_bytes_per_s: float | None = None
-        self._since_probe = 0
+        self.measured: dict[tuple[int, str], float] = {}  # (size class, arm) -> seconds
+        self._calls: dict[int, int] = {}
         self.last_choice: str | None = None
         self.last_speedup: float | None = None
 
@@ -85,7 +93,7 @@ class CompressionSwitch:
         return nbytes * (a + b * 2 * (n - 1) / max(1, n))
 
     def predicted_speedup(self, nbytes: int, n: int, bits: int) -> float:
-        """Predicted t_fp32 / t_compressed; 0 without a link estimate yet."""
+        """Link-model prediction of t_fp32 / t_compressed; 0 without a link estimate yet."""
         B = self.link_bytes_per_s
         if not B or n <= 1:
             return 0.0
@@ -94,30 +102,37 @@ class CompressionSwitch:
         return t32 / tq
 
     def vote(self, nbytes: int, n: int, bits: int) -> torch.Tensor:
-        probe = self.link_bytes_per_s is None or self._since_probe >= self.probe_every
-        return torch.tensor([-self.predicted_speedup(nbytes, n, bits), 1.0 if probe else 0.0], dtype=torch.float32)
+        """``[need fp32 probe, need compressed probe, -speedup]`` (MAX-agreed)."""
+        c = nbytes.bit_length()
+        t32, tq = self.measured.get((c, "fp32")), self.measured.get((c, f"q{bits}"))
+        calls = self._calls.get(c, 0)
+        periodic = calls > 0 and calls % self.probe_every == 0
+        need32 = t32 is None or (periodic and self.last_choice != "fp32")
+        needq = not need32 and (tq is None or (periodic and self.last_choice == "fp32")) \
+            and self.predicted_speedup(nbytes, n, bits) >= self.skip_below
+        speedup = t32 / tq if (t32 and tq) else self.predicted_speedup(nbytes, n, bits)
+        return torch.tensor([float(need32), float(needq), -speedup], dtype=torch.float32)
 
-    def decide(self, agreed: torch.Tensor, bits: int) -> str:
-        speedup, probe = -float(agreed[0]), float(agreed[1]) > 0
-        choice = f"q{bits}" if not probe and speedup > self.margin else "fp32"
+    def decide(self, agreed: torch.Tensor, bits: int, nbytes: int = 0) -> str:
+        need32, needq, speedup = float(agreed[0]) > 0, float(agreed[1]) > 0, -float(agreed[2])
+        q = f"q{bits}"
+        choice = "fp32" if need32 else q if needq else (q if speedup > self.margin else "fp32")
         if choice != self.last_choice:
-            log.info("compression switch: %s (agreed predicted speedup %.2f%s)", choice, speedup,
-                     ", fp32 probe" if probe else "")
+            log.info("compression switch: %s (agreed speedup %.2f%s)", choice, speedup,
+                     ", probe" if need32 or needq else "")
         self.last_choice, self.last_speedup = choice, speedup
+        c = nbytes.bit_length()
+        self._calls[c] = self._calls.get(c, 0) + 1
         return choice
 
     def observe(self, choice: str, nbytes: int, n: int, sent: int, seconds: float) -> None:
-        """Update the link estimate from one finished op (``sent``: bytes this member sent)."""
-        if choice == "fp32":
-            self._since_probe = 0
-            wire_s = seconds
-        else:
-            self._since_probe += 1
-            wire_s = seconds - self.codec_seconds(nbytes, n, int(choice[1:]))
-        if sent <= 0 or wire_s <= 0:
-            return
-        B = sent / wire_s
-        self.link_bytes_per_s = B if self.link_bytes_per_s is None else 0.5 * (self.link_bytes_per_s + B)
+        """Record one finished op: its time per arm, and (fp32) the link estimate."""
+        key = (nbytes.bit_length(), choice)
+        old = self.measured.get(key)
+        self.measured[key] = seconds if old is None else 0.5 * (old + seconds)
+        if choice == "fp32" and sent > 0 and seconds > 0:
+            B = sent / seconds
+            self.link_bytes_per_s = B if self.link_bytes_per_s is None else 0.5 * (self.link_bytes_per_s + B)
 
 
 def switch_for(comm: Any) -> CompressionSwitch:
@@ -137,10 +152,10 @@ def run_auto(comm: Any, t: torch.Tensor, op: ReduceOp, comp: Compression, segs: 
         return comm._reduce(t, op, desc, policy)  # never compressed: no vote
     nbytes, n = t.numel() * t.element_size(), comm.size
     vote = sw.vote(nbytes, n, comp.bits)
-    comm._reduce(vote, ReduceOp.MAX, {"k": "allreduce", "shape": [2], "dtype": "torch.float32", "op": "max",
+    comm._reduce(vote, ReduceOp.MAX, {"k": "allreduce", "shape": [3], "dtype": "torch.float32", "op": "max",
                                       "q": "vote"}, policy, reserve=3)
     k = comm._retained.seq
-    choice = sw.decide(vote, comp.bits)
+    choice = sw.decide(vote, comp.bits, nbytes)
     if comm._metrics is not None:
         try:
             comm._metrics.record_compression_decision(choice)

@@ -162,7 +162,8 @@ def dequantize(Q: torch.Tensor, sc: torch.Tensor, segments: list[Segment], bucke
         for qq, ss, oo in ((qh, hs, oh), (qt, ts, ot)):
             if qq is not None and qq.numel():
                 if dt is torch.float32:
-                    torch.mul(qq, ss, out=oo)
+                    oo.copy_(qq)  # exact (|Q| < 2**24); then one same-dtype multiply
+                    oo.mul_(ss)
                 else:
                     oo.copy_(qq.to(dt) * ss)
     return out

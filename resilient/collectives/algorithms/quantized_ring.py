@@ -101,9 +101,12 @@ class QuantizedRing:
         L = ctx.ledger
         a, b = L.pieces[piece]
         vals = unpack(wire, b - a, w)
-        if phase == "rs":
-            torch.add(L.input_view(piece), vals, out=L.view(piece))
-        else:
-            L.view(piece).copy_(vals)
+        v = L.view(piece)
+        if vals.dtype == v.dtype and phase == "rs":
+            torch.add(L.input_view(piece), vals, out=v)
+        else:  # widen first: torch's mixed-dtype add is several times slower than copy + add
+            v.copy_(vals)
+            if phase == "rs":
+                v.add_(L.input_view(piece))
         L.set(piece, done_mask)
         return wire
