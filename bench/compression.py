@@ -146,7 +146,7 @@ def _cap(lab, i: int, mb_s: float) -> None:
         rate = f"{int(mb_s * 8)}mbit"
         subprocess.run([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1"], check=True)
         subprocess.run([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate,
-                        "ceil", rate, "burst", "256k", "cburst", "256k"], check=True)
+                        "ceil", rate, "burst", "256k", "cburst", "256k", "quantum", "60000"], check=True)
 
 
 def run_cap(lab, etcd: str, mb_s: float, args: argparse.Namespace) -> list[dict]:

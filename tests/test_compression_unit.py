@@ -184,7 +184,15 @@ def test_auto_mode_agrees_on_one_arm_and_stays_exact():
             outs.append((t, sw.last_choice, w.contributors))
         return outs
 
-    ids, got = run_communicators(3, "qauto", body, small_bytes=1024)
+    from prometheus_client import CollectorRegistry
+
+    from resilient.metrics import RankMetrics
+
+    metrics = RankMetrics(CollectorRegistry())  # shared by the three members here
+    ids, got = run_communicators(3, "qauto", body, small_bytes=1024, metrics=metrics)
+    decisions = {c: metrics.compression_decisions.labels(c)._value.get() for c in ("fp32", "q4", "q8")}
+    assert decisions == {"fp32": 6, "q4": 3, "q8": 0}
+    assert metrics.compression_bits._value.get() == 32
     assert [o[1] for o in got["m0"]] == ["fp32", "q4", "fp32"]
     for m in ids:
         assert [o[1] for o in got[m]] == ["fp32", "q4", "fp32"]
