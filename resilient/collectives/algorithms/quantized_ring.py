@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from resilient.collectives.algorithms.base import OpContext, tag
+from resilient.collectives.algorithms.base import OpContext, finish_alone, tag
 from resilient.collectives.quantization import pack, unpack, wire_bits, wire_nbytes
 
 
@@ -40,9 +40,7 @@ class QuantizedRing:
         L, tr = ctx.ledger, ctx.transport
         n, p, S = len(ctx.members), ctx.me, self.per_chunk
         if n == 1:
-            for q in range(len(L.pieces)):
-                L.view(q).copy_(L.input_view(q))
-                L.set(q, L.full)
+            finish_alone(L)
             return
         nxt, prv = ctx.members[(p + 1) % n], ctx.members[(p - 1) % n]
         full = L.full
