@@ -34,7 +34,7 @@ from resilient.collectives.algorithms.leaf import LeafPath
 from resilient.collectives.algorithms.quantized_ring import QuantizedRing
 from resilient.collectives.ledger import Ledger, split
 from resilient.collectives.quantization import (
-    BITS, FINE, Segment, bucket_maxima, check_segments, dequantize, quantize, scales,
+    BITS, FINE, Segment, bucket_maxima, check_segments, clean_maxima, dequantize, quantize, scales,
 )
 from resilient.collectives.recovery import Policy
 from resilient.errors import ConfigError
@@ -123,7 +123,7 @@ def run_compressed(comm: Any, t: torch.Tensor, op: ReduceOp, comp: Compression, 
     x = t.detach().reshape(-1)
     numel, bucket = x.numel(), comp.bucket
     lay = _layout_digest(comp, segs)
-    maxima = bucket_maxima(x, segs, bucket)
+    maxima, finite = clean_maxima(bucket_maxima(x, segs, bucket))
     scale_in = torch.cat([maxima, torch.tensor([float(comm.size)])])
     desc_s = {"k": "allreduce", "shape": [scale_in.numel()], "dtype": "torch.float32", "op": "max",
               "q": "scale", "layout": lay}
@@ -135,7 +135,7 @@ def run_compressed(comm: Any, t: torch.Tensor, op: ReduceOp, comp: Compression, 
         ring_seq = seqs[1]
     n_bound = max(1, int(scale_in[-1].item()))
     sc = scales(scale_in[:-1], segs, bucket, n_bound)
-    q = quantize(x, sc, segs, bucket, n_bound)
+    q = quantize(x, sc, segs, bucket, n_bound, finite=finite)
     nbytes = numel * 4
 
     def build(members: list[str], me: int, seq: int, digest: int) -> tuple[Ledger, Any]:

@@ -97,7 +97,8 @@ def _rows(x: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor | No
 
 
 def bucket_maxima(x: torch.Tensor, segments: list[Segment], bucket: int) -> torch.Tensor:
-    """float32 max |x| per bucket of every segment, concatenated (non-finite -> 0 / max)."""
+    """float32 max |x| per bucket of every segment, concatenated (NaN/inf kept: see
+    :func:`clean_maxima`)."""
     parts = []
     for s in segments:
         v = x[s.start:s.end].to(torch.float32)
@@ -105,8 +106,14 @@ def bucket_maxima(x: torch.Tensor, segments: list[Segment], bucket: int) -> torc
         parts.append(head.abs().amax(1) if head.numel() else torch.empty(0))
         if tail is not None:
             parts.append(tail.abs().amax().reshape(1))
-    m = torch.cat(parts) if parts else torch.empty(0)
-    return torch.nan_to_num(m, nan=0.0, posinf=torch.finfo(torch.float32).max)
+    return torch.cat(parts) if parts else torch.empty(0)
+
+
+def clean_maxima(m: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Maxima with NaN -> 0 and inf -> float32 max, and whether they were all finite
+    (then :func:`quantize` may skip its NaN pass)."""
+    finite = bool(torch.isfinite(m).all())
+    return (m if finite else torch.nan_to_num(m, nan=0.0, posinf=torch.finfo(torch.float32).max)), finite
 
 
 def scales(maxima: torch.Tensor, segments: list[Segment], bucket: int, members: int) -> torch.Tensor:
@@ -126,8 +133,9 @@ def _per_element(vals: torch.Tensor, seg: Segment, bucket: int, off: int) -> tup
 
 
 def quantize(x: torch.Tensor, sc: torch.Tensor, segments: list[Segment], bucket: int, members: int,
-             out: torch.Tensor | None = None) -> torch.Tensor:
-    """int32 ``q`` of the flat float tensor ``x`` under per-bucket scales ``sc``."""
+             out: torch.Tensor | None = None, finite: bool = False) -> torch.Tensor:
+    """int32 ``q`` of the flat float tensor ``x`` under per-bucket scales ``sc``
+    (``finite``: the caller knows ``x`` has no NaN/inf, one pass less)."""
     out = torch.empty(x.numel(), dtype=torch.int32) if out is None else out
     off = 0
     for s in segments:
@@ -142,8 +150,10 @@ def quantize(x: torch.Tensor, sc: torch.Tensor, segments: list[Segment], bucket:
             if vv is None or vv.numel() == 0:
                 continue
             inv = torch.where(ss > 0, 1.0 / ss, torch.zeros_like(ss))  # a zero bound: everything -> 0
-            r = torch.mul(vv, inv).nan_to_num_(nan=0.0, posinf=qm, neginf=-qm).clamp_(-qm, qm).round_()
-            oo.copy_(r)
+            r = torch.mul(vv, inv)
+            if not finite:
+                r.nan_to_num_(nan=0.0, posinf=qm, neginf=-qm)
+            oo.copy_(r.clamp_(-qm, qm).round_())
     return out
 
 
