@@ -89,3 +89,18 @@ def test_ddp_compression_hook_keeps_members_bitwise_identical():
         for m in ids[1:]:
             for a, b in zip(out[ids[0]][1][k][0], out[m][1][k][0]):
                 assert torch.equal(a, b)
+
+
+def test_adaptive_bits_follow_the_aggregate_and_scales():
+    from resilient.collectives.compressed import CompressedResult
+    from resilient.collectives.quantization import Segment
+
+    ef = ErrorFeedback(bits=4, bucket=4, adaptive=True, adaptive_threshold=0.5)
+    segs = [Segment(0, 8, 4)]
+    agg = torch.ones(8)
+    coarse = CompressedResult(("m0",), compression={"scales": torch.tensor([2.0, 2.0]), "segments": segs, "bucket": 4})
+    ef.update("0", agg, agg, agg, True, coarse)      # noise ~ s: large against |agg| -> 8 bits next
+    assert ef.bits_for("0") == 8
+    fine = CompressedResult(("m0",), compression={"scales": torch.tensor([1e-3, 1e-3]), "segments": segs, "bucket": 4})
+    ef.update("0", agg, agg, agg, True, fine)        # tiny noise -> back to the configured 4 bits
+    assert ef.bits_for("0") == 4
