@@ -243,12 +243,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--kill", action="store_true", help="SIGKILL member 3 mid-run in the resilient arms")
     ap.add_argument("--timeout", type=float, default=1200)
+    ap.add_argument("--arms", default="res_fp32,res_q8,res_q4,gloo_powersgd,gloo_fp16",
+                    help="comma-separated subset (res_fp32 is needed as the reference)")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
     from resilient.coordinator.local_etcd import LocalEtcd
 
-    arms = ["res_fp32", "res_q8", "res_q4", "gloo_powersgd", "gloo_fp16"]
+    arms = args.arms.split(",")
     got: dict[str, list[dict]] = {}
     with LocalEtcd() as etcd:
         for arm in arms:
@@ -257,12 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     fp32 = final["res_fp32"]
     identical = all(len({r["sha"] for r in got[a]}) == 1 for a in arms if a.startswith("res"))
     t32 = got["res_fp32"][0]["trace"][-1][1]
-    tq4 = _time_to(got["res_q4"][0]["trace"], fp32)
+    tq4 = _time_to(got["res_q4"][0]["trace"], fp32) if got.get("res_q4") else None
+    def rel(a: str) -> float | None:
+        return round(final[a] / fp32 - 1, 4) if a in final else None
+
     print(json.dumps({
         "steps": args.steps, "kill": args.kill, "fp32_loss": round(fp32, 4),
-        "q4_loss_rel": round(final["res_q4"] / fp32 - 1, 4), "q8_loss_rel": round(final["res_q8"] / fp32 - 1, 4),
-        "powersgd_loss_rel": round(final["gloo_powersgd"] / fp32 - 1, 4),
-        "fp16_loss_rel": round(final["gloo_fp16"] / fp32 - 1, 4), "params_identical": identical,
+        "q4_loss_rel": rel("res_q4"), "q8_loss_rel": rel("res_q8"), "powersgd_loss_rel": rel("gloo_powersgd"),
+        "fp16_loss_rel": rel("gloo_fp16"), "params_identical": identical,
         "survivors": {a: len(got[a]) for a in arms},
         "time_to_fp32_loss_ratio": round(t32 / tq4, 3) if tq4 else None,
         "link": "loopback (uncapped)"}), flush=True)
