@@ -18,6 +18,11 @@ why it was chosen: ``docs/ddp.md``):
 
 :func:`contributors` returns the member set of the model's last synchronised step.
 
+Compressed gradients: :func:`compression_hook` with an :class:`ErrorFeedback` state (the
+exact quantized allreduce, residuals with error feedback, optional adaptive bits and the
+automatic switch; ``docs/compression.md``). Registered before the first forward, it
+replaces the automatic hook like any user hook.
+
 Explicit use (older code; still works, see :func:`make_elastic` for why the DDP arguments)::
 
     model = DistributedDataParallel(net, init_sync=False, forward_sync_buffers=False)
@@ -115,6 +120,150 @@ def ddp_comm_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[t
     return work.get_future().then(divide)
 
 
+# -- compressed gradients with error feedback (docs/compression.md) --------------------
+
+class ErrorFeedback:
+    """State of :func:`compression_hook`: this member's residuals per DDP bucket, the bits
+    per bucket (adaptive mode), the contributor tracker and the compression settings.
+
+    Put it in :class:`resilient.elastic.State` as a user field (``State(..., ef=ef)``):
+    ``commit()``/``restore()`` keep and roll back the residuals with the model. A state
+    that comes from *another* member (a joiner's ``sync()``) loads the shared part only —
+    the per-bucket bits — and the residuals start at zero: residuals are this member's
+    own delayed gradient, never someone else's.
+
+    ``bits``: 8, 4 or 2 for the compressed part of each bucket (parameters with one
+    dimension or fewer than ``min_numel`` elements stay uncompressed, as 32-bit fixed
+    point inside the same op); ``adaptive``: choose 8 or ``bits`` per bucket from the
+    previous step's aggregate (identical on every member); ``switch``: ``"auto"`` lets
+    the communicator's measured-link switch turn compression off where it does not pay.
+    ``group``: the process group (default: the default group)."""
+
+    def __init__(self, bits: int = 4, bucket: int = 1024, min_numel: int = 1024, adaptive: bool = False,
+                 switch: str | None = None, group: Any = None, tracker: "ContributorTracker | None" = None,
+                 adaptive_threshold: float = 0.5) -> None:
+        from resilient.collectives.compressed import Compression
+
+        Compression(bits=bits, bucket=bucket)  # validates
+        self.bits, self.bucket, self.min_numel, self.adaptive = bits, bucket, min_numel, adaptive
+        self.switch, self.group = switch, group
+        self.tracker = tracker if tracker is not None else ContributorTracker()
+        self.adaptive_threshold = adaptive_threshold
+        self.member_id: str | None = None
+        self.residuals: dict[str, torch.Tensor] = {}
+        self.bucket_bits: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def state_dict(self) -> dict:
+        with self._lock:
+            return {"member": self.member_id or "", "bits": dict(self.bucket_bits),
+                    "residuals": {k: v.clone() for k, v in self.residuals.items()}}
+
+    def load_state_dict(self, sd: dict) -> None:
+        with self._lock:
+            self.bucket_bits = {str(k): int(v) for k, v in sd.get("bits", {}).items()}
+            mine = bool(self.member_id) and sd.get("member") == self.member_id
+            self.residuals = {str(k): v.clone() for k, v in sd.get("residuals", {}).items()} if mine else {}
+
+    def residual(self, key: str, like: torch.Tensor) -> torch.Tensor | None:
+        with self._lock:
+            e = self.residuals.get(key)
+        return e if e is not None and e.shape == like.shape and e.dtype == like.dtype else None
+
+    def bits_for(self, key: str) -> int:
+        return self.bucket_bits.get(key, self.bits) if self.adaptive else self.bits
+
+    def segments(self, bucket: dist.GradBucket, bits: int) -> tuple[tuple[int, int, int], ...]:
+        """(start, end, bits) over the bucket's flat buffer: small or 1-D parameters at 32."""
+        segs: list[list[int]] = []
+        pos = 0
+        for g in bucket.gradients():
+            n = g.numel()
+            b = bits if g.dim() >= 2 and n >= self.min_numel else 32
+            if segs and segs[-1][2] == b:
+                segs[-1][1] = pos + n
+            elif n:
+                segs.append([pos, pos + n, b])
+            pos += n
+        return tuple(tuple(x) for x in segs)
+
+    def update(self, key: str, x: torch.Tensor, own: torch.Tensor | None, agg: torch.Tensor,
+               contributed: bool, res: Any) -> None:
+        """After a bucket: residual ``x - s*q_own`` (``x`` if left out: delayed, not lost),
+        and in adaptive mode the next step's bits from the aggregate and the scales."""
+        e = (x - own) if contributed and own is not None else (torch.zeros_like(x) if contributed else x)
+        with self._lock:
+            self.residuals[key] = e
+        info = getattr(res, "compression", None)
+        if self.adaptive and info is not None:
+            # noise of one member's quantization relative to the aggregate: sum over buckets
+            # of n_b * s_b^2 / 12 against |agg|^2 (both identical on every member)
+            sc = info["scales"].double()
+            sizes = torch.cat([torch.tensor([min(info["bucket"], s.numel - j * info["bucket"])
+                                             for j in range(s.n_buckets(info["bucket"]))], dtype=torch.float64)
+                               for s in info["segments"]])
+            noise = float((sizes * sc * sc).sum() / 12.0) ** 0.5
+            ratio = noise / max(float(agg.double().norm()), 1e-30)
+            cur = self.bits_for(key)
+            if ratio > self.adaptive_threshold:
+                nxt = 8
+            elif ratio < self.adaptive_threshold / 16:
+                nxt = self.bits
+            else:
+                nxt = cur
+            with self._lock:
+                self.bucket_bits[key] = nxt
+
+
+def compression_hook(state: ErrorFeedback, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: the exact compressed allreduce with error feedback (see
+    :class:`ErrorFeedback`). The bucket becomes the exact mean over the op's contributors
+    of their dequantized ``grad + residual``; every member gets the same bits. Register with
+    ``ddp.register_comm_hook(ef, compression_hook)`` before the first forward (or
+    ``make_elastic(ddp, ef, hook=compression_hook)``). Failure behaviour: as
+    :func:`ddp_comm_hook` (the bucket's future carries the op's error); ConfigError on a
+    group that is not resilient's."""
+    from resilient.errors import ConfigError
+
+    pg = state.group if state.group is not None else dist.distributed_c10d._get_default_group()  # noqa: SLF001
+    engine = getattr(pg, "engine", None)
+    comm = getattr(engine, "comm", None)
+    if comm is None:
+        raise ConfigError("compression_hook needs a process group of the 'resilient' backend "
+                          "(dist.init_process_group('resilient')); use torch's hooks on other backends")
+    state.member_id = getattr(engine, "member_id", None) or state.member_id
+    buf = bucket.buffer()
+    key = str(bucket.index())
+    e = state.residual(key, buf)
+    x = buf + e if e is not None else buf.clone()
+    inp = x.clone()
+    from resilient.collectives.compressed import Compression
+
+    segs = state.segments(bucket, state.bits_for(key))
+    compression = Compression(bits=state.bits_for(key), bucket=state.bucket, segments=segs,
+                              auto=state.switch == "auto")
+    work = comm.allreduce(inp, op="avg", async_op=True, compression=compression)
+    fut: torch.futures.Future = torch.futures.Future()
+
+    def done(w: Any) -> None:
+        try:
+            res = w.result()
+            members = tuple(res.contributors)
+            contributed = state.member_id in members
+            own = res.dequantized_input() if hasattr(res, "dequantized_input") else None
+            if own is None and contributed:
+                own = x  # uncompressed: nothing is held back
+            state.update(key, x, own, inp, contributed, res)
+            state.tracker.add(members)
+            buf.copy_(inp)
+            fut.set_result(buf)
+        except BaseException as exc:  # noqa: BLE001 - delivered to DDP through the future
+            fut.set_exception(exc)
+
+    work.add_done_callback(done)
+    return fut
+
+
 class _NoRebuildReducer:
     """Proxy of DDP's C++ reducer whose ``_rebuild_buckets`` does nothing: the rebuild
     after DDP's first iteration broadcasts bucket indices, a collective that only a
@@ -131,13 +280,14 @@ class _NoRebuildReducer:
         return getattr(self._reducer, name)
 
 
-def make_elastic(ddp: torch.nn.parallel.DistributedDataParallel, state: Any = None) -> torch.nn.parallel.DistributedDataParallel:
+def make_elastic(ddp: torch.nn.parallel.DistributedDataParallel, state: Any = None,
+                 hook: Any = None) -> torch.nn.parallel.DistributedDataParallel:
     """Make a DDP model safe for members that come and go: register :func:`ddp_comm_hook`
     (with ``state``, see there) and turn off DDP's one-time bucket rebuild (a collective
     only a fresh member would issue). Build the DDP with ``init_sync=False`` and
     ``forward_sync_buffers=False``: :meth:`resilient.elastic.State.sync` does the initial
     sync, and from a healthy member. Returns ``ddp``."""
-    ddp.register_comm_hook(state, ddp_comm_hook)
+    ddp.register_comm_hook(state, hook if hook is not None else ddp_comm_hook)
     ddp.reducer = _NoRebuildReducer(ddp.reducer)
     return ddp
 

@@ -57,6 +57,7 @@ RECOVERY_CAUSES: tuple[str, ...] = (
     "demoted",            # the straggler detector moved a slow member off the ring
     "joined",             # a new member was admitted (the world grew)
 )
+COMPRESSION_CHOICES: tuple[str, ...] = ("fp32", "q8", "q4", "q2")  # the automatic switch's arms
 ETCD_METHODS: tuple[str, ...] = (
     "get", "put", "delete", "txn", "lease_grant", "lease_keepalive", "lease_revoke", "watch",
 )
@@ -169,6 +170,14 @@ class RankMetrics:
             "etcd_retries",
             "etcd requests retried after a transient error.",
             ["method"], namespace=NAMESPACE, registry=reg))
+        self.compression_decisions = add(Counter(
+            "compression_decisions",
+            "Allreduces the automatic compression switch ran, by the arm it agreed on (fp32 = uncompressed).",
+            ["choice"], namespace=NAMESPACE, registry=reg))
+        self.compression_bits = add(Gauge(
+            "compression_bits",
+            "Wire bits per element the automatic switch chose for the last allreduce (32 = uncompressed).",
+            namespace=NAMESPACE, multiprocess_mode="livemostrecent", registry=reg))
         # Info is not supported by prometheus-client's multiprocess mode: in-process only.
         self.build_info = None
         if not _multiprocess_enabled():
@@ -188,6 +197,8 @@ class RankMetrics:
             self.collective_bytes.labels(op)
         for cause in RECOVERY_CAUSES:
             self.recoveries.labels(cause)
+        for choice in COMPRESSION_CHOICES:
+            self.compression_decisions.labels(choice)
         for method in ETCD_METHODS:
             self.etcd_request_duration.labels(method)
             self.etcd_retries.labels(method)
@@ -231,6 +242,13 @@ class RankMetrics:
         self.recovery_duration.observe(seconds)
         self.recovery_resent_bytes.inc(resent_bytes)
         self.recovery_saved_bytes.inc(saved_bytes)
+
+    def record_compression_decision(self, choice: str) -> None:
+        """One allreduce of the automatic switch: ``resilient_compression_decisions_total{choice}``
+        and ``resilient_compression_bits`` (32 for fp32)."""
+        _check("resilient_compression_decisions_total", "choice", choice, COMPRESSION_CHOICES, "COMPRESSION_CHOICES")
+        self.compression_decisions.labels(choice).inc()
+        self.compression_bits.set(32 if choice == "fp32" else int(choice[1:]))
 
     def set_epoch(self, number: int, world_size: int) -> None:
         """The epoch this rank now operates in and its member count."""

@@ -37,7 +37,7 @@ COORDINATOR_FAMILIES = {
 UNBOUNDED_LABELS = {"rank", "member", "member_id", "pid", "job", "job_id", "run_id", "host",
                     "hostname", "tensor", "name", "peer", "epoch", "address", "seq"}
 BOUNDED_LABELS = {"op": metrics.COLLECTIVE_OPS, "cause": metrics.RECOVERY_CAUSES,
-                  "method": metrics.ETCD_METHODS}
+                  "method": metrics.ETCD_METHODS, "choice": metrics.COMPRESSION_CHOICES}
 UNITS = ("_seconds", "_bytes", "_info", "_ratio")
 
 

@@ -159,6 +159,7 @@ class Communicator:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"resilient-ops:{self.member_id}")
         self._unsub = view.subscribe(self._on_epoch)
         self.last_recovery: dict[str, Any] | None = None
+        self.last_compression: dict[str, Any] | None = None  # scales/q of the last compressed op
         self._closed = False
 
     # -- epochs -------------------------------------------------------------------------
@@ -252,9 +253,22 @@ class Communicator:
     # -- public API ---------------------------------------------------------------------
 
     def allreduce(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False,
-                  policy: Policy | str | None = None) -> Any:
+                  policy: Policy | str | None = None, compression: Any = None) -> Any:
+        """``compression``: None (exact float sum), ``"q8"``/``"q4"``/``"q2"``, ``"auto"``
+        or a :class:`~.compressed.Compression` (``auto=True``: the measured-link switch of
+        :mod:`.compression_switch`): the exact quantized allreduce of ``docs/compression.md``."""
         t = _as_tensor(tensor, "allreduce tensor")
         rop = ReduceOp.parse(op)
+        if compression is not None:
+            from resilient.collectives.compressed import Compression, run_compressed
+            from resilient.collectives.compression_switch import run_auto
+
+            comp = Compression.parse(compression)
+            segs = comp.layout(t) if comp is not None else None
+            if segs is not None:
+                body = run_auto if comp.auto else run_compressed
+                return self._submit(lambda: body(self, t, rop, comp, segs, policy), async_op, "allreduce",
+                                    t.numel() * t.element_size())
         desc = {"k": "allreduce", "shape": list(t.shape), "dtype": str(t.dtype), "op": rop.value}
         return self._submit(lambda: self._reduce(t, rop, desc, policy), async_op, "allreduce", t.numel() * t.element_size())
 
@@ -462,9 +476,10 @@ class Communicator:
         except Exception as exc:  # noqa: BLE001 - the report is advisory
             log.warning("could not report %s as suspect: %s", peer, exc)
 
-    def _boundary(self) -> bool:
-        """Before an op: adopt newer epochs. Returns whether the op must start with a
-        ledger-status exchange (an epoch removed a member)."""
+    def _boundary(self, next_seq: int | None = None) -> bool:
+        """Before an op (``next_seq``: its pre-reserved number): adopt newer epochs.
+        Returns whether the op must start with a ledger-status exchange (an epoch removed
+        a member)."""
         from resilient.coordinator.epoch import EpochChanged
 
         if self.view.session_lost() and self.member_id not in (self.view.current() or self._epoch).members:
@@ -489,7 +504,7 @@ class Communicator:
                 raise CollectiveError(f"epoch {newest.number} adds members but not every member announced its op "
                                       f"sequence number within {self.epoch_timeout}s: {exc}") from None
             break
-        if self._switch is not None and self._seq >= self._switch[0]:
+        if self._switch is not None and (self._seq if next_seq is None else next_seq) >= self._switch[0]:
             e = self._switch[1]
             self._switch = None
             self._group |= set(e.members)
@@ -499,9 +514,14 @@ class Communicator:
                      list(e.members))
         return False
 
-    def _run(self, desc: dict, build: Callable[[list[str], int, int, int], tuple[Ledger, Any]]) -> Ledger:
-        """Run one op with recovery; returns its completed ledger."""
-        while True:
+    def _run(self, desc: dict, build: Callable[[list[str], int, int, int], tuple[Ledger, Any]],
+             seq: int | None = None, reserve: int = 1) -> Ledger:
+        """Run one op with recovery; returns its completed ledger. ``reserve`` > 1 takes
+        that many sequence numbers at once (a compound op: no epoch is adopted inside it);
+        the later ones run with ``seq`` given."""
+        if seq is not None:
+            need_status = self._boundary(next_seq=seq)
+        while seq is None:
             need_status = self._boundary()
             with self._lock:
                 # an epoch announced (by the watch thread) after _boundary looked: resolve it
@@ -510,7 +530,7 @@ class Communicator:
                         and not (self._switch is not None and self._switch[1].number >= n)]
                 if need_status or not late:
                     seq = self._seq
-                    self._seq += 1
+                    self._seq += reserve
                     break
         digest = self._digest(desc)
         while True:
@@ -728,7 +748,8 @@ class Communicator:
     def _ring_or_rd(self, nbytes: int, n: int) -> bool:
         return nbytes > self.small_bytes and n > 1
 
-    def _reduce(self, t: torch.Tensor, op: ReduceOp, desc: dict, policy: Any) -> OpResult:
+    def _reduce(self, t: torch.Tensor, op: ReduceOp, desc: dict, policy: Any, reserve: int = 1,
+                seq: int | None = None) -> OpResult:
         if t.is_contiguous():
             inp = t.detach().view(-1)  # the ledger's kept input: t is not written before the op completes
         else:
@@ -760,7 +781,7 @@ class Communicator:
         if policy is not None:
             self.policy = Policy.parse(policy)
         try:
-            L = self._run(desc, build)
+            L = self._run(desc, build, seq=seq, reserve=reserve)
         finally:
             self.policy = old
         t.copy_(self._finish_avg(L, op).view(t.shape))

@@ -33,5 +33,10 @@ class Work:
     def piece_contributors(self) -> list[tuple[str, ...]] | None:
         return self._future.result().piece_contributors
 
+    def add_done_callback(self, fn: Any) -> None:
+        """Call ``fn(self)`` once the op finished (at once if it has; on the op thread
+        otherwise). An exception in ``fn`` is logged by concurrent.futures, not raised."""
+        self._future.add_done_callback(lambda _f: fn(self))
+
     def exception(self) -> BaseException | None:
         return self._future.exception()

@@ -70,3 +70,10 @@ class OpContext:
 
 def tag(step: int, sub: int, space: int = 0) -> int:
     return (space << 56) | (step << 28) | sub
+
+
+def finish_alone(ledger: Ledger) -> None:
+    """A one-member reduction: every piece is this member's own input, final."""
+    for q in range(len(ledger.pieces)):
+        ledger.view(q).copy_(ledger.input_view(q))
+        ledger.set(q, ledger.full)

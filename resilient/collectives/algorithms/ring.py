@@ -15,7 +15,7 @@ makes its region final. Failure behaviour: any transport error propagates after
 """
 from __future__ import annotations
 
-from resilient.collectives.algorithms.base import OpContext, tag
+from resilient.collectives.algorithms.base import OpContext, finish_alone, tag
 from resilient.kernels import reduce_into
 
 
@@ -28,9 +28,7 @@ class RingReduceScatterAllgather:
         n, p, S, sh = len(ctx.members), ctx.me, self.slices, self.shift
         if n == 1:
             if self.do_rs:
-                for q in range(len(L.pieces)):
-                    L.view(q).copy_(L.input_view(q))
-                    L.set(q, L.full)
+                finish_alone(L)
             return
         nxt, prv = ctx.members[(p + 1) % n], ctx.members[(p - 1) % n]
         full = L.full

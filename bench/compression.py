@@ -1,0 +1,224 @@
+"""Compressed allreduce benchmark: 4 members in network namespaces, links capped with htb.
+
+    sudo .venv/bin/python bench/compression.py [--caps 100,400,0] [--sizes 4,16,64] [--iters 3]
+
+Each member runs in its own namespace of a :class:`resilient.chaos.netns.NetnsLab`; its
+egress is capped by an ``htb`` root class at ``cap`` MB/s (0 = uncapped). Arms, side by
+side in one run per cap: gloo fp32, gloo with torch's fp16-hook semantics (cast to fp16,
+allreduce, cast back, divide), resilient fp32, resilient q8 / q4 (the exact compressed
+allreduce), and resilient ``compression="auto"`` (the switch). Every compressed output is
+checked bitwise, on every member, against ``fl32(sum_{i in C} s * q_i)`` recomputed from
+all contributors' inputs with the agreed scales (``exact``). One JSON line per (cap, size):
+``cap_mb_s`` (null uncapped), ``size_mib``, ``q4_vs_fp32``, ``q8_vs_fp32``,
+``q4_vs_gloo_fp16``, ``switch_choice``, ``switch_loss`` (auto's time over the best arm's,
+minus 1), ``exact``, and the median seconds per arm.
+
+Needs root (namespaces, tc) and etcd; every process, namespace and the etcd it starts are
+ended here. Figures depend on the machine's load: report ``/proc/loadavg`` with them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+PY = sys.executable
+WORLD = 4
+
+
+def _input(rank: int, numel: int, step: int):
+    import torch
+
+    g = torch.Generator().manual_seed(rank * 7919 + numel + step)
+    return torch.randn(numel // 1024, 1024, generator=g)
+
+
+def _exact(comm, out, contributors, numel: int, step: int) -> bool:
+    """``out`` == fl32(sum over contributors of s * q_i) with the agreed scales."""
+    import torch
+
+    from resilient.collectives.quantization import dequantize, quantize
+
+    info = comm.last_compression
+    segs, b, nb = info["segments"], info["bucket"], info["members_bound"]
+    Q = torch.zeros(numel, dtype=torch.int32)
+    for m in contributors:
+        Q += quantize(_input(int(m[1:]), numel, step).reshape(-1), info["scales"], segs, b, nb)
+    return bool(torch.equal(out.reshape(-1), dequantize(Q, info["scales"], segs, b)))
+
+
+def _timed(fn, iters: int) -> float:
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def worker(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from resilient.collectives import Communicator
+    from resilient.collectives.group import EtcdGroupView
+    from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession, Store
+    from resilient.transport.tcp import TcpTransport
+
+    rank, ip = args.rank, args.ip
+    sizes = [int(s) for s in args.sizes.split(",")]
+    res: dict = {s: {} for s in sizes}
+    os.environ["GLOO_SOCKET_IFNAME"] = args.ifname
+    dist.init_process_group("gloo", init_method=f"tcp://{args.ip0}:{args.gloo_port}", rank=rank, world_size=WORLD)
+    for s in sizes:
+        numel = s << 18
+        x = _input(rank, numel, 0)
+        t = x.clone()
+        dist.all_reduce(t)  # warm-up (connections)
+
+        def g32() -> None:
+            t.copy_(x)
+            dist.all_reduce(t)
+
+        def g16() -> None:  # torch's fp16_compress_hook: cast, allreduce, cast back, divide
+            h = x.to(torch.float16).div_(WORLD)
+            dist.all_reduce(h)
+            t.copy_(h)
+
+        res[s]["gloo_fp32"] = _timed(g32, args.iters)
+        res[s]["gloo_fp16"] = _timed(g16, args.iters)
+    dist.destroy_process_group()
+
+    store = Store(args.etcd)
+    mid = f"m{rank}"
+    transport = TcpTransport(mid, args.job, host=ip)
+    session = MemberSession.register(store, args.job, MemberInfo(member_id=mid, address=transport.address), ttl=10)
+    watcher = EpochWatcher(store, args.job)
+    watcher.wait_for(lambda e: len(e.members) == WORLD and mid in e.members, 60)
+    comm = Communicator(EtcdGroupView(store, args.job, session, watcher), transport, op_timeout=120)
+    for s in sizes:
+        numel = s << 18
+        x = _input(rank, numel, 0)
+        t = x.clone()
+        comm.allreduce(t)  # warm-up
+        exact = True
+        for arm, comp in (("res_fp32", None), ("res_q8", "q8"), ("res_q4", "q4")):
+            def run(comp=comp) -> None:
+                t.copy_(x)
+                comm.allreduce(t, compression=comp)
+            res[s][arm] = _timed(run, args.iters)
+            if comp is not None:  # the last output of the arm, checked bitwise
+                w = comm.allreduce(t.copy_(x), compression=comp)
+                exact &= _exact(comm, t, w.contributors, numel, 0)
+        choices = []
+
+        def auto() -> None:
+            t.copy_(x)
+            comm.allreduce(t, compression="auto")
+            choices.append(comm.compression_switch.last_choice)
+        auto()  # the first call is the fp32 probe that measures the link
+        res[s]["res_auto"] = _timed(auto, args.iters)
+        res[s]["switch_choice"] = choices[-1]
+        res[s]["exact"] = exact
+    print(json.dumps({"rank": rank, "results": res}), flush=True)
+    comm.close()
+    session.close()
+    watcher.close()
+    transport.close()
+    store.close()
+    return 0
+
+
+def _cap(lab, i: int, mb_s: float) -> None:
+    """htb root on namespace ``i``'s veth: all egress at ``mb_s`` MB/s (0: remove)."""
+    tc = ["ip", "netns", "exec", lab.namespaces[i], "tc"]
+    dev = lab.ns_veths[i]
+    subprocess.run([*tc, "qdisc", "del", "dev", dev, "root"], capture_output=True)
+    if mb_s:
+        rate = f"{int(mb_s * 8)}mbit"
+        subprocess.run([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1"], check=True)
+        subprocess.run([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate,
+                        "ceil", rate, "burst", "256k", "cburst", "256k", "quantum", "60000"], check=True)
+
+
+def run_cap(lab, etcd: str, mb_s: float, args: argparse.Namespace) -> list[dict]:
+    job = f"compress-{uuid.uuid4().hex[:8]}"
+    for i in range(WORLD):
+        _cap(lab, i, mb_s)
+    coord = subprocess.Popen([PY, "-c", "import sys; from resilient.cli import main; sys.exit(main())", "coordinator",
+                              "--etcd", etcd, "--job", job, "--ttl", "10", "--metrics-port", "-1",
+                              "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    procs = []
+    try:
+        port = 29500 + int(uuid.uuid4().int % 1000)
+        for i in range(WORLD):
+            cmd = [*lab.exec_prefix(i), PY, str(Path(__file__).resolve()), "--worker", "--rank", str(i),
+                   "--ip", lab.ips[i], "--ip0", lab.ips[0], "--ifname", lab.ns_veths[i], "--gloo-port", str(port),
+                   "--etcd", etcd, "--job", job, "--sizes", args.sizes, "--iters", str(args.iters)]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                          env=dict(os.environ, PYTHONPATH=str(ROOT))))
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=args.timeout)
+            if p.returncode != 0:
+                raise RuntimeError(f"worker failed ({p.returncode}): {err[-3000:]}")
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        coord.terminate()
+        coord.wait(10)
+    lines = []
+    for s in [int(x) for x in args.sizes.split(",")]:
+        per = [o["results"][str(s)] for o in outs]
+        t = {k: max(r[k] for r in per) for k in per[0] if k.startswith(("gloo", "res"))}  # slowest member
+        best = min(t["res_fp32"], t["res_q4"])
+        lines.append({"cap_mb_s": mb_s or None, "size_mib": s, "q4_vs_fp32": round(t["res_fp32"] / t["res_q4"], 3),
+                      "q8_vs_fp32": round(t["res_fp32"] / t["res_q8"], 3),
+                      "q4_vs_gloo_fp16": round(t["gloo_fp16"] / t["res_q4"], 3),
+                      "switch_choice": per[0]["switch_choice"],
+                      "switch_agreed": len({r["switch_choice"] for r in per}) == 1,
+                      "switch_loss": round(t["res_auto"] / best - 1, 3),
+                      "exact": all(r["exact"] for r in per), "seconds": {k: round(v, 4) for k, v in t.items()}})
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--ip", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--ip0", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--ifname", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--gloo-port", type=int, default=29500, help=argparse.SUPPRESS)
+    ap.add_argument("--etcd", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--job", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--caps", default="100,400,0", help="MB/s per member egress, 0 = uncapped")
+    ap.add_argument("--sizes", default="4,16,64", help="MiB of float32 per allreduce")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=900)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    from resilient.chaos.netns import NetnsLab
+    from resilient.coordinator.local_etcd import LocalEtcd
+
+    with NetnsLab(WORLD) as lab, LocalEtcd(host=lab.host_ip) as etcd:
+        for cap in [float(c) for c in args.caps.split(",")]:
+            for line in run_cap(lab, etcd.endpoint_arg, cap, args):
+                print(json.dumps(line), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

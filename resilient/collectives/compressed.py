@@ -1,0 +1,196 @@
+"""The exact compressed allreduce: agree scales, quantize once, integer ring, dequantize
+once (``docs/compression.md``).
+
+One user call is two collectives with consecutive sequence numbers, reserved together
+(a joiner is admitted before or after the pair, never between):
+
+1. *scale*: a float32 MAX allreduce of this member's bucket maxima plus its member count.
+   Any contributor set gives a valid bound: a member left out of it (it joined the op
+   late in a recovery) has its values clamped to ``±qmax`` — its dequantized input is
+   still exactly what the result contains;
+2. *ring*: an int32 SUM allreduce of ``q`` over :class:`~.algorithms.quantized_ring.QuantizedRing`
+   (packed wire), recovered like any op from its integer ledger.
+
+Contract (what the tests check bitwise): ``out = fl32(sum_{i in C} s * q_i)`` per bucket,
+``/ |C|`` for AVG, with ``C = work.contributors`` (the ring's) and ``s * q_i`` member
+``i``'s dequantized input; identical on every member. ``Communicator.last_compression``
+keeps the scales, this member's ``q`` and the scale op's contributors.
+
+Failure behaviour: as for the uncompressed allreduce (recovery, policies, errors); a
+bad :class:`Compression` raises :class:`~resilient.errors.ConfigError` before any
+communication.
+"""
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from resilient.collectives.algorithms import RecursiveDoubling, RingReduceScatterAllgather
+from resilient.collectives.algorithms.leaf import LeafPath
+from resilient.collectives.algorithms.quantized_ring import QuantizedRing
+from resilient.collectives.ledger import Ledger, split
+from resilient.collectives.quantization import (
+    BITS, FINE, Segment, bucket_maxima, check_segments, clean_maxima, dequantize, quantize, scales,
+)
+from resilient.collectives.recovery import Policy
+from resilient.errors import ConfigError
+from resilient.kernels import ReduceOp
+
+
+@dataclass(frozen=True)
+class Compression:
+    """``bits`` (2, 4, 8) per element, one scale per ``bucket`` elements. A tensor with
+    fewer than ``min_numel`` elements or at most one dimension stays uncompressed (a plain
+    allreduce), unless explicit ``segments`` (``(start, end, bits)``, bits 32 = uncompressed
+    fixed point) give the layout of a flat buffer, as the DDP hook does."""
+
+    bits: int = 4
+    bucket: int = 1024
+    min_numel: int = 4096
+    segments: tuple[tuple[int, int, int], ...] | None = None
+    auto: bool = False  #: let the measured-link switch choose between this and fp32 per call
+
+    def __post_init__(self) -> None:
+        if self.bits not in BITS or self.bits == FINE:
+            raise ConfigError(f"compression bits must be 2, 4 or 8, got {self.bits!r}")
+        if self.bucket < 1:
+            raise ConfigError(f"compression bucket must be >= 1 element, got {self.bucket!r}")
+
+    @classmethod
+    def parse(cls, value: Any) -> "Compression | None":
+        """``None`` / ``"none"`` / ``"fp32"`` -> no compression; ``"q8"``, ``"q4"``,
+        ``"q2"`` or an int -> that many bits; ``"auto"`` -> 4 bits where the switch
+        predicts a gain (:mod:`.compression_switch`); a Compression -> itself."""
+        if value is None or isinstance(value, Compression):
+            return value
+        if isinstance(value, str):
+            v = value.strip().lower()
+            if v in ("none", "fp32", "off", ""):
+                return None
+            if v == "auto":
+                return cls(auto=True)
+            if v.startswith("q") and v[1:].isdigit():
+                return cls(bits=int(v[1:]))
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls(bits=value)
+        raise ConfigError(f"compression {value!r}: use None, 'q8', 'q4', 'q2', 'auto', an int or a Compression")
+
+    def layout(self, t: torch.Tensor) -> list[Segment] | None:
+        """The segments for ``t``, or None when it stays uncompressed."""
+        if self.segments is not None:
+            segs = [Segment(int(a), int(b), int(k)) for a, b, k in self.segments]
+            check_segments(segs, t.numel())
+            return segs if any(s.bits != FINE for s in segs) else None
+        if t.dim() <= 1 or t.numel() < self.min_numel:
+            return None
+        return [Segment(0, t.numel(), self.bits)]
+
+
+def ring_layout(segs: list[Segment], n: int, slices_of: Any) -> tuple[list[tuple[int, int]], list[int], int]:
+    """Chunk-major pieces over ``n`` members: chunk ``c`` of every segment, each cut in its
+    pipelining slices. Returns (pieces, bits per piece, pieces per chunk)."""
+    per_seg = []
+    for s in segs:
+        S = slices_of(max(1, s.numel * 4 // n))
+        per_seg.append((s, split(s.numel, n), S))
+    pieces, bits = [], []
+    for c in range(n):
+        for s, chunks, S in per_seg:
+            c0, c1 = chunks[c]
+            for a, b in split(c1 - c0, S):
+                pieces.append((s.start + c0 + a, s.start + c0 + b))
+                bits.append(s.bits)
+    return pieces, bits, sum(S for _, _, S in per_seg)
+
+
+def _layout_digest(comp: Compression, segs: list[Segment]) -> int:
+    return zlib.crc32(json.dumps([comp.bucket, [(s.start, s.end, s.bits) for s in segs]]).encode())
+
+
+def run_compressed(comm: Any, t: torch.Tensor, op: ReduceOp, comp: Compression, segs: list[Segment],
+                   policy: Policy | str | None, seqs: tuple[int, int] | None = None) -> Any:
+    """The op body (on the communicator's op thread); returns the ring's result as a
+    :class:`CompressedResult`. ``seqs``: pre-reserved (scale, ring) sequence numbers
+    (the automatic switch reserves them with its vote); else two are reserved here."""
+    if op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise ConfigError(f"a compressed allreduce supports sum and avg, not {op.value}")
+    if not t.is_floating_point():
+        raise ConfigError(f"a compressed allreduce needs a floating-point tensor, got {t.dtype}")
+    x = t.detach().reshape(-1)
+    numel, bucket = x.numel(), comp.bucket
+    lay = _layout_digest(comp, segs)
+    maxima, finite = clean_maxima(bucket_maxima(x, segs, bucket))
+    scale_in = torch.cat([maxima, torch.tensor([float(comm.size)])])
+    desc_s = {"k": "allreduce", "shape": [scale_in.numel()], "dtype": "torch.float32", "op": "max",
+              "q": "scale", "layout": lay}
+    if seqs is None:
+        res_s = comm._reduce(scale_in, ReduceOp.MAX, desc_s, policy, reserve=2)
+        ring_seq = comm._retained.seq + 1
+    else:
+        res_s = comm._reduce(scale_in, ReduceOp.MAX, desc_s, policy, seq=seqs[0])
+        ring_seq = seqs[1]
+    n_bound = max(1, int(scale_in[-1].item()))
+    sc = scales(scale_in[:-1], segs, bucket, n_bound)
+    q = quantize(x, sc, segs, bucket, n_bound, finite=finite)
+    nbytes = numel * 4
+
+    def build(members: list[str], me: int, seq: int, digest: int) -> tuple[Ledger, Any]:
+        n = len(members)
+        leaf = LeafPath.for_epoch(members, comm._epoch)
+        nr = leaf.ring_size if leaf else n
+        algo: Any
+        if leaf is None and n > 1 and numel >= n and nbytes > comm.small_bytes:
+            pieces, bits, per_chunk = ring_layout(segs, n, comm._slices)
+            algo = QuantizedRing(bits, per_chunk, n_bound)
+        elif comm._ring_or_rd(nbytes, nr) and numel >= nr:  # leaf path: exact int32 ring, full width
+            S = comm._slices_for(nbytes, nr)
+            pieces = [(s0 + a, s0 + b) for (s0, e0) in split(numel, nr) for (a, b) in split(e0 - s0, S)]
+            algo = RingReduceScatterAllgather(S)
+        else:
+            pieces, algo = [(0, numel)], RecursiveDoubling()
+        if leaf:
+            algo = leaf.wrap(algo)
+        L = Ledger(seq, "allreduce", tuple(members), me, comm._epoch.number, digest, q,
+                   comm._buffer(numel, torch.int32), pieces)
+        return L, algo
+
+    desc_r = {"k": "allreduce", "shape": [numel], "dtype": "torch.int32", "op": "sum", "q": "ring", "layout": lay}
+    old = comm.policy
+    if policy is not None:
+        comm.policy = Policy.parse(policy)
+    try:
+        L = comm._run(desc_r, build, seq=ring_seq)
+    finally:
+        comm.policy = old
+    res = dequantize(L.out, sc, segs, bucket)
+    if op is ReduceOp.AVG:
+        for p, m in enumerate(L.need or [L.full] * len(L.pieces)):
+            a, b = L.pieces[p]
+            res[a:b].div_(bin(m).count("1"))
+    t.copy_(res.view(t.shape))
+    info = {"seq": L.seq, "scales": sc, "q": q, "scale_contributors": tuple(res_s.contributors),
+            "members_bound": n_bound, "segments": segs, "bucket": bucket}
+    comm.last_compression = info
+    r = comm._result(L)
+    return CompressedResult(r.contributors, r.piece_contributors, r.recovered, info)
+
+
+@dataclass(frozen=True)
+class CompressedResult:
+    """What ``Work.result()`` holds for a compressed op: the ring's contributor sets and
+    ``compression`` (scales, this member's ``q``, scale contributors, layout) — what error
+    feedback needs to know this member's dequantized input."""
+
+    contributors: tuple[str, ...]
+    piece_contributors: list[tuple[str, ...]] | None = None
+    recovered: bool = False
+    compression: dict | None = None
+
+    def dequantized_input(self) -> torch.Tensor:
+        """``s * q`` of this member (float32, flat)."""
+        c = self.compression
+        return dequantize(c["q"], c["scales"], c["segments"], c["bucket"])

@@ -1,0 +1,170 @@
+"""The automatic compression switch: compress only where the measured link predicts a gain
+(``docs/compression.md``).
+
+Every member measures, per size class, the seconds each arm took on its recent calls,
+and its link (bytes it sent / seconds of its fp32 calls) for a model prediction
+``t_fp32 / t_q`` with ``t = W / B (+ codec)``, ``W`` the bytes a member sends in the ring
+(:func:`ring_wire_bytes`) and the codec timed once on 1 Mi floats. The model only
+decides whether the compressed arm is worth a first probe; after that measured times
+decide (a model cannot see how loaded the CPUs are). Members measure different things,
+and a decision that differs between members would desynchronise them, so the decision
+is **agreed**: a 3-float MAX allreduce of ``[need fp32 probe, need compressed probe,
+-speedup]`` precedes the op (any probe request wins, then the slowest member's speedup).
+The chosen arm is logged when it changes and counted in
+``resilient_compression_decisions_total{choice}``.
+
+One call takes three sequence numbers, reserved together: vote, then either the scale
+agreement + integer ring, or the plain fp32 allreduce (the third number stays unused).
+
+Failure behaviour: the vote is an ordinary collective (recovered like any); a member that
+dies in it leaves the survivors' agreed decision intact. Measurement never raises.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from resilient.collectives.compressed import Compression, run_compressed
+from resilient.collectives.quantization import Segment, bucket_maxima, dequantize, pack, quantize, scales, unpack, wire_bits
+from resilient.kernels import ReduceOp
+
+log = logging.getLogger(__name__)
+
+
+def ring_wire_bytes(nbytes: int, n: int, bits: int | None) -> float:
+    """Bytes one member sends in a ring allreduce of ``nbytes`` of float32 (``bits`` None:
+    uncompressed; else the integer ring's widths)."""
+    if n <= 1:
+        return 0.0
+    elems = nbytes / 4 / n  # per chunk
+    if bits is None:
+        return 2 * (n - 1) * elems * 4
+    rs = sum(wire_bits(bits, s + 1) for s in range(n - 1))
+    ag = (n - 1) * wire_bits(bits, n)
+    return elems * (rs + ag) / 8
+
+
+def measure_codec(bits: int, bucket: int, numel: int = 1 << 20) -> tuple[float, float]:
+    """Seconds per float32 byte of (quantize + dequantize) and of one ring step's
+    (unpack + add + pack), timed on this machine."""
+    x = torch.randn(numel)
+    segs = [Segment(0, numel, bits)]
+    t0 = time.perf_counter()
+    sc = scales(bucket_maxima(x, segs, bucket), segs, bucket, 1)
+    q = quantize(x, sc, segs, bucket, 1)
+    dequantize(q, sc, segs, bucket)
+    t1 = time.perf_counter()
+    w = wire_bits(bits, 2)
+    acc = q + unpack(pack(q, bits), numel, bits)
+    pack(acc, w)
+    t2 = time.perf_counter()
+    return (t1 - t0) / (4 * numel), (t2 - t1) / (4 * numel)
+
+
+class CompressionSwitch:
+    """Per-communicator state of the switch (see the module docstring).
+
+    Per size class (``nbytes.bit_length()``) it keeps the measured seconds of each arm
+    (moving average). Before both arms are measured it probes: fp32 first (that also
+    measures the link), then the compressed arm unless the link model predicts a clear
+    loss (speedup below ``skip_below``); after that the measured faster arm runs, the
+    compressed one only if it beats fp32 by ``margin``, and every ``probe_every`` calls
+    the other arm is measured again. Every member votes; the vote is MAX-agreed."""
+
+    def __init__(self, margin: float = 1.05, probe_every: int = 200, skip_below: float = 0.7,
+                 codec_s_per_byte: dict[int, tuple[float, float]] | None = None) -> None:
+        self.margin, self.probe_every, self.skip_below = margin, probe_every, skip_below
+        self._codec = codec_s_per_byte
+        self.link_bytes_per_s: float | None = None
+        self.measured: dict[tuple[int, str], float] = {}  # (size class, arm) -> seconds
+        self._calls: dict[int, int] = {}
+        self.last_choice: str | None = None
+        self.last_speedup: float | None = None
+
+    def codec_seconds(self, nbytes: int, n: int, bits: int) -> float:
+        if self._codec is None:
+            self._codec = {}
+        if bits not in self._codec:
+            self._codec[bits] = measure_codec(bits, 1024)
+        a, b = self._codec[bits]
+        return nbytes * (a + b * 2 * (n - 1) / max(1, n))
+
+    def predicted_speedup(self, nbytes: int, n: int, bits: int) -> float:
+        """Link-model prediction of t_fp32 / t_compressed; 0 without a link estimate yet."""
+        B = self.link_bytes_per_s
+        if not B or n <= 1:
+            return 0.0
+        t32 = ring_wire_bytes(nbytes, n, None) / B
+        tq = ring_wire_bytes(nbytes, n, bits) / B + self.codec_seconds(nbytes, n, bits)
+        return t32 / tq
+
+    def vote(self, nbytes: int, n: int, bits: int) -> torch.Tensor:
+        """``[need fp32 probe, need compressed probe, -speedup]`` (MAX-agreed)."""
+        c = nbytes.bit_length()
+        t32, tq = self.measured.get((c, "fp32")), self.measured.get((c, f"q{bits}"))
+        calls = self._calls.get(c, 0)
+        periodic = calls > 0 and calls % self.probe_every == 0
+        need32 = t32 is None or (periodic and self.last_choice != "fp32")
+        needq = not need32 and (tq is None or (periodic and self.last_choice == "fp32")) \
+            and self.predicted_speedup(nbytes, n, bits) >= self.skip_below
+        speedup = t32 / tq if (t32 and tq) else self.predicted_speedup(nbytes, n, bits)
+        return torch.tensor([float(need32), float(needq), -speedup], dtype=torch.float32)
+
+    def decide(self, agreed: torch.Tensor, bits: int, nbytes: int = 0) -> str:
+        need32, needq, speedup = float(agreed[0]) > 0, float(agreed[1]) > 0, -float(agreed[2])
+        q = f"q{bits}"
+        choice = "fp32" if need32 else q if needq else (q if speedup > self.margin else "fp32")
+        if choice != self.last_choice:
+            log.info("compression switch: %s (agreed speedup %.2f%s)", choice, speedup,
+                     ", probe" if need32 or needq else "")
+        self.last_choice, self.last_speedup = choice, speedup
+        c = nbytes.bit_length()
+        self._calls[c] = self._calls.get(c, 0) + 1
+        return choice
+
+    def observe(self, choice: str, nbytes: int, n: int, sent: int, seconds: float) -> None:
+        """Record one finished op: its time per arm, and (fp32) the link estimate."""
+        key = (nbytes.bit_length(), choice)
+        old = self.measured.get(key)
+        self.measured[key] = seconds if old is None else 0.5 * (old + seconds)
+        if choice == "fp32" and sent > 0 and seconds > 0:
+            B = sent / seconds
+            self.link_bytes_per_s = B if self.link_bytes_per_s is None else 0.5 * (self.link_bytes_per_s + B)
+
+
+def switch_for(comm: Any) -> CompressionSwitch:
+    """The communicator's switch (``comm.compression_switch``; created with defaults)."""
+    sw = comm.__dict__.get("compression_switch")
+    if sw is None:
+        sw = comm.__dict__["compression_switch"] = CompressionSwitch()
+    return sw
+
+
+def run_auto(comm: Any, t: torch.Tensor, op: ReduceOp, comp: Compression, segs: list[Segment], policy: Any) -> Any:
+    """The op body of ``allreduce(..., compression=Compression(auto=True))`` (op thread):
+    vote, then ``comp`` or fp32."""
+    sw = switch_for(comm)
+    desc = {"k": "allreduce", "shape": list(t.shape), "dtype": str(t.dtype), "op": op.value}
+    if not t.is_floating_point() or op not in (ReduceOp.SUM, ReduceOp.AVG):
+        return comm._reduce(t, op, desc, policy)  # never compressed: no vote
+    nbytes, n = t.numel() * t.element_size(), comm.size
+    vote = sw.vote(nbytes, n, comp.bits)
+    comm._reduce(vote, ReduceOp.MAX, {"k": "allreduce", "shape": [3], "dtype": "torch.float32", "op": "max",
+                                      "q": "vote"}, policy, reserve=3)
+    k = comm._retained.seq
+    choice = sw.decide(vote, comp.bits, nbytes)
+    if comm._metrics is not None:
+        try:
+            comm._metrics.record_compression_decision(choice)
+        except Exception as exc:  # noqa: BLE001 - metrics never fail an op
+            log.debug("metrics: %s", exc)
+    sent0, t0 = comm.transport.stats.bytes_sent, time.monotonic()
+    if choice == "fp32":
+        res = comm._reduce(t, op, desc, policy, seq=k + 1)
+    else:
+        res = run_compressed(comm, t, op, comp, segs, policy, seqs=(k + 1, k + 2))
+    sw.observe(choice, nbytes, n, comm.transport.stats.bytes_sent - sent0, time.monotonic() - t0)
+    return res

@@ -1,0 +1,219 @@
+"""Bucketed integer quantization for the exact compressed allreduce (pure torch ops, no
+Python loop per element; see ``docs/compression.md``).
+
+A flat float tensor is cut into *segments* ``(start, end, bits)``; each segment into
+quantization buckets of ``bucket`` elements (the last one may be shorter). Every bucket
+has one scale ``s = m / qmax(bits)`` where ``m`` is an agreed bound on ``|x|`` (the
+group's MAX of the members' bucket maxima); an element quantizes to
+``q = clamp(round(x / s), -qmax, qmax)`` and dequantizes to ``D(s, q) = fl32(s * q)``.
+
+``bits`` is 2, 4 or 8 (compressed) or 32: fixed point at the wire width of float32, for
+the elements that stay uncompressed inside a compressed op (1-D parameters such as biases
+and norms). Its ``qmax`` is ``(2**29 - 1) // n`` for ``n`` members, so a sum of up to
+``n`` values stays below ``2**29`` in magnitude.
+
+Exactness: ``|sum q_i| < 2**29`` and ``s`` has a 24-bit mantissa, so ``s * Q`` is exact in
+float64 and :func:`dequantize` rounds it once to float32: the result of the collective is
+the exact real sum of the members' dequantized inputs, correctly rounded, whatever the
+order in which the integers were added.
+
+Wire widths: a partial sum over ``k`` contributors is sent packed at ``bits`` (``k = 1``,
+bits < 8) or as the narrowest of int8 / int16 / int32 that holds ``k * qmax``
+(:func:`wire_bits`). Packed 2/4-bit fields are two's complement, first value lowest.
+
+Failure behaviour: shapes that do not match the layout raise :class:`ConfigError`;
+non-finite inputs quantize to 0 (NaN) or ``±qmax`` (±inf) instead of poisoning the sum.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from resilient.errors import ConfigError
+
+BITS = (2, 4, 8, 32)
+FINE = 32
+#: the largest |sum of q| the fixed-point segments may reach (exact float64 product)
+FINE_LIMIT = (1 << 29) - 1
+
+
+def qmax(bits: int, members: int = 1) -> int:
+    """Largest |q| for ``bits`` (``members`` only matters for the fixed-point width)."""
+    if bits == FINE:
+        return max(1, FINE_LIMIT // max(1, members))
+    if bits not in BITS:
+        raise ConfigError(f"quantization bits must be one of {BITS}, got {bits}")
+    return (1 << (bits - 1)) - 1
+
+
+def wire_bits(bits: int, k: int, members: int = 1) -> int:
+    """Wire width of a partial sum over ``k`` contributors."""
+    if bits == FINE:
+        return 32
+    if k <= 1:
+        return bits
+    m = k * qmax(bits)
+    for w in (8, 16, 32):
+        if m <= (1 << (w - 1)) - 1:
+            return w
+    raise ConfigError(f"a sum over {k} members of {bits}-bit values does not fit in int32")
+
+
+def wire_nbytes(count: int, width: int) -> int:
+    return -(-count * width // 8)
+
+
+@dataclass(frozen=True)
+class Segment:
+    start: int
+    end: int
+    bits: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    def n_buckets(self, bucket: int) -> int:
+        return -(-self.numel // bucket)
+
+
+def check_segments(segments: list[Segment], numel: int) -> None:
+    """Raise ConfigError unless ``segments`` tile ``[0, numel)`` in order with valid bits."""
+    pos = 0
+    for s in segments:
+        if s.start != pos or s.end <= s.start or s.bits not in BITS:
+            raise ConfigError(f"quantization segments must tile [0, {numel}) in order with bits in {BITS}; got {segments}")
+        pos = s.end
+    if pos != numel:
+        raise ConfigError(f"quantization segments cover [0, {pos}) but the tensor has {numel} elements")
+
+
+def _rows(x: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` (flat) as full rows of ``bucket`` elements and the shorter tail (or None)."""
+    full = x.numel() // bucket * bucket
+    head = x[:full].view(-1, bucket)
+    return head, (x[full:] if full < x.numel() else None)
+
+
+def bucket_maxima(x: torch.Tensor, segments: list[Segment], bucket: int) -> torch.Tensor:
+    """float32 max |x| per bucket of every segment, concatenated (NaN/inf kept: see
+    :func:`clean_maxima`)."""
+    parts = []
+    for s in segments:
+        v = x[s.start:s.end].to(torch.float32)
+        head, tail = _rows(v, bucket)
+        parts.append(head.abs().amax(1) if head.numel() else torch.empty(0))
+        if tail is not None:
+            parts.append(tail.abs().amax().reshape(1))
+    return torch.cat(parts) if parts else torch.empty(0)
+
+
+def clean_maxima(m: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Maxima with NaN -> 0 and inf -> float32 max, and whether they were all finite
+    (then :func:`quantize` may skip its NaN pass)."""
+    finite = bool(torch.isfinite(m).all())
+    return (m if finite else torch.nan_to_num(m, nan=0.0, posinf=torch.finfo(torch.float32).max)), finite
+
+
+def scales(maxima: torch.Tensor, segments: list[Segment], bucket: int, members: int) -> torch.Tensor:
+    """Per-bucket float32 scale ``m / qmax`` from agreed maxima."""
+    q = torch.cat([torch.full((s.n_buckets(bucket),), float(qmax(s.bits, members)), dtype=torch.float32)
+                   for s in segments])
+    if q.numel() != maxima.numel():
+        raise ConfigError(f"{maxima.numel()} bucket maxima for a layout of {q.numel()} buckets")
+    return (maxima.to(torch.float32) / q).to(torch.float32)
+
+
+def _per_element(vals: torch.Tensor, seg: Segment, bucket: int, off: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    nb = seg.n_buckets(bucket)
+    v = vals[off:off + nb]
+    full = seg.numel // bucket
+    return v[:full].view(-1, 1), (v[full:full + 1] if full < nb else None)
+
+
+def quantize(x: torch.Tensor, sc: torch.Tensor, segments: list[Segment], bucket: int, members: int,
+             out: torch.Tensor | None = None, finite: bool = False) -> torch.Tensor:
+    """int32 ``q`` of the flat float tensor ``x`` under per-bucket scales ``sc``
+    (``finite``: the caller knows ``x`` has no NaN/inf, one pass less)."""
+    out = torch.empty(x.numel(), dtype=torch.int32) if out is None else out
+    off = 0
+    for s in segments:
+        qm = float(qmax(s.bits, members))
+        dt = torch.float64 if s.bits == FINE else torch.float32  # the fixed-point qmax needs 53 bits
+        v = x[s.start:s.end].to(dt)
+        o = out[s.start:s.end]
+        hs, ts = _per_element(sc.to(dt), s, bucket, off)
+        off += s.n_buckets(bucket)
+        (vh, vt), (oh, ot) = _rows(v, bucket), _rows(o, bucket)
+        for vv, ss, oo in ((vh, hs, oh), (vt, ts, ot)):
+            if vv is None or vv.numel() == 0:
+                continue
+            inv = torch.where(ss > 0, 1.0 / ss, torch.zeros_like(ss))  # a zero bound: everything -> 0
+            r = torch.mul(vv, inv)
+            if not finite:
+                r.nan_to_num_(nan=0.0, posinf=qm, neginf=-qm)
+            oo.copy_(r.clamp_(-qm, qm).round_())
+    return out
+
+
+def dequantize(Q: torch.Tensor, sc: torch.Tensor, segments: list[Segment], bucket: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 ``fl32(s * Q)`` per bucket (exact product in float64, one rounding)."""
+    out = torch.empty(Q.numel(), dtype=torch.float32) if out is None else out
+    off = 0
+    for s in segments:
+        # |Q| < 2**24 outside fixed point: Q is exact in float32 and one float32 multiply is
+        # the correctly rounded exact product; fixed point needs the float64 product
+        dt = torch.float64 if s.bits == FINE else torch.float32
+        hs, ts = _per_element(sc.to(dt), s, bucket, off)
+        off += s.n_buckets(bucket)
+        (qh, qt), (oh, ot) = _rows(Q[s.start:s.end], bucket), _rows(out[s.start:s.end], bucket)
+        for qq, ss, oo in ((qh, hs, oh), (qt, ts, ot)):
+            if qq is not None and qq.numel():
+                if dt is torch.float32:
+                    oo.copy_(qq)  # exact (|Q| < 2**24); then one same-dtype multiply
+                    oo.mul_(ss)
+                else:
+                    oo.copy_(qq.to(dt) * ss)
+    return out
+
+
+# -- wire packing ---------------------------------------------------------------------
+
+def pack(q: torch.Tensor, width: int) -> torch.Tensor:
+    """Flat int32 ``q`` as the uint8 wire bytes of ``width`` (2, 4: two's complement
+    fields, the first value in the low bits; 8, 16, 32: little-endian integers)."""
+    if width == 32:
+        return q.contiguous().view(torch.uint8)
+    if width == 16:
+        return q.to(torch.int16).view(torch.uint8)
+    b = q.to(torch.int8)
+    if width == 8:
+        return b.view(torch.uint8)
+    per = 8 // width
+    pad = (-b.numel()) % per
+    if pad:
+        b = torch.cat([b, torch.zeros(pad, dtype=torch.int8)])
+    v = b.view(torch.uint8).view(-1, per)
+    mask = (1 << width) - 1
+    out = v[:, 0] & mask
+    for j in range(1, per):
+        out |= (v[:, j] & mask) << (width * j)
+    return out
+
+
+def unpack(wire: torch.Tensor, count: int, width: int) -> torch.Tensor:
+    """The ``count`` values of ``wire`` (uint8) as a tensor that adds into int32 (int8 /
+    int16 / int32; views without a copy where possible)."""
+    if width == 32:
+        return wire[:count * 4].view(torch.int32)
+    if width == 16:
+        return wire[:count * 2].view(torch.int16)
+    w = wire.view(torch.int8)
+    if width == 8:
+        return w[:count]
+    per = 8 // width
+    # sign-extend each field: shift it to the top of the byte, then arithmetic-shift down
+    cols = [(w << (8 - width * (j + 1))) >> (8 - width) for j in range(per)]
+    return torch.stack(cols, 1).view(-1)[:count]
