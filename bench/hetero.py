@@ -34,6 +34,8 @@ Failure behaviour: a member that raises or hangs makes the run fail with its std
 """
 from __future__ import annotations
 
+import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -47,17 +49,26 @@ from _common import BenchCluster, emit, join, wait_go, worker_argparser  # noqa:
 
 PHASES = ("uniform", "weighted", "evict")
 DIM = 8
+LR = 0.01
 
 
-def dataset(n: int):
+def dataset(n: int, width: int):
     import torch
 
     g = torch.Generator().manual_seed(1234)
     # float64: the gradient check is about the weighting, not float32 rounding
     x = torch.randn(n, DIM, generator=g, dtype=torch.float64)
-    y = x @ torch.arange(1.0, DIM + 1, dtype=torch.float64).unsqueeze(1) + 0.1 * torch.randn(
-        n, 1, generator=g, dtype=torch.float64)
+    y = x @ torch.randn(DIM, width, generator=g, dtype=torch.float64) + 0.1 * torch.randn(
+        n, width, generator=g, dtype=torch.float64)
     return x, y
+
+
+def make_model(width: int):
+    """The same initial parameters in every process (seeded)."""
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Linear(DIM, width, dtype=torch.float64)
 
 
 def loss_of(model, x, y):
@@ -77,18 +88,18 @@ def worker(args) -> None:
     from resilient.torch_backend.process_group import ResilientProcessGroup
 
     torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1)  # the driver asks for stacks when a member hangs
     comm, transport, session, _ = join(args, op_timeout=30.0)
     store, watcher = comm.view.store, comm.view.watcher
     engine = CommunicatorEngine(comm, watcher, session, args.id)
     world = engine.world()
     pg = ResilientProcessGroup(engine, world.rank, world.size)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(DIM, 1, dtype=torch.float64)
+    model = make_model(args.width)
     ddp = DDP(model, process_group=pg, init_sync=False, forward_sync_buffers=False)
     state = SampleCount(pg)
     make_weighted(ddp, state)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x_all, y_all = dataset(args.samples)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x_all, y_all = dataset(args.samples, args.width)
     bs = args.global_batch // args.world
     sampler = ElasticSampler(args.samples, bs, world.rank, world.size, shuffle=True, seed=7)
     slow = args.slowdown if args.id == args.slow else 1.0
@@ -127,7 +138,6 @@ def worker(args) -> None:
                 apply_phase(phase, members)
             idx = sampler.step_indices()
             state.set(len(idx))
-            params = [p.detach().clone().reshape(-1).tolist() for p in model.parameters()]
             t0 = time.time()
             time.sleep(len(idx) * args.t_sample * slow)              # the device's per-sample time
             loss = loss_of(ddp, x_all[idx], y_all[idx])
@@ -138,8 +148,10 @@ def worker(args) -> None:
                 rate_n, rate_s = rate_n + len(idx), rate_s + t_compute
             contributors = sorted(state.tracker.step_contributors())
             state.tracker.reset()
-            emit("step", step=step, phase=phase, idx=idx, params=params, members=list(members),
-                 grad=[p.grad.reshape(-1).tolist() for p in model.parameters()], contributors=contributors,
+            # the gradient goes to a file (raw float64): too big for the report line
+            torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy().tofile(
+                os.path.join(args.out_dir, f"{args.id}-{step}.grad"))
+            emit("step", step=step, phase=phase, idx=idx, members=list(members), contributors=contributors,
                  total=state.last_total, t0=t0, t1=t1, sizes=sampler.sizes())
             sampler.record_step([members.index(m) for m in contributors])
             opt.step()
@@ -149,8 +161,11 @@ def worker(args) -> None:
                 members = now.members
                 sampler.set_world(now.rank, now.size)
                 apply_phase(phase, members)
-    except RemovedFromGroup as exc:
-        emit("removed", error=str(exc))
+    except Exception as exc:  # noqa: BLE001 - DDP may wrap the hook's error
+        if not isinstance(exc, RemovedFromGroup) and "RemovedFromGroup" not in f"{type(exc).__name__} {exc}" \
+                and "is not in epoch" not in str(exc):
+            raise
+        emit("removed", error=f"{type(exc).__name__}: {exc}"[:500])
         os._exit(0)
     emit("done", processed=sampler.processed, shares=shares_used)
     wait_go()
@@ -176,18 +191,24 @@ def wait_shares(store, job: str, members: tuple[str, ...], timeout: float = 30.0
     raise TimeoutError(f"no shares record for {list(members)} within {timeout}s (last: {rec}); is the coordinator up?")
 
 
-def reference_grad(params: list[list[float]], idx: list[int], x_all, y_all) -> list[float]:
-    """The gradient of the mean loss over ``idx`` at ``params``, in one process."""
+def reference_grad(model, idx: list[int], x_all, y_all):
+    """The gradient of the mean loss over ``idx`` at ``model``'s parameters, in one process."""
     import torch
-    model = torch.nn.Linear(DIM, 1, dtype=torch.float64)
-    with torch.no_grad():
-        model.weight.copy_(torch.tensor(params[0], dtype=torch.float64).reshape(1, DIM))
-        model.bias.copy_(torch.tensor(params[1], dtype=torch.float64))
+
+    model.zero_grad()
     loss_of(model, x_all[idx], y_all[idx]).backward()
-    return model.weight.grad.reshape(-1).tolist() + model.bias.grad.reshape(-1).tolist()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
 def run(args) -> dict:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="resilient-hetero-") as out_dir:
+        args.out_dir = out_dir
+        return _run(args)
+
+
+def _run(args) -> dict:
     victim_env = None
     if args.kill_step is not None or args.stop_step is not None:
         k = args.kill_step if args.kill_step is not None else args.stop_step
@@ -199,7 +220,8 @@ def run(args) -> dict:
     with BenchCluster(os.path.abspath(__file__), args.world, job="bench-hetero", ttl=args.ttl,
                       worker_args=["--slow", args.slow, "--slowdown", str(args.slowdown), "--steps", str(args.steps),
                                    "--global-batch", str(args.global_batch), "--samples", str(args.samples),
-                                   "--t-sample", str(args.t_sample)], env_for=env_for) as cl:
+                                   "--t-sample", str(args.t_sample), "--width", str(args.width),
+                                   "--out-dir", args.out_dir], env_for=env_for) as cl:
         for m in cl.procs:
             cl.watch_exit(m)
         everyone = sorted(cl.procs)
@@ -214,7 +236,7 @@ def run(args) -> dict:
                 # the survivors finished without it (its lease expired while stopped): let it see that
                 cl.procs[m].send_signal(signal.SIGCONT)
             while True:
-                ev = next_event(cl, m, timeout=300)
+                ev = next_event(cl, m, timeout=args.event_timeout)
                 if ev is None:   # EOF: only the victim of --kill-step may end like that
                     if m != args.victim or args.kill_step is None:
                         raise SystemExit(f"member {m} exited early: {cl.stderr_tail(m)}")
@@ -238,7 +260,12 @@ def next_event(cl: BenchCluster, mid: str, timeout: float) -> dict | None:
     th.start()
     th.join(timeout)
     if not out:
-        raise SystemExit(f"member {mid} sent nothing within {timeout}s: {cl.stderr_tail(mid)}")
+        for m, p in cl.procs.items():
+            if p.poll() is None:
+                p.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        tails = "\n".join(f"--- {m} (exit {cl.procs[m].poll()}):\n{cl.stderr_tail(m, 12000)}" for m in sorted(cl.procs))
+        raise SystemExit(f"member {mid} sent nothing within {timeout}s:\n{tails}")
     if not out[0]:
         return None
     try:
@@ -248,13 +275,19 @@ def next_event(cl: BenchCluster, mid: str, timeout: float) -> dict | None:
 
 
 def summarize(args, steps: dict[str, list[dict]], finished: dict[str, dict], total_steps: int) -> dict:
+    """Check every step against one process: the reference model takes the same SGD steps
+    with the reference gradients (the members' differ from them by rounding only)."""
+    import numpy as np
     import torch
-    x_all, y_all = dataset(args.samples)
+
+    x_all, y_all = dataset(args.samples, args.width)
+    ref_model = make_model(args.width)
     by_step: dict[int, dict[str, dict]] = {}
     for m, evs in steps.items():
         for ev in evs:
             by_step.setdefault(ev["step"], {})[m] = ev
     err = 0.0
+    short: dict[str, list[str]] = {}
     processed: list[int] = []
     span: dict[str, list[float]] = {}
     samples: dict[str, int] = {}
@@ -268,10 +301,16 @@ def summarize(args, steps: dict[str, list[dict]], finished: dict[str, dict], tot
         if idx is None:
             raise AssertionError(f"step {s}: a contributor did not report its samples")
         processed.extend(idx)
-        ref = reference_grad(evs[contributors[0]]["params"], idx, x_all, y_all)
-        for ev in evs.values():
-            got = [v for g in ev["grad"] for v in g]
-            err = max(err, max(abs(a - b) for a, b in zip(got, ref)))
+        missing = sorted(set(next(iter(evs.values()))["members"]) - set(contributors))
+        if missing:
+            short[str(s)] = missing
+        ref = reference_grad(ref_model, idx, x_all, y_all)
+        for m in evs:
+            got = torch.from_numpy(np.fromfile(os.path.join(args.out_dir, f"{m}-{s}.grad"), dtype=np.float64))
+            err = max(err, float((got - ref).abs().max()))
+        with torch.no_grad():
+            for p in ref_model.parameters():
+                p -= LR * p.grad
         phase = next(iter(evs.values()))["phase"]
         t0, t1 = min(ev["t0"] for ev in evs.values()), max(ev["t1"] for ev in evs.values())
         if s % args.steps >= 1:   # the first step of each phase is its warm-up
@@ -291,6 +330,8 @@ def summarize(args, steps: dict[str, list[dict]], finished: dict[str, dict], tot
         "steps_checked": len(by_step),
         "exactly_once": len(processed) == len(set(processed)),
         "processed": len(processed),
+        "steps_without": short,
+        "removed": sorted(m for m, f in finished.items() if f["event"] == "removed"),
         "world": args.world, "slow": args.slow, "slowdown": args.slowdown, "global_batch": args.global_batch,
         "t_sample": args.t_sample, "steps_per_phase": args.steps,
     }
@@ -307,10 +348,14 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=56)
     ap.add_argument("--samples", type=int, default=4096, help="samples in the data epoch")
     ap.add_argument("--t-sample", type=float, default=0.002, help="modelled device seconds per sample")
+    ap.add_argument("--width", type=int, default=1200,
+                    help="model outputs: (8+1)*width float64 gradients, > 64 KiB so the ring (not recursive doubling) runs")
+    ap.add_argument("--out-dir", help=argparse.SUPPRESS)
     ap.add_argument("--victim", default="m1")
     ap.add_argument("--kill-step", type=int, default=None)
     ap.add_argument("--stop-step", type=int, default=None)
     ap.add_argument("--ttl", type=float, default=30.0)
+    ap.add_argument("--event-timeout", type=float, default=120.0, help="seconds to wait for a member's next report")
     args = ap.parse_args()
     if args.worker:
         worker(args)
