@@ -89,6 +89,10 @@ def worker(args) -> None:
 
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1)  # the driver asks for stacks when a member hangs
+    if os.environ.get("HETERO_OWN_LEASE"):
+        # the member to be SIGSTOPped keeps a lease of its own (5 s): while it is stopped
+        # nobody renews it, so it expires and the coordinator removes the member
+        args.lease_id = None
     comm, transport, session, _ = join(args, op_timeout=30.0)
     store, watcher = comm.view.store, comm.view.watcher
     engine = CommunicatorEngine(comm, watcher, session, args.id)
@@ -216,6 +220,8 @@ def _run(args) -> dict:
         # op 0 barrier, one allreduce per step; the weighted phase adds a barrier and a broadcast
         op = 1 + k + (2 if k >= args.steps else 0)
         victim_env = {"RESILIENT_FAILPOINTS": f"{action}@op={op},phase=rs,frac=0.5"}
+        if action == "stop":
+            victim_env["HETERO_OWN_LEASE"] = "1"
     env_for = (lambda mid: victim_env if victim_env and mid == args.victim else {})
     with BenchCluster(os.path.abspath(__file__), args.world, job="bench-hetero", ttl=args.ttl,
                       worker_args=["--slow", args.slow, "--slowdown", str(args.slowdown), "--steps", str(args.steps),

@@ -46,7 +46,9 @@ def test_sigkill_in_a_weighted_step_keeps_every_step_exact():
 
 @pytest.mark.timeout(300)
 def test_sigstop_past_the_lease_removes_the_member_and_the_rest_stay_exact():
-    out = run_bench("--victim", "m2", "--stop-step", str(STEPS + 1), "--ttl", "2")
+    out = run_bench("--victim", "m2", "--stop-step", str(STEPS + 1))
     check_exact(out)
-    assert out["steps_without"] == {str(STEPS + 1): ["m2"]}, out
+    # one step (in the weighted phase, where it was stopped) completed without it
+    (step, missing), = out["steps_without"].items()
+    assert missing == ["m2"] and STEPS <= int(step) < 2 * STEPS, out
     assert out["removed"] == ["m2"], out
