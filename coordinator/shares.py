@@ -185,19 +185,22 @@ class SharePublisher:
         from resilient.coordinator.epoch import read_epoch_lenient
 
         try:
+            rates = read_rates(self.store, self.job)
+            if not rates:   # nobody measures: nothing to do (one range read per pass)
+                return False
             epoch, _, _ = read_epoch_lenient(self.store, self.job)
-            return epoch is not None and self.publish(epoch.members)
+            return epoch is not None and self.publish(epoch.members, rates)
         except Exception as exc:  # noqa: BLE001 - shares are advisory; the pass itself succeeded
             log.warning("shares not published this pass, retrying next pass: %s: %s", type(exc).__name__, exc)
             return False
 
-    def publish(self, members: Iterable[str]) -> bool:
-        """Publish shares for ``members`` (the current epoch's) if they changed enough.
-        Returns whether a record was written. Nothing is written while no member has a
+    def publish(self, members: Iterable[str], rates: Mapping[str, float] | None = None) -> bool:
+        """Publish shares for ``members`` (the current epoch's) if they changed enough
+        (``rates``: already read, else read here). Returns whether a record was written. Nothing is written while no member has a
         rate (uniform batches stay the default). Store errors propagate."""
         if not self._loaded:
             self._last, self._loaded = read_shares(self.store, self.job), True
-        rates = read_rates(self.store, self.job)
+        rates = read_rates(self.store, self.job) if rates is None else rates
         members = list(members)
         if not any(m in rates for m in members):
             return False
