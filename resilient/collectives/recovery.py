@@ -234,9 +234,20 @@ def plan_recovery(
     load = _Load()
     open_starts: list[tuple[int, list[str]]] = []  # reduction pieces with a choice of start
 
+    cache: dict[tuple, tuple[list[Transfer], list[LocalStep], set[str]]] = {}
+
     def option(p: int, start: str | None) -> tuple[list[Transfer], list[LocalStep], set[str]]:
         """Piece ``p``'s hops, local steps and final holders when its chain starts at
-        ``start`` (``None``: it is final somewhere already, forward only)."""
+        ``start`` (``None``: it is final somewhere already, forward only). Pieces in the
+        same state (the slices of one chunk, mostly) share one computed template; its
+        ``piece`` fields are those of the first such piece (see :func:`_as_piece`)."""
+        key = (tuple(held[m][p] for m in ring), need[p], wants[p], start)
+        tpl = cache.get(key)
+        if tpl is None:
+            tpl = cache[key] = _option(p, start)
+        return tpl
+
+    def _option(p: int, start: str | None) -> tuple[list[Transfer], list[LocalStep], set[str]]:
         t, hops, prep = need[p], [], []
         finals = [m for m in ring if held[m][p] == t]
         if start is not None:
@@ -247,7 +258,7 @@ def plan_recovery(
         return hops, prep, have
 
     def commit(p: int, opt: tuple[list[Transfer], list[LocalStep], set[str]]) -> None:
-        hops, prep, have = opt
+        hops, prep, have = _as_piece(p, opt)
         hops_by_piece[p] = hops
         plan.prepare.extend(prep)
         plan.final_holders[p] = frozenset(have)
@@ -297,6 +308,16 @@ def plan_recovery(
     return plan
 
 
+def _as_piece(p: int, opt: tuple[list[Transfer], list[LocalStep], set[str]]
+              ) -> tuple[list[Transfer], list[LocalStep], set[str]]:
+    """A cached option template for piece ``p`` (its transfers and steps renumbered)."""
+    hops, prep, have = opt
+    if any(h.piece != p for h in hops) or any(s.piece != p for s in prep):
+        hops = [Transfer(h.round, p, h.src, h.dst, h.sent, h.add_acc, h.add_input) for h in hops]
+        prep = [LocalStep(p, s.member, s.use_acc) for s in prep]
+    return hops, prep, have
+
+
 def _start_mask(p: int, t: int, m: str, index: Mapping[str, int], held: Mapping[str, Sequence[int]],
                 inputs: Mapping[str, bool]) -> int:
     """What ``m`` can start piece ``p``'s reduction to ``t`` with: its accumulator if it
@@ -340,27 +361,31 @@ class _Load:
     balances."""
 
     def __init__(self) -> None:
-        self.counts: dict[tuple, int] = {}
-
-    @staticmethod
-    def _keys(h: Transfer) -> tuple[tuple, tuple, tuple, tuple]:
-        return ("l", h.src, h.dst), ("m", h.src), ("m", h.dst), ("r", h.round, h.src, h.dst)
+        self.link: dict[tuple[str, str], int] = {}
+        self.member: dict[str, int] = {}
+        self.rlink: dict[tuple[int, str, str], int] = {}
 
     def add(self, hops: Sequence[Transfer]) -> None:
         for h in hops:
-            for key in self._keys(h):
-                self.counts[key] = self.counts.get(key, 0) + 1
+            self.link[h.src, h.dst] = self.link.get((h.src, h.dst), 0) + 1
+            self.member[h.src] = self.member.get(h.src, 0) + 1
+            self.member[h.dst] = self.member.get(h.dst, 0) + 1
+            self.rlink[h.round, h.src, h.dst] = self.rlink.get((h.round, h.src, h.dst), 0) + 1
 
     def cost(self, hops: Sequence[Transfer]) -> tuple[int, int, int]:
         """(busiest link, busiest link in one round, busiest member) if ``hops`` were added."""
-        after: dict[tuple, int] = {}
+        link: dict[tuple[str, str], int] = {}
+        member: dict[str, int] = {}
+        rlink: dict[tuple[int, str, str], int] = {}
         for h in hops:
-            for key in self._keys(h):
-                after[key] = after.get(key, self.counts.get(key, 0)) + 1
-        best = {"l": 0, "m": 0, "r": 0}
-        for key, v in after.items():
-            best[key[0]] = max(best[key[0]], v)
-        return best["l"], best["r"], best["m"]
+            k = (h.src, h.dst)
+            link[k] = link.get(k, self.link.get(k, 0)) + 1
+            member[h.src] = member.get(h.src, self.member.get(h.src, 0)) + 1
+            member[h.dst] = member.get(h.dst, self.member.get(h.dst, 0)) + 1
+            r = (h.round, h.src, h.dst)
+            rlink[r] = rlink.get(r, self.rlink.get(r, 0)) + 1
+        return (max(link.values(), default=0), max(rlink.values(), default=0),
+                max(member.values(), default=0))
 
 
 def _chain(p: int, t: int, start: str, ring: Sequence[str], pos: Mapping[str, int], index: Mapping[str, int],
