@@ -27,8 +27,11 @@ Each piece has a *need*: the mask a final copy must have.
   survivor holds raises :class:`~resilient.errors.DataLost` naming the owner.
 
 For a reduction piece the planner picks the held accumulator with the largest mask inside
-``T`` (ties rotate with the piece index, so restarted pieces start at different members
-and spread the load), then *chains* it along the new ring: each next member adds the
+``T``; when several survivors tie (a *restarted* piece: the dead member's chunk, or one
+whose partial sums all contain it) the piece is placed after all the others, at the
+start whose hops load the busiest link least (balanced recovery: the restarted chunk is
+split across the survivors so no link carries more than its share; ties of load rotate
+with the piece index). It then *chains* it along the new ring: each next member adds the
 largest disjoint part it can (its own accumulator if disjoint and inside ``T``, plus its
 input if not yet counted); members with nothing to add are skipped. When the mask equals
 ``T`` the piece is final and is forwarded along the new ring to every survivor that needs
@@ -272,7 +275,7 @@ def plan_recovery(
 
     # 2. pieces with one way to finish first (already final somewhere, or a unique best
     # accumulator), then the pieces whose chain may start at several survivors (restarted
-    # pieces): each at the start that loads the busiest member and link least, so a
+    # pieces): each at the start that loads the busiest link (then round-link, member) least, so a
     # restarted chunk is split across the survivors instead of piling on one link
     for p in range(n_pieces):
         start = None
@@ -294,7 +297,12 @@ def plan_recovery(
                 raise
             raise aborted(p) from None
     for p, starts in open_starts:
-        opts = [option(p, s) for s in _spread(starts, p)]
+        try:
+            opts = [option(p, s) for s in _spread(starts, p)]
+        except AssertionError:
+            if decided is None:
+                raise
+            raise aborted(p) from None
         best = min(range(len(opts)), key=lambda i: (load.cost(opts[i][0]), i))
         commit(p, opts[best])
 
