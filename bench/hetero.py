@@ -219,7 +219,7 @@ def _run(args) -> dict:
         action = "kill" if args.kill_step is not None else "stop"
         # op 0 barrier, one allreduce per step; the weighted phase adds a barrier and a broadcast
         op = 1 + k + (2 if k >= args.steps else 0)
-        victim_env = {"RESILIENT_FAILPOINTS": f"{action}@op={op},phase=rs,frac=0.5"}
+        victim_env = {"RESILIENT_FAILPOINTS": f"{action}@op={op},phase={args.fail_phase},frac=0.5"}
         if action == "stop":
             victim_env["HETERO_OWN_LEASE"] = "1"
     env_for = (lambda mid: victim_env if victim_env and mid == args.victim else {})
@@ -357,6 +357,8 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=1200,
                     help="model outputs: (8+1)*width float64 gradients, > 64 KiB so the ring (not recursive doubling) runs")
     ap.add_argument("--out-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--fail-phase", default="rs",
+                    help="failpoint phase of --kill-step/--stop-step (rd with a --width below ~900: recursive doubling)")
     ap.add_argument("--victim", default="m1")
     ap.add_argument("--kill-step", type=int, default=None)
     ap.add_argument("--stop-step", type=int, default=None)
