@@ -33,6 +33,7 @@ def check_exact(out: dict) -> None:
     assert out["sizes"]["uniform"] == [14, 14, 14, 14]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigkill_in_a_weighted_step_keeps_every_step_exact():
     kill = STEPS + 1  # the second step of the weighted phase
@@ -44,6 +45,7 @@ def test_sigkill_in_a_weighted_step_keeps_every_step_exact():
     assert sorted(shares) == ["m0", "m2", "m3"] and shares["m3"] < 0.8 * min(shares["m0"], shares["m2"]), shares
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigstop_past_the_lease_removes_the_member_and_the_rest_stay_exact():
     out = run_bench("--victim", "m2", "--stop-step", str(STEPS + 1))
