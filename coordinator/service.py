@@ -50,6 +50,7 @@ from resilient.coordinator.health import (
 from resilient.coordinator.membership import KEEPALIVE_FRACTION, MemberInfo, read_members
 from resilient.coordinator.metrics import CoordinatorMetrics
 from resilient.coordinator.planner import plan
+from resilient.coordinator.shares import SharePublisher
 from resilient.coordinator.store import Compare, Delete, Put, Store, WatchEvent
 from resilient.errors import ConfigError, RecordError, StoreError, StoreUnavailable
 
@@ -120,6 +121,8 @@ class Coordinator:
         self._epoch_problem: str | None = None
         #: the last reconcile failure that was not etcd being unreachable
         self._last_error: str | None = None
+        #: speed-weighted batch shares, published after each pass (coordinator/shares.py)
+        self.shares = SharePublisher(store, self.job)
 
     # -- public ---------------------------------------------------------------------------
 
@@ -230,6 +233,7 @@ class Coordinator:
                     self._last_ok = time.monotonic()
                     self._last_error = None
                     self.reconciles += 1
+                    self.shares.after_pass()
                 except Exception as exc:   # never die on one pass: etcd down, or a record we did not foresee
                     if isinstance(exc, StoreUnavailable):
                         self._last_error = None

@@ -40,6 +40,11 @@ module-wide :data:`tracker` unless one is passed as ``state``);
 bucket of the step — what :meth:`ElasticSampler.record_step` needs — and
 ``tracker.reset()`` starts the next step.
 
+**Uneven members** (speed-weighted batch shares, ``resilient.coordinator.shares``):
+:func:`weighted_ddp_comm_hook` with a :class:`SampleCount` state (:func:`make_weighted`)
+divides ``sum n_i*g_i`` by ``sum n_i`` over the contributors, so the gradient stays the
+exact mean per sample when members process different numbers of samples.
+
 Failure behaviour: a member dying mid-bucket is absorbed by the collective (the bucket's
 mean is exact over its contributors; different buckets of one step may then have
 different sets, each exact). An op that cannot deliver its contract fails the bucket's
@@ -262,6 +267,82 @@ def compression_hook(state: ErrorFeedback, bucket: dist.GradBucket) -> torch.fut
 
     work.add_done_callback(done)
     return fut
+class SampleCount:
+    """State of :func:`weighted_ddp_comm_hook`: this member's number of samples in the
+    current step (set it before ``backward()``, e.g. ``len(sampler.step_indices())``), the
+    process group (``None``: default) and the :class:`ContributorTracker`.
+    ``last_total`` is the sum of the counts of the last bucket's contributors."""
+
+    def __init__(self, process_group: Any = None, tracker: ContributorTracker | None = None) -> None:
+        self.group = process_group
+        self.tracker = tracker if tracker is not None else ContributorTracker()
+        self.samples: int | None = None
+        self.last_total: float | None = None
+
+    def set(self, samples: int) -> None:
+        """This member's samples in the coming step (an integer >= 0)."""
+        from resilient.errors import ConfigError
+
+        if not isinstance(samples, int) or isinstance(samples, bool) or samples < 0:
+            raise ConfigError(f"samples per step must be an integer >= 0, got {samples!r}")
+        self.samples = samples
+
+
+def weighted_ddp_comm_hook(state: SampleCount, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Exact per-sample mean over the contributors when members process different numbers
+    of samples (speed-weighted shares): member ``i`` sends ``n_i * g_i`` (``g_i`` its
+    local mean gradient) with ``n_i`` appended as one extra element of the *same* SUM
+    allreduce, and every member divides by the summed count. The count travels in-band so
+    its contributor set is by construction the gradients' (one op, one set — a separate
+    allreduce of the counts could complete over a different set when a member dies
+    between the two, and a table of published shares could be a version behind). A member
+    with ``n_i = 0`` sends zeros (its NaN mean over no samples never enters the sum).
+
+    Failure behaviour: ``state.samples`` unset raises ConfigError (nothing is sent); a
+    count the bucket's dtype cannot hold exactly (fp16 above 2048 summed samples, bf16
+    above 256) raises ConfigError; an op failure fails the future (DDP raises it from
+    ``backward()``, as with :func:`ddp_comm_hook`). Needs the ``default`` or ``strict``
+    recovery policy (one contributor set per op)."""
+    from resilient.errors import ConfigError
+
+    n = state.samples
+    if n is None:
+        raise ConfigError("weighted_ddp_comm_hook: call state.set(samples) before backward()")
+    pg = state.group if state.group is not None else dist.distributed_c10d._get_default_group()  # noqa: SLF001
+    buf = bucket.buffer()
+    exact_up_to = int(2 / torch.finfo(buf.dtype).eps) if buf.dtype.is_floating_point else 0
+    if n * pg.size() > exact_up_to:
+        raise ConfigError(f"weighted_ddp_comm_hook: {n} samples x {pg.size()} members is not exact in {buf.dtype}; "
+                          "use float32 gradient buckets")
+    flat = torch.empty(buf.numel() + 1, dtype=buf.dtype, device=buf.device)
+    if n:
+        torch.mul(buf, n, out=flat[:-1])
+    else:
+        flat[:-1].zero_()
+    flat[-1] = n
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    work = pg.allreduce([flat], opts)
+
+    def divide(fut: torch.futures.Future) -> torch.Tensor:
+        out = fut.value()[0]
+        members = tuple(work.contributors) if hasattr(work, "contributors") else ()
+        state.tracker.add(members)
+        total = float(out[-1].item())
+        state.last_total = total
+        if total <= 0:
+            return buf.zero_()
+        return torch.div(out[:-1], total, out=buf)
+
+    return work.get_future().then(divide)
+
+
+def make_weighted(ddp: torch.nn.parallel.DistributedDataParallel, state: SampleCount) -> torch.nn.parallel.DistributedDataParallel:
+    """:func:`make_elastic` with :func:`weighted_ddp_comm_hook` (register before the
+    first forward, so the automatic hook stays out). Returns ``ddp``."""
+    ddp.register_comm_hook(state, weighted_ddp_comm_hook)
+    ddp.reducer = _NoRebuildReducer(ddp.reducer)
+    return ddp
 
 
 class _NoRebuildReducer:

@@ -212,3 +212,41 @@ def test_plans_are_deterministic_and_reject_bad_input():
         rc.plan_recovery(members, ring + ["x"], {**by, "x": by["m0"]})
     with pytest.raises(Exception, match="policy"):
         rc.plan_recovery(members, ring, by, policy="nope")
+
+
+def _link_loads(plan) -> dict[tuple[str, str], int]:
+    out: dict[tuple[str, str], int] = {}
+    for t in plan.transfers():
+        out[(t.src, t.dst)] = out.get((t.src, t.dst), 0) + 1
+    return out
+
+
+def test_restarted_pieces_are_split_so_no_link_carries_more_than_its_share_n4():
+    """At n = 4, one death halfway through reduce-scatter: the pieces whose chain can start
+    at any survivor (the dead member's chunk, and chunks whose partial sums contain it)
+    are placed so every ring link carries exactly its share of the plan's transfers
+    (the ring-order rotation alone left one link with 75 of 216, the share being 72)."""
+    n, slices = 4, 16
+    members = [f"m{i}" for i in range(n)]
+    for d in range(n):
+        held = ring_state(n, slices, "rs", 1, slices // 2)
+        ring = [m for i, m in enumerate(members) if i != d]
+        held_by = {members[i]: held[i] for i in range(n) if i != d}
+        plan, out = run_plan(members, ring, held_by)
+        loads = _link_loads(plan)
+        total = len(plan.transfers())
+        assert max(loads.values()) == -(-total // len(ring)), (d, loads)
+        assert all(out[m] == [plan.need[0]] * (n * slices) for m in ring)
+
+
+@pytest.mark.parametrize("n", [4, 5, 6])
+def test_recovery_load_stays_within_a_few_percent_of_even(n):
+    slices = 8
+    members = [f"m{i}" for i in range(n)]
+    for d, step in itertools.product(range(n), range(n - 1)):
+        held = ring_state(n, slices, "rs", step, slices // 2)
+        ring = [m for i, m in enumerate(members) if i != d]
+        plan, _ = run_plan(members, ring, {members[i]: held[i] for i in range(n) if i != d})
+        loads = _link_loads(plan)
+        share = len(plan.transfers()) / len(ring)
+        assert max(loads.values()) <= 1.07 * share + 1, (d, step, loads)

@@ -27,8 +27,11 @@ Each piece has a *need*: the mask a final copy must have.
   survivor holds raises :class:`~resilient.errors.DataLost` naming the owner.
 
 For a reduction piece the planner picks the held accumulator with the largest mask inside
-``T`` (ties rotate with the piece index, so restarted pieces start at different members
-and spread the load), then *chains* it along the new ring: each next member adds the
+``T``; when several survivors tie (a *restarted* piece: the dead member's chunk, or one
+whose partial sums all contain it) the piece is placed after all the others, at the
+start whose hops load the busiest link least (balanced recovery: the restarted chunk is
+split across the survivors so no link carries more than its share; ties of load rotate
+with the piece index). It then *chains* it along the new ring: each next member adds the
 largest disjoint part it can (its own accumulator if disjoint and inside ``T``, plus its
 input if not yet counted); members with nothing to add are skipped. When the mask equals
 ``T`` the piece is final and is forwarded along the new ring to every survivor that needs
@@ -230,27 +233,78 @@ def plan_recovery(
 
     plan = RecoveryPlan(need=need, final_holders=[frozenset()] * n_pieces)
     pos = {m: i for i, m in enumerate(ring)}
-    n = len(ring)
-    hops_by_piece: list[list[Transfer]] = []
-    for p in range(n_pieces):
-        t = need[p]
-        hops: list[Transfer] = []
+    hops_by_piece: list[list[Transfer]] = [[] for _ in range(n_pieces)]
+    load = _Load()
+    open_starts: list[tuple[int, list[str]]] = []  # reduction pieces with a choice of start
+
+    cache: dict[tuple, tuple[list[Transfer], list[LocalStep], set[str]]] = {}
+
+    def option(p: int, start: str | None) -> tuple[list[Transfer], list[LocalStep], set[str]]:
+        """Piece ``p``'s hops, local steps and final holders when its chain starts at
+        ``start`` (``None``: it is final somewhere already, forward only). Pieces in the
+        same state (the slices of one chunk, mostly) share one computed template; its
+        ``piece`` fields are those of the first such piece (see :func:`_as_piece`)."""
+        key = (tuple(held[m][p] for m in ring), need[p], wants[p], start)
+        tpl = cache.get(key)
+        if tpl is None:
+            tpl = cache[key] = _option(p, start)
+        return tpl
+
+    def _option(p: int, start: str | None) -> tuple[list[Transfer], list[LocalStep], set[str]]:
+        t, hops, prep = need[p], [], []
         finals = [m for m in ring if held[m][p] == t]
-        if not finals and kind is PieceKind.REDUCE:
-            try:
-                finals = [_chain(p, t, ring, pos, index, held, inputs, plan, hops)]
-            except AssertionError:
-                if decided is None:
-                    raise
-                raise CollectiveAborted(
-                    f"piece {p}: other members already finished this op over {members_of(t, members)}, but no "
-                    "survivor holds that result or the contributions to rebuild it; the op cannot be completed "
-                    "consistently") from None
+        if start is not None:
+            finals = [_chain(p, t, start, ring, pos, index, held, inputs, prep, hops)]
         elif not finals:  # copy piece: any holder of the owner's data
             finals = [m for m in ring if held[m][p] & t]
         have = _forward(p, t, ring, pos, set(finals), wants[p], base=len(hops), hops=hops)
+        return hops, prep, have
+
+    def commit(p: int, opt: tuple[list[Transfer], list[LocalStep], set[str]]) -> None:
+        hops, prep, have = _as_piece(p, opt)
+        hops_by_piece[p] = hops
+        plan.prepare.extend(prep)
         plan.final_holders[p] = frozenset(have)
-        hops_by_piece.append(hops)
+        load.add(hops)
+
+    def aborted(p: int) -> CollectiveAborted:
+        return CollectiveAborted(
+            f"piece {p}: other members already finished this op over {members_of(need[p], members)}, but no "
+            "survivor holds that result or the contributions to rebuild it; the op cannot be completed "
+            "consistently")
+
+    # 2. pieces with one way to finish first (already final somewhere, or a unique best
+    # accumulator), then the pieces whose chain may start at several survivors (restarted
+    # pieces): each at the start that loads the busiest link (then round-link, member) least, so a
+    # restarted chunk is split across the survivors instead of piling on one link
+    for p in range(n_pieces):
+        start = None
+        if kind is PieceKind.REDUCE and not any(held[m][p] == need[p] for m in ring):
+            try:
+                starts = _chain_starts(p, need[p], ring, pos, index, held, inputs)
+            except AssertionError:
+                if decided is None:
+                    raise
+                raise aborted(p) from None
+            if len(starts) > 1:
+                open_starts.append((p, starts))
+                continue
+            start = starts[0]
+        try:
+            commit(p, option(p, start))
+        except AssertionError:
+            if decided is None:
+                raise
+            raise aborted(p) from None
+    for p, starts in open_starts:
+        try:
+            opts = [option(p, s) for s in _spread(starts, p)]
+        except AssertionError:
+            if decided is None:
+                raise
+            raise aborted(p) from None
+        best = min(range(len(opts)), key=lambda i: (load.cost(opts[i][0]), i))
+        commit(p, opts[best])
 
     n_rounds = max((h.round + 1 for hops in hops_by_piece for h in hops), default=0)
     plan.rounds = [[] for _ in range(n_rounds)]
@@ -262,30 +316,95 @@ def plan_recovery(
     return plan
 
 
-def _chain(p: int, t: int, ring: Sequence[str], pos: Mapping[str, int], index: Mapping[str, int],
-           held: Mapping[str, Sequence[int]], inputs: Mapping[str, bool], plan: RecoveryPlan,
-           hops: list[Transfer]) -> str:
-    """Reduce piece ``p`` up to mask ``t`` along the ring; returns the final holder."""
-    def start_mask(m: str) -> int:
-        acc = held[m][p]
-        usable = acc if acc and acc & ~t == 0 else 0
-        if inputs[m] and t >> index[m] & 1 and not usable >> index[m] & 1:
-            # an accumulator that lacks its holder's own input gets it added locally;
-            # an unusable one (it contains a lost member) is replaced by the input
-            usable |= bit(index[m])
-        return usable
+def _as_piece(p: int, opt: tuple[list[Transfer], list[LocalStep], set[str]]
+              ) -> tuple[list[Transfer], list[LocalStep], set[str]]:
+    """A cached option template for piece ``p`` (its transfers and steps renumbered)."""
+    hops, prep, have = opt
+    if any(h.piece != p for h in hops) or any(s.piece != p for s in prep):
+        hops = [Transfer(h.round, p, h.src, h.dst, h.sent, h.add_acc, h.add_input) for h in hops]
+        prep = [LocalStep(p, s.member, s.use_acc) for s in prep]
+    return hops, prep, have
 
-    scored = [(start_mask(m).bit_count(), m) for m in ring]
+
+def _start_mask(p: int, t: int, m: str, index: Mapping[str, int], held: Mapping[str, Sequence[int]],
+                inputs: Mapping[str, bool]) -> int:
+    """What ``m`` can start piece ``p``'s reduction to ``t`` with: its accumulator if it
+    lies inside ``t``, plus its own input if that is in ``t`` and not counted yet (an
+    unusable accumulator, one that contains a lost member, is replaced by the input)."""
+    acc = held[m][p]
+    usable = acc if acc and acc & ~t == 0 else 0
+    if inputs[m] and t >> index[m] & 1 and not usable >> index[m] & 1:
+        usable |= bit(index[m])
+    return usable
+
+
+def _chain_starts(p: int, t: int, ring: Sequence[str], pos: Mapping[str, int], index: Mapping[str, int],
+                  held: Mapping[str, Sequence[int]], inputs: Mapping[str, bool]) -> list[str]:
+    """The survivors that can start piece ``p``'s chain with the largest mask, in ring
+    order rotated by the piece index (the first is the default start)."""
+    scored = [(_start_mask(p, t, m, index, held, inputs).bit_count(), m) for m in ring]
     best = max(c for c, _ in scored)
     if best == 0:  # cannot happen: t contains at least one survivor with its input
         raise AssertionError(f"piece {p}: no survivor can start the reduction of {t:#x}")
     ties = sorted((m for c, m in scored if c == best), key=pos.__getitem__)
-    start = ties[p % len(ties)]
-    cur = start_mask(start)
+    k = p % len(ties)
+    return ties[k:] + ties[:k]
+
+
+#: at most this many starts are costed per restarted piece (spread over the ring), so
+#: planning stays linear in the number of pieces at large worlds
+MAX_STARTS = 8
+
+
+def _spread(starts: list[str], p: int) -> list[str]:
+    """Up to :data:`MAX_STARTS` of ``starts``, evenly spaced, the default start first."""
+    if len(starts) <= MAX_STARTS:
+        return starts
+    return [starts[j * len(starts) // MAX_STARTS] for j in range(MAX_STARTS)]
+
+
+class _Load:
+    """Transfers planned so far, per link (a directed member pair: its bandwidth), per
+    member (sends + receives: its CPU work) and per (round, link): what :meth:`cost`
+    balances."""
+
+    def __init__(self) -> None:
+        self.link: dict[tuple[str, str], int] = {}
+        self.member: dict[str, int] = {}
+        self.rlink: dict[tuple[int, str, str], int] = {}
+
+    def add(self, hops: Sequence[Transfer]) -> None:
+        for h in hops:
+            self.link[h.src, h.dst] = self.link.get((h.src, h.dst), 0) + 1
+            self.member[h.src] = self.member.get(h.src, 0) + 1
+            self.member[h.dst] = self.member.get(h.dst, 0) + 1
+            self.rlink[h.round, h.src, h.dst] = self.rlink.get((h.round, h.src, h.dst), 0) + 1
+
+    def cost(self, hops: Sequence[Transfer]) -> tuple[int, int, int]:
+        """(busiest link, busiest link in one round, busiest member) if ``hops`` were added."""
+        link: dict[tuple[str, str], int] = {}
+        member: dict[str, int] = {}
+        rlink: dict[tuple[int, str, str], int] = {}
+        for h in hops:
+            k = (h.src, h.dst)
+            link[k] = link.get(k, self.link.get(k, 0)) + 1
+            member[h.src] = member.get(h.src, self.member.get(h.src, 0)) + 1
+            member[h.dst] = member.get(h.dst, self.member.get(h.dst, 0)) + 1
+            r = (h.round, h.src, h.dst)
+            rlink[r] = rlink.get(r, self.rlink.get(r, 0)) + 1
+        return (max(link.values(), default=0), max(rlink.values(), default=0),
+                max(member.values(), default=0))
+
+
+def _chain(p: int, t: int, start: str, ring: Sequence[str], pos: Mapping[str, int], index: Mapping[str, int],
+           held: Mapping[str, Sequence[int]], inputs: Mapping[str, bool], prepare: list[LocalStep],
+           hops: list[Transfer]) -> str:
+    """Reduce piece ``p`` up to mask ``t`` along the ring from ``start``; returns the final holder."""
+    cur = _start_mask(p, t, start, index, held, inputs)
     acc = held[start][p]
     if cur != acc:
         usable = bool(acc) and acc & ~t == 0
-        plan.prepare.append(LocalStep(piece=p, member=start, use_acc=usable))
+        prepare.append(LocalStep(piece=p, member=start, use_acc=usable))
     holder, k = start, pos[start]
     for step in range(1, len(ring)):
         if cur == t:

@@ -17,6 +17,14 @@ ranks contributed to each committed step):
 * :meth:`ElasticSampler.set_world` (on a membership change, at a step boundary) rebuilds the
   plan from the remaining samples for the new rank / world size.
 
+*speed-weighted shares* (uneven members): :meth:`ElasticSampler.set_batch_sizes` gives
+  each rank its own number of samples per global step (the coordinator publishes shares
+  from measured samples/s, ``resilient.coordinator.shares``; :meth:`follow_shares` turns
+  the record into sizes). A step then takes ``sum(sizes)`` samples and rank ``r`` gets
+  the ``r``-th slice of ``sizes[r]``; the last, shorter block is split in proportion to
+  the sizes (largest remainder). Weight the gradient by each rank's count
+  (``resilient.ddp.weighted_ddp_comm_hook``) so it stays the mean per sample.
+
 So, across any sequence of world changes within an epoch, each sample is processed exactly
 once (and with ``drop_last``, at most once, only the final partial block is dropped).
 :meth:`state_dict` / :meth:`load_state_dict` carry the progress (JSON-able) so a joiner
@@ -31,7 +39,7 @@ argument raises :class:`~resilient.errors.ConfigError` naming it.
 from __future__ import annotations
 
 import random
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Mapping, Sequence
 
 from resilient.errors import ConfigError
 
@@ -56,6 +64,7 @@ class ElasticSampler:
         self.drop_last = drop_last
         self.epoch = 0
         self._processed: set[int] = set()
+        self._sizes: list[int] | None = None  # per-rank samples per step (None: batch_size each)
         self.rank, self.world_size = 0, 1
         self.set_world(rank, world_size)
 
@@ -71,28 +80,27 @@ class ElasticSampler:
         self._remaining = [i for i in self._order() if i not in self._processed]
         self.step = 0  # steps of the current plan already recorded
 
+    def sizes(self) -> list[int]:
+        """Samples per global step of each rank (``batch_size`` each unless set)."""
+        return list(self._sizes) if self._sizes is not None else [self.batch_size] * self.world_size
+
     def _block(self, step: int) -> list[list[int]]:
         """Slices of global step ``step`` of the current plan, one per rank."""
-        w, bs = self.world_size, self.batch_size
-        block = self._remaining[step * w * bs:(step + 1) * w * bs]
-        if len(block) == w * bs:
-            return [block[r * bs:(r + 1) * bs] for r in range(w)]
+        sizes = self.sizes()
+        g = sum(sizes)
+        block = self._remaining[step * g:(step + 1) * g]
+        if len(block) == g:
+            return _cut(block, sizes)
         if self.drop_last or not block:
-            return [[] for _ in range(w)]
-        q, extra = divmod(len(block), w)
-        out, start = [], 0
-        for r in range(w):
-            n = q + (1 if r < extra else 0)
-            out.append(block[start:start + n])
-            start += n
-        return out
+            return [[] for _ in sizes]
+        return _cut(block, _proportional(len(block), sizes))
 
     @property
     def steps_left(self) -> int:
         """Global steps left in the current plan."""
-        w, bs = self.world_size, self.batch_size
-        left = max(0, len(self._remaining) - self.step * w * bs)
-        return left // (w * bs) if self.drop_last else -(-left // (w * bs))
+        g = sum(self.sizes())
+        left = max(0, len(self._remaining) - self.step * g)
+        return left // g if self.drop_last else -(-left // g)
 
     # -- API ------------------------------------------------------------------------------
 
@@ -108,7 +116,39 @@ class ElasticSampler:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"need 0 <= rank < world_size, got rank {rank}, world_size {world_size}")
         self.rank, self.world_size = int(rank), int(world_size)
+        self._sizes = None
         self._replan()
+
+    def set_batch_sizes(self, sizes: Sequence[int] | None) -> None:
+        """Per-rank samples per global step for the current world (``None``: ``batch_size``
+        each). Call at a step boundary on every member with the same list (what
+        :meth:`follow_shares` computes); :meth:`set_world` resets it. Raises ConfigError
+        unless ``sizes`` has one integer >= 0 per rank and a positive sum."""
+        if sizes is not None:
+            sizes = list(sizes)
+            if (len(sizes) != self.world_size or any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in sizes)
+                    or sum(sizes) < 1):
+                raise ConfigError(f"batch sizes must be {self.world_size} integers >= 0 with a positive sum, got {sizes!r}")
+        if sizes != self._sizes:
+            self._sizes = sizes
+            self._replan()
+
+    def follow_shares(self, shares: Mapping[str, float] | None, members: Sequence[str], global_batch: int) -> list[int]:
+        """Adopt the coordinator's speed-weighted ``shares`` (the ``members`` map of the
+        ``shares`` record, or ``None``: uniform) for ``members`` in rank order, as integer
+        sizes summing to ``global_batch`` (:func:`resilient.coordinator.shares.batch_sizes`,
+        deterministic, so every member gets the same plan). Returns the sizes. Raises
+        ConfigError if ``members`` is not the current world or the batch is too small."""
+        if len(members) != self.world_size:
+            raise ConfigError(f"follow_shares got {len(members)} members for a world of {self.world_size}")
+        if shares is None:
+            self.set_batch_sizes(None)
+            return self.sizes()
+        from resilient.coordinator.shares import batch_sizes
+
+        sizes = batch_sizes(shares, members, global_batch)
+        self.set_batch_sizes(sizes)
+        return sizes
 
     def step_indices(self, step: int | None = None, rank: int | None = None) -> list[int]:
         """Indices of ``rank`` (default: ours) in global step ``step`` (default: the next)."""
@@ -151,7 +191,7 @@ class ElasticSampler:
         """JSON-able progress: epoch, seed, settings and the processed indices."""
         return {"num_samples": self.num_samples, "batch_size": self.batch_size, "shuffle": self.shuffle,
                 "seed": self.seed, "drop_last": self.drop_last, "epoch": self.epoch,
-                "processed": sorted(self._processed)}
+                "processed": sorted(self._processed), "batch_sizes": self._sizes}
 
     def load_state_dict(self, state: dict) -> None:
         """Adopt a healthy member's progress (keeps our rank/world; call :meth:`set_world`
@@ -164,9 +204,33 @@ class ElasticSampler:
             self.drop_last = bool(state["drop_last"])
             self.epoch = int(state["epoch"])
             processed = {int(i) for i in state["processed"]}
+            sizes = state.get("batch_sizes")
+            sizes = None if sizes is None else [int(x) for x in sizes]
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"not an ElasticSampler state_dict ({exc!r}); pass what state_dict() returned") from exc
         if any(not 0 <= i < self.num_samples for i in processed):
             raise ConfigError("ElasticSampler state_dict has indices outside range(num_samples)")
         self._processed = processed
+        # per-rank sizes are kept when they fit our world (else uniform: set them again)
+        self._sizes = sizes if sizes is not None and len(sizes) == self.world_size and sum(sizes) > 0 else None
         self._replan()
+
+
+def _proportional(n: int, weights: Sequence[int]) -> list[int]:
+    """``n`` split in proportion to ``weights`` by largest remainder (ties: earlier rank);
+    equal weights give sizes differing by at most one, the extra ones to the first ranks."""
+    total = sum(weights)
+    exact = [n * w / total for w in weights]
+    out = [int(e) for e in exact]
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - out[i]), i))
+    for i in order[:n - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def _cut(block: list[int], sizes: Sequence[int]) -> list[list[int]]:
+    out, start = [], 0
+    for n in sizes:
+        out.append(block[start:start + n])
+        start += n
+    return out

@@ -1,0 +1,103 @@
+"""Speed-weighted batch shares (resilient.coordinator.shares): the pure rules, then the
+real path: members' rates in a real etcd, a real coordinator leader publishing shares."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession, Store
+from resilient.coordinator import shares as sh
+from resilient.errors import ConfigError, RecordError
+from cp_helpers import CoordinatorThread, wait_until
+
+
+def test_shares_follow_speed_and_missing_rates_get_the_mean():
+    s = sh.compute_shares({"a": 100.0, "b": 100.0, "c": 100.0, "d": 50.0}, ["a", "b", "c", "d"])
+    assert s == pytest.approx({"a": 2 / 7, "b": 2 / 7, "c": 2 / 7, "d": 1 / 7})
+    s = sh.compute_shares({"a": 30.0, "b": 10.0}, ["a", "b", "new"])
+    assert s == pytest.approx({"a": 0.5, "b": 1 / 6, "new": 1 / 3})
+
+
+def test_hysteresis_keeps_shares_until_one_moves_enough_or_the_members_change():
+    prev = sh.compute_shares({"a": 100.0, "b": 50.0}, ["a", "b"])
+    assert sh.compute_shares({"a": 104.0, "b": 48.0}, ["a", "b"], prev, hysteresis=0.1) is None
+    moved = sh.compute_shares({"a": 100.0, "b": 80.0}, ["a", "b"], prev, hysteresis=0.1)
+    assert moved is not None and moved["b"] > prev["b"] * 1.1
+    assert sh.compute_shares({"a": 100.0, "b": 50.0}, ["a", "b", "c"], prev) is not None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.01, 1000.0), min_size=1, max_size=12), st.integers(0, 500))
+def test_batch_sizes_sum_to_the_batch_give_everyone_one_and_follow_the_weights(weights, extra):
+    order = [f"m{i}" for i in range(len(weights))]
+    shares = dict(zip(order, weights))
+    batch = len(order) + extra
+    sizes = sh.batch_sizes(shares, order, batch)
+    assert sum(sizes) == batch and min(sizes) >= 1
+    total = sum(weights)
+    for n, w in zip(sizes, weights):  # largest remainder: within one of the exact split of the spare
+        assert abs((n - 1) - extra * w / total) < 1 + 1e-9
+    assert sizes == sh.batch_sizes(dict(reversed(list(shares.items()))), order, batch)  # deterministic
+
+
+def test_batch_sizes_refuse_bad_arguments():
+    with pytest.raises(ConfigError, match="no members"):
+        sh.batch_sizes({}, [], 8)
+    with pytest.raises(ConfigError, match="smaller than"):
+        sh.batch_sizes({"a": 1.0, "b": 1.0}, ["a", "b"], 1)
+    with pytest.raises(ConfigError, match="finite number > 0"):
+        sh.write_rate(None, "job", "a", float("nan"), None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("raw, cause", [
+    (b'{"version": 1, "members": {}}', "at least one"),
+    (b'{"version": 1, "members": {"a": 0.5, "b": 0.2}}', "sum to"),
+    (b'{"version": 1, "members": {"a": -1.0, "b": 2.0}}', "finite"),
+    (b'{"version": "1", "members": {"a": 1.0}}', "version"),
+    (b'{"version": 1, "members": {"../x": 1.0}}', "id"),
+    (b"\x80not json", "UTF-8"),
+])
+def test_malformed_shares_records_are_refused_with_the_cause(raw, cause):
+    with pytest.raises(RecordError, match=cause):
+        sh.parse_shares(raw, "/resilient/j/shares")
+
+
+def test_a_rate_record_must_name_its_own_key():
+    good = json.dumps({"v": 1, "member": "a", "samples_per_s": 5.0, "at": 1.0}).encode()
+    assert sh.parse_rate(good, "/resilient/j/rates/a") == ("a", 5.0)
+    with pytest.raises(RecordError, match="sits under"):
+        sh.parse_rate(good, "/resilient/j/rates/b")
+    with pytest.raises(RecordError, match="> 0"):
+        sh.parse_rate(json.dumps({"member": "a", "samples_per_s": 0.0}).encode(), "/resilient/j/rates/a")
+
+
+def test_the_leader_publishes_shares_from_real_rates(etcd_session, job_name):
+    """Real etcd, an in-process coordinator leader, two registered members: no record until
+    a rate exists; shares after the rates; hysteresis keeps the version; a bad rate record is
+    skipped; when a member leaves, shares for the rest."""
+    store = Store(etcd_session.endpoints)
+    coord = CoordinatorThread(etcd_session.endpoints, job_name, join_debounce=0.05, resync_interval=0.2)
+    try:
+        a, b = (MemberSession.register(store, job_name, MemberInfo(member_id=m), ttl=5) for m in ("a", "b"))
+        EpochWatcher(store, job_name).wait_for(lambda e: set(e.members) == {"a", "b"}, 20)
+        coord.wait_reconciles(2)
+        assert sh.read_shares(store, job_name) is None  # no rates: uniform batches, nothing written
+        sh.write_rate(store, job_name, "a", 200.0, a.lease_id)
+        sh.write_rate(store, job_name, "b", 100.0, b.lease_id)
+        rec = wait_until(lambda: (r := sh.read_shares(store, job_name)) and r["members"].get("b", 0) < 0.4 and r,
+                         20, "shares from both rates")
+        assert rec["members"] == pytest.approx({"a": 2 / 3, "b": 1 / 3})
+        store.put(sh.rate_key(job_name, "zz"), b'{"member": "other", "samples_per_s": 1}')  # skipped
+        sh.write_rate(store, job_name, "b", 104.0, b.lease_id)  # within hysteresis
+        coord.wait_reconciles(3)
+        assert sh.read_shares(store, job_name)["version"] == rec["version"]
+        b.close(revoke=True, reason="test")
+        rec2 = wait_until(lambda: (r := sh.read_shares(store, job_name)) and list(r["members"]) == ["a"] and r,
+                          20, "shares without b")
+        assert rec2["members"] == {"a": 1.0} and rec2["version"] > rec["version"]
+        a.close(revoke=True, reason="test")
+    finally:
+        coord.close()
+        store.close()
