@@ -67,7 +67,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
+def die_with_parent() -> None:  # pragma: no cover - runs in the forked child
     """Ask Linux to SIGKILL this child when the process that started it dies, so a test
     runner killed by a timeout or a signal never leaves an etcd behind."""
     try:
@@ -251,7 +251,7 @@ class LocalEtcd:
         # from the main thread (a chaos injector thread restarting a member ends early).
         on_main = threading.current_thread() is threading.main_thread()
         m.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                  preexec_fn=_die_with_parent if on_main else None)
+                                  preexec_fn=die_with_parent if on_main else None)
         log.close()
 
     def wait_healthy(self, members: Sequence[EtcdMember], timeout: float | None = None) -> None:

@@ -64,3 +64,26 @@ def test_standalone_starts_and_cleans_up_etcd_and_coordinator(tmp_path, how):
         assert not os.path.exists(data_dir)
     finally:
         run.close()
+
+
+def test_a_sigkilled_agent_takes_its_standalone_etcd_and_coordinator_along(tmp_path):
+    """SIGKILL leaves the agent no chance to clean up: the coordinator and etcd it started
+    still end (parent-death signal), so no control plane outlives its job."""
+    stop = str(tmp_path / "stop")
+    run = Launcher(["--standalone", "--nproc-per-node", "1", WORKER], str(tmp_path / "d"), {"STOP_FILE": stop})
+    worker = None
+    try:
+        w0 = run.dump(0)
+        worker = int(w0["PID"])
+        kids = _children(run.proc.pid)
+        plane = [p for p, cmd in kids.items()
+                 if cmd.split()[0].endswith("etcd") or (" coordinator --etcd " in cmd and w0["RESILIENT_JOB"] in cmd)]
+        assert len(plane) == 2, kids
+        run.proc.send_signal(signal.SIGKILL)
+        assert run.wait() == -signal.SIGKILL
+        for pid in plane:
+            wait_for(lambda: not alive(pid), 30, f"pid {pid} of the standalone control plane to end")
+    finally:
+        if worker is not None and alive(worker):   # the worker was started by this test's agent
+            os.kill(worker, signal.SIGKILL)
+        run.close()

@@ -28,10 +28,11 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from resilient.coordinator.etcd_access import EtcdAccess
-from resilient.coordinator.local_etcd import LocalEtcd
+from resilient.coordinator.local_etcd import LocalEtcd, die_with_parent
 from resilient.errors import ResilientError
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,8 @@ class StandaloneControlPlane:
                     coordinator_command(self.etcd.endpoint_arg, self.job, self.min_members),
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     start_new_session=True, env={**os.environ, **self.access.child_env()},
+                    # the coordinator dies with the agent, even a SIGKILLed one (its etcd does too)
+                    preexec_fn=die_with_parent if threading.current_thread() is threading.main_thread() else None,
                 )
             deadline = time.monotonic() + self._startup_check_s
             while time.monotonic() < deadline:
