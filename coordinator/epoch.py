@@ -23,7 +23,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
 from resilient.coordinator import keys, records
@@ -160,7 +160,14 @@ def parse_any(store: Store, job: str, raw: bytes, key: str, have: "object | None
     if not delta.is_delta(raw):
         return Epoch.from_json(raw, key), None
     d = delta.parse_delta(raw, key)
-    state = delta.resolve(store, job, d, have if isinstance(have, delta.EpochState) else None, key)
+    have = have if isinstance(have, delta.EpochState) else None
+    state = delta.resolve(store, job, d, have, key)
+    if d.snapshot == d.number and not d.added and not d.removed and have is not None:
+        # a snapshot epoch with a large change omits the lists: diff the states
+        old, new = have.infos, state.infos
+        changed = {m for m in old.keys() & new.keys() if old[m] != new[m]}
+        d = replace(d, removed=tuple(sorted((old.keys() - new.keys()) | changed)),
+                    added=tuple(sorted((new.keys() - old.keys()) | changed)))
     return state.to_epoch(d, key), state
 
 

@@ -162,6 +162,7 @@ class Coordinator:
         self._next_reload = 0.0
         #: ops of the last publishing transaction (bench/scale.py counts writes)
         self.last_publish_ops = 0
+        self.snapshots_written = 0
 
     # -- public ---------------------------------------------------------------------------
 
@@ -475,6 +476,8 @@ class Coordinator:
                 with self._cond:
                     self._dirty -= dirty
                     self._full_pass = self._full_pass and not full
+                if pub is not None and pub.form == "delta" and pub.number - pub.snapshot >= SNAPSHOT_EVERY:
+                    self._write_snapshot(pub)
             return outcome, suspects_pending
 
         if (pub is None and len(alive) < self.config.min_members) or (
@@ -579,6 +582,20 @@ class Coordinator:
                  list(removed)[:16], list(added)[:16])
         return "published", suspects_pending
 
+    def _write_snapshot(self, pub: _Published) -> None:
+        """Snapshot the current delta epoch's state (chunk puts, then the meta) so that the
+        next delta names it; the snapshot before the previous one is deleted. Runs on an
+        idle pass: O(N), but every :data:`~.delta.SNAPSHOT_EVERY` epochs only."""
+        chunk_puts, meta = snapshot_ops(self.job, pub.state, pub.delta.plan_hash if pub.delta else "")
+        for put in chunk_puts:
+            self.store.put(put.key, put.value)
+        ops: list[Put | Delete] = [meta]
+        if pub.snapshot:
+            ops.append(Delete(keys.snapshots(self.job), range_end=keys.snapshot(self.job, pub.snapshot)))
+        if self.store.txn([self.election.leader_compare()], ops):
+            pub.snapshot = pub.number
+            self.snapshots_written += 1
+
     def _delta_epoch(self, pub: "_Published | None", corrupt: "RecordError | None",
                      alive: dict[str, tuple[MemberInfo, int]], removed: tuple[str, ...], added: tuple[str, ...],
                      demoted: set[str], extras: dict, number: int, token: str, cause: str, trigger: float,
@@ -591,8 +608,10 @@ class Coordinator:
         role_changes = {m: ("demoted" if m in new_demoted else "active")
                         for m in (new_demoted ^ old_demoted) if m in alive}
         role_changes.update({m: "demoted" for m in added if m in new_demoted})
-        snap = (pub is None or corrupt is not None or pub.form != "delta" or number - pub.snapshot >= SNAPSHOT_EVERY
-                or len(added) > CHUNK_MEMBERS)
+        # periodic snapshots are written by an idle pass (_write_snapshot), off the publish path;
+        # one is written inline only when the chain would outgrow the kept history
+        snap = (pub is None or corrupt is not None or pub.form != "delta"
+                or number - pub.snapshot >= keys.EPOCHS_KEPT - 2 or len(added) > CHUNK_MEMBERS)
         base = pub.number if pub is not None and corrupt is None else 0
         d = EpochDelta(number=number, base=base, snapshot=number if snap else pub.snapshot, removed=removed,
                        added=added, infos={m: alive[m][0] for m in added}, roles=role_changes, extras=extras,
@@ -612,6 +631,8 @@ class Coordinator:
             if pub is not None and pub.snapshot:   # keep the previous snapshot for readers mid-way
                 ops.append(Delete(keys.snapshots(self.job), range_end=keys.snapshot(self.job, pub.snapshot)))
             d = dataclasses.replace(d, infos={})
+            if len(d.added) + len(d.removed) > CHUNK_MEMBERS // 4:   # readers diff their state with the snapshot
+                d = dataclasses.replace(d, added=(), removed=())
         d = dataclasses.replace(d, plan_hash=phash)
         return _Published(number, set(state.infos) if snap or pub is None else
                           (pub.members - set(removed)) | set(added), state, "delta", d.snapshot, d.to_json(), 0,
