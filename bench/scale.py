@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.sim_store import Clock, SimStore  # noqa: E402
+from bench.sim_store import Clock, Latency, SimStore  # noqa: E402
 from resilient.coordinator import keys  # noqa: E402
 from resilient.coordinator.delta import EpochState, is_delta, parse_delta, resolve  # noqa: E402
 from resilient.coordinator.directory import NodeRecord  # noqa: E402
@@ -199,8 +199,10 @@ class Sim:
 def run_sim(args: argparse.Namespace) -> dict:
     sim = Sim(args)
     t_setup = time.monotonic()
+    lat, sim.store.lat = sim.store.lat, Latency(0, 0, 0, 0, 0, 0)   # agents register in parallel
     for a in sim.agents:
         a.register()
+    sim.store.lat = lat
     coord, _ = sim.become_leader("coord-a")
     outcome, init_cpu, init_writes = sim.reconcile()
     assert outcome == "published", outcome
