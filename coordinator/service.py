@@ -455,7 +455,9 @@ class Coordinator:
             added_set = alive.keys() - current
             check = current & alive.keys()
         else:
-            look = dirty | confirmed.keys() | evicted.keys()
+            # plus whoever the policy may have let back in (eviction ended, re-admission)
+            look = (dirty | confirmed.keys() | evicted.keys() | set(pub.state.extras.get("evicted") or {})
+                    | set(getattr(self.health_policy, "readmitted", None) or ()))
             removed_set = {m for m in look if m in current and m not in alive}
             added_set = {m for m in look if m in alive and m not in current}
             check = {m for m in look if m in current and m in alive}
@@ -563,6 +565,8 @@ class Coordinator:
         self._pub = published
         with self._cond:
             self._dirty -= dirty
+            # members held back this time (a re-admission waits for the next epoch) stay due
+            self._dirty |= {m for m in added_set | back if m not in published.members}
             if full:
                 self._full_pass = False
         self.published.append(number)
