@@ -140,7 +140,8 @@ class Sim:
         outcome, _ = self._timed(c._reconcile, lost_seen, join_seen, True)
         return outcome, self.coord_cpu - cpu0, self.store.c.key_writes - w0
 
-    def publish_after(self, t_event: float, what: str, debounce: float | None = None) -> dict:
+    def publish_after(self, t_event: float, what: str, debounce: float | None = None,
+                      late_reader: bool = False) -> dict:
         """Run the clock to the debounce, reconcile, and record the epoch (virtual ms)."""
         debounce = self.coord.config.debounce if debounce is None else debounce
         self.clock.run_until(self.clock.now + debounce)
@@ -152,13 +153,13 @@ class Sim:
         rec = {"what": what, "number": d.number, "bytes": len(raw), "cpu_ms": cpu * 1000, "writes": writes,
                "publish_ms": (t_commit - t_event) * 1000, "removed": len(d.removed), "added": len(d.added),
                "cause": d.cause, "snapshot_epoch": d.snapshot == d.number}
-        rec.update(self.deliver(raw, d, t_commit))
+        rec.update(self.deliver(raw, d, t_commit, late_reader))
         self.epochs.append(rec)
         return rec
 
     # -- agents ----------------------------------------------------------------------------
 
-    def deliver(self, raw: bytes, d, t_commit: float) -> dict:
+    def deliver(self, raw: bytes, d, t_commit: float, late_reader: bool = False) -> dict:
         """Every agent gets ``raw`` through a grpc-proxy; sample agents derive the plan
         from their own state and check the hash; one late reader resolves from scratch."""
         cpu = []
@@ -168,8 +169,9 @@ class Sim:
             got = a.state.derive_hash()
             cpu.append(time.process_time() - t0)
             assert got == d.plan_hash, f"agent {a.node} derived {got}, the epoch says {d.plan_hash}"
-        late = resolve(self.store, JOB, d, None)
-        assert late.derive_hash() == d.plan_hash, "a late reader (snapshot + history) derived another plan"
+        if late_reader:
+            late = resolve(self.store, JOB, d, None)
+            assert late.derive_hash() == d.plan_hash, "a late reader (snapshot + history) derived another plan"
         derive = statistics.median(cpu) if cpu else 0.0
         per_proxy = -(-len(self.agents) // self.args.proxies)
         times = []
@@ -180,7 +182,7 @@ class Sim:
             times.append(self.store.lat.watch + NET + (pos + 1) * PROXY_SEND + NET + derive + LOCAL_FANOUT)
         times.sort()
         return {"deliver_p99_ms": times[int(0.99 * (len(times) - 1))] * 1000, "agent_derive_ms": derive * 1000,
-                "agents_deriving": len(self.samples) + 1}
+                "agents_deriving": len(self.samples) + late_reader}
 
     def kill_node_silently(self, a: Agent) -> float:
         a.alive = False
@@ -210,8 +212,9 @@ def run_sim(args: argparse.Namespace) -> dict:
     assert is_delta(raw)
     d0 = parse_delta(raw)
     sim.samples = sim.rng.sample(sim.agents, min(args.derive_sample, len(sim.agents)))
-    for a in sim.samples:
-        a.state = resolve(sim.store, JOB, d0, None)
+    first = resolve(sim.store, JOB, d0, None)     # one snapshot read; each sample agent then holds
+    for a in sim.samples:                         # its own copy and builds its own ring
+        a.state = EpochState(first.number, first.infos, first.roles, first.extras, first.token)
         assert a.state.derive_hash() == d0.plan_hash
     out: dict = {"gpus": args.gpus, "nodes": len(sim.agents), "initial_epoch_cpu_ms": round(init_cpu * 1000, 1),
                  "initial_epoch_writes": init_writes}
@@ -273,7 +276,7 @@ def run_sim(args: argparse.Namespace) -> dict:
     t_loss = sim.kill_node_silently(b)
     t_gone = sim.wait_removed([b], args.ttl * 3)
     sim.clock.advance(sim.store.lat.watch)
-    loss = sim.publish_after(t_loss, "silent node loss")
+    loss = sim.publish_after(t_loss, "silent node loss", late_reader=True)
     assert loss["cause"] == "lease_expired" and loss["removed"] == args.gpus_per_node, loss
     out["epoch_bytes_node_loss"] = loss["bytes"]
     out["lease_expiry_to_delete_ms"] = round((t_gone - (sim.last_keepalive[b.idx] + args.ttl)) * 1000, 1)
@@ -334,7 +337,7 @@ def run_sim(args: argparse.Namespace) -> dict:
     sim.store.revoke(e.lease)
     e.alive = False
     sim.clock.advance(sim.store.lat.watch)
-    after = sim.publish_after(t_e, "node loss after failover")
+    after = sim.publish_after(t_e, "node loss after failover", late_reader=True)
     assert after["cause"] == "member_lost", after
 
     scenario = [ep for ep in sim.epochs]
@@ -349,7 +352,7 @@ def run_sim(args: argparse.Namespace) -> dict:
     hour_history = write_bytes_per_s * 3600 + 2 * (epoch_bytes + len(sim.agents) * 100)
     out["etcd_db_mb_after_hour"] = round(2 * (sim.store.live_bytes + hour_history) / 1e6, 1)
     out["plan_hash_agree"] = True
-    out["agents_deriving_per_epoch"] = len(sim.samples) + 1
+    out["agents_deriving_per_epoch"] = len(sim.samples)
     out["epochs"] = [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in ep.items()} for ep in scenario]
     out["sim_wall_s"] = round(time.monotonic() - t_setup, 1)
     out["loadavg"] = open("/proc/loadavg").read().split()[:3]
@@ -366,7 +369,7 @@ def main() -> None:
     ap.add_argument("--steady", type=float, default=60.0, help="simulated seconds of steady state")
     ap.add_argument("--summary-interval", type=float, default=15.0, help="rack health summary period, s")
     ap.add_argument("--reload-interval", type=float, default=300.0, help="coordinator's paged full re-read, s")
-    ap.add_argument("--derive-sample", type=int, default=16, help="agents that derive every plan themselves")
+    ap.add_argument("--derive-sample", type=int, default=8, help="agents that derive every plan themselves")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--real-etcd", action="store_true")
     ap.add_argument("--nodes", type=int, default=12_500)

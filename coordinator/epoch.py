@@ -7,6 +7,10 @@ record, so every member reads the same one), and why and when it was published.
 
 * :class:`EpochWatcher` — follows ``epoch`` with a reconnecting watch and delivers every
   new epoch, in number order, to subscribers.
+* Large jobs publish *delta* records (:mod:`.delta`, docs/scale.md): the watcher and
+  :func:`read_epoch` resolve them against the state they hold, or the chunked snapshot
+  plus the history, check the plan hash and hand out the same full :class:`Epoch`.
+  :meth:`Epoch.from_json` parses the full form only.
 * :class:`EpochData` — members put raw bytes under ``epochs/<n>/data/<name>/<member>``
   and wait for everyone's. Payloads are bytes (JSON, numpy buffers…), never pickle.
 
