@@ -24,7 +24,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from resilient.coordinator.store import KV, Compare, Delete, Put, WatchEvent
+from resilient.coordinator.store import KV, Compare, Delete, Put, Store, WatchEvent
 from resilient.errors import LeaseExpired, StoreError
 
 MAX_REQUEST = int(1.5 * 1024 * 1024)
@@ -286,14 +286,9 @@ class SimStore:
                 self._emit(ev)
         return ok
 
-    def cas(self, key: str, expected_mod_revision: int, value: bytes | str, lease: int | None = None,
-            extra: Iterable[Compare] = ()) -> bool:
-        first = (Compare(key, "create", "==", 0) if expected_mod_revision == 0
-                 else Compare(key, "mod", "==", expected_mod_revision))
-        return self.txn([first, *extra], [Put(key, value if isinstance(value, bytes) else value.encode(), lease)])
-
-    def create(self, key: str, value: bytes | str, lease: int | None = None) -> bool:
-        return self.cas(key, 0, value, lease)
+    # the real Store's, on this txn
+    cas = Store.cas
+    create = Store.create
 
     # -- leases --------------------------------------------------------------------------
 

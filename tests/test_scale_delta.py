@@ -17,7 +17,7 @@ from resilient.coordinator.membership import MemberInfo
 from resilient.coordinator.planner import plan
 from resilient.coordinator.ring import IncrementalRing, plan_hash
 from resilient.errors import RecordError
-from tests.cp_helpers import CoordinatorThread, wait_until
+from tests.cp_helpers import CoordinatorThread
 
 
 def _info(i: int, racks: int = 3) -> MemberInfo:
