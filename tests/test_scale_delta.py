@@ -154,3 +154,25 @@ def test_snapshot_written_every_few_epochs_and_old_ones_deleted(etcd_session, jo
     finally:
         coord.close()
         store.close()
+
+
+def test_directory_paged_load_sees_every_record_at_one_revision(etcd_session, job_name):
+    from resilient.coordinator.directory import Directory, paged_snapshot
+    from resilient.coordinator.membership import MemberSession
+
+    store = Store(etcd_session.endpoints)
+    sessions = []
+    try:
+        sessions = [MemberSession.register(store, job_name, _info(i), ttl=10) for i in range(7)]
+        _put_node(store, job_name, 1, 3)
+        store.put(keys.node(job_name, "n9"), b'{"node": "n9", "ranks": [{"member_id": "x\\n"}]}')   # malformed
+        kvs, rev = paged_snapshot(store, keys.members(job_name), page=2)
+        assert [kv.key for kv in kvs] == [keys.member(job_name, f"r{i}") for i in range(7)]
+        d = Directory(job_name)
+        changed, rev2 = d.load(store)
+        assert rev2 >= rev and set(d.members) == {f"r{i}" for i in range(7)} | {f"n1-r{r}" for r in range(3)}
+        assert changed == set(d.members) and d.node_of["n1-r2"] == "n1"
+    finally:
+        for s in sessions:
+            s.close()
+        store.close()
