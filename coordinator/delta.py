@@ -132,7 +132,8 @@ def parse_delta(raw: bytes, key: str = "") -> EpochDelta:
 class EpochState:
     """The membership state a delta applies to: infos of every member, roles that are not
     ``active``, plan extras, and the ring kept incrementally. ``apply`` returns a new state
-    (the old one is untouched) or raises :class:`RecordError`."""
+    (the old one is untouched, unless ``in_place``: then it is emptied) or raises
+    :class:`RecordError`."""
 
     def __init__(self, number: int = 0, infos: dict[str, MemberInfo] | None = None,
                  roles: dict[str, str] | None = None, extras: dict | None = None, token: str = "") -> None:
@@ -154,7 +155,7 @@ class EpochState:
             self._ring = r
         return self._ring
 
-    def apply(self, d: EpochDelta, key: str = "") -> "EpochState":
+    def apply(self, d: EpochDelta, key: str = "", in_place: bool = False) -> "EpochState":
         if d.base != self.number:
             raise RecordError(f"bad epoch record at {key}: delta {d.number} is based on epoch {d.base}, "
                               f"the reader holds {self.number}", "epoch", key)
@@ -162,7 +163,14 @@ class EpochState:
         if missing:
             raise RecordError(f"bad epoch record at {key}: removes {missing[:4]} that epoch {self.number} "
                               "does not hold", "epoch", key)
-        new = EpochState(d.number, self.infos, self.roles, d.extras, d.token)
+        if in_place:   # the caller owns this state (the coordinator): no O(N) copy
+            new = EpochState.__new__(EpochState)
+            new.number, new.infos, new.roles, new.extras, new.token = d.number, self.infos, self.roles, dict(
+                d.extras), d.token
+            new._ring = None
+            self.infos, self.roles = {}, {}
+        else:
+            new = EpochState(d.number, self.infos, self.roles, d.extras, d.token)
         for m in d.removed:
             del new.infos[m]
             new.roles.pop(m, None)
@@ -172,7 +180,8 @@ class EpochState:
                 new.roles.pop(m, None)
             else:
                 new.roles[m] = r
-        new.roles = {m: r for m, r in new.roles.items() if m in new.infos}
+        for m in [m for m in new.roles if m not in new.infos]:
+            del new.roles[m]
         if self._ring is not None:   # carry the ring over: O(change)
             ring, self._ring = self._ring, None
             changed = set(d.removed) | set(d.infos) | set(d.roles)

@@ -622,7 +622,8 @@ class Coordinator:
                        token=token, size=len(alive), cause=cause, trigger_at=trigger, published_at=time.time(),
                        leader=self.id)
         if pub is not None and corrupt is None and pub.state.number == base:
-            state = pub.state.apply(d)
+            self._pub = None   # its state is consumed below: a failing pass re-reads the epoch
+            state = pub.state.apply(d, in_place=True)
         else:
             state = EpochState(number, {m: v[0] for m, v in alive.items()},
                                {m: "demoted" for m in new_demoted}, extras, token)
@@ -638,9 +639,13 @@ class Coordinator:
             if len(d.added) + len(d.removed) > CHUNK_MEMBERS // 4:   # readers diff their state with the snapshot
                 d = dataclasses.replace(d, added=(), removed=())
         d = dataclasses.replace(d, plan_hash=phash)
-        return _Published(number, set(state.infos) if snap or pub is None else
-                          (pub.members - set(removed)) | set(added), state, "delta", d.snapshot, d.to_json(), 0,
-                          None, d)
+        if snap or pub is None:
+            members = set(state.infos)
+        else:
+            members = pub.members   # updated in place, as the state
+            members.difference_update(removed)
+            members.update(added)
+        return _Published(number, members, state, "delta", d.snapshot, d.to_json(), 0, None, d)
 
     def _repair_number(self, history_top: int, corrupt_revision: int) -> int:
         """The number of the epoch published over a malformed ``epoch`` record.
