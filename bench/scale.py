@@ -134,11 +134,11 @@ class Sim:
             from resilient.coordinator.service import _Pending
 
             c._pending = _Pending()
-        w0, cpu0 = self.store.c.key_writes, self.coord_cpu
+        w0, cpu0 = self.store.c.main_key_writes, self.coord_cpu
         if c._reload_due:
             self._timed(c._reload)
         outcome, _ = self._timed(c._reconcile, lost_seen, join_seen, True)
-        return outcome, self.coord_cpu - cpu0, self.store.c.key_writes - w0
+        return outcome, self.coord_cpu - cpu0, self.store.c.main_key_writes - w0
 
     def publish_after(self, t_event: float, what: str, debounce: float | None = None,
                       late_reader: bool = False) -> dict:

@@ -82,6 +82,7 @@ class Latency:
 class Counters:
     raft_writes: int = 0
     key_writes: int = 0
+    main_key_writes: int = 0      # by the bench's main flow (not by timers: agents' keep-alives, summaries)
     bytes_written: int = 0
     keepalives: int = 0
     watch_events: int = 0
@@ -171,6 +172,7 @@ class SimStore:
             self._leases[lease].keys.add(key)
         self.live_bytes += len(key) + len(value)
         self.c.key_writes += 1
+        self.c.main_key_writes += not self.clock._running
         self.c.bytes_written += len(key) + len(value)
         self.c.history_bytes += len(key) + len(value)
         return WatchEvent("put", key, value, kv.mod_revision, kv.create_revision, kv.lease)
@@ -184,6 +186,7 @@ class SimStore:
         if old.lease and old.lease in self._leases:
             self._leases[old.lease].keys.discard(key)
         self.c.key_writes += 1
+        self.c.main_key_writes += not self.clock._running
         self.c.history_bytes += len(key)
         return WatchEvent("delete", key, b"", self._rev)
 

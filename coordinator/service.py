@@ -418,13 +418,17 @@ class Coordinator:
         with self._cond:
             dirty = set(self._dirty)
             full = self._full_pass or pub is None or corrupt is not None
-            if self._members_copy[0] != self._dir.version:   # copied once per change, not per pass
-                self._members_copy = (self._dir.version, dict(self._dir.members))
-            members = self._members_copy[1]
+            members = self._dir.members
+            if full or len(members) < self.config.delta_min_members or self.health_policy is not no_demotion:
+                if self._members_copy[0] != self._dir.version:   # copied once per change, not per pass
+                    self._members_copy = (self._dir.version, dict(members))
+                members = self._members_copy[1]
+            # else: the live dict, only looked up below (dict() copies are atomic under the GIL)
             node_of = self._dir.node_of
         confirmed, consumed, suspects_pending = self._check_suspects(members)
-        alive = members if not confirmed else {m: v for m, v in members.items() if m not in confirmed}
-        epoch_view = pub.full_epoch() if pub is not None and self.health_policy is not no_demotion else None
+        alive = members if not confirmed else {m: v for m, v in dict(members).items() if m not in confirmed}
+        # only a StragglerPolicy reads the epoch (ring, tree, roles): the full plan, once per epoch
+        epoch_view = pub.full_epoch() if pub is not None and isinstance(self.health_policy, StragglerPolicy) else None
         departed: dict[str, tuple[str, float]] = {}
         bad_markers: list[str] = []
         for kv in self.store.get_prefix(keys.departed(self.job)):
@@ -443,7 +447,7 @@ class Coordinator:
         # --straggler-policy evict: evicted members keep their lease but are out of the epoch
         evicted = {m: ev for m, ev in (getattr(self.health_policy, "evicted", None) or {}).items() if m in alive}
         if evicted:
-            alive = {m: v for m, v in alive.items() if m not in evicted}
+            alive = {m: v for m, v in dict(alive).items() if m not in evicted}
         avoid = [p for p in avoid if p[0] in alive and p[1] in alive]
         current = pub.members if pub is not None else set()
         old_demoted = pub.state.demoted() if pub is not None else set()
@@ -493,7 +497,7 @@ class Coordinator:
         if removed and set(removed) <= evicted.keys():   # an eviction: joiners wait for the next epoch too
             back = set(added) - set(replaced)
         if back and removed:   # a re-admission waits for the next epoch: joiners cannot follow one that also removes
-            alive = {m: v for m, v in alive.items() if m not in back}
+            alive = {m: v for m, v in dict(alive).items() if m not in back}
             added = tuple(m for m in added if m not in back)
         if corrupt is None and added and not removed and not joins_due and (pub is None or not demoted_changed):
             return settled("joins_deferred")
@@ -625,7 +629,7 @@ class Coordinator:
             self._pub = None   # its state is consumed below: a failing pass re-reads the epoch
             state = pub.state.apply(d, in_place=True)
         else:
-            state = EpochState(number, {m: v[0] for m, v in alive.items()},
+            state = EpochState(number, {m: v[0] for m, v in dict(alive).items()},
                                {m: "demoted" for m in new_demoted}, extras, token)
         phash = state.derive_hash()
         if snap:
