@@ -419,7 +419,7 @@ class Coordinator:
             dirty = set(self._dirty)
             full = self._full_pass or pub is None or corrupt is not None
             members = self._dir.members
-            if full or len(members) < self.config.delta_min_members or self.health_policy is not no_demotion:
+            if full or len(members) < self.config.delta_min_members or isinstance(self.health_policy, StragglerPolicy):
                 if self._members_copy[0] != self._dir.version:   # copied once per change, not per pass
                     self._members_copy = (self._dir.version, dict(members))
                 members = self._members_copy[1]
@@ -679,24 +679,24 @@ class Coordinator:
             return set(), []
         try:
             records = read_health(self.store, self.job)
+            if not isinstance(self.health_policy, StragglerPolicy):   # a plain policy: O(its answer)
+                return {m for m in self.health_policy(records) if m in alive}, []
             live = set(alive)   # once: membership tests below are O(1) each
-            if isinstance(self.health_policy, StragglerPolicy):
-                if hasattr(self.health_policy, "evaluate_alive"):   # --straggler-policy evict (eviction.py)
-                    from resilient.coordinator.eviction import read_requests
+            if hasattr(self.health_policy, "evaluate_alive"):   # --straggler-policy evict (eviction.py)
+                from resilient.coordinator.eviction import read_requests
 
-                    verdict = self.health_policy.evaluate_alive(records, epoch, live,
-                                                                read_requests(self.store, self.job))
-                else:
-                    verdict = self.health_policy.evaluate(records, epoch)
-                states = {m: s["state"] for m, s in verdict.scores.items()}
-                self.metrics.set_straggler_scores(
-                    {m: s.get("score", 0.0) or 0.0 for m, s in verdict.scores.items() if m in live})
-                if states != self._last_scores[0] or time.monotonic() - self._last_scores[1] > 5.0:
-                    write_scores(self.store, self.job, verdict)
-                    self._last_scores = (states, time.monotonic())
-                return set(verdict.demoted) & live, [
-                    list(p) for p in sorted(verdict.avoid) if p[0] in live and p[1] in live]
-            return set(self.health_policy(records)) & live, []
+                verdict = self.health_policy.evaluate_alive(records, epoch, live,
+                                                            read_requests(self.store, self.job))
+            else:
+                verdict = self.health_policy.evaluate(records, epoch)
+            states = {m: s["state"] for m, s in verdict.scores.items()}
+            self.metrics.set_straggler_scores(
+                {m: s.get("score", 0.0) or 0.0 for m, s in verdict.scores.items() if m in live})
+            if states != self._last_scores[0] or time.monotonic() - self._last_scores[1] > 5.0:
+                write_scores(self.store, self.job, verdict)
+                self._last_scores = (states, time.monotonic())
+            return set(verdict.demoted) & live, [
+                list(p) for p in sorted(verdict.avoid) if p[0] in live and p[1] in live]
         except StoreError:
             raise
         except Exception:
