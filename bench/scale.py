@@ -105,7 +105,7 @@ class Sim:
             self.clock.advance(dt)
 
     def become_leader(self, cid: str, policy=None) -> tuple[Coordinator, float]:
-        cfg = CoordinatorConfig(ttl=self.args.ttl, reload_interval=self.args.reload_interval)
+        cfg = CoordinatorConfig(ttl=self.args.ttl, reload_interval=self.args.reload_interval, delta_min_members=1)
         c = Coordinator(self.store, JOB, cid, cfg, **({"health_policy": policy} if policy else {}))
         self.leader_lease = self.store.grant(self.args.ttl)
         assert self.store.create(keys.leader(JOB), cid.encode(), lease=self.leader_lease)
