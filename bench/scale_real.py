@@ -49,20 +49,43 @@ def child(args: argparse.Namespace) -> None:
             lost.append(lid)
         print(f"LOST {lid:x}", flush=True)
 
+    from resilient.errors import LeaseExpired
+
     leases: dict[str, int] = {}
-    batch: list[Put] = []
+    regrants = 0
+
+    def register(batch: list[tuple[str, bytes]]) -> None:
+        """Write a batch of node records; a lease that expired before its first refresh
+        reached an overloaded etcd is granted again (counted: ``regrants``)."""
+        nonlocal regrants
+        for _ in range(5):
+            try:
+                store.txn([], [Put(keys.node(JOB, n), b, leases[n]) for n, b in batch])
+                return
+            except LeaseExpired:
+                for n, _b in batch:
+                    if store.lease_ttl(leases[n]) is None:
+                        mux.remove(leases[n])
+                        leases[n] = store.grant(args.ttl)
+                        mux.add(leases[n], args.ttl, on_lost)
+                        regrants += 1
+        raise RuntimeError("could not register a batch of node records in 5 tries")
+
+    batch: list[tuple[str, bytes]] = []
     for idx in range(args.lo, args.hi):
         lid = store.grant(args.ttl)
         mux.add(lid, args.ttl, on_lost)
         node, body = node_record(idx, args.gpus_per_node, args.ttl)
         leases[node] = lid
-        batch.append(Put(keys.node(JOB, node), body, lid))
+        batch.append((node, body))
         if len(batch) == 64:
-            store.txn([], batch)
+            register(batch)
             batch = []
     if batch:
-        store.txn([], batch)
-    print("READY", flush=True)
+        register(batch)
+    with mux_lock:
+        lost.clear()     # losses before READY were re-granted above; from here on they count
+    print(f"READY {regrants}", flush=True)
     for line in sys.stdin:
         cmd = line.split()
         if cmd and cmd[0] == "STOP":
@@ -70,7 +93,7 @@ def child(args: argparse.Namespace) -> None:
             print(f"STOPPED {cmd[1]} {time.time()}", flush=True)
         elif cmd and cmd[0] == "END":
             break
-    print("DONE " + json.dumps({"sent": mux.sent, "received": mux.received, "lost": len(lost),
+    print("DONE " + json.dumps({"sent": mux.sent, "received": mux.received, "lost_after_ready": len(lost),
                                 "reconnects": mux.reconnects, "leases": len(leases)}), flush=True)
     mux.close()
     store.close()
@@ -120,11 +143,14 @@ def run_real(args: argparse.Namespace) -> dict:
                 children.append(_Child([sys.executable, os.path.abspath(__file__), "--etcd", etcd.endpoint_arg,
                                         "--lo", str(lo), "--hi", str(hi), "--ttl", str(args.ttl),
                                         "--gpus-per-node", str(args.gpus_per_node)]))
+            ready_at = []
             for c in children:
                 c.wait_for("READY", 900)
+                ready_at.append(next(i for i, line in enumerate(c.lines) if line.startswith("READY")))
+            out["registration_regrants"] = sum(int(c.lines[i].split()[1]) for c, i in zip(children, ready_at))
             out["register_s"] = round(time.monotonic() - t0, 1)
             store = Store(etcd.endpoints)
-            coord = Coordinator(store, JOB, "coord-real", CoordinatorConfig(ttl=args.ttl))
+            coord = Coordinator(store, JOB, "coord-real", CoordinatorConfig(ttl=args.ttl, delta_min_members=1))
             coord_thread = threading.Thread(target=coord.run, args=(stop,), daemon=True)
             coord_thread.start()
             deadline = time.monotonic() + 600
@@ -134,7 +160,8 @@ def run_real(args: argparse.Namespace) -> dict:
             out["initial_epoch_delta"] = bool(first and is_delta(first.value))
             out["initial_members"] = parse_delta(first.value).size if first else 0
             time.sleep(args.hold)
-            lost_during_hold = sum(1 for c in children for line in c.lines if line.startswith("LOST"))
+            lost_during_hold = sum(1 for c, i in zip(children, ready_at) for line in c.lines[i:]
+                                   if line.startswith("LOST"))
             victim = "n00001"
             seen = threading.Event()
             result: dict = {}
