@@ -85,7 +85,7 @@ def child(args: argparse.Namespace) -> None:
         register(batch)
     with mux_lock:
         lost.clear()     # losses before READY were re-granted above; from here on they count
-    print(f"READY {regrants}", flush=True)
+    print(f"READY {regrants} {mux.sent}", flush=True)
     for line in sys.stdin:
         cmd = line.split()
         if cmd and cmd[0] == "STOP":
@@ -159,6 +159,7 @@ def run_real(args: argparse.Namespace) -> dict:
             first = store.get(keys.epoch(JOB))
             out["initial_epoch_delta"] = bool(first and is_delta(first.value))
             out["initial_members"] = parse_delta(first.value).size if first else 0
+            t_ready = time.monotonic()
             time.sleep(args.hold)
             lost_during_hold = sum(1 for c, i in zip(children, ready_at) for line in c.lines[i:]
                                    if line.startswith("LOST"))
@@ -183,10 +184,12 @@ def run_real(args: argparse.Namespace) -> dict:
             for c in children:
                 c.send("END")
             stats = [json.loads(c.wait_for("DONE", 60)[5:]) for c in children]
+            t_end = time.monotonic()
             out.update(leases_lost=lost_during_hold, epoch_published=published,
                        publish_ms=round((result["at"] - t_stop) * 1000, 1) if published else None,
                        epoch_bytes=result.get("bytes"), keepalives_sent=sum(s["sent"] for s in stats),
-                       keepalives_per_s=round(sum(s["sent"] for s in stats) / max(1.0, args.hold), 0),
+                       keepalives_per_s=round(sum(s["sent"] - int(c.lines[i].split()[2]) for s, c, i in
+                                                  zip(stats, children, ready_at)) / max(1.0, t_end - t_ready), 0),
                        stream_reconnects=sum(s["reconnects"] for s in stats))
             stop.set()
             coord_thread.join(timeout=10)
