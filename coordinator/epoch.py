@@ -254,10 +254,10 @@ class EpochWatcher:
         keeps its last good epoch and waits for the coordinator to publish over it."""
         try:
             have = self._state
-            if have is None and self._current is not None:
+            if have is None and self._current is not None and raw[:16].startswith(b'{"form":'):
                 from resilient.coordinator.delta import EpochState
 
-                have = EpochState.from_epoch(self._current)
+                have = EpochState.from_epoch(self._current)   # the first delta after a full record
             epoch, state = parse_any(self.store, self.job, raw, self._key, have)
             if self._current is None or epoch.number > self._current.number:
                 self._state = state
