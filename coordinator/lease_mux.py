@@ -42,6 +42,8 @@ class LeaseMux:
         self._stop = threading.Event()
         self._reqs: queue.Queue = queue.Queue()
         self.sent = self.received = self.reconnects = 0
+        self._last_rx = time.monotonic()
+        self._call = None
         self.lost: set[int] = set()
         self._threads = [threading.Thread(target=self._send_loop, name="lease-mux-send", daemon=True),
                          threading.Thread(target=self._stream_loop, name="lease-mux-stream", daemon=True)]
@@ -81,8 +83,20 @@ class LeaseMux:
             for lid in due:
                 self._reqs.put(etcdrpc.LeaseKeepAliveRequest(ID=lid))
                 self.sent += 1
+            self._watchdog(now)
             self._wake.wait(min(max(wait, 0.001), 0.5))
             self._wake.clear()
+
+    def _watchdog(self, now: float) -> None:
+        """A stream whose answers stopped (requests sent, nothing back for two refresh
+        intervals) is cancelled: the stream loop reopens it and refreshes every lease."""
+        with self._lock:
+            shortest = min((e[0] for e in self._leases.values()), default=None)
+        call = self._call
+        if shortest is not None and call is not None and now - self._last_rx > 2 * shortest:
+            log.warning("lease keep-alive stream silent for %.1fs; reopening", now - self._last_rx)
+            self._last_rx = now
+            call.cancel()
 
     def _stream_loop(self) -> None:
         while not self._stop.is_set():
@@ -93,6 +107,7 @@ class LeaseMux:
                 self._call = call
                 for resp in call:
                     self.received += 1
+                    self._last_rx = time.monotonic()
                     if resp.TTL <= 0:
                         self._gone(resp.ID)
                     if self._stop.is_set():
