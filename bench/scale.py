@@ -4,7 +4,7 @@ Simulation mode (default) drives the **real coordinator code** (:class:`Coordina
 watch handler and reconcile pass, :mod:`resilient.coordinator.delta`, the directory) with
 synthetic node agents on a virtual clock, over :class:`bench.sim_store.SimStore`, which
 enforces etcd's limits (1.5 MiB request, 4 MiB response, 1,000 lease revokes/s, 0.5 s
-expiry tick) and adds latencies calibrated on a real etcd. CPU time of the coordinator
+expiry tick) and adds estimated etcd latencies (bench/sim_store.py). CPU time of the coordinator
 code is measured (``time.process_time``) and added to the virtual clock. It injects a rank
 crash seen by its agent, a silent node loss, a rack loss, a straggler demotion, a rejoin
 and a coordinator failover, and checks that sample agents (each with its own state,

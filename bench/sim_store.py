@@ -7,8 +7,10 @@ etcd's limits and counting what a real etcd would do.
   :data:`MAX_RESPONSE` (the client's 4 MiB gRPC receive limit) fails with gRPC's
   ``received message larger than max``; expired leases are revoked at most
   :data:`REVOKES_PER_S` per second, checked every :data:`EXPIRY_TICK` s (etcd's lessor).
-* Latencies (:class:`Latency`) are added to the virtual clock by each call; their defaults
-  come from ``bench/scale.py --calibrate`` against a real local etcd (docs/scale.md).
+* Latencies (:class:`Latency`) are added to the virtual clock by each call. Their
+  defaults are estimates for a local etcd 3.4, not yet calibrated by a script: they are
+  consistent with ``bench/control_plane.py`` (an epoch 27-38 ms after a revoke, 20 ms of
+  it debounce) but no calibration mode exists yet (docs/scale.md).
 * Counters: raft writes (puts, successful txns, deletes, revokes, grants, expiries), key
   writes (ops inside txns), keep-alives, bytes written, watch events delivered; a model of
   the DB size (live bytes plus the history kept since the last compaction).
@@ -68,7 +70,7 @@ class Clock:
 
 @dataclass
 class Latency:
-    """Seconds per call (virtual), defaults calibrated on a real local etcd 3.4."""
+    """Seconds per call (virtual); estimates for a local etcd 3.4 (see the module docstring)."""
 
     read: float = 0.0004          # a small range
     read_per_mb: float = 0.012    # plus, per MB returned
