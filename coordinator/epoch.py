@@ -7,6 +7,10 @@ record, so every member reads the same one), and why and when it was published.
 
 * :class:`EpochWatcher` — follows ``epoch`` with a reconnecting watch and delivers every
   new epoch, in number order, to subscribers.
+* Large jobs publish *delta* records (:mod:`.delta`, docs/scale.md): the watcher and
+  :func:`read_epoch` resolve them against the state they hold, or the chunked snapshot
+  plus the history, check the plan hash and hand out the same full :class:`Epoch`.
+  :meth:`Epoch.from_json` parses the full form only.
 * :class:`EpochData` — members put raw bytes under ``epochs/<n>/data/<name>/<member>``
   and wait for everyone's. Payloads are bytes (JSON, numpy buffers…), never pickle.
 
@@ -23,7 +27,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
 from resilient.coordinator import keys, records
@@ -84,6 +88,9 @@ class Epoch:
         ``roles`` id -> string, ``plan`` checked by :func:`check_plan`, times finite.
         Raises :class:`~resilient.errors.RecordError` (a StoreError) if it is malformed."""
         f = records.fields("epoch", raw, key)
+        if f.has("form"):
+            f.fail(f"a {f.str('form', '', max_len=16)!r} epoch record holds no member list: read it with "
+                   "read_epoch() or an EpochWatcher, which resolve deltas (resilient.coordinator.delta)")
         infos = {}
         sub = f.obj("infos", {})
         if sub is not None:
@@ -147,6 +154,27 @@ def parse_epoch_number(raw: bytes, key: str = "") -> int:
     return records.fields("epoch", raw, key).int("number")
 
 
+def parse_any(store: Store, job: str, raw: bytes, key: str, have: "object | None" = None) -> tuple[Epoch, object]:
+    """An epoch record of either form as ``(Epoch, delta state or None)``: a full record
+    is parsed; a delta record (:mod:`.delta`) is resolved against ``have`` (the reader's
+    :class:`~.delta.EpochState`, or None) or the snapshot plus history, and its plan
+    hash checked. Raises :class:`~resilient.errors.RecordError`."""
+    from resilient.coordinator import delta
+
+    if not delta.is_delta(raw):
+        return Epoch.from_json(raw, key), None
+    d = delta.parse_delta(raw, key)
+    have = have if isinstance(have, delta.EpochState) else None
+    state = delta.resolve(store, job, d, have, key)
+    if d.snapshot == d.number and not d.added and not d.removed and have is not None:
+        # a snapshot epoch with a large change omits the lists: diff the states
+        old, new = have.infos, state.infos
+        changed = {m for m in old.keys() & new.keys() if old[m] != new[m]}
+        d = replace(d, removed=tuple(sorted((old.keys() - new.keys()) | changed)),
+                    added=tuple(sorted((new.keys() - old.keys()) | changed)))
+    return state.to_epoch(d, key), state
+
+
 def read_epoch(store: Store, job: str) -> tuple[Epoch | None, int]:
     """The current epoch (or None) and the mod revision of its key (0 if none).
     Raises :class:`~resilient.errors.RecordError` if the record is malformed (the
@@ -154,7 +182,7 @@ def read_epoch(store: Store, job: str) -> tuple[Epoch | None, int]:
     kv = store.get(keys.epoch(job))
     if kv is None:
         return None, 0
-    return Epoch.from_json(kv.value, kv.key), kv.mod_revision
+    return parse_any(store, job, kv.value, kv.key)[0], kv.mod_revision
 
 
 def read_epoch_lenient(store: Store, job: str) -> tuple[Epoch | None, int, "RecordError | None"]:
@@ -164,7 +192,7 @@ def read_epoch_lenient(store: Store, job: str) -> tuple[Epoch | None, int, "Reco
     if kv is None:
         return None, 0, None
     try:
-        return Epoch.from_json(kv.value, kv.key), kv.mod_revision, None
+        return parse_any(store, job, kv.value, kv.key)[0], kv.mod_revision, None
     except RecordError as exc:
         records.skip(exc, kv.key, logging.ERROR)
         return None, kv.mod_revision, exc
@@ -181,8 +209,8 @@ def latest_valid_history(store: Store, job: str) -> tuple[Epoch | None, int]:
         rest = kv.key[len(prefix):].split("/")
         if rest[0].isdigit() and len(rest[0]) < 19:    # < 10**18: a number the coordinator could have written
             highest = max(highest, int(rest[0]))
-        if len(rest) != 2 or rest[1] != "epoch":
-            continue
+        if len(rest) != 2 or rest[1] != "epoch" or kv.value.startswith(b'{"form":'):
+            continue   # data, or a delta record (repair publishes a snapshot epoch instead)
         try:
             e = Epoch.from_json(kv.value, kv.key)
         except RecordError as exc:
@@ -214,6 +242,8 @@ class EpochWatcher:
         self._cond = threading.Condition()
         self._subs: list[Callable[[Epoch], None]] = []
         self._closed = False
+        self._state: object = None    # the delta state of the current epoch (resilient.coordinator.delta)
+        self._current: Epoch | None = None
         kv, revision = store.get_with_revision(self._key)
         self._current: Epoch | None = self._parse(kv.value) if kv else None
         start = revision + 1
@@ -223,7 +253,15 @@ class EpochWatcher:
         """A malformed epoch record is skipped (logged as an error, counted): the worker
         keeps its last good epoch and waits for the coordinator to publish over it."""
         try:
-            return Epoch.from_json(raw, self._key)
+            have = self._state
+            if have is None and self._current is not None and raw[:16].startswith(b'{"form":'):
+                from resilient.coordinator.delta import EpochState
+
+                have = EpochState.from_epoch(self._current)   # the first delta after a full record
+            epoch, state = parse_any(self.store, self.job, raw, self._key, have)
+            if self._current is None or epoch.number > self._current.number:
+                self._state = state
+            return epoch
         except RecordError as exc:
             records.skip(exc, f"{self._key}@{revision}" if revision else self._key, logging.ERROR)
             return None

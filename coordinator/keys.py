@@ -12,6 +12,10 @@ key                             value                                           
 ``epochs/<n>/epoch``            the same JSON, kept for history                  none
 ``epochs/<n>/data/<name>/<m>``  raw bytes put by member ``m`` (rendezvous)       none
 ``leader``                      coordinator id of the leader                     leader's
+``nodes/<node_id>``             JSON node record: one agent's ranks              node's
+                                (:mod:`.directory`, docs/scale.md)
+``snapshots/<n>/meta|<i>``      a chunked snapshot of epoch n's state            none
+                                (:mod:`.delta`)
 ==============================  ===============================================  ==========
 
 Only the coordinator leader writes ``epoch`` and ``epochs/<n>/epoch``; it deletes consumed
@@ -97,6 +101,31 @@ def epoch_data(job: str, number: int, name: str) -> str:
 
 def epoch_data_of(job: str, number: int, name: str, member_id: str) -> str:
     return epoch_data(job, number, name) + check_name("member id", member_id)
+
+
+def snapshots(job: str) -> str:
+    return root(job) + "snapshots/"
+
+
+def snapshot(job: str, number: int) -> str:
+    """Zero-padded, so key order is number order (old snapshots go by one range delete)."""
+    return f"{snapshots(job)}{int(number):020d}/"
+
+
+def snapshot_meta(job: str, number: int) -> str:
+    return snapshot(job, number) + "meta"
+
+
+def snapshot_chunk(job: str, number: int, index: int) -> str:
+    return f"{snapshot(job, number)}{int(index)}"
+
+
+def nodes(job: str) -> str:
+    return root(job) + "nodes/"
+
+
+def node(job: str, node_id: str) -> str:
+    return nodes(job) + check_name("node id", node_id)
 
 
 def leader(job: str) -> str:

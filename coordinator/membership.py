@@ -35,6 +35,11 @@ log = logging.getLogger(__name__)
 
 #: Keep-alives are sent every ``ttl * KEEPALIVE_FRACTION`` seconds.
 KEEPALIVE_FRACTION = 1.0 / 3.0
+#: Set to ``agent`` by a node agent that keeps one node lease for all its ranks
+#: (``RESILIENT_NODE_LEASE=1``, docs/scale.md): the member then sends no keep-alive of its
+#: own but touches :data:`HEARTBEAT_ENV`'s file, which the agent checks (a hung rank).
+LEASE_KEEPER_ENV = "RESILIENT_LEASE_KEEPER"
+HEARTBEAT_ENV = "RESILIENT_HEARTBEAT_FILE"
 
 
 @dataclass(frozen=True)
@@ -99,8 +104,11 @@ class MemberSession:
         self._stop = threading.Event()
         self._on_lost: list[Callable[[], None]] = []
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._keepalive_loop, name=f"keepalive:{self.member_id}",
-                                        daemon=True)
+        #: the node agent keeps the (shared) lease; this member only heartbeats locally
+        self.heartbeat_file = (os.environ.get(HEARTBEAT_ENV) if not owns_lease
+                               and os.environ.get(LEASE_KEEPER_ENV) == "agent" else None)
+        loop = self._heartbeat_loop if self.heartbeat_file else self._keepalive_loop
+        self._thread = threading.Thread(target=loop, name=f"keepalive:{self.member_id}", daemon=True)
         self._thread.start()
 
     @classmethod
@@ -166,6 +174,29 @@ class MemberSession:
             except StoreError as exc:  # pragma: no cover - unexpected etcd answer
                 log.warning("member %s: keep-alive error, retrying: %s", self.member_id, exc)
 
+    def _heartbeat_loop(self) -> None:
+        """Agent-kept lease: touch the heartbeat file every interval (SIGSTOP freezes it:
+        the agent then removes this member), and notice the member key going (the agent
+        vouched us out, or the node lease is gone)."""
+        interval = max(0.1, self.ttl * KEEPALIVE_FRACTION)
+        key = keys.member(self.job, self.member_id)
+        while True:
+            try:
+                with open(self.heartbeat_file, "a"):
+                    os.utime(self.heartbeat_file, None)
+            except OSError as exc:
+                log.warning("member %s: cannot touch heartbeat file %s: %s", self.member_id, self.heartbeat_file, exc)
+            if self._stop.wait(interval):
+                return
+            try:
+                kv = self.store.get(key)
+            except StoreError as exc:
+                log.warning("member %s: membership check failed, retrying: %s", self.member_id, exc)
+                continue
+            if kv is None or kv.lease != self.lease_id:
+                self._mark_lost()
+                return
+
     def _mark_lost(self, closing: bool = False) -> None:
         with self._lock:
             if self.lost.is_set():
@@ -189,7 +220,10 @@ class MemberSession:
             self._thread.join(timeout=5)
         if revoke and not self.lost.is_set():
             try:
-                revoke_member(self.store, self.job, self.member_id, self.lease_id, reason)
+                if self.heartbeat_file:   # the lease is the node's: leave alone, siblings stay
+                    depart_member(self.store, self.job, self.member_id, reason)
+                else:
+                    revoke_member(self.store, self.job, self.member_id, self.lease_id, reason)
             except StoreError as exc:
                 log.warning("member %s: could not revoke lease on close: %s", self.member_id, exc)
             self._mark_lost(closing=True)
@@ -209,6 +243,17 @@ def revoke_member(store: Store, job: str, member_id: str, lease_id: int, reason:
     marker = json.dumps({"lease": lease_id, "reason": reason, "at": time.time()}).encode()
     store.put(keys.departed_of(job, member_id), marker)
     return store.revoke(lease_id)
+
+
+def depart_member(store: Store, job: str, member_id: str, reason: str = "exited", lease_id: int = 0) -> None:
+    """Remove one member that shares its node's lease: ``departed/<id>`` and the delete
+    of ``members/<id>`` in one transaction (its siblings on the lease stay). The
+    coordinator reports ``member_lost`` (path ``revoke``). :class:`StoreUnavailable` if
+    etcd cannot be reached."""
+    from resilient.coordinator.store import Delete, Put
+
+    marker = json.dumps({"lease": lease_id, "reason": reason, "at": time.time()}).encode()
+    store.txn([], [Put(keys.departed_of(job, member_id), marker), Delete(keys.member(job, member_id))])
 
 
 def report_suspect(store: Store, job: str, reporter_id: str, suspect_id: str, reason: str) -> None:

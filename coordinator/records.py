@@ -226,6 +226,11 @@ class Fields:
                 self._fail(f"field {self._path(name)!r} holds {_short(item)}, not an integer in [{lo}, {hi}]")
         return list(v)
 
+    def items(self, name: str, default: Any = ()) -> Any:
+        """A list of at most :data:`MAX_ITEMS` items of any type (the caller checks them)."""
+        v = self._list(name, default)
+        return default if v is None else list(v)
+
     def rows(self, name: str, default: Any = _REQUIRED) -> Any:
         """A list of lists (e.g. ``[[a, b], ...]``); the caller checks the items."""
         v = self._list(name, default)

@@ -33,6 +33,7 @@ another coordinator takes over after about one ``ttl``; SIGTERM → resign at on
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -42,12 +43,16 @@ import time
 from dataclasses import dataclass, field
 
 from resilient.coordinator import keys, records
+from resilient.coordinator.delta import (
+    CHUNK_MEMBERS, SNAPSHOT_EVERY, EpochDelta, EpochState, is_delta, parse_delta, resolve, snapshot_ops,
+)
+from resilient.coordinator.directory import Directory
 from resilient.coordinator.election import LeaderElection
-from resilient.coordinator.epoch import Epoch, latest_valid_history, read_epoch_lenient
+from resilient.coordinator.epoch import Epoch, latest_valid_history
 from resilient.coordinator.health import (
     HealthPolicy, StragglerPolicy, no_demotion, read_health, write_scores,
 )
-from resilient.coordinator.membership import KEEPALIVE_FRACTION, MemberInfo, read_members
+from resilient.coordinator.membership import KEEPALIVE_FRACTION, MemberInfo
 from resilient.coordinator.metrics import CoordinatorMetrics
 from resilient.coordinator.planner import plan
 from resilient.coordinator.shares import SharePublisher
@@ -62,7 +67,12 @@ class CoordinatorConfig:
     """Tunables. ``ttl``: leader lease seconds (takeover time after a leader dies);
     ``debounce``: seconds to wait after a loss/suspicion before publishing; ``join_debounce``:
     after a join (restarted by each further join, at most 4x); ``min_members``: members
-    needed before the first epoch; ``resync_interval``: full re-read period."""
+    needed before the first epoch; ``resync_interval``: period of a reconcile pass without
+    events (it reads only the small ``epoch``, ``suspects/`` and ``departed/`` keys: the
+    member directory is kept from the watch); ``reload_interval``: period of a full, paged
+    re-read of ``members/`` and ``nodes/`` (a safety net); ``delta_min_members``: from this
+    many members on, epochs are published as deltas with chunked snapshots
+    (:mod:`.delta`; below it, as one full record)."""
 
     ttl: float = 5.0
     debounce: float = 0.02
@@ -70,9 +80,11 @@ class CoordinatorConfig:
     min_members: int = 1
     resync_interval: float = 1.0
     suspect_interval: float = 0.25
+    reload_interval: float = 30.0
+    delta_min_members: int = 1024
 
     def validate(self) -> None:
-        for name in ("ttl", "resync_interval", "suspect_interval"):
+        for name in ("ttl", "resync_interval", "suspect_interval", "reload_interval"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"coordinator {name} must be > 0, got {getattr(self, name)}")
         for name in ("debounce", "join_debounce"):
@@ -89,6 +101,26 @@ class _Pending:
     join_last: float | None = None
     lost_seen: dict[str, float] = field(default_factory=dict)   # member -> wall time the delete was seen
     join_seen: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Published:
+    """What the coordinator knows of the current epoch (kept between passes)."""
+
+    number: int
+    members: set[str]
+    state: EpochState
+    form: str                      # "full" | "delta"
+    snapshot: int = 0
+    body: bytes = b""              # the record as written (matched against the key)
+    revision: int = 0              # mod revision of the epoch key, once read back
+    epoch: Epoch | None = None     # the full Epoch when known (full form, or derived)
+    delta: EpochDelta | None = None
+
+    def full_epoch(self) -> Epoch:
+        if self.epoch is None:
+            self.epoch = self.state.to_epoch(self.delta)
+        return self.epoch
 
 
 def default_coordinator_id() -> str:
@@ -123,6 +155,17 @@ class Coordinator:
         self._last_error: str | None = None
         #: speed-weighted batch shares, published after each pass (coordinator/shares.py)
         self.shares = SharePublisher(store, self.job)
+        self._dir = Directory(self.job)
+        #: member ids whose directory entry changed since they were last reconciled
+        self._dirty: set[str] = set()
+        self._full_pass = True         # next pass compares the whole directory with the epoch
+        self._reload_due = True        # next pass re-reads the directory (paged)
+        self._pub: _Published | None = None
+        self._members_copy: tuple[int, dict] = (-1, {})
+        self._next_reload = 0.0
+        #: ops of the last publishing transaction (bench/scale.py counts writes)
+        self.last_publish_ops = 0
+        self.snapshots_written = 0
 
     # -- public ---------------------------------------------------------------------------
 
@@ -164,22 +207,27 @@ class Coordinator:
     # -- leading --------------------------------------------------------------------------
 
     def _on_member_events(self, events: list[WatchEvent]) -> None:
+        """Fold ``members/`` and ``nodes/`` events into the directory: O(change)."""
         now_wall, now = time.time(), time.monotonic()
         with self._cond:
             p = self._pending
             for ev in events:
-                mid = keys.last_segment(ev.key)
-                if ev.type == "delete":
-                    p.lost_seen.setdefault(mid, now_wall)
+                if ev.type == "resync":   # history compacted: re-read everything next pass
+                    self._reload_due = True
                     p.urgent_at = p.urgent_at or now
-                elif ev.type == "put":
-                    if ev.create_revision == ev.mod_revision:
+                    continue
+                changed = self._dir.apply([ev])
+                self._dirty |= changed
+                for mid in changed:
+                    if mid not in self._dir.members:
+                        p.lost_seen.setdefault(mid, now_wall)
+                        p.urgent_at = p.urgent_at or now
+                    elif ev.create_revision == ev.mod_revision or self._pub is None or mid not in self._pub.members:
                         p.join_seen.setdefault(mid, now_wall)
                         p.lost_seen.pop(mid, None)
+                if ev.type == "put" and changed & self._dir.members.keys():
                     p.join_first = p.join_first or now
                     p.join_last = now
-                else:  # resync
-                    p.urgent_at = p.urgent_at or now
             self._cond.notify_all()
 
     def _on_suspect_events(self, events: list[WatchEvent]) -> None:
@@ -198,12 +246,31 @@ class Coordinator:
             due.append(min(p.join_last + c.join_debounce, p.join_first + 4 * c.join_debounce))
         return min(due) if due else None
 
-    def _lead(self, stop: threading.Event) -> None:
-        _, rev = self.store.snapshot(keys.members(self.job))
-        watches = [
+    def _reload(self) -> int:
+        """Re-read the directory (paged) under the lock; returns the read's revision."""
+        with self._cond:
+            changed, rev = self._dir.load(self.store)
+            self._dirty |= changed
+            self._reload_due = False
+            self._full_pass = True
+            self._next_reload = time.monotonic() + self.config.reload_interval
+        return rev
+
+    def start_leading(self) -> list:
+        """Load the directory and open the watches (returns their handles); the state of
+        a previous term is dropped (another leader may have published meanwhile)."""
+        self._pub = None
+        self._dir = Directory(self.job)
+        self._dirty = set()
+        rev = self._reload()
+        return [
             self.store.watch_prefix(keys.members(self.job), rev + 1, self._on_member_events),
+            self.store.watch_prefix(keys.nodes(self.job), rev + 1, self._on_member_events),
             self.store.watch_prefix(keys.suspects(self.job), rev + 1, self._on_suspect_events),
         ]
+
+    def _lead(self, stop: threading.Event) -> None:
+        watches = self.start_leading()
         next_resync = 0.0
         suspects_pending = False
         try:
@@ -229,6 +296,8 @@ class Coordinator:
                         self._pending.join_first, self._pending.join_last = p.join_first, p.join_last
                         self._pending.join_seen = dict(p.join_seen)
                 try:
+                    if self._reload_due or time.monotonic() >= self._next_reload:
+                        self._reload()
                     outcome, suspects_pending = self._reconcile(lost_seen, join_seen, joins_due)
                     self._last_ok = time.monotonic()
                     self._last_error = None
@@ -306,19 +375,64 @@ class Coordinator:
                 pending = True
         return confirmed, consumed, pending
 
+    def _read_published(self) -> tuple["_Published | None", int, "RecordError | None", int]:
+        """The current epoch as ``(published, mod revision, corruption, history top)``.
+        One get of the small ``epoch`` key per pass; the record is parsed (and a delta
+        resolved) only when it is not the one this coordinator holds."""
+        kv = self.store.get(keys.epoch(self.job))
+        if kv is None:
+            self._pub = None
+            return None, 0, None, 0
+        pub = self._pub
+        if pub is not None and (kv.mod_revision == pub.revision or (pub.revision == 0 and kv.value == pub.body)):
+            pub.revision = kv.mod_revision
+            return pub, kv.mod_revision, None, 0
+        try:
+            if is_delta(kv.value):
+                d = parse_delta(kv.value, kv.key)
+                have = pub.state if pub is not None else None
+                state = resolve(self.store, self.job, d, have, kv.key)
+                self._pub = _Published(d.number, set(state.infos), state, "delta", d.snapshot, kv.value,
+                                       kv.mod_revision, None, d)
+            else:
+                e = Epoch.from_json(kv.value, kv.key)
+                self._pub = _Published(e.number, set(e.members), EpochState.from_epoch(e), "full", 0, kv.value,
+                                       kv.mod_revision, e)
+        except RecordError as exc:
+            records.skip(exc, kv.key, logging.ERROR)
+            epoch, history_top = latest_valid_history(self.store, self.job)
+            self._pub = None if epoch is None else _Published(
+                epoch.number, set(epoch.members), EpochState.from_epoch(epoch), "full", 0, b"", -1, epoch)
+            self._epoch_problem = (f"the epoch key holds a malformed epoch record (revision {kv.mod_revision}): "
+                                   f"{exc}")
+            return self._pub, kv.mod_revision, exc, history_top
+        self._full_pass = True   # a state we did not publish ourselves: compare everything
+        return self._pub, kv.mod_revision, None, 0
+
     def _reconcile(self, lost_seen: dict[str, float], join_seen: dict[str, float],
                    joins_due: bool = True) -> tuple[str, bool]:
         """Publish the next epoch if the member set (or roles) changed. Joins alone wait
         until ``joins_due`` (their debounce ran out). Returns (``"published"`` |
-        ``"unchanged"`` | ``"joins_deferred"`` | ``"retry"`` | ``"deposed"``, suspects pending)."""
-        members, _ = read_members(self.store, self.job)
+        ``"unchanged"`` | ``"joins_deferred"`` | ``"retry"`` | ``"deposed"``, suspects pending).
+
+        Cost: proportional to the members changed since the last pass (the directory is
+        kept from the watch), except on a full pass (after a reload or when the epoch
+        was not published by this process), which compares the whole directory."""
+        pub, erev, corrupt, history_top = self._read_published()
+        with self._cond:
+            dirty = set(self._dirty)
+            full = self._full_pass or pub is None or corrupt is not None
+            members = self._dir.members
+            if full or len(members) < self.config.delta_min_members or isinstance(self.health_policy, StragglerPolicy):
+                if self._members_copy[0] != self._dir.version:   # copied once per change, not per pass
+                    self._members_copy = (self._dir.version, dict(members))
+                members = self._members_copy[1]
+            # else: the live dict, only looked up below (dict() copies are atomic under the GIL)
+            node_of = self._dir.node_of
         confirmed, consumed, suspects_pending = self._check_suspects(members)
-        alive = {m: v for m, v in members.items() if m not in confirmed}
-        epoch, erev, corrupt = read_epoch_lenient(self.store, self.job)
-        history_top = 0
-        if corrupt is not None:   # publish over it: diff against the newest valid history
-            epoch, history_top = latest_valid_history(self.store, self.job)
-            self._epoch_problem = f"the epoch key holds a malformed epoch record (revision {erev}): {corrupt}"
+        alive = members if not confirmed else {m: v for m, v in dict(members).items() if m not in confirmed}
+        # only a StragglerPolicy reads the epoch (ring, tree, roles): the full plan, once per epoch
+        epoch_view = pub.full_epoch() if pub is not None and isinstance(self.health_policy, StragglerPolicy) else None
         departed: dict[str, tuple[str, float]] = {}
         bad_markers: list[str] = []
         for kv in self.store.get_prefix(keys.departed(self.job)):
@@ -329,82 +443,119 @@ class Coordinator:
                 bad_markers.append(kv.key)
                 continue
             departed[keys.last_segment(kv.key)] = (kv.key, at)
-        demoted, avoid = self._health_verdict(epoch, alive.keys())
+
+        def departed_at(m: str) -> tuple[str, float] | None:
+            return departed.get(m) or (departed.get(node_of[m]) if m in node_of else None)
+
+        demoted, avoid = self._health_verdict(epoch_view, alive.keys())
         # --straggler-policy evict: evicted members keep their lease but are out of the epoch
         evicted = {m: ev for m, ev in (getattr(self.health_policy, "evicted", None) or {}).items() if m in alive}
-        alive = {m: v for m, v in alive.items() if m not in evicted}
+        if evicted:
+            alive = {m: v for m, v in dict(alive).items() if m not in evicted}
         avoid = [p for p in avoid if p[0] in alive and p[1] in alive]
-        roles = {m: ("demoted" if m in demoted else "active") for m in alive}
-        current = set(epoch.members) if epoch else set()
+        current = pub.members if pub is not None else set()
+        old_demoted = pub.state.demoted() if pub is not None else set()
+        old_infos = pub.state.infos if pub is not None else {}
         # A member that restarted under the same id (new lease, pid or address) before we
         # noticed its exit counts as removed and added again.
-        replaced = {m for m in current & alive.keys() if alive[m][0] != epoch.infos.get(m)} if epoch else set()
-        self._update_member_gauges(alive, current, demoted)
+        if full:
+            removed_set = current - alive.keys()
+            added_set = alive.keys() - current
+            check = current & alive.keys()
+        else:
+            # plus whoever the policy may have let back in (eviction ended, re-admission)
+            look = (dirty | confirmed.keys() | evicted.keys() | set(pub.state.extras.get("evicted") or {})
+                    | set(getattr(self.health_policy, "readmitted", None) or ()))
+            removed_set = {m for m in look if m in current and m not in alive}
+            added_set = {m for m in look if m in alive and m not in current}
+            check = {m for m in look if m in current and m in alive}
+        replaced = {m for m in check if alive[m][0] != old_infos.get(m)}
+        demoted_changed = (demoted & current) != old_demoted
+        old_avoid = [list(p) for p in (pub.state.extras.get("avoid") or [])] if pub is not None else []
+        self._update_member_gauges(len(alive), len(added_set), len(demoted & current))
         stale_markers = [Delete(k) for m, (k, _) in departed.items() if m not in alive] + [
             Delete(k) for k in bad_markers]
         cleanup = stale_markers + [Delete(k) for k in consumed]
-        if epoch is not None:
-            self.metrics.epoch.set(epoch.number)
-        if (epoch is None and len(alive) < self.config.min_members) or (
-                corrupt is None and epoch is not None and alive.keys() == current and roles == epoch.roles and not replaced
-            and avoid == [list(p) for p in epoch.plan.get("avoid") or []]):
+        if pub is not None:
+            self.metrics.epoch.set(pub.number)
+
+        def settled(outcome: str) -> tuple[str, bool]:
             if cleanup:
                 self.store.txn([self.election.leader_compare()], cleanup)
-            return "unchanged", suspects_pending
+            if outcome == "unchanged":
+                with self._cond:
+                    self._dirty -= dirty
+                    self._full_pass = self._full_pass and not full
+                if pub is not None and pub.form == "delta" and pub.number - pub.snapshot >= SNAPSHOT_EVERY:
+                    self._write_snapshot(pub)
+            return outcome, suspects_pending
 
-        removed = tuple(sorted((current - alive.keys()) | replaced))
-        added = tuple(sorted((alive.keys() - current) | replaced))
+        if (pub is None and len(alive) < self.config.min_members) or (
+                corrupt is None and pub is not None and not removed_set and not added_set and not replaced
+                and not demoted_changed and avoid == old_avoid):
+            return settled("unchanged")
+
+        removed = tuple(sorted(removed_set | replaced))
+        added = tuple(sorted(added_set | replaced))
         back = set(added) & (getattr(self.health_policy, "readmitted", None) or set())
         if removed and set(removed) <= evicted.keys():   # an eviction: joiners wait for the next epoch too
             back = set(added) - set(replaced)
         if back and removed:   # a re-admission waits for the next epoch: joiners cannot follow one that also removes
-            alive = {m: v for m, v in alive.items() if m not in back}
-            roles = {m: r for m, r in roles.items() if m not in back}
+            alive = {m: v for m, v in dict(alive).items() if m not in back}
             added = tuple(m for m in added if m not in back)
-        if corrupt is None and added and not removed and not joins_due and (
-                epoch is None or all(roles[m] == epoch.roles.get(m) for m in current)):
-            if cleanup:
-                self.store.txn([self.election.leader_compare()], cleanup)
-            return "joins_deferred", suspects_pending
+        if corrupt is None and added and not removed and not joins_due and (pub is None or not demoted_changed):
+            return settled("joins_deferred")
         now = time.time()
+        lost_by_revoke = [departed_at(m) for m in removed]
         if confirmed.keys() & set(removed):
             cause, path = "suspect_confirmed", "suspect"
             trigger = min(confirmed[m] for m in removed if m in confirmed)
-        elif removed and any(m in departed for m in removed):
+        elif removed and any(lost_by_revoke):
             cause, path = "member_lost", "revoke"
-            trigger = min(departed[m][1] for m in removed if m in departed)
+            trigger = min(d[1] for d in lost_by_revoke if d)
         elif removed and set(removed) <= evicted.keys():
             cause, path, trigger = "evicted", None, now
         elif removed:
             cause, path = "lease_expired", "lease_expiry"
             trigger = min(lost_seen.get(m, now) for m in removed)
-        elif added and epoch is not None and set(added) <= getattr(self.health_policy, "readmitted", set()):
+        elif added and pub is not None and set(added) <= getattr(self.health_policy, "readmitted", set()):
             cause, path, trigger = "readmitted", None, now
         elif added and corrupt is None:
-            cause, path = ("initial" if epoch is None else "joined"), "join"
+            cause, path = ("initial" if pub is None else "joined"), "join"
             trigger = min(join_seen.get(m, now) for m in added)
         elif corrupt is not None:
             cause, path, trigger = "repaired", None, now
         else:
             cause, path, trigger = "health", None, now
 
-        p = plan([info for info, _ in alive.values()], demoted, avoid=[tuple(a) for a in avoid])
-        plan_dict = p.to_dict()
+        extras: dict = {}
         if avoid:
-            plan_dict["avoid"] = avoid
+            extras["avoid"] = avoid
         deadline_ms = getattr(self.health_policy, "leaf_deadline_ms", None)
         if demoted and deadline_ms is not None:   # --straggler-policy deadline: every member applies this value
-            plan_dict["leaf_deadline_ms"] = deadline_ms
+            extras["leaf_deadline_ms"] = deadline_ms
         if evicted:   # read by the evicted member (Evicted message), status and a new leader
-            plan_dict["evicted"] = {m: ev.to_dict() for m, ev in sorted(evicted.items())}
-        number = (epoch.number if epoch else 0) + 1 if corrupt is None else self._repair_number(history_top, erev)
-        new = Epoch(
-            number=number, members=p.ring, infos={m: alive[m][0] for m in p.ring}, roles=roles,
-            plan=plan_dict, token=secrets.token_hex(16), cause=cause, trigger_at=trigger,
-            published_at=time.time(), leader=self.id, removed=removed, added=added,
-        )
-        body = new.to_json()
-        ops: list[Put | Delete] = [Put(keys.epoch(self.job), body), Put(keys.epoch_record(self.job, number), body)]
+            extras["evicted"] = {m: ev.to_dict() for m, ev in sorted(evicted.items())}
+        number = (pub.number if pub else 0) + 1 if corrupt is None else self._repair_number(history_top, erev)
+        token = secrets.token_hex(16)
+        ops: list[Put | Delete] = []
+        if len(alive) >= self.config.delta_min_members:
+            published = self._delta_epoch(pub, corrupt, alive, removed, added, demoted, extras, number, token,
+                                          cause, trigger, ops)
+        else:
+            p = plan([info for info, _ in alive.values()], demoted, avoid=[tuple(a) for a in avoid])
+            plan_dict = p.to_dict()
+            plan_dict.update(extras)
+            new = Epoch(
+                number=number, members=p.ring, infos={m: alive[m][0] for m in p.ring},
+                roles={m: ("demoted" if m in demoted else "active") for m in p.ring},
+                plan=plan_dict, token=token, cause=cause, trigger_at=trigger,
+                published_at=time.time(), leader=self.id, removed=removed, added=added,
+            )
+            body = new.to_json()
+            published = _Published(number, set(p.ring), EpochState.from_epoch(new), "full", 0, body, 0, new)
+        body = published.body
+        ops[:0] = [Put(keys.epoch(self.job), body), Put(keys.epoch_record(self.job, number), body)]
         if number - keys.EPOCHS_KEPT > 0:
             ops.append(Delete(keys.epochs(self.job, number - keys.EPOCHS_KEPT), prefix=True))
         ops += cleanup
@@ -412,11 +563,20 @@ class Coordinator:
                      else Compare(keys.epoch(self.job), "mod", "==", erev))
         if not self.store.txn([epoch_cmp, self.election.leader_compare()], ops):
             kv = self.store.get(keys.leader(self.job))
+            self._pub = None
             if kv is None or kv.create_revision != self.election.leader_revision:
                 log.warning("coordinator %s: deposed (leader key is %s); not publishing",
                             self.id, kv.value.decode() if kv else "gone")
                 return "deposed", suspects_pending
             return "retry", suspects_pending
+        self.last_publish_ops = len(ops)
+        self._pub = published
+        with self._cond:
+            self._dirty -= dirty
+            # members held back this time (a re-admission waits for the next epoch) stay due
+            self._dirty |= {m for m in added_set | back if m not in published.members}
+            if full:
+                self._full_pass = False
         self.published.append(number)
         if corrupt is not None:
             log.error("coordinator %s published epoch %d over the malformed epoch record (revision %d)",
@@ -425,14 +585,75 @@ class Coordinator:
                                    f"{corrupt}")
         self.metrics.epochs_published.inc()
         self.metrics.epoch.set(number)
-        latency = new.published_at - trigger
+        latency = time.time() - trigger
         if path is not None and trigger:
             self.metrics.detection_latency.labels(path=path).observe(max(0.0, latency))
-        self._update_member_gauges(alive, set(p.ring), demoted)
+        self._update_member_gauges(len(alive), 0, len(demoted & published.members))
         log.info("coordinator %s published epoch %d (%s, %.1f ms after the trigger): %d members, "
-                 "removed %s, added %s", self.id, number, cause, latency * 1000, len(p.ring),
-                 list(removed), list(added))
+                 "removed %s, added %s", self.id, number, cause, latency * 1000, len(published.members),
+                 list(removed)[:16], list(added)[:16])
         return "published", suspects_pending
+
+    def _write_snapshot(self, pub: _Published) -> None:
+        """Snapshot the current delta epoch's state (chunk puts, then the meta) so that the
+        next delta names it; the snapshot before the previous one is deleted. Runs on an
+        idle pass: O(N), but every :data:`~.delta.SNAPSHOT_EVERY` epochs only."""
+        chunk_puts, meta = snapshot_ops(self.job, pub.state, pub.delta.plan_hash if pub.delta else "")
+        for put in chunk_puts:
+            self.store.put(put.key, put.value)
+        ops: list[Put | Delete] = [meta]
+        if pub.snapshot:
+            ops.append(Delete(keys.snapshots(self.job), range_end=keys.snapshot(self.job, pub.snapshot)))
+        if self.store.txn([self.election.leader_compare()], ops):
+            pub.snapshot = pub.number
+            self.snapshots_written += 1
+
+    def _delta_epoch(self, pub: "_Published | None", corrupt: "RecordError | None",
+                     alive: dict[str, tuple[MemberInfo, int]], removed: tuple[str, ...], added: tuple[str, ...],
+                     demoted: set[str], extras: dict, number: int, token: str, cause: str, trigger: float,
+                     ops: list) -> _Published:
+        """Build the delta record (and, when due, a snapshot) for epoch ``number``;
+        appends the snapshot's ops to ``ops``. Cost: O(change · log N) plus one copy of
+        the infos dict, except for snapshot epochs (O(N))."""
+        old_demoted = pub.state.demoted() if pub is not None else set()
+        new_demoted = demoted & alive.keys()
+        role_changes = {m: ("demoted" if m in new_demoted else "active")
+                        for m in (new_demoted ^ old_demoted) if m in alive}
+        role_changes.update({m: "demoted" for m in added if m in new_demoted})
+        # periodic snapshots are written by an idle pass (_write_snapshot), off the publish path;
+        # one is written inline only when the chain would outgrow the kept history
+        snap = (pub is None or corrupt is not None or pub.form != "delta"
+                or number - pub.snapshot >= keys.EPOCHS_KEPT - 2 or len(added) > CHUNK_MEMBERS)
+        base = pub.number if pub is not None and corrupt is None else 0
+        d = EpochDelta(number=number, base=base, snapshot=number if snap else pub.snapshot, removed=removed,
+                       added=added, infos={m: alive[m][0] for m in added}, roles=role_changes, extras=extras,
+                       token=token, size=len(alive), cause=cause, trigger_at=trigger, published_at=time.time(),
+                       leader=self.id)
+        if pub is not None and corrupt is None and pub.state.number == base:
+            self._pub = None   # its state is consumed below: a failing pass re-reads the epoch
+            state = pub.state.apply(d, in_place=True)
+        else:
+            state = EpochState(number, {m: v[0] for m, v in dict(alive).items()},
+                               {m: "demoted" for m in new_demoted}, extras, token)
+        phash = state.derive_hash()
+        if snap:
+            chunk_puts, meta = snapshot_ops(self.job, state, phash)
+            for put in chunk_puts:   # each under the request limit; unreferenced until the txn
+                self.store.put(put.key, put.value)
+            ops.append(meta)
+            if pub is not None and pub.snapshot:   # keep the previous snapshot for readers mid-way
+                ops.append(Delete(keys.snapshots(self.job), range_end=keys.snapshot(self.job, pub.snapshot)))
+            d = dataclasses.replace(d, infos={})
+            if len(d.added) + len(d.removed) > CHUNK_MEMBERS // 4:   # readers diff their state with the snapshot
+                d = dataclasses.replace(d, added=(), removed=())
+        d = dataclasses.replace(d, plan_hash=phash)
+        if snap or pub is None:
+            members = set(state.infos)
+        else:
+            members = pub.members   # updated in place, as the state
+            members.difference_update(removed)
+            members.update(added)
+        return _Published(number, members, state, "delta", d.snapshot, d.to_json(), 0, None, d)
 
     def _repair_number(self, history_top: int, corrupt_revision: int) -> int:
         """The number of the epoch published over a malformed ``epoch`` record.
@@ -462,32 +683,31 @@ class Coordinator:
             return set(), []
         try:
             records = read_health(self.store, self.job)
-            if isinstance(self.health_policy, StragglerPolicy):
-                if hasattr(self.health_policy, "evaluate_alive"):   # --straggler-policy evict (eviction.py)
-                    from resilient.coordinator.eviction import read_requests
+            if not isinstance(self.health_policy, StragglerPolicy):   # a plain policy: O(its answer)
+                return {m for m in self.health_policy(records) if m in alive}, []
+            live = set(alive)   # once: membership tests below are O(1) each
+            if hasattr(self.health_policy, "evaluate_alive"):   # --straggler-policy evict (eviction.py)
+                from resilient.coordinator.eviction import read_requests
 
-                    verdict = self.health_policy.evaluate_alive(records, epoch, set(alive),
-                                                                read_requests(self.store, self.job))
-                else:
-                    verdict = self.health_policy.evaluate(records, epoch)
-                states = {m: s["state"] for m, s in verdict.scores.items()}
-                self.metrics.set_straggler_scores(
-                    {m: s.get("score", 0.0) or 0.0 for m, s in verdict.scores.items() if m in set(alive)})
-                if states != self._last_scores[0] or time.monotonic() - self._last_scores[1] > 5.0:
-                    write_scores(self.store, self.job, verdict)
-                    self._last_scores = (states, time.monotonic())
-                live = set(alive)
-                return set(verdict.demoted) & live, [
-                    list(p) for p in sorted(verdict.avoid) if p[0] in live and p[1] in live]
-            return set(self.health_policy(records)) & set(alive), []
+                verdict = self.health_policy.evaluate_alive(records, epoch, live,
+                                                            read_requests(self.store, self.job))
+            else:
+                verdict = self.health_policy.evaluate(records, epoch)
+            states = {m: s["state"] for m, s in verdict.scores.items()}
+            self.metrics.set_straggler_scores(
+                {m: s.get("score", 0.0) or 0.0 for m, s in verdict.scores.items() if m in live})
+            if states != self._last_scores[0] or time.monotonic() - self._last_scores[1] > 5.0:
+                write_scores(self.store, self.job, verdict)
+                self._last_scores = (states, time.monotonic())
+            return set(verdict.demoted) & live, [
+                list(p) for p in sorted(verdict.avoid) if p[0] in live and p[1] in live]
         except StoreError:
             raise
         except Exception:
             log.exception("coordinator %s: health policy failed; demoting nobody this pass", self.id)
             return set(), []
 
-    def _update_member_gauges(self, alive: dict, in_epoch: set[str], demoted: set[str]) -> None:
-        joining = sum(1 for m in alive if m not in in_epoch)
+    def _update_member_gauges(self, alive: int, joining: int, demoted: int) -> None:
         self.metrics.members.labels(state="joining").set(joining)
-        self.metrics.members.labels(state="demoted").set(len(demoted & in_epoch))
-        self.metrics.members.labels(state="active").set(len(alive) - joining - len(demoted & in_epoch))
+        self.metrics.members.labels(state="demoted").set(demoted)
+        self.metrics.members.labels(state="active").set(alive - joining - demoted)

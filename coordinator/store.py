@@ -245,8 +245,12 @@ class Put:
 
 @dataclass(frozen=True)
 class Delete:
+    """Delete ``key``; with ``prefix`` every key under it; with ``range_end`` every key
+    in ``[key, range_end)``."""
+
     key: str
     prefix: bool = False
+    range_end: str | None = None
 
 
 def _kv(kv: object) -> KV:
@@ -612,6 +616,15 @@ class Store:
         resp = self._retry(f"get {prefix}*", lambda: self._client.get_prefix_response(prefix, sort_order="ascend"))
         return [_kv(kv) for kv in resp.kvs], resp.header.revision
 
+    def snapshot_page(self, prefix: str, start: str, limit: int, revision: int = 0) -> tuple[list[KV], int, bool]:
+        """Up to ``limit`` keys under ``prefix`` from ``start`` on, at ``revision`` (0: now):
+        ``(kvs, revision read, more keys follow)``. Paged reads stay under gRPC's receive
+        limit whatever the prefix holds (:func:`~.directory.paged_snapshot`)."""
+        end = prefix_range_end(prefix.encode())
+        resp = self._retry(f"get {prefix}* page", lambda: self._client.get_range_response(
+            start, end, sort_order="ascend", limit=limit, revision=revision or None))
+        return [_kv(kv) for kv in resp.kvs], resp.header.revision, bool(resp.more)
+
     def put(self, key: str, value: bytes | str, lease: int | None = None) -> int:
         """Write ``key``; returns the new store revision. A ``lease`` that no longer exists
         raises :class:`LeaseExpired`."""
@@ -651,6 +664,8 @@ class Store:
             return etcd_txn.Put(op.key, op.value, lease=op.lease)
         if isinstance(op, Delete):
             key = op.key.encode()
+            if op.range_end is not None:
+                return etcd_txn.Delete(key, range_end=op.range_end.encode())
             return etcd_txn.Delete(key, range_end=prefix_range_end(key) if op.prefix else None)
         raise TypeError(f"not a transaction op: {op!r}")
 

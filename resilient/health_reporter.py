@@ -23,6 +23,11 @@ member that stops doing ops stops reporting (its last window goes stale and the 
 ignores it; a hung member is the lease's business, not the detector's). Also records
 ``resilient_peer_wait_seconds`` when rank metrics are available.
 
+At scale (docs/scale.md) pass ``sink``: the window goes to that callable instead of
+etcd — e.g. :meth:`~resilient.coordinator.health.NodeHealthAggregator.maybe_flush` of
+the node's aggregator, which writes one summary per node at a low rate — so no per-rank
+write per second reaches etcd.
+
 Failure behaviour: a failed write (etcd unreachable, lease gone) is logged once per
 outage and swallowed — health reporting must never fail a collective; the window keeps
 accumulating and the next successful write covers it. :meth:`op_done` never raises.
@@ -44,7 +49,8 @@ LINK_MIN_BYTES = 64 << 10
 class HealthReporter:
     def __init__(self, store: Any, job: str, member_id: str, lease_id: int | None, stats: TransportStats,
                  interval: float = 1.0, extra: dict | None = None,
-                 clock: Callable[[], float] = time.monotonic, min_ops: int = 1) -> None:
+                 clock: Callable[[], float] = time.monotonic, min_ops: int = 1,
+                 sink: Callable[[dict], object] | None = None) -> None:
         self.store, self.job, self.member_id, self.lease_id = store, job, member_id, lease_id
         self.stats = stats
         self.interval = float(interval)
@@ -58,6 +64,7 @@ class HealthReporter:
         self._op_times: list[float] = []
         self.seq = 0
         self._failing = False
+        self._sink = sink
 
     def op_done(self, epoch: int, op_seconds: float | None = None) -> bool:
         """Count one finished op; write a window if ``interval`` has passed. Returns True
@@ -82,7 +89,10 @@ class HealthReporter:
         rec = make_record(self.member_id, epoch, self.seq, self._ops, now - self._start, delta,
                           self._op_times, **extra)
         try:
-            write_health(self.store, self.job, self.member_id, rec, self.lease_id)
+            if self._sink is not None:
+                self._sink(rec)
+            else:
+                write_health(self.store, self.job, self.member_id, rec, self.lease_id)
         except Exception as exc:  # never fail a collective for health reporting
             if not self._failing:
                 log.warning("health report of %s failed (will retry next window): %s", self.member_id, exc)

@@ -354,3 +354,25 @@ def test_etcd_client_credentials_reach_every_client_pod(chart):
     for o in objects(chart, {}):
         if o["kind"] in ("Deployment", "Job"):
             assert "RESILIENT_ETCD_USER" not in env_of(o["spec"]["template"]["spec"]["containers"][0])
+
+
+def test_scale_values_put_grpc_proxies_between_agents_and_etcd(chart):
+    """docs/scale.md: workers reach etcd through the proxy Service, the coordinator directly."""
+    objs = objects(chart, load_values(CHART_DIR / "ci" / "scale-values.yaml"))
+    proxy = one(objs, "Deployment", "etcd-proxy")
+    assert proxy["spec"]["replicas"] == 4
+    args = proxy["spec"]["template"]["spec"]["containers"][0]["args"]
+    members = [f"http://demo-resilient-etcd-{i}.demo-resilient-etcd-headless.ml.svc.cluster.local:2379" for i in range(3)]
+    assert f"--endpoints={','.join(members)}" in args
+    svc = one(objs, "Service", "etcd-proxy")
+    env = env_of(one(objs, "Job", "worker")["spec"]["template"]["spec"]["containers"][0])
+    assert env["PET_RDZV_ENDPOINT"] == f"{svc['metadata']['name']}.ml.svc.cluster.local:2379"
+    coord = one(objs, "Deployment", "coordinator")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert ",".join(m[len("http://"):] for m in members) in coord
+    assert not [o for o in objects(chart) if o["metadata"]["labels"].get("app.kubernetes.io/component") == "etcd-proxy"]
+
+
+def test_grpc_proxy_with_etcd_tls_is_a_clear_error(chart):
+    with pytest.raises(helm.HelmRenderError, match="etcdGrpcProxy.enabled needs a plain-HTTP etcd"):
+        chart.render({"etcdGrpcProxy": {"enabled": True}, "etcd": {"tls": {"enabled": True, "existingSecret": "s"}}},
+                     name=RELEASE, namespace=NAMESPACE)

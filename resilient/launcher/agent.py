@@ -32,6 +32,15 @@ every running worker; the agent waits ``--shutdown-timeout`` seconds, SIGKILLs w
 (the worker's process group), revokes every lease and exits ``128 + signal number``
 (torchrun exits 1 with a traceback; the shell convention says which signal it was).
 
+**Node lease** (``RESILIENT_NODE_LEASE=1``, docs/scale.md): instead of a lease per worker,
+the agent grants one lease for the node, kept alive by its keeper, and every worker
+registers on it without a keep-alive of its own (``RESILIENT_LEASE_KEEPER=agent``); the
+agent vouches for its ranks: an exit is handled at once by one transaction
+(``departed/<member id>`` + delete of ``members/<member id>``, siblings untouched), and a
+hung worker — its heartbeat file (``RESILIENT_HEARTBEAT_FILE``, touched every ttl/3)
+older than ``--lease-ttl`` — is removed the same way (reason ``heartbeat stale``). At
+100,000 GPUs this turns 100,000 leases into one per node.
+
 Failure behaviour: if etcd is unreachable when a worker exits, the revoke is logged and the
 lease expires after ``--lease-ttl``; the restart still happens (a new lease needs etcd, so
 the restart fails with ``StoreUnavailable`` if etcd stays down past the store's retry budget,
@@ -71,6 +80,8 @@ class ControlPlane:
     job: str
     lease_ttl: float
     keeper: Any  # resilient.launcher.rendezvous.LeaseKeeper
+    #: the node lease every worker shares (RESILIENT_NODE_LEASE=1), else None
+    node_lease: int | None = None
 
 
 @dataclass
@@ -101,6 +112,8 @@ class Worker:
     done: bool = False
     exitcode: int | None = None
     pids: list[int] = field(default_factory=list)
+    heartbeat: str | None = None      # node-lease mode: the worker's heartbeat file
+    vouched_out: bool = False         # node-lease mode: removed for a stale heartbeat
 
 
 class Agent:
@@ -123,6 +136,14 @@ class Agent:
         self.restarts = 0
         self._exits: queue.Queue = queue.Queue()
         self._signal: int | None = None
+        self._hb_dir: str | None = None
+        if control is not None and os.environ.get("RESILIENT_NODE_LEASE", "") not in ("", "0"):
+            import tempfile
+
+            control.node_lease = control.store.grant(control.lease_ttl)
+            control.keeper.add(control.node_lease)
+            self._hb_dir = tempfile.mkdtemp(prefix="resilient-hb-")
+            log.info("node lease %x: the agent vouches for its %d ranks", control.node_lease, cfg.nproc_per_node)
 
     # -- signals --------------------------------------------------------------------------
 
@@ -138,17 +159,22 @@ class Agent:
         if self.control is not None:
             c = self.control
             w.member_id = f"g{self.placement.group_rank}-l{w.local_rank}-a{w.restart_count}-{self.token}"
-            w.lease_id = c.store.grant(c.lease_ttl)
-            from resilient.coordinator import keys
+            if c.node_lease is not None:
+                w.lease_id, w.vouched_out = c.node_lease, False
+                w.heartbeat = os.path.join(self._hb_dir, f"{w.local_rank}.{w.restart_count}")
+                open(w.heartbeat, "w").close()
+            else:
+                w.lease_id = c.store.grant(c.lease_ttl)
+                from resilient.coordinator import keys
 
-            key = keys.member(c.job, w.member_id)
-            lease = w.lease_id
+                key = keys.member(c.job, w.member_id)
+                lease = w.lease_id
 
-            def registered(key: str = key, lease: int = lease) -> bool:
-                kv = c.store.get(key)
-                return kv is not None and kv.lease == lease
+                def registered(key: str = key, lease: int = lease) -> bool:
+                    kv = c.store.get(key)
+                    return kv is not None and kv.lease == lease
 
-            c.keeper.add(w.lease_id, until=registered)
+                c.keeper.add(w.lease_id, until=registered)
             ids = ResilientIds(tuple(c.endpoints), c.job, w.lease_id, w.member_id, c.lease_ttl)
         w.streams = self.logs.open(w.local_rank, w.restart_count)
         env = worker_env(
@@ -156,6 +182,10 @@ class Agent:
             self.cfg.max_restarts, w.streams.error_file, ids, self.cfg.job, joiner,
             self.cfg.virtual_local_rank,
         )
+        if w.heartbeat is not None:
+            from resilient.coordinator.membership import HEARTBEAT_ENV, LEASE_KEEPER_ENV
+
+            env[LEASE_KEEPER_ENV], env[HEARTBEAT_ENV] = "agent", w.heartbeat
         if self.cfg.local_addr and "RESILIENT_HOST" not in env:
             env["RESILIENT_HOST"] = self.cfg.local_addr  # the data-plane listener binds where the node lives
         if self.metrics_dir:
@@ -176,7 +206,10 @@ class Agent:
 
     def _release(self, w: Worker, rc: int) -> None:
         """The worker's process has exited: revoke its lease at once, close its logs."""
-        if self.control is not None and w.lease_id is not None:
+        if self.control is not None and w.heartbeat is not None:
+            if not w.vouched_out:
+                self._vouch_out(w, f"exit code {rc}" if rc >= 0 else f"signal {-rc}")
+        elif self.control is not None and w.lease_id is not None:
             from resilient.coordinator.membership import revoke_member
 
             self.control.keeper.remove(w.lease_id)
@@ -195,6 +228,35 @@ class Agent:
         if w.streams is not None:
             w.streams.close()
 
+    def _vouch_out(self, w: Worker, reason: str) -> None:
+        """Node-lease mode: remove one worker's membership (its siblings keep theirs)."""
+        from resilient.coordinator.membership import depart_member
+
+        w.vouched_out = True
+        try:
+            depart_member(self.control.store, self.control.job, w.member_id, reason, self.control.node_lease)
+            log.info("local rank %d (%s): removed member %s from the node lease", w.local_rank, reason, w.member_id)
+        except StoreError as exc:
+            w.vouched_out = False   # tried again on the next check / exit
+            log.error("could not remove member %s of local rank %d: %s", w.member_id, w.local_rank, exc)
+
+    def _check_heartbeats(self) -> None:
+        """Node-lease mode: a running worker whose heartbeat is older than the lease TTL
+        is hung (SIGSTOP, deadlock in C): vouch it out, as its own lease would expire."""
+        if self.control is None or self.control.node_lease is None:
+            return
+        now = time.time()
+        for w in self.workers:
+            if w.done or w.vouched_out or w.heartbeat is None or w.proc is None or w.proc.poll() is not None:
+                continue
+            try:
+                age = now - os.stat(w.heartbeat).st_mtime
+            except OSError:
+                continue
+            if age > self.control.lease_ttl:
+                log.warning("local rank %d: no heartbeat for %.1fs (hung?)", w.local_rank, age)
+                self._vouch_out(w, f"heartbeat stale for {age:.1f}s")
+
     # -- main loop ------------------------------------------------------------------------
 
     def run(self) -> int:
@@ -205,8 +267,9 @@ class Agent:
             while not all(w.done for w in self.workers):
                 if self._signal is not None:
                     return self._shutdown(self._signal)
+                self._check_heartbeats()
                 try:
-                    w, proc, rc = self._exits.get(timeout=self.cfg.monitor_interval)
+                    w, proc, rc = self._exits.get(timeout=min(self.cfg.monitor_interval, 0.5))
                 except queue.Empty:
                     continue
                 if proc is not w.proc:
@@ -245,6 +308,24 @@ class Agent:
         except BaseException:
             self._stop_workers(signal.SIGTERM)
             raise
+        finally:
+            self._drop_node_lease()
+
+    def _drop_node_lease(self) -> None:
+        """Node-lease mode: every worker is gone; revoke the node lease, drop heartbeats."""
+        c = self.control
+        if c is None or c.node_lease is None:
+            return
+        import shutil
+
+        c.keeper.remove(c.node_lease)
+        try:
+            c.store.revoke(c.node_lease)
+        except StoreError as exc:
+            log.warning("could not revoke node lease %x (%s); it expires after %gs", c.node_lease, exc, c.lease_ttl)
+        c.node_lease = None
+        if self._hb_dir:
+            shutil.rmtree(self._hb_dir, ignore_errors=True)
 
     def _finish(self) -> int:
         """Every worker ended: the exit code from their last incarnations and, if any worker

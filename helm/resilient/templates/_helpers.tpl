@@ -91,6 +91,22 @@ etcd.endpoints when the chart does not deploy etcd.
 {{- end }}
 {{- end }}
 
+{{- define "resilient.etcd.proxyName" -}}
+{{- printf "%s-etcd-proxy" (include "resilient.fullname" .) }}
+{{- end }}
+
+{{/* The endpoints the node agents use: the grpc-proxy Service when enabled, else etcd's. */}}
+{{- define "resilient.etcd.agentEndpoints" -}}
+{{- if .Values.etcdGrpcProxy.enabled }}
+{{- if .Values.etcd.tls.enabled }}
+{{- fail "etcdGrpcProxy.enabled needs a plain-HTTP etcd: turn etcd.tls.enabled off or the proxies off" }}
+{{- end }}
+{{- printf "%s.%s.svc.%s:%d" (include "resilient.etcd.proxyName" .) .Release.Namespace .Values.clusterDomain (int .Values.etcdGrpcProxy.port) }}
+{{- else }}
+{{- include "resilient.etcd.endpoints" . }}
+{{- end }}
+{{- end }}
+
 {{/* ETCD_INITIAL_CLUSTER: name=peerURL for every member. */}}
 {{- define "resilient.etcd.initialCluster" -}}
 {{- $members := list }}

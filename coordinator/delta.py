@@ -1,0 +1,326 @@
+"""Epochs as deltas, and chunked snapshots (docs/scale.md).
+
+At scale the ``epoch`` record cannot carry every member (at 100,000 ranks the full form
+is ~32 MB; etcd refuses requests above 1.5 MiB). A **delta epoch record** carries only
+the change against its ``base`` (the previous epoch): the ids ``removed`` and ``added``,
+the infos of the added, role changes, the plan inputs that are not membership (avoided
+links, leaf deadline, evictions: small), the ``token``, ``size`` and the
+:func:`~.ring.plan_hash` of the plan. Every member derives the same plan from the state
+it already holds plus the delta (the planner is pure) and checks the hash; a mismatch is
+a :class:`~resilient.errors.RecordError` and the reader falls back to the snapshot.
+
+A **snapshot** of the whole state after epoch ``s`` lives under ``snapshots/<s>/``:
+``meta`` (number, chunk count, sha256 of the chunks, plan hash) and ``<i>`` chunks of
+zlib-compressed JSON, each at most :data:`CHUNK_MEMBERS` members (a few tens of KB).
+Every delta record names the newest snapshot (``snapshot``); a reader that has no state,
+or whose state is older than that snapshot, loads the snapshot and applies the deltas
+``epochs/<s+1..n>/epoch`` (history is kept for :data:`~.keys.EPOCHS_KEPT` epochs and a
+snapshot is written at least every :data:`SNAPSHOT_EVERY` epochs, so the chain is always
+there). A record with ``snapshot == number`` is a snapshot epoch: its state is the
+snapshot itself.
+
+Failure behaviour: every record and chunk passes :mod:`.records` (a chunk's decompressed
+size is bounded before it is parsed); a missing link of the chain, a chunk whose digest
+differs or a plan whose hash differs raises :class:`~resilient.errors.RecordError` naming
+the key, and nothing of the reader's state changes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import zlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from resilient.coordinator import keys, records
+from resilient.coordinator.membership import MemberInfo
+from resilient.coordinator.planner import plan
+from resilient.coordinator.ring import IncrementalRing, plan_hash
+from resilient.coordinator.store import Put, Store
+from resilient.errors import RecordError
+
+if TYPE_CHECKING:   # pragma: no cover
+    from resilient.coordinator.epoch import Epoch
+
+#: the ``form`` field of a delta epoch record
+DELTA_FORM = "delta"
+#: members per snapshot chunk (each chunk is one etcd key, well under the request limit)
+CHUNK_MEMBERS = 2048
+#: a snapshot is written at least every this many epochs (< keys.EPOCHS_KEPT)
+SNAPSHOT_EVERY = 4
+#: largest decompressed chunk accepted
+MAX_CHUNK_BYTES = records.MAX_RECORD_BYTES
+#: plan fields that are inputs, not derived from the ring
+EXTRA_FIELDS = ("avoid", "leaf_deadline_ms", "evicted")
+
+
+@dataclass(frozen=True)
+class EpochDelta:
+    """One delta epoch record (see the module docstring)."""
+
+    number: int
+    base: int
+    snapshot: int
+    removed: tuple[str, ...] = ()
+    added: tuple[str, ...] = ()
+    infos: dict[str, MemberInfo] = field(default_factory=dict)
+    roles: dict[str, str] = field(default_factory=dict)
+    extras: dict = field(default_factory=dict)
+    token: str = ""
+    size: int = 0
+    plan_hash: str = ""
+    cause: str = ""
+    trigger_at: float = 0.0
+    published_at: float = 0.0
+    leader: str = ""
+
+    def to_json(self) -> bytes:
+        return json.dumps({
+            "form": DELTA_FORM, "number": self.number, "base": self.base, "snapshot": self.snapshot,
+            "removed": list(self.removed), "added": list(self.added),
+            "infos": {m: i.to_dict() for m, i in self.infos.items()}, "roles": self.roles,
+            "extras": self.extras, "token": self.token, "size": self.size, "plan_hash": self.plan_hash,
+            "cause": self.cause, "trigger_at": self.trigger_at, "published_at": self.published_at,
+            "leader": self.leader,
+        }, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_fields(cls, f: records.Fields) -> "EpochDelta":
+        """Parse (the :mod:`.records` rules); :class:`RecordError` if malformed."""
+        number = f.int("number")
+        infos = {}
+        sub = f.obj("infos", {})
+        if sub is not None:
+            for m, i in sub.by_name():
+                infos[m] = MemberInfo.from_dict(records.Fields("epoch", i, f.key, f"infos.{m}"))
+                if infos[m].member_id != m:
+                    f.fail(f"infos.{m} describes member {infos[m].member_id!r}")
+        roles = f.str_map("roles", {}, max_len=32)
+        added = f.names("added", (), unique=True)
+        snapshot = f.int("snapshot", 0)
+        if set(infos) != (set() if snapshot == number else set(added)):
+            f.fail("infos must describe exactly the added members (none in a snapshot epoch)")
+        ex = f.obj("extras", {})
+        extras = {}
+        if ex is not None:
+            from resilient.coordinator.epoch import check_plan
+
+            extras = {k: v for k, v in check_plan(ex, 0).items() if k in EXTRA_FIELDS}
+        base = f.int("base")
+        if base >= number and number > 0 or snapshot > number:
+            f.fail(f"base {base} / snapshot {snapshot} do not precede number {number}")
+        return cls(
+            number=number, base=base, snapshot=snapshot, removed=f.names("removed", (), unique=True),
+            added=added, infos=infos, roles=roles, extras=extras, token=f.str("token", "", max_len=256),
+            size=f.int("size", 0), plan_hash=f.str("plan_hash", "", max_len=64), cause=f.str("cause", "", max_len=64),
+            trigger_at=f.float("trigger_at", 0.0), published_at=f.float("published_at", 0.0),
+            leader=f.str("leader", "", max_len=256))
+
+
+def is_delta(raw: bytes) -> bool:
+    """Cheap test of the record's form (a full record never contains this marker first)."""
+    return raw[:32].startswith(b'{"form":"delta"')
+
+
+def parse_delta(raw: bytes, key: str = "") -> EpochDelta:
+    f = records.fields("epoch", raw, key)
+    if f.str("form", "") != DELTA_FORM:
+        f.fail("not a delta epoch record (no form: delta)")
+    return EpochDelta.from_fields(f)
+
+
+class EpochState:
+    """The membership state a delta applies to: infos of every member, roles that are not
+    ``active``, plan extras, and the ring kept incrementally. ``apply`` returns a new state
+    (the old one is untouched, unless ``in_place``: then it is emptied) or raises
+    :class:`RecordError`."""
+
+    def __init__(self, number: int = 0, infos: dict[str, MemberInfo] | None = None,
+                 roles: dict[str, str] | None = None, extras: dict | None = None, token: str = "") -> None:
+        self.number = number
+        self.infos: dict[str, MemberInfo] = dict(infos or {})
+        self.roles: dict[str, str] = {m: r for m, r in (roles or {}).items() if r != "active"}
+        self.extras: dict = dict(extras or {})
+        self.token = token
+        self._ring: IncrementalRing | None = None
+
+    @classmethod
+    def from_epoch(cls, e: "Epoch") -> "EpochState":
+        return cls(e.number, e.infos, e.roles, {k: v for k, v in e.plan.items() if k in EXTRA_FIELDS}, e.token)
+
+    def ring_index(self) -> IncrementalRing:
+        if self._ring is None:
+            r = IncrementalRing()
+            r.update(upsert=[(i, self.roles.get(m) == "demoted") for m, i in self.infos.items()])
+            self._ring = r
+        return self._ring
+
+    def apply(self, d: EpochDelta, key: str = "", in_place: bool = False) -> "EpochState":
+        if d.base != self.number:
+            raise RecordError(f"bad epoch record at {key}: delta {d.number} is based on epoch {d.base}, "
+                              f"the reader holds {self.number}", "epoch", key)
+        missing = [m for m in d.removed if m not in self.infos]
+        if missing:
+            raise RecordError(f"bad epoch record at {key}: removes {missing[:4]} that epoch {self.number} "
+                              "does not hold", "epoch", key)
+        if in_place:   # the caller owns this state (the coordinator): no O(N) copy
+            new = EpochState.__new__(EpochState)
+            new.number, new.infos, new.roles, new.extras, new.token = d.number, self.infos, self.roles, dict(
+                d.extras), d.token
+            new._ring = None
+            self.infos, self.roles = {}, {}
+        else:
+            new = EpochState(d.number, self.infos, self.roles, d.extras, d.token)
+        for m in d.removed:
+            del new.infos[m]
+            new.roles.pop(m, None)
+        new.infos.update(d.infos)
+        for m, r in d.roles.items():
+            if r == "active":
+                new.roles.pop(m, None)
+            else:
+                new.roles[m] = r
+        for m in [m for m in new.roles if m not in new.infos]:
+            del new.roles[m]
+        if self._ring is not None:   # carry the ring over: O(change)
+            ring, self._ring = self._ring, None
+            changed = set(d.removed) | set(d.infos) | set(d.roles)
+            ring.update(remove=[m for m in changed if m in ring],
+                        upsert=[(new.infos[m], new.roles.get(m) == "demoted") for m in changed if m in new.infos])
+            new._ring = ring
+        return new
+
+    def derive_hash(self) -> str:
+        """The plan hash this state yields (incremental ring; full planner with avoids)."""
+        avoid = self.extras.get("avoid") or []
+        if avoid:
+            p = plan(self.infos.values(), self.demoted(), avoid=[tuple(a) for a in avoid])
+            return plan_hash(p.ring, len(p.demoted), avoid)
+        return self.ring_index().hash()
+
+    def demoted(self) -> set[str]:
+        return {m for m, r in self.roles.items() if r == "demoted"}
+
+    def to_epoch(self, d: EpochDelta, key: str = "") -> "Epoch":
+        """The full :class:`~.epoch.Epoch` for delta ``d`` (its metadata) on this state;
+        runs the planner and checks the hash (:class:`RecordError` on a mismatch)."""
+        from resilient.coordinator.epoch import Epoch
+
+        avoid = self.extras.get("avoid") or []
+        p = plan(self.infos.values(), self.demoted(), avoid=[tuple(a) for a in avoid])
+        got = plan_hash(p.ring, len(p.demoted), avoid)
+        if d.plan_hash and got != d.plan_hash:
+            raise RecordError(f"bad epoch record at {key}: the derived plan hashes to {got}, the record says "
+                              f"{d.plan_hash} (diverged state; reload the snapshot)", "epoch", key)
+        plan_dict = p.to_dict()
+        plan_dict.update(self.extras)
+        return Epoch(number=d.number, members=p.ring, infos=self.infos,
+                     roles={m: self.roles.get(m, "active") for m in p.ring}, plan=plan_dict, token=d.token,
+                     cause=d.cause, trigger_at=d.trigger_at, published_at=d.published_at, leader=d.leader,
+                     removed=d.removed, added=d.added)
+
+
+# -- snapshots --------------------------------------------------------------------------
+
+
+def snapshot_ops(job: str, state: EpochState, phash: str) -> tuple[list[Put], Put]:
+    """(chunk puts, the meta put) for a snapshot of ``state``. The chunks are written
+    first (plain puts: each under the request limit); the meta goes in the epoch's txn."""
+    ids = sorted(state.infos)
+    chunks: list[bytes] = []
+    for i in range(0, max(1, len(ids)), CHUNK_MEMBERS):
+        part = ids[i:i + CHUNK_MEMBERS]
+        body = json.dumps({"infos": [state.infos[m].to_dict() for m in part],
+                           "roles": {m: state.roles[m] for m in part if m in state.roles}},
+                          separators=(",", ":")).encode()
+        chunks.append(zlib.compress(body, 6))
+    digest = hashlib.sha256(b"".join(chunks)).hexdigest()
+    puts = [Put(keys.snapshot_chunk(job, state.number, i), c) for i, c in enumerate(chunks)]
+    meta = json.dumps({"number": state.number, "chunks": len(chunks), "sha256": digest, "plan_hash": phash,
+                       "extras": state.extras, "token": state.token, "size": len(ids)},
+                      separators=(",", ":")).encode()
+    return puts, Put(keys.snapshot_meta(job, state.number), meta)
+
+
+def load_snapshot(store: Store, job: str, number: int) -> EpochState:
+    """The state saved under ``snapshots/<number>/``; :class:`RecordError` if it is
+    missing, incomplete, altered (digest) or malformed."""
+    mkey = keys.snapshot_meta(job, number)
+    kv = store.get(mkey)
+    if kv is None:
+        raise RecordError(f"bad epoch record: snapshot {number} ({mkey}) is missing", "epoch", mkey)
+    f = records.fields("epoch", kv.value, mkey)
+    count = f.int("chunks", hi=100_000)
+    if f.int("number") != number:
+        f.fail(f"the meta of snapshot {number} says number {f.int('number')}")
+    from resilient.coordinator.epoch import check_plan
+
+    ex = f.obj("extras", {})
+    extras = {k: v for k, v in check_plan(ex, 0).items() if k in EXTRA_FIELDS} if ex is not None else {}
+    by_key = {c.key: c.value for c in store.get_prefix(keys.snapshot(job, number)) if c.key != mkey}
+    blobs = []
+    for i in range(count):
+        ck = keys.snapshot_chunk(job, number, i)
+        if ck not in by_key:
+            f.fail(f"chunk {ck} of {count} is missing")
+        blobs.append(by_key[ck])
+    if hashlib.sha256(b"".join(blobs)).hexdigest() != f.str("sha256", max_len=64):
+        f.fail("its chunks do not match the digest in the meta (altered or from another snapshot)")
+    infos: dict[str, MemberInfo] = {}
+    roles: dict[str, str] = {}
+    for i, blob in enumerate(blobs):
+        ck = keys.snapshot_chunk(job, number, i)
+        try:
+            d = zlib.decompressobj()
+            raw = d.decompress(blob, MAX_CHUNK_BYTES)
+            if d.unconsumed_tail:
+                raise RecordError(f"bad epoch record at {ck}: decompresses past {MAX_CHUNK_BYTES} bytes",
+                                  "epoch", ck)
+        except zlib.error as exc:
+            raise RecordError(f"bad epoch record at {ck}: not zlib data ({exc})", "epoch", ck) from None
+        cf = records.fields("epoch", raw, ck)
+        for j, item in enumerate(cf.items("infos")):
+            info = MemberInfo.from_dict(records.Fields("epoch", item, ck, f"infos[{j}]"))
+            infos[info.member_id] = info
+        roles.update(cf.str_map("roles", {}, max_len=32))
+    if len(infos) != f.int("size", len(infos)):
+        f.fail(f"holds {len(infos)} members, its meta says {f.int('size')}")
+    state = EpochState(number, infos, roles, extras, f.str("token", "", max_len=256))
+    want = f.str("plan_hash", "", max_len=64)
+    if want and state.derive_hash() != want:
+        f.fail("its members do not yield the plan hash in the meta")
+    return state
+
+
+def resolve(store: Store, job: str, d: EpochDelta, have: EpochState | None, key: str = "") -> EpochState:
+    """The state after delta ``d``: from ``have`` when it is ``d``'s base, else from the
+    newest snapshot plus the history deltas. :class:`RecordError` if the chain is broken."""
+    if d.snapshot == d.number:
+        return load_snapshot(store, job, d.number)
+    if have is not None and have.number == d.base:
+        return have.apply(d, key)
+    if have is not None and d.snapshot <= have.number < d.number:
+        state = have
+    else:
+        state = _history_state(store, job, d.snapshot)
+    for n in range(state.number + 1, d.number):
+        hk = keys.epoch_record(job, n)
+        kv = store.get(hk)
+        if kv is None:
+            raise RecordError(f"bad epoch record at {key}: history record {hk} is missing", "epoch", hk)
+        state = state.apply(parse_delta(kv.value, hk), hk)
+    return state.apply(d, key)
+
+
+def _history_state(store: Store, job: str, number: int) -> EpochState:
+    """The state of epoch ``number``: its snapshot, or (the first delta follows a full
+    record) the full record kept in history."""
+    try:
+        return load_snapshot(store, job, number)
+    except RecordError:
+        kv = store.get(keys.epoch_record(job, number))
+        if kv is None or is_delta(kv.value):
+            raise
+        from resilient.coordinator.epoch import Epoch
+
+        return EpochState.from_epoch(Epoch.from_json(kv.value, kv.key))

@@ -1,0 +1,160 @@
+"""The coordinator's in-memory member directory, kept from watches (docs/scale.md).
+
+Members appear in two forms, both parsed through :mod:`.records`:
+
+* ``members/<id>``: one rank on its own lease (:class:`~.membership.MemberSession`);
+* ``nodes/<node>``: one **node record** on the node agent's single lease, vouching for
+  all its local ranks (:class:`NodeRecord`). The node's ranks live and die with it.
+
+:class:`Directory` holds ``{member id: (MemberInfo, lease)}``. ``apply(events)`` folds
+watch events in and returns the ids that changed, so the coordinator's cost per event is
+proportional to the change, not to the job. :meth:`Directory.load` re-reads both prefixes
+in pages (:func:`paged_snapshot`, :data:`PAGE` keys per request: under etcd's 4 MiB
+response limit whatever the job size).
+
+Failure behaviour: a malformed record is skipped (logged and counted under its kind,
+``member`` or ``node``) and its previous content is dropped — the member counts as gone
+until a valid record is written, exactly as :func:`~.membership.read_members` treats it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Iterable
+
+from resilient.coordinator import keys, records
+from resilient.coordinator.membership import MemberInfo
+from resilient.coordinator.store import KV, Store, WatchEvent
+from resilient.errors import RecordError
+
+#: keys per range request of a resync (a member record is ~300 B: ~300 KB per page)
+PAGE = 1000
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """``nodes/<node>``: the node agent's ranks, on the agent's lease."""
+
+    node: str
+    host: str
+    labels: dict
+    ranks: tuple[MemberInfo, ...]
+    ttl: float = 0.0
+
+    def to_json(self) -> bytes:
+        return json.dumps({"node": self.node, "host": self.host, "labels": self.labels, "ttl": self.ttl,
+                           "ranks": [{"member_id": r.member_id, "local_rank": r.local_rank, "address": r.address,
+                                      "pid": r.pid, "device": r.device, "state": r.state} for r in self.ranks]},
+                          separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, key: str = "") -> "NodeRecord":
+        """Parse; :class:`RecordError` if malformed or the key's node id differs."""
+        f = records.fields("node", raw, key)
+        node, host = f.name("node"), f.str("host", "", max_len=255)
+        labels = f.str_map("labels", {}, max_len=255)
+        ttl = f.float("ttl", 0.0, lo=0.0)
+        ranks = []
+        for i, r in enumerate(f.items("ranks")):
+            rf = records.Fields("node", r, key, f"ranks[{i}]")
+            ranks.append(MemberInfo(member_id=rf.name("member_id"), host=host, local_rank=rf.int("local_rank", 0),
+                                    device=rf.str("device", "cpu", max_len=64),
+                                    address=rf.str("address", "", max_len=300), labels=labels,
+                                    pid=rf.int("pid", 0), state=rf.str("state", "joining", max_len=32), ttl=ttl))
+        if key and keys.last_segment(key) != node:
+            f.fail(f"its node is {node!r}, not the key's")
+        if len({r.member_id for r in ranks}) != len(ranks):
+            f.fail("lists a rank twice")
+        return cls(node, host, labels, tuple(ranks), ttl)
+
+
+def paged_snapshot(store: Store, prefix: str, page: int = PAGE, revision: int = 0) -> tuple[list[KV], int]:
+    """Every key under ``prefix`` at one revision (``revision``, or 0: now), read ``page``
+    keys per request. Falls back to one request on a store without ``snapshot_page``."""
+    if not hasattr(store, "snapshot_page"):
+        return store.snapshot(prefix)
+    out: list[KV] = []
+    start, rev = prefix, revision
+    while True:
+        kvs, rev, more = store.snapshot_page(prefix, start, page, rev)
+        out += kvs
+        if not more or not kvs:
+            return out, rev
+        start = kvs[-1].key + "\0"
+
+
+class Directory:
+    """Members by id, from ``members/`` and ``nodes/`` records (see the module docstring)."""
+
+    def __init__(self, job: str) -> None:
+        self.job = job
+        self._mp, self._np = keys.members(job), keys.nodes(job)
+        self.members: dict[str, tuple[MemberInfo, int]] = {}
+        self._node_ranks: dict[str, tuple[str, ...]] = {}
+        #: rank id -> the node whose record held it last (kept after the node is gone, so a
+        #: ``departed/<node>`` marker can name the cause of its ranks' removal)
+        self.node_of: dict[str, str] = {}
+        self.loaded = False
+        #: bumped on every change (readers cache copies by it)
+        self.version = 0
+
+    def load(self, store: Store) -> tuple[set[str], int]:
+        """Re-read both prefixes (paged); returns (ids whose entry changed, revision)."""
+        mkvs, rev = paged_snapshot(store, self._mp)
+        nkvs, _ = paged_snapshot(store, self._np, revision=rev)   # the same revision: no event falls between
+        old = self.members
+        self.members, self._node_ranks = {}, {}
+        for kv in mkvs + nkvs:
+            self._put(kv.key, kv.value, kv.lease)
+        self.loaded = True
+        self.version += 1
+        changed = {m for m in old.keys() | self.members.keys() if old.get(m) != self.members.get(m)}
+        return changed, rev
+
+    def apply(self, events: Iterable[WatchEvent]) -> set[str]:
+        """Fold watch events in; the ids whose entry changed. A ``resync`` event is not
+        handled here (the caller calls :meth:`load`)."""
+        changed: set[str] = set()
+        for ev in events:
+            if ev.type == "put":
+                changed |= self._put(ev.key, ev.value, ev.lease)
+            elif ev.type == "delete":
+                changed |= self._delete(ev.key)
+        if changed:
+            self.version += 1
+        return changed
+
+    def _delete(self, key: str) -> set[str]:
+        if key.startswith(self._np):
+            ids = self._node_ranks.pop(keys.last_segment(key), ())
+        else:
+            ids = (key[len(self._mp):],)
+        gone = {m for m in ids if self.members.pop(m, None) is not None}
+        return gone
+
+    def _put(self, key: str, value: bytes, lease: int) -> set[str]:
+        changed = self._delete(key)
+        try:
+            if key.startswith(self._np):
+                rec = NodeRecord.from_json(value, key)
+                ids = []
+                for info in rec.ranks:
+                    if info.member_id in self.members:   # a rank claimed twice: the first record keeps it
+                        records.skip(RecordError(f"bad node record at {key}: rank {info.member_id} is already "
+                                                 "registered elsewhere", "node", key))
+                        continue
+                    self.members[info.member_id] = (info, lease)
+                    self.node_of[info.member_id] = rec.node
+                    ids.append(info.member_id)
+                self._node_ranks[rec.node] = tuple(ids)
+                return changed | set(ids)
+            info = MemberInfo.from_json(value, key)
+            mid = key[len(self._mp):]
+            if mid != info.member_id:
+                raise RecordError(f"bad member record at {key}: its member_id is {info.member_id!r}, not the key's",
+                                  "member", key)
+        except RecordError as exc:
+            records.skip(exc, key)
+            return changed
+        self.members[mid] = (info, lease)
+        return changed | {mid}

@@ -1,0 +1,46 @@
+"""bench/scale.py at a small size (the real coordinator over the simulated etcd), and the
+simulated etcd's limits. Pure in-process; a few seconds."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench.scale import run_sim
+from bench.sim_store import MAX_REQUEST, Clock, SimStore
+from resilient.coordinator.store import Put
+from resilient.errors import LeaseExpired, StoreError
+
+KEYS = ("epoch_bytes_node_loss", "writes_per_epoch", "coordinator_cpu_ms_per_epoch", "coordinator_idle_core_fraction",
+        "publish_ms_after_crash", "publish_ms_after_silent_loss", "deliver_p99_ms", "keepalives_per_s",
+        "steady_writes_per_s", "etcd_db_mb_after_hour")
+
+
+def test_small_simulation_runs_every_scenario_and_agrees_on_the_plan():
+    args = argparse.Namespace(gpus=512, gpus_per_node=8, nodes_per_rack=8, ttl=5.0, proxies=4, steady=3.0,
+                              summary_interval=15.0, reload_interval=300.0, derive_sample=4, seed=3)
+    out = run_sim(args)
+    assert set(KEYS) <= out.keys() and out["plan_hash_agree"] is True
+    causes = [e["cause"] for e in out["epochs"]]
+    assert causes == ["member_lost", "lease_expired", "lease_expired", "health", "joined", "member_lost"]
+    assert out["epoch_bytes_node_loss"] < 2048 and out["writes_per_epoch"] <= 4
+    assert out["keepalives_per_s"] == pytest.approx(64 / (5.0 / 3), rel=0.05)   # one lease per node
+
+
+def test_sim_store_enforces_etcds_limits():
+    clock = Clock()
+    st = SimStore(clock)
+    with pytest.raises(StoreError, match="request is too large"):
+        st.txn([], [Put("/k", b"x" * (MAX_REQUEST + 1))])
+    for i in range(5):
+        st.put(f"/big/{i}", b"x" * 1_000_000)
+    with pytest.raises(StoreError, match="larger than max"):
+        st.get_prefix("/big/")
+    kvs, _, more = st.snapshot_page("/big/", "/big/", 2)
+    assert len(kvs) == 2 and more
+    lease = st.grant(2)
+    st.put("/l", b"1", lease=lease)
+    clock.run_until(clock.now + 3)          # expired on the lessor's tick: the key goes with it
+    assert st.get("/l") is None
+    with pytest.raises(LeaseExpired):
+        st.keepalive(lease)

@@ -1,0 +1,178 @@
+"""Epochs as deltas (coordinator/delta.py, ring.py, directory.py): the incremental ring
+is the planner's ring, every reader derives the same plan hash, and a real coordinator
+publishes small delta records that watchers and late joiners resolve on a real etcd."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from resilient.coordinator import EpochWatcher, Store, keys
+from resilient.coordinator.delta import EpochDelta, EpochState, is_delta, load_snapshot, parse_delta
+from resilient.coordinator.directory import NodeRecord
+from resilient.coordinator.epoch import read_epoch
+from resilient.coordinator.membership import MemberInfo
+from resilient.coordinator.planner import plan
+from resilient.coordinator.ring import IncrementalRing, plan_hash
+from resilient.errors import RecordError
+from tests.cp_helpers import CoordinatorThread
+
+
+def _info(i: int, racks: int = 3) -> MemberInfo:
+    return MemberInfo(member_id=f"r{i}", host=f"h{i // 4}", local_rank=i % 4, address=f"10.0.0.{i % 250}:1",
+                      labels={"rack": f"k{(i // 4) % racks}"}, pid=1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.booleans(), st.booleans()), max_size=80))
+def test_incremental_ring_is_the_planners_ring(ops):
+    """Any sequence of inserts, removals and demotions leaves the ring equal to plan()."""
+    ring, present = IncrementalRing(), {}
+    for i, remove, demoted in ops:
+        if remove and i in present:
+            ring.update(remove=[f"r{i}"])
+            del present[i]
+        else:
+            ring.update(upsert=[(_info(i), demoted)])
+            present[i] = demoted
+        d = {f"r{k}" for k, v in present.items() if v}
+        p = plan([_info(k) for k in present], d)
+        assert ring.ring() == p.ring
+        assert ring.hash() == plan_hash(p.ring, len(p.demoted))
+
+
+def test_delta_apply_derives_the_full_plan_and_checks_the_hash():
+    base = EpochState(3, {f"r{i}": _info(i) for i in range(12)}, {}, {}, "t")
+    d = EpochDelta(number=4, base=3, snapshot=3, removed=("r4", "r5"), added=("r20",), infos={"r20": _info(20)},
+                   roles={"r1": "demoted"}, token="tok", size=11)
+    new = base.apply(d)
+    p = plan(new.infos.values(), {"r1"})
+    d = EpochDelta(**{**d.__dict__, "plan_hash": plan_hash(p.ring, 1)})
+    e = new.to_epoch(d)
+    assert e.members == p.ring and e.roles["r1"] == "demoted" and e.plan["tree_parent"] == list(p.parent)
+    assert set(base.infos) == {f"r{i}" for i in range(12)}          # the base state is untouched
+    assert parse_delta(d.to_json()) == d and is_delta(d.to_json())
+    with pytest.raises(RecordError, match="hashes to"):
+        new.to_epoch(EpochDelta(**{**d.__dict__, "plan_hash": "0" * 32}))
+    with pytest.raises(RecordError, match="based on epoch"):
+        new.apply(d)
+    with pytest.raises(RecordError, match="does not hold"):
+        base.apply(EpochDelta(number=4, base=3, snapshot=3, removed=("nobody",)))
+
+
+def test_delta_record_rules():
+    ok = EpochDelta(number=2, base=1, snapshot=1, added=("r1",), infos={"r1": _info(1)}).to_json()
+    bad = json.loads(ok)
+    bad["infos"] = {}
+    with pytest.raises(RecordError, match="exactly the added"):
+        parse_delta(json.dumps(bad).encode())
+    bad = json.loads(ok)
+    bad["base"] = 5
+    with pytest.raises(RecordError, match="do not precede"):
+        parse_delta(json.dumps(bad).encode())
+    from resilient.coordinator.epoch import Epoch
+
+    with pytest.raises(RecordError, match="read_epoch"):
+        Epoch.from_json(ok)
+
+
+def test_node_record_roundtrip_and_rules():
+    rec = NodeRecord("n1", "host1", {"rack": "k1"}, (_info(0), _info(1)), 5.0)
+    back = NodeRecord.from_json(rec.to_json(), "/resilient/j/nodes/n1")
+    assert [r.member_id for r in back.ranks] == ["r0", "r1"] and back.ranks[0].labels == {"rack": "k1"}
+    with pytest.raises(RecordError, match="not the key's"):
+        NodeRecord.from_json(rec.to_json(), "/resilient/j/nodes/n2")
+    twice = NodeRecord("n1", "h", {}, (_info(0), _info(0)))
+    with pytest.raises(RecordError, match="twice"):
+        NodeRecord.from_json(twice.to_json())
+
+
+def _put_node(store: Store, job: str, node: int, ranks: int, ttl: float = 5.0) -> int:
+    lease = store.grant(ttl)
+    infos = tuple(MemberInfo(member_id=f"n{node}-r{r}", host=f"host{node}", local_rank=r,
+                             address=f"127.0.0.1:{30000 + node * 8 + r}", labels={"rack": f"k{node % 2}"})
+                  for r in range(ranks))
+    store.put(keys.node(job, f"n{node}"), NodeRecord(f"n{node}", f"host{node}", {"rack": f"k{node % 2}"},
+                                                     infos, ttl).to_json(), lease=lease)
+    return lease
+
+
+def test_real_coordinator_publishes_deltas_and_late_readers_resolve_them(etcd_session, job_name):
+    store = Store(etcd_session.endpoints)
+    coord = CoordinatorThread(etcd_session.endpoints, job_name, join_debounce=0.2, delta_min_members=1)
+    try:
+        leases = {n: _put_node(store, job_name, n, 4) for n in range(5)}
+        watcher = EpochWatcher(store, job_name)
+        first = watcher.wait_for(lambda e: len(e.members) == 20, 20)
+        raw = store.get(keys.epoch(job_name)).value
+        assert is_delta(raw) and parse_delta(raw).snapshot == first.number   # the first delta epoch is a snapshot
+        assert load_snapshot(store, job_name, first.number).infos == first.infos
+        # node loss: the agent marks the node departed and revokes its one lease
+        store.put(keys.departed_of(job_name, "n2"), json.dumps({"lease": leases[2], "reason": "t",
+                                                                "at": 1.0}).encode())
+        store.revoke(leases[2])
+        second = watcher.wait_for(lambda e: "n2-r0" not in e.members, 15)
+        assert second.cause == "member_lost" and second.removed == tuple(f"n2-r{r}" for r in range(4))
+        raw = store.get(keys.epoch(job_name)).value
+        d = parse_delta(raw)
+        assert d.base == first.number and d.snapshot == first.number and len(raw) < 2048
+        assert second.members == plan(second.infos.values()).ring
+        # a node joins: its infos travel in the delta
+        _put_node(store, job_name, 7, 4)
+        third = watcher.wait_for(lambda e: "n7-r3" in e.members, 15)
+        assert third.added == tuple(f"n7-r{r}" for r in range(4)) and len(third.members) == 20
+        # a late reader (no state) resolves snapshot + history to the same epoch
+        late, _ = read_epoch(store, job_name)
+        assert late.members == third.members and late.token == third.token and late.infos == third.infos
+        # an altered snapshot chunk is refused, naming the cause
+        store.put(keys.snapshot_chunk(job_name, first.number, 0), b"\x78\x9cjunk")
+        with pytest.raises(RecordError, match="digest"):
+            load_snapshot(store, job_name, first.number)
+        watcher.close()
+    finally:
+        coord.close()
+        store.close()
+
+
+def test_snapshot_written_every_few_epochs_and_old_ones_deleted(etcd_session, job_name):
+    from resilient.coordinator.delta import SNAPSHOT_EVERY
+
+    store = Store(etcd_session.endpoints)
+    coord = CoordinatorThread(etcd_session.endpoints, job_name, join_debounce=0.05, delta_min_members=1)
+    try:
+        watcher = EpochWatcher(store, job_name)
+        for n in range(2 * SNAPSHOT_EVERY + 2):
+            _put_node(store, job_name, n, 2)
+            watcher.wait_for(lambda e, n=n: f"n{n}-r1" in e.members, 15)
+        metas = [kv.key for kv in store.get_prefix(keys.snapshots(job_name)) if kv.key.endswith("/meta")]
+        assert 1 <= len(metas) <= 2, metas              # the newest and the one before
+        newest = watcher.current()
+        assert read_epoch(store, job_name)[0].members == newest.members
+        watcher.close()
+    finally:
+        coord.close()
+        store.close()
+
+
+def test_directory_paged_load_sees_every_record_at_one_revision(etcd_session, job_name):
+    from resilient.coordinator.directory import Directory, paged_snapshot
+    from resilient.coordinator.membership import MemberSession
+
+    store = Store(etcd_session.endpoints)
+    sessions = []
+    try:
+        sessions = [MemberSession.register(store, job_name, _info(i), ttl=10) for i in range(7)]
+        _put_node(store, job_name, 1, 3)
+        store.put(keys.node(job_name, "n9"), b'{"node": "n9", "ranks": [{"member_id": "x\\n"}]}')   # malformed
+        kvs, rev = paged_snapshot(store, keys.members(job_name), page=2)
+        assert [kv.key for kv in kvs] == [keys.member(job_name, f"r{i}") for i in range(7)]
+        d = Directory(job_name)
+        changed, rev2 = d.load(store)
+        assert rev2 >= rev and set(d.members) == {f"r{i}" for i in range(7)} | {f"n1-r{r}" for r in range(3)}
+        assert changed == set(d.members) and d.node_of["n1-r2"] == "n1"
+    finally:
+        for s in sessions:
+            s.close()
+        store.close()
