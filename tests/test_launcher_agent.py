@@ -8,6 +8,7 @@ import pytest
 
 from launcher_util import SCRIPTS, Launcher, alive, wait_for
 from resilient.coordinator import keys
+from resilient.coordinator.etcd_access import open_store_from_env
 from resilient.coordinator.store import Store
 
 WORKER = os.path.join(SCRIPTS, "worker.py")
@@ -114,7 +115,7 @@ def test_default_sigkilled_worker_survivor_finishes_exit_0_with_summary(tmp_path
                    str(tmp_path / "d"), {"STOP_FILE": stop})
     try:
         w0, w1 = run.dump(0), run.dump(1)
-        s = Store(w0["RESILIENT_ETCD"])
+        s = open_store_from_env(w0["RESILIENT_ETCD"], w0)   # the standalone etcd has auth on: the workers' credentials
         try:
             job = w0["RESILIENT_JOB"]
 
