@@ -1,7 +1,7 @@
 """Maps the user-facing top-level folders onto one import namespace.
 
 ``coordinator/`` is imported as ``resilient.coordinator``, ``kernels/`` as
-``resilient.kernels`` and ``chaos/`` as ``resilient.chaos`` (DESIGN §1): ``chaos`` and
+``resilient.kernels`` and ``chaos/`` as ``resilient.chaos`` (docs/design.md §1): ``chaos`` and
 ``kernels`` are names of unrelated PyPI packages, so nothing is installed top-level but
 ``resilient``.
 """

@@ -80,7 +80,7 @@ def model_resent(n: int, phase: str, frac: float, victim: int, slices: int = 16)
     """The planner's cost model: members in lockstep, ``victim`` dies when every member
     has done ``frac`` of ``phase``; transfers of the plan / a from-scratch ring allreduce
     among the n-1 survivors (2(n-2) piece sends per piece). What is possible, to compare
-    the measured ``resent_fraction`` with (DESIGN §3: about 0.8 / 0.2 at n = 4)."""
+    the measured ``resent_fraction`` with (docs/design.md §3: about 0.8 / 0.2 at n = 4)."""
     from resilient.collectives import recovery as rc
 
     done_total = int((n - 1) * slices * frac)

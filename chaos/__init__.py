@@ -1,4 +1,4 @@
-"""Chaos runs that prove the claim "nothing lost, no hang, exact results" (DESIGN §6).
+"""Chaos runs that prove the claim "nothing lost, no hang, exact results" (docs/design.md §6).
 
 Modules: :mod:`~resilient.chaos.scenario` (YAML format and validation),
 :mod:`~resilient.chaos.faults` (fault kinds and triggers),

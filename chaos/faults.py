@@ -1,4 +1,4 @@
-"""Fault kinds and triggers of a chaos scenario (DESIGN §6).
+"""Fault kinds and triggers of a chaos scenario (docs/design.md §6).
 
 A :class:`Fault` is *what* happens (its :class:`FaultKind` and parameters) and *when*
 (its :class:`Trigger`: at a wall time since the workload started, at an op sequence

@@ -14,7 +14,7 @@ injected (:class:`FaultEvent`) and the epochs the coordinator published
 - **lost** — an op a surviving member never completed (missing record or an error).
 - **data lost** (reported, not a failure) — the contract's one allowed error: a
   broadcast/allgather whose piece existed only on a killed member raises ``DataLost``
-  naming it (DESIGN §3). Counted here, not as lost, only when the member it names was a
+  naming it (docs/design.md §3). Counted here, not as lost, only when the member it names was a
   kill victim and *no* non-excused member completed that op (all raised it, consistently).
 - **vacuous** — an injected fault that did not overlap any op: its window (``time_s`` to
   ``end_s``) ends before the first op of the run started or begins after the last op

@@ -16,7 +16,7 @@ Inputs are chosen so the checker can *discriminate*: float magnitudes lie in [1,
 random signs, so a missing or extra contributor moves an element by at least 1, far above
 the tolerance, and ``avg`` divided by a wrong count is off by ~|sum|/k**2.
 
-Semantics the verifier assumes (the collectives' contract, DESIGN §3):
+Semantics the verifier assumes (the collectives' contract, docs/design.md §3):
 
 - ``allreduce``: output = reduce over the contributors' inputs (``avg``: sum / k).
 - ``reduce_scatter``: output = that reduction, sliced ``[start:stop]`` as the member reports.

@@ -1,4 +1,4 @@
-"""The keyspace of one job, all under ``/resilient/<job>/`` (DESIGN §2).
+"""The keyspace of one job, all under ``/resilient/<job>/`` (docs/design.md §2).
 
 ==============================  ===============================================  ==========
 key                             value                                            lease

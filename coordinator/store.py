@@ -1,7 +1,7 @@
 """The etcd v3 store adapter: the only module that imports the etcd client.
 
 The client is ``pyetcd`` (PyPI ``etcd-sdk-python``), the maintained fork of python-etcd3
-that imports under modern protobuf (DESIGN §2). Everything else in resilient talks to etcd
+that imports under modern protobuf (docs/design.md §2). Everything else in resilient talks to etcd
 through :class:`Store`, so the client can be swapped here alone.
 
 What it adds on top of the raw client:

@@ -1,4 +1,4 @@
-"""Reduction kernels with per-chunk progress marks (DESIGN §5).
+"""Reduction kernels with per-chunk progress marks (docs/design.md §5).
 
 The interface the collectives use::
 

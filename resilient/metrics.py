@@ -2,7 +2,7 @@
 
 Every rank (worker process) records into the families of :class:`RankMetrics`; the node
 agent (``resilient-run``) serves one ``/metrics`` for all its workers through
-prometheus-client's multiprocess mode (DESIGN §6):
+prometheus-client's multiprocess mode (docs/design.md §6):
 
 1. the agent calls :func:`prepare_multiprocess_dir` *before* it spawns workers and puts
    :func:`worker_env` into each worker's environment (prometheus-client chooses its

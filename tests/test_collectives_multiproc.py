@@ -137,7 +137,7 @@ def test_sigkill_mid_op_survivors_finish(etcd_session, job_name, tmp_path, world
                         if phase == "rs":
                             assert contrib == survivors, (mid, contrib)  # exact reduction over the survivors
                         elif contrib != sorted(w.procs):  # all-gather failure keeps everyone, unless...
-                            # ...a reduced piece existed only on the victim (DESIGN §3: then the
+                            # ...a reduced piece existed only on the victim (docs/design.md §3: then the
                             # survivors' set) — allowed only when the ledgers they published prove it
                             assert contrib == survivors and _sole_copy_lost(etcd_session, job_name, w, survivors), \
                                 (mid, contrib)

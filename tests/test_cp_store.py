@@ -157,7 +157,7 @@ print(google.protobuf.__version__, s.get("/t/protobuf-first").value.decode())
 
 
 def test_store_imports_and_works_after_modern_protobuf(etcd_session):
-    """DESIGN §2: a training script that imported protobuf (tensorboard...) first."""
+    """docs/design.md §2: a training script that imported protobuf (tensorboard...) first."""
     out = subprocess.run([sys.executable, "-c", PROTOBUF_FIRST, etcd_session.endpoints[0]],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -1,4 +1,4 @@
-"""``Communicator``: resumable collectives over an abortable transport (DESIGN §3).
+"""``Communicator``: resumable collectives over an abortable transport (docs/design.md §3).
 
 Every op has a sequence number; all members call ops in the same order. Ops run one at a
 time on a private thread (``async_op=True`` returns a :class:`~.work.Work`). The op's

@@ -6,7 +6,7 @@ survivor's ledger summary exchanged through ``epochs/<n>/`` — and gets the sam
 no further agreement round is needed. The executor (:mod:`resilient.collectives.resume`)
 carries the plan out over the transport and updates the ledger after every transfer; if
 another member dies meanwhile, the survivors publish their *updated* ledgers in the newer
-epoch and plan again — that is the recursion of DESIGN §3.
+epoch and plan again — that is the recursion of docs/design.md §3.
 
 Model
 -----
@@ -40,7 +40,7 @@ it and lacks it. Transfers are grouped in *rounds* (hop ``r`` of every piece in 
 
 Cost at n = 4 with one death halfway through a phase, in piece-transfers relative to a
 from-scratch allreduce among the survivors: about 0.85 in reduce-scatter and 0.2 in
-all-gather (see ``tests/test_recovery_planner.py``), against DESIGN §3's 0.8 and 0.2.
+all-gather (see ``tests/test_recovery_planner.py``), against docs/design.md §3's 0.8 and 0.2.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ from resilient.errors import CollectiveAborted, ConfigError, DataLost
 
 
 class Policy(str, enum.Enum):
-    """What a reduction delivers when a member's contribution is lost (DESIGN §3)."""
+    """What a reduction delivers when a member's contribution is lost (docs/design.md §3)."""
 
     DEFAULT = "default"          #: one contributor set for the whole op
     PER_SEGMENT = "per_segment"  #: each piece reports its own set

@@ -9,7 +9,7 @@ ledger summary. They travel two ways at once, and the first complete set wins:
   survivors (one hop), around the survivors' ring beyond (``n - 1`` hops over the ring's
   links only). On loopback it takes a few milliseconds once every survivor has entered
   the recovery;
-* **through etcd** (``epochs/<n>/data/ledger/<member>``, as DESIGN §3 describes): each
+* **through etcd** (``epochs/<n>/data/ledger/<member>``, as docs/design.md §3 describes): each
   summary is put there in any case, for observers (``resilient status``, the chaos
   verifier, tests), and a watch collects the others'. Under CPU load the watch delivered
   the last summary 2–45 ms after it was written in ``bench/recovery.py``, which is why the

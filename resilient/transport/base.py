@@ -7,7 +7,7 @@ waits on them. Implementations: :mod:`resilient.transport.tcp` (CPU),
 shared-memory links between members on one host, :mod:`resilient.transport.shm`) and an
 NCCL transport for GPUs.
 
-Why the transport is ours (DESIGN §3): when the coordinator publishes an epoch that
+Why the transport is ours (docs/design.md §3): when the coordinator publishes an epoch that
 removes a peer, every blocked send/recv on every survivor must return *at once*, whatever
 the peer's state (dead, SIGSTOPped, partitioned) — and the ledger needs to know exactly
 which chunks arrived. Gloo's process groups (torch 2.13) keep a recv blocked on a hung
