@@ -191,13 +191,13 @@ _CHILD = (
     "baddr = sys.stdin.readline().strip()\n"
     "a.configure(1, 't', {'a': a.address, 'b': baddr})\n"
     "a.send('b', np.zeros(8), 1, 0); print('SENT', flush=True)\n"
-    "x = np.resize(np.arange(1, 256, dtype=np.uint8), 32 << 20)\n"
+    "import os; x = np.resize(np.arange(1, 256, dtype=np.uint8), int(os.environ.get('MSG_BYTES', 32 << 20)))\n"
     "a.send('b', x, 1, 1); time.sleep(600)\n")
 
 
-def _child(b: HybridTransport):
+def _child(b: HybridTransport, **env: str):
     p = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                         text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), **env))
     aaddr = p.stdout.readline().strip()
     b.configure(1, "t", {"a": aaddr, "b": b.address})
     p.stdin.write(b.address + "\n")
@@ -229,17 +229,18 @@ def test_sigkilled_shm_peer_fails_requests_naming_it():
 
 def test_sigstopped_shm_peer_never_tears_a_chunk_and_abort_wakes_the_wait():
     b = HybridTransport("b", "job")
-    p = _child(b)
+    n = 256 << 20   # a 1 MiB ring and a 256 MiB message: far more than can pass before the stop
+    p = _child(b, MSG_BYTES=str(n), RESILIENT_SHM_RING=str(1 << 20))
     try:
-        y = np.zeros(32 << 20, np.uint8)
+        y = np.zeros(n, np.uint8)
         r = b.irecv("a", y, 1, 1)
         deadline = time.monotonic() + 30
         while b.stats.received_by_peer["a"] <= 64 and time.monotonic() < deadline:
-            b.wait([r], timeout=0.01)       # until its 32 MiB message streams through the ring
+            b.wait([r], timeout=1e-4)   # short rounds: stop reading as soon as bytes arrive
         os.kill(p.pid, signal.SIGSTOP)      # wherever it is in copying into the ring
         b.wait([r], timeout=0.3)            # drains what was announced before the stop
         got = b.stats.received_by_peer["a"] - 64
-        x = np.resize(np.arange(1, 256, dtype=np.uint8), 32 << 20)   # no zero byte
+        x = np.resize(np.arange(1, 256, dtype=np.uint8), n)   # no zero byte
         assert (y[:got] == x[:got]).all() and not y[got:].any()
         assert 0 < got < len(y) and not r.done()   # the stopped writer holds the op, no more
         threading.Timer(0.2, b.abort, args=("epoch 2 removed a",)).start()
