@@ -259,6 +259,7 @@ def test_node_agent_metrics_idle_connections_hold_a_bounded_number_of_threads(tm
     import socket
     import threading
 
+    from http_probe import mark_refused
     from resilient.coordinator.metrics import MAX_HTTP_THREADS
 
     mdir = metrics.prepare_multiprocess_dir(tmp_path / "prom")
@@ -274,14 +275,7 @@ def test_node_agent_metrics_idle_connections_hold_a_bounded_number_of_threads(tm
             while len(refused) < 200 - MAX_HTTP_THREADS:
                 assert time.monotonic() < deadline, f"only {len(refused)} connections answered 503"
                 peak = max(peak, threading.active_count())
-                for i, c in enumerate(conns):
-                    if i not in refused:
-                        c.setblocking(False)
-                        try:
-                            if c.recv(64).startswith(b"HTTP/1.0 503"):
-                                refused.add(i)
-                        except BlockingIOError:
-                            pass
+                mark_refused(conns, refused)
                 time.sleep(0.01)
             assert peak <= baseline + MAX_HTTP_THREADS, (baseline, peak)
         finally:

@@ -12,6 +12,8 @@ import urllib.request
 
 import pytest
 
+from http_probe import mark_refused
+
 from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession, Store, keys, records
 from resilient.coordinator.metrics import MAX_HTTP_THREADS
 from cp_helpers import CoordinatorThread, coordinator_proc, member_proc, resilient_cli, wait_until
@@ -178,16 +180,7 @@ def test_idle_http_connections_hold_a_bounded_number_of_threads(etcd_session, jo
         def all_answered() -> bool:
             nonlocal peak
             peak = max(peak, _threads(coord.pid))
-            for i, c in enumerate(conns):
-                if i in refused:
-                    continue
-                c.setblocking(False)
-                try:
-                    if c.recv(64).startswith(b"HTTP/1.0 503"):
-                        refused.add(i)
-                except BlockingIOError:
-                    pass
-            return len(refused) >= 200 - MAX_HTTP_THREADS
+            return mark_refused(conns, refused) >= 200 - MAX_HTTP_THREADS
 
         wait_until(all_answered, 20, "the connections beyond the thread bound to be answered 503")
         # gRPC's own pool grows and shrinks by itself (up to ~a dozen threads); unbounded, the
