@@ -40,6 +40,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from resilient.coordinator import keys, records
@@ -123,6 +124,35 @@ class _Published:
         return self.epoch
 
 
+class _DirtyMarks:
+    """Member ids whose directory entry changed since they were last reconciled.
+
+    A pass works from a :meth:`snapshot` and consumes it when done; an id
+    marked again meanwhile (its watch event landed mid-pass) stays marked, so the next
+    pass sees the change. (A plain set minus the snapshot would drop it: the id was
+    already in the snapshot, and the pass compared the entry from before the event.)"""
+
+    def __init__(self) -> None:
+        self._marks: dict[str, int] = {}
+        self._seq = 0
+
+    def mark(self, ids: Iterable[str]) -> None:
+        for m in ids:
+            self._seq += 1
+            self._marks[m] = self._seq
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self._marks)
+
+    def consume(self, snapshot: dict[str, int]) -> None:
+        for m, seq in snapshot.items():
+            if self._marks.get(m) == seq:
+                del self._marks[m]
+
+    def __len__(self) -> int:
+        return len(self._marks)
+
+
 def default_coordinator_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}".replace("_", "-")[:100]
 
@@ -157,7 +187,7 @@ class Coordinator:
         self.shares = SharePublisher(store, self.job)
         self._dir = Directory(self.job)
         #: member ids whose directory entry changed since they were last reconciled
-        self._dirty: set[str] = set()
+        self._dirty = _DirtyMarks()
         self._full_pass = True         # next pass compares the whole directory with the epoch
         self._reload_due = True        # next pass re-reads the directory (paged)
         self._pub: _Published | None = None
@@ -217,7 +247,7 @@ class Coordinator:
                     p.urgent_at = p.urgent_at or now
                     continue
                 changed = self._dir.apply([ev])
-                self._dirty |= changed
+                self._dirty.mark(changed)
                 for mid in changed:
                     if mid not in self._dir.members:
                         p.lost_seen.setdefault(mid, now_wall)
@@ -250,7 +280,7 @@ class Coordinator:
         """Re-read the directory (paged) under the lock; returns the read's revision."""
         with self._cond:
             changed, rev = self._dir.load(self.store)
-            self._dirty |= changed
+            self._dirty.mark(changed)
             self._reload_due = False
             self._full_pass = True
             self._next_reload = time.monotonic() + self.config.reload_interval
@@ -261,7 +291,8 @@ class Coordinator:
         a previous term is dropped (another leader may have published meanwhile)."""
         self._pub = None
         self._dir = Directory(self.job)
-        self._dirty = set()
+        self._dirty = _DirtyMarks()
+        self._members_copy = (-1, {})   # keyed by the new directory's versions, which restart
         rev = self._reload()
         return [
             self.store.watch_prefix(keys.members(self.job), rev + 1, self._on_member_events),
@@ -420,7 +451,8 @@ class Coordinator:
         was not published by this process), which compares the whole directory."""
         pub, erev, corrupt, history_top = self._read_published()
         with self._cond:
-            dirty = set(self._dirty)
+            marks = self._dirty.snapshot()
+            dirty = set(marks)
             full = self._full_pass or pub is None or corrupt is not None
             members = self._dir.members
             if full or len(members) < self.config.delta_min_members or isinstance(self.health_policy, StragglerPolicy):
@@ -484,7 +516,7 @@ class Coordinator:
                 self.store.txn([self.election.leader_compare()], cleanup)
             if outcome == "unchanged":
                 with self._cond:
-                    self._dirty -= dirty
+                    self._dirty.consume(marks)
                     self._full_pass = self._full_pass and not full
                 if pub is not None and pub.form == "delta" and pub.number - pub.snapshot >= SNAPSHOT_EVERY:
                     self._write_snapshot(pub)
@@ -572,9 +604,9 @@ class Coordinator:
         self.last_publish_ops = len(ops)
         self._pub = published
         with self._cond:
-            self._dirty -= dirty
+            self._dirty.consume(marks)
             # members held back this time (a re-admission waits for the next epoch) stay due
-            self._dirty |= {m for m in added_set | back if m not in published.members}
+            self._dirty.mark({m for m in added_set | back if m not in published.members})
             if full:
                 self._full_pass = False
         self.published.append(number)

@@ -64,6 +64,50 @@ def test_eight_members_one_epoch_then_revoke_yields_exactly_one_epoch(etcd_sessi
             s.close()
 
 
+def test_member_lost_while_a_new_leaders_first_pass_runs_is_published_next_pass(etcd_session, store, job_name):
+    """A watch event for a member the pass already had marked (the new leader's directory
+    load marks everyone) must survive the pass: the next pass publishes the loss. (A set
+    minus the pass's snapshot dropped it, and no epoch followed: CI saw it on takeover.)"""
+    from resilient.coordinator import Coordinator, CoordinatorConfig
+
+    first = CoordinatorThread(etcd_session.endpoints, job_name, join_debounce=0.05)
+    sessions = register(store, job_name, 3)
+    watcher = EpochWatcher(store, job_name)
+    stop = threading.Event()
+    coord_store = Store(etcd_session.endpoints)
+    watches = []
+    try:
+        e1 = watcher.wait_for(lambda e: len(e.members) == 3, 15)
+        first.close()                                                   # resigns: the key is free
+        coord = Coordinator(coord_store, job_name, "c-next", CoordinatorConfig(join_debounce=0.05))
+        assert coord.election.campaign(stop)
+        watches = coord.start_leading()
+        check = coord._check_suspects
+        calls = []
+
+        def revoke_mid_pass(members):
+            if not calls:   # after the pass took its snapshot, before it compares
+                revoke_member(store, job_name, "m1", sessions[1].lease_id)
+                wait_until(lambda: "m1" not in coord._dir.members, 10, "the delete event to be applied")
+            calls.append(1)
+            return check(members)
+
+        coord._check_suspects = revoke_mid_pass
+        assert coord._reconcile({}, {})[0] == "unchanged"               # it compared the entry from before
+        assert coord._reconcile({}, {})[0] == "published"
+        e2 = watcher.wait_for(lambda e: e.number > e1.number, 10)
+        assert set(e2.members) == {"m0", "m2"} and e2.removed == ("m1",)
+    finally:
+        for w in watches:
+            w.cancel()
+        stop.set()
+        watcher.close()
+        first.close()
+        coord_store.close()
+        for s in sessions:
+            s.close()
+
+
 def test_joiner_is_admitted_in_the_next_epoch(etcd_session, store, job_name):
     coord = CoordinatorThread(etcd_session.endpoints, job_name, join_debounce=0.05)
     sessions = register(store, job_name, 2)
