@@ -35,9 +35,12 @@ import logging
 import os
 import stat
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence, TypedDict, Unpack
 
 from resilient.errors import ConfigError
+
+if TYPE_CHECKING:   # pragma: no cover - the Store (and grpc) load only when a store is opened
+    from resilient.coordinator.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,23 @@ _HELP = {
     "password_file": "file holding the etcd user's password (keep it mode 0600)",
     "password": "etcd password (visible to `ps` as a flag: prefer the file or the variable)",
 }
+
+
+class StoreCredentials(TypedDict):
+    """The TLS and RBAC keyword arguments of :class:`~resilient.coordinator.store.Store`."""
+
+    ca_cert: str | None
+    cert_key: str | None
+    cert_cert: str | None
+    user: str | None
+    password: str | None
+
+
+class StoreOptions(TypedDict, total=False):
+    """The other keyword arguments of :class:`~resilient.coordinator.store.Store`."""
+
+    timeout: float
+    retry_timeout: float
 
 
 @dataclass(frozen=True)
@@ -122,12 +142,12 @@ class EtcdAccess:
                         self.password_file, stat.S_IMODE(st.st_mode))
         return text[:-1] if text.endswith("\n") else text
 
-    def store_kwargs(self) -> dict[str, Any]:
+    def store_kwargs(self) -> StoreCredentials:
         """Keyword arguments of :class:`~resilient.coordinator.store.Store` for these settings."""
         return {"ca_cert": self.ca_cert, "cert_key": self.key, "cert_cert": self.cert,
                 "user": self.user, "password": self.resolved_password()}
 
-    def open_store(self, endpoints: str | Sequence[str], **kwargs: Any):
+    def open_store(self, endpoints: str | Sequence[str], **kwargs: Unpack[StoreOptions]) -> Store:
         """A :class:`~resilient.coordinator.store.Store` on ``endpoints`` with these settings
         (``kwargs``: its other options, e.g. ``retry_timeout``)."""
         from resilient.coordinator.store import Store
@@ -154,7 +174,7 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
 
 
 def open_store_from_env(endpoints: str | Sequence[str], environ: Mapping[str, str] | None = None,
-                        **kwargs: Any):
+                        **kwargs: Unpack[StoreOptions]) -> Store:
     """A Store on ``endpoints`` with the ``RESILIENT_ETCD_*`` settings of ``environ``
     (default: this process's environment): what every worker uses."""
     return EtcdAccess.from_env(environ).open_store(endpoints, **kwargs)

@@ -23,6 +23,7 @@ from typing import Callable
 
 from pyetcd import etcdrpc
 
+from resilient.coordinator import etcd_wire as wire
 from resilient.coordinator.membership import KEEPALIVE_FRACTION
 from resilient.coordinator.store import Store
 
@@ -40,10 +41,10 @@ class LeaseMux:
         self._heap: list[tuple[float, int]] = []
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._reqs: queue.Queue = queue.Queue()
+        self._reqs: queue.Queue[object] = queue.Queue()   # LeaseKeepAliveRequests; None ends the stream
         self.sent = self.received = self.reconnects = 0
         self._last_rx = time.monotonic()
-        self._call = None
+        self._call: wire.StreamCall[wire.LeaseKeepAliveResponse] | None = None
         self.lost: set[int] = set()
         self._threads = [threading.Thread(target=self._send_loop, name="lease-mux-send", daemon=True),
                          threading.Thread(target=self._stream_loop, name="lease-mux-stream", daemon=True)]
@@ -103,7 +104,8 @@ class LeaseMux:
             stub = etcdrpc.LeaseStub(self.store._next_watch_channel())
             reqs = self._reqs
             try:
-                call = stub.LeaseKeepAlive(iter(reqs.get, None), metadata=self.store._client.metadata)
+                call: wire.StreamCall[wire.LeaseKeepAliveResponse] = stub.LeaseKeepAlive(
+                    iter(reqs.get, None), metadata=self.store._client.metadata)
                 self._call = call
                 for resp in call:
                     self.received += 1
@@ -140,7 +142,7 @@ class LeaseMux:
         self._stop.set()
         self._wake.set()
         self._reqs.put(None)
-        call = getattr(self, "_call", None)
+        call = self._call
         if call is not None:
             call.cancel()
         for t in self._threads:

@@ -64,7 +64,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free on ``host`` a moment ago (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]   # (host, port) for AF_INET
+        return port
 
 
 def die_with_parent() -> None:  # pragma: no cover - runs in the forked child
@@ -97,7 +98,7 @@ class EtcdMember:
     peer_port: int
     data_dir: str
     log_path: str
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[bytes] | None = None
     host: str = "127.0.0.1"
     scheme: str = "http"
 
@@ -172,15 +173,15 @@ class LocalEtcd:
 
     def start(self) -> "LocalEtcd":
         binary = etcd_binary()
-        self._root = tempfile.mkdtemp(prefix="resilient-etcd-")  # mode 0700: data, logs, password
+        root = self._root = tempfile.mkdtemp(prefix="resilient-etcd-")  # mode 0700: data, logs, password
         for attempt in range(3):
             self.members = [
                 EtcdMember(
                     name=f"etcd{i}",
                     client_port=free_port(self.host),
                     peer_port=free_port(self.host),
-                    data_dir=os.path.join(self._root, f"attempt{attempt}", f"etcd{i}"),
-                    log_path=os.path.join(self._root, f"etcd{i}.{attempt}.log"),
+                    data_dir=os.path.join(root, f"attempt{attempt}", f"etcd{i}"),
+                    log_path=os.path.join(root, f"etcd{i}.{attempt}.log"),
                     host=self.host,
                     scheme="https" if self.tls else "http",
                 )
@@ -196,7 +197,7 @@ class LocalEtcd:
                 continue
             try:
                 if self.auth:
-                    self._enable_auth()
+                    self._enable_auth(root)
             except BaseException:
                 self.stop()
                 raise
@@ -204,10 +205,11 @@ class LocalEtcd:
         self.stop()
         raise last
 
-    def _enable_auth(self) -> None:
-        """Create ``root`` with a random password (written to a 0600 file) and turn auth on."""
+    def _enable_auth(self, root: str) -> None:
+        """Create ``root`` with a random password (written to a 0600 file in the data
+        folder ``root``) and turn auth on."""
         password = secrets.token_urlsafe(32)
-        path = os.path.join(self._root, "root.password")
+        path = os.path.join(root, "root.password")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(password)
@@ -280,10 +282,10 @@ class LocalEtcd:
 
     def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to member ``index`` and reap it (SIGKILL by default)."""
-        m = self.members[index]
-        if m.running:
-            m.proc.send_signal(sig)
-            m.proc.wait(timeout=10)
+        proc = self.members[index].proc
+        if proc is not None and proc.poll() is None:   # EtcdMember.running
+            proc.send_signal(sig)
+            proc.wait(timeout=10)
 
     def restart(self, index: int, wait: bool = True) -> None:
         """Start member ``index`` again on its old ports and data (after :meth:`kill`)."""

@@ -48,7 +48,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence, TypeVar
 from urllib.parse import urlparse
 
 import grpc
@@ -59,9 +59,12 @@ from pyetcd import transactions as etcd_txn
 from pyetcd.utils import prefix_range_end
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
+from resilient.coordinator import etcd_wire as wire
 from resilient.errors import ConfigError, LeaseExpired, StoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _TRANSIENT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 _TRANSIENT_EXC = (
@@ -253,7 +256,7 @@ class Delete:
     range_end: str | None = None
 
 
-def _kv(kv: object) -> KV:
+def _kv(kv: wire.KeyValue) -> KV:
     return KV(
         key=kv.key.decode(), value=bytes(kv.value), create_revision=kv.create_revision,
         mod_revision=kv.mod_revision, version=kv.version, lease=kv.lease,
@@ -274,8 +277,8 @@ class WatchHandle:
         self._prev_kv = prev_kv
         self._cancelled = threading.Event()
         self._lock = threading.Lock()
-        self._call: object | None = None
-        self._requests: queue.Queue | None = None
+        self._call: wire.StreamCall[wire.WatchResponse] | None = None
+        self._requests: queue.Queue[object] | None = None
         self.connected = threading.Event()
         self.reconnects = 0
         self._refusals = 0  # consecutive cancels by etcd: each one backs off further
@@ -339,11 +342,12 @@ class WatchHandle:
             range_end=prefix_range_end(self._prefix.encode()) if self._is_prefix else b"",
             start_revision=self._next_rev, prev_kv=self._prev_kv, progress_notify=True,
         )
-        reqs: queue.Queue = queue.Queue()
+        reqs: queue.Queue[object] = queue.Queue()   # WatchRequests; None ends the request stream
         reqs.put(etcdrpc.WatchRequest(create_request=create))
         stub = etcdrpc.WatchStub(self._store._next_watch_channel())
         token_gen = self._store._token_gen
-        call = stub.Watch(iter(reqs.get, None), metadata=self._store._client.metadata)
+        call: wire.StreamCall[wire.WatchResponse] = stub.Watch(iter(reqs.get, None),
+                                                              metadata=self._store._client.metadata)
         with self._lock:
             if self._cancelled.is_set():
                 call.cancel()
@@ -421,7 +425,7 @@ class Store:
         if (user is None) != (password is None):
             raise ConfigError("etcd authentication needs both user and password (or neither)")
         self.ca_cert, self.cert_key, self.cert_cert = ca_cert, cert_key, cert_cert
-        creds = None
+        creds: grpc.ChannelCredentials | None = None
         if ca_cert:
             check_tls_files(ca_cert, cert_key, cert_cert)
             creds = pyetcd.MultiEndpointEtcd3Client.get_secure_creds(ca_cert, cert_key, cert_cert)
@@ -431,7 +435,7 @@ class Store:
         if user is not None and creds is None and not all(_is_loopback(h) for h, _ in parse_endpoints(endpoints)):
             log.warning("etcd password authentication without TLS to %s: the password and token cross the "
                         "network in clear text; pass --etcd-ca-cert (see docs/security.md)", ",".join(self.endpoints))
-        self._eps = [
+        self._eps: list[wire.Endpoint] = [
             pyetcd.Endpoint(h, p, secure=creds is not None, creds=creds,
                             time_retry=_ENDPOINT_RETRY_S, opts=_GRPC_OPTIONS)
             for h, p in parse_endpoints(endpoints)
@@ -442,7 +446,7 @@ class Store:
         # No credentials to the client: it would send the token as gRPC *call credentials*,
         # which gRPC refuses on a plain channel ("insufficient security level"). The Store
         # authenticates itself and sends the token as metadata, on any channel.
-        self._client = pyetcd.MultiEndpointEtcd3Client(endpoints=self._eps, timeout=self.timeout, failover=True)
+        self._client: wire.Client = pyetcd.MultiEndpointEtcd3Client(endpoints=self._eps, timeout=self.timeout, failover=True)
         if user is not None:
             try:
                 self._retry("authenticate", self._authenticate)
@@ -474,12 +478,12 @@ class Store:
                 log.info("etcd auth token of user %s expired or unknown to etcd; re-authenticating", self._user)
                 self._authenticate()
 
-    def _with_fresh_token(self, fn: Callable[[], object]) -> Callable[[], object]:
+    def _with_fresh_token(self, fn: Callable[[], T]) -> Callable[[], T]:
         """``fn``, re-run once after re-authenticating when etcd rejects our token."""
         if self._user is None:
             return fn
 
-        def call() -> object:
+        def call() -> T:
             seen = self._token_gen
             try:
                 return fn()
@@ -493,12 +497,12 @@ class Store:
 
     # -- plumbing -------------------------------------------------------------------------
 
-    def _retry(self, what: str, fn: Callable[[], object], budget: float | None = None) -> object:
+    def _retry(self, what: str, fn: Callable[[], T], budget: float | None = None) -> T:
         budget = self.retry_timeout if budget is None else budget
         fresh = self._with_fresh_token(fn)
         closed = []  # attempts whose connection the server closed (a TLS etcd, to a plain client)
 
-        def fn() -> object:
+        def once() -> T:
             try:
                 return fresh()
             except Exception as exc:
@@ -514,7 +518,7 @@ class Store:
                 reraise=True,
             ):
                 with attempt:
-                    return fn()
+                    return once()
         except Exception as exc:
             tls = _tls_failure(exc)
             if tls:
@@ -756,7 +760,7 @@ class Store:
     # -- RBAC administration (LocalEtcd, tests; a deployment uses etcdctl) ---------------
 
     def _auth_call(self, what: str, method: str, request: object) -> None:
-        def call() -> None:
+        def call() -> None:   # the AuthStub method named ``method`` (a gRPC stub, not ours)
             getattr(etcdrpc.AuthStub(self._client.channel), method)(
                 request, self.timeout, metadata=self._client.metadata)
 
