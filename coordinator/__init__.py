@@ -8,7 +8,7 @@ not load the etcd client.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 _EXPORTS = {
     "Store": "store", "KV": "store", "WatchEvent": "store", "WatchHandle": "store",
@@ -27,7 +27,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'resilient.coordinator' has no attribute {name!r}")
@@ -40,12 +40,15 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .election import LeaderElection, current_leader
-    from .epoch import Epoch, EpochChanged, EpochData, EpochWatcher, read_epoch
-    from .local_etcd import LocalEtcd
-    from .membership import MemberInfo, MemberSession, read_members, report_suspect, revoke_member
-    from .metrics import CoordinatorMetrics
-    from .planner import Plan, plan
-    from .service import Coordinator, CoordinatorConfig
-    from .store import KV, Compare, Delete, Put, Store, WatchEvent, WatchHandle, parse_endpoints
+if TYPE_CHECKING:  # pragma: no cover - the lazy names above, for the type checker ("X as X": re-exported)
+    from .election import LeaderElection as LeaderElection, current_leader as current_leader
+    from .epoch import (Epoch as Epoch, EpochChanged as EpochChanged, EpochData as EpochData,
+                        EpochWatcher as EpochWatcher, read_epoch as read_epoch)
+    from .local_etcd import LocalEtcd as LocalEtcd
+    from .membership import (MemberInfo as MemberInfo, MemberSession as MemberSession, read_members as read_members,
+                             report_suspect as report_suspect, revoke_member as revoke_member)
+    from .metrics import CoordinatorMetrics as CoordinatorMetrics
+    from .planner import Plan as Plan, plan as plan
+    from .service import Coordinator as Coordinator, CoordinatorConfig as CoordinatorConfig
+    from .store import (KV as KV, Compare as Compare, Delete as Delete, Put as Put, Store as Store,
+                        WatchEvent as WatchEvent, WatchHandle as WatchHandle, parse_endpoints as parse_endpoints)

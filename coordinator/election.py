@@ -80,7 +80,7 @@ class LeaderElection:
                 if self.store.create(self.key, self.candidate_id.encode(), lease=self.lease_id):
                     kv = self.store.get(self.key)
                     if kv is not None and kv.lease == self.lease_id:
-                        self._become_leader(kv.create_revision)
+                        self._become_leader(kv.create_revision, kv.lease)
                         return True
                     continue
                 kv = self.store.get(self.key)
@@ -107,17 +107,18 @@ class LeaderElection:
                 stop.wait(0.5)
         return False
 
-    def _become_leader(self, revision: int) -> None:
+    def _become_leader(self, revision: int, lease: int) -> None:
+        """We hold the leader key (created at ``revision``) on ``lease``: keep it alive."""
         self.leader_revision = revision
         self.lost.clear()
         self._stop_keepalive.clear()
-        self._thread = threading.Thread(target=self._keepalive, name="leader-keepalive", daemon=True)
+        self._thread = threading.Thread(target=self._keepalive, args=(lease,), name="leader-keepalive",
+                                        daemon=True)
         self._thread.start()
         log.info("coordinator %s leads job %s (revision %d)", self.candidate_id, self.job, revision)
 
-    def _keepalive(self) -> None:
+    def _keepalive(self, lease: int) -> None:
         interval = max(0.1, self.ttl * KEEPALIVE_FRACTION)
-        lease = self.lease_id
         while not self._stop_keepalive.wait(interval):
             try:
                 self.store.keepalive(lease, budget=interval)

@@ -24,8 +24,8 @@ import os
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable, TypedDict
 
 from resilient.coordinator import keys, records
 from resilient.coordinator.store import Store
@@ -40,6 +40,20 @@ KEEPALIVE_FRACTION = 1.0 / 3.0
 #: own but touches :data:`HEARTBEAT_ENV`'s file, which the agent checks (a hung rank).
 LEASE_KEEPER_ENV = "RESILIENT_LEASE_KEEPER"
 HEARTBEAT_ENV = "RESILIENT_HEARTBEAT_FILE"
+
+
+class MemberRecord(TypedDict):
+    """:class:`MemberInfo` as the JSON object stored in etcd (:meth:`MemberInfo.to_dict`)."""
+
+    member_id: str
+    host: str
+    local_rank: int
+    device: str
+    address: str
+    labels: dict[str, str]
+    pid: int
+    state: str
+    ttl: float
 
 
 @dataclass(frozen=True)
@@ -60,11 +74,13 @@ class MemberInfo:
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def to_dict(self) -> MemberRecord:
+        return MemberRecord(member_id=self.member_id, host=self.host, local_rank=self.local_rank,
+                            device=self.device, address=self.address, labels=dict(self.labels), pid=self.pid,
+                            state=self.state, ttl=self.ttl)
 
     @classmethod
-    def from_dict(cls, d: Any, key: str = "", where: str = "") -> "MemberInfo":
+    def from_dict(cls, d: object, key: str = "", where: str = "") -> "MemberInfo":
         """Validate one member record's object (:mod:`.records` rules: ``member_id`` a
         valid id, ``pid``/``local_rank`` integers in [0, 2**63), ``ttl`` finite, strings
         bounded, ``labels`` string -> string); :class:`~resilient.errors.RecordError` if not."""
@@ -107,8 +123,12 @@ class MemberSession:
         #: the node agent keeps the (shared) lease; this member only heartbeats locally
         self.heartbeat_file = (os.environ.get(HEARTBEAT_ENV) if not owns_lease
                                and os.environ.get(LEASE_KEEPER_ENV) == "agent" else None)
-        loop = self._heartbeat_loop if self.heartbeat_file else self._keepalive_loop
-        self._thread = threading.Thread(target=loop, name=f"keepalive:{self.member_id}", daemon=True)
+        if self.heartbeat_file:
+            self._thread = threading.Thread(target=self._heartbeat_loop, args=(self.heartbeat_file,),
+                                            name=f"keepalive:{self.member_id}", daemon=True)
+        else:
+            self._thread = threading.Thread(target=self._keepalive_loop, name=f"keepalive:{self.member_id}",
+                                            daemon=True)
         self._thread.start()
 
     @classmethod
@@ -133,7 +153,7 @@ class MemberSession:
             if left is None:
                 raise LeaseExpired(f"lease {lease_id:x} given for member {info.member_id} is already gone")
             ttl = left[1]
-        info = MemberInfo(**{**info.to_dict(), "state": "joining", "ttl": float(ttl)})
+        info = replace(info, labels=dict(info.labels), state="joining", ttl=float(ttl))
         payload = info.to_json()
         while True:
             if store.create(key, payload, lease=lease_id):
@@ -174,18 +194,18 @@ class MemberSession:
             except StoreError as exc:  # pragma: no cover - unexpected etcd answer
                 log.warning("member %s: keep-alive error, retrying: %s", self.member_id, exc)
 
-    def _heartbeat_loop(self) -> None:
-        """Agent-kept lease: touch the heartbeat file every interval (SIGSTOP freezes it:
+    def _heartbeat_loop(self, heartbeat_file: str) -> None:
+        """Agent-kept lease: touch ``heartbeat_file`` every interval (SIGSTOP freezes it:
         the agent then removes this member), and notice the member key going (the agent
         vouched us out, or the node lease is gone)."""
         interval = max(0.1, self.ttl * KEEPALIVE_FRACTION)
         key = keys.member(self.job, self.member_id)
         while True:
             try:
-                with open(self.heartbeat_file, "a"):
-                    os.utime(self.heartbeat_file, None)
+                with open(heartbeat_file, "a"):
+                    os.utime(heartbeat_file, None)
             except OSError as exc:
-                log.warning("member %s: cannot touch heartbeat file %s: %s", self.member_id, self.heartbeat_file, exc)
+                log.warning("member %s: cannot touch heartbeat file %s: %s", self.member_id, heartbeat_file, exc)
             if self._stop.wait(interval):
                 return
             try:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
+from typing import Callable, TypeAlias
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -85,6 +85,11 @@ MAX_HTTP_THREADS = 8
 #: Seconds a connection may take to send its request (and to take the answer).
 HTTP_TIMEOUT_S = 5.0
 
+#: What socketserver hands a server per connection: a TCP server's is the socket itself.
+_Request: TypeAlias = "socket.socket | tuple[bytes, socket.socket]"
+#: A client's address: ``(host, port)``, or ``(host, port, flowinfo, scope_id)`` over IPv6.
+_ClientAddress: TypeAlias = "tuple[str, int] | tuple[str, int, int, int]"
+
 
 class BoundedHTTPServer(ThreadingHTTPServer):
     """A :class:`ThreadingHTTPServer` that runs at most ``max_threads`` handler threads:
@@ -95,15 +100,17 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 64
 
-    def __init__(self, address: tuple[str, int], handler: type, max_threads: int = MAX_HTTP_THREADS) -> None:
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
+                 max_threads: int = MAX_HTTP_THREADS) -> None:
         self._slots = threading.BoundedSemaphore(max_threads)
         super().__init__(address, handler)
 
-    def process_request(self, request, client_address) -> None:  # noqa: ANN001 - socketserver API
+    def process_request(self, request: _Request, client_address: _ClientAddress) -> None:
         if not self._slots.acquire(blocking=False):
+            sock = request if isinstance(request, socket.socket) else request[1]
             try:
-                request.settimeout(0.5)
-                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 5\r\n"
+                sock.settimeout(0.5)
+                sock.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 5\r\n"
                                 b"Connection: close\r\n\r\nbusy\n")
             except OSError:
                 pass
@@ -115,11 +122,17 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             self._slots.release()
             raise
 
-    def process_request_thread(self, request, client_address) -> None:  # noqa: ANN001
+    def process_request_thread(self, request: _Request, client_address: _ClientAddress) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
+
+
+class BoundedHTTPServer6(BoundedHTTPServer):
+    """:class:`BoundedHTTPServer` on an IPv6 address (such as ``::1``)."""
+
+    address_family = socket.AF_INET6
 
 
 class MetricsServer:
@@ -157,9 +170,9 @@ class MetricsServer:
         self.metrics = metrics
         self.healthy = healthy
         Handler.timeout = timeout   # socket timeout of every connection (StreamRequestHandler)
-        server_cls = BoundedHTTPServer
+        server_cls: type[BoundedHTTPServer] = BoundedHTTPServer
         if ":" in host:   # an IPv6 literal such as ::1
-            server_cls = type("BoundedHTTPServer6", (BoundedHTTPServer,), {"address_family": socket.AF_INET6})
+            server_cls = BoundedHTTPServer6
         self._server = server_cls((host, port), Handler, max_threads)
         self.host, self.port = self._server.server_address[:2]
         self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)

@@ -24,14 +24,19 @@ A reader that meets a bad record calls :func:`skip`: it logs the cause once per
 """
 from __future__ import annotations
 
+import builtins
+import enum
 import json
 import logging
 import math
 import threading
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Callable, Final, Iterator, NoReturn, TypeGuard, TypeVar, overload
 
 from resilient.coordinator import keys
 from resilient.errors import ConfigError, RecordError
+
+if TYPE_CHECKING:   # pragma: no cover - prometheus-client loads only when a collector collects
+    from prometheus_client.metrics_core import Metric
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +55,15 @@ MAX_ITEMS = 65536
 KINDS = ("member", "epoch", "health", "scores", "readmit", "departed", "suspect", "eviction", "leader",
          "node", "rendezvous")
 
-_REQUIRED = object()
+T = TypeVar("T")
+D = TypeVar("D")
+
 _counts: dict[str, int] = {k: 0 for k in KINDS}
 _logged: set[tuple[str, str, str]] = set()
 _lock = threading.Lock()
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -65,8 +72,8 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
 
 
-def _depth_ok(value: Any) -> bool:
-    stack = [(value, 1)]
+def _depth_ok(value: object) -> bool:
+    stack: list[tuple[object, int]] = [(value, 1)]
     while stack:
         v, d = stack.pop()
         if isinstance(v, (dict, list)):
@@ -76,9 +83,10 @@ def _depth_ok(value: Any) -> bool:
     return True
 
 
-def load(kind: str, raw: bytes | bytearray | memoryview | str, key: str = "") -> Any:
+def load(kind: str, raw: bytes | bytearray | memoryview | str, key: str = "") -> object:
     """Parse ``raw`` as one JSON value under the limits above; :class:`RecordError` if
-    it is too large, not UTF-8, not JSON or nested deeper than :data:`MAX_DEPTH`."""
+    it is too large, not UTF-8, not JSON or nested deeper than :data:`MAX_DEPTH`. The
+    value's shape is not checked yet (hence ``object``): read it through :class:`Fields`."""
     where = f" at {key}" if key else ""
     if isinstance(raw, str):
         raw = raw.encode("utf-8", "surrogatepass")
@@ -89,7 +97,7 @@ def load(kind: str, raw: bytes | bytearray | memoryview | str, key: str = "") ->
                           "accepted", kind, key)
     try:
         text = bytes(raw).decode("utf-8")
-        value = json.loads(text, parse_constant=_reject_constant)
+        value: object = json.loads(text, parse_constant=_reject_constant)
     except UnicodeDecodeError as exc:
         raise RecordError(f"bad {kind} record{where}: not UTF-8 ({exc.reason} at byte {exc.start})",
                           kind, key) from None
@@ -102,13 +110,13 @@ def load(kind: str, raw: bytes | bytearray | memoryview | str, key: str = "") ->
     return value
 
 
-def _check_int(value: Any, lo: int, hi: int) -> int | None:
+def _check_int(value: object, lo: int, hi: int) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         return None
     return value
 
 
-def _check_float(value: Any, lo: float, hi: float) -> float | None:
+def _check_float(value: object, lo: float, hi: float) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     try:
@@ -120,7 +128,7 @@ def _check_float(value: Any, lo: float, hi: float) -> float | None:
     return f
 
 
-def _check_name(value: Any) -> str | None:
+def _check_name(value: object) -> str | None:
     if not isinstance(value, str):
         return None
     try:
@@ -129,14 +137,23 @@ def _check_name(value: Any) -> str | None:
         return None
 
 
-def is_id(value: Any) -> bool:
+def is_id(value: object) -> TypeGuard[str]:
     """True if ``value`` is a valid job/member/coordinator id (:func:`~.keys.check_name`)."""
     return _check_name(value) is not None
 
 
-def is_int(value: Any, lo: int = 0, hi: int = MAX_INT) -> bool:
+def is_int(value: object, lo: int = 0, hi: int = MAX_INT) -> TypeGuard[int]:
     """True if ``value`` is a JSON integer (not a bool) in [lo, hi]."""
     return _check_int(value, lo, hi) is not None
+
+
+class _Required(enum.Enum):
+    """The type of :data:`_REQUIRED`, the default that makes a field required."""
+
+    REQUIRED = "required"
+
+
+_REQUIRED: Final = _Required.REQUIRED
 
 
 class Fields:
@@ -144,24 +161,28 @@ class Fields:
 
     Every getter takes ``default``: returned when the field is absent (or JSON ``null``);
     without it the field is required. A present field of the wrong type or out of range
-    raises :class:`RecordError` naming the field and the rule."""
+    raises :class:`RecordError` naming the field and the rule. (The getters ``int``,
+    ``float`` and ``str`` shadow the builtins inside this class: its annotations spell
+    them ``builtins.int`` etc.)"""
 
-    def __init__(self, kind: str, value: Any, key: str = "", where: str = "") -> None:
+    def __init__(self, kind: str, value: object, key: str = "", where: str = "") -> None:
         self.kind, self.key, self.where = kind, key, where
         if not isinstance(value, dict):
             self._fail(f"{where or 'the record'} is {type(value).__name__}, not a JSON object")
         if len(value) > MAX_ITEMS:
             self._fail(f"{where or 'the record'} has {len(value)} fields, more than {MAX_ITEMS}")
-        self.d: dict = value
+        #: the object itself (JSON: string keys, values not yet checked)
+        self.d: dict[str, object] = value
 
-    def _fail(self, what: str) -> None:
+    def _fail(self, what: str) -> NoReturn:
         at = f" at {self.key}" if self.key else ""
         raise RecordError(f"bad {self.kind} record{at}: {what}", self.kind, self.key)
 
     def _path(self, name: str) -> str:
         return f"{self.where}.{name}" if self.where else name
 
-    def _get(self, name: str, default: Any) -> Any:
+    def _get(self, name: str, default: object) -> object:
+        """The field's value, or :data:`_REQUIRED` when it is absent and ``default`` is not."""
         v = self.d.get(name)
         if v is None:
             if default is _REQUIRED:
@@ -172,31 +193,57 @@ class Fields:
     def has(self, name: str) -> bool:
         return self.d.get(name) is not None
 
-    def _scalar(self, name: str, default: Any, check: Any, rule: str) -> Any:
+    def _scalar(self, name: str, default: D | _Required, check: Callable[[object], T | None], rule: str) -> T | D:
         """The field checked by ``check(value) -> value | None`` (None: it broke ``rule``)."""
         v = self._get(name, default)
         if v is _REQUIRED:
+            assert not isinstance(default, _Required)   # _get raised for a required field
             return default
         out = check(v)
         if out is None:
             self._fail(f"field {self._path(name)!r} = {_short(v)} is not {rule}")
         return out
 
-    def int(self, name: str, default: Any = _REQUIRED, lo: int = 0, hi: int = MAX_INT) -> Any:
+    @overload
+    def int(self, name: str, *, lo: int = 0, hi: int = MAX_INT) -> int: ...
+    @overload
+    def int(self, name: str, default: D, lo: int = 0, hi: int = MAX_INT) -> int | D: ...
+
+    def int(self, name: str, default: object = _REQUIRED, lo: int = 0, hi: int = MAX_INT) -> object:
         return self._scalar(name, default, lambda v: _check_int(v, lo, hi), f"an integer in [{lo}, {hi}]")
 
-    def float(self, name: str, default: Any = _REQUIRED, lo: float = -math.inf, hi: float = math.inf) -> Any:
+    @overload
+    def float(self, name: str, *, lo: builtins.float = -math.inf,
+              hi: builtins.float = math.inf) -> builtins.float: ...
+    @overload
+    def float(self, name: str, default: D, lo: builtins.float = -math.inf,
+              hi: builtins.float = math.inf) -> builtins.float | D: ...
+
+    def float(self, name: str, default: object = _REQUIRED, lo: builtins.float = -math.inf,
+              hi: builtins.float = math.inf) -> object:
         return self._scalar(name, default, lambda v: _check_float(v, lo, hi), f"a finite number in [{lo}, {hi}]")
 
-    def str(self, name: str, default: Any = _REQUIRED, max_len: int = MAX_STR) -> Any:
-        return self._scalar(name, default, lambda v: v if isinstance(v, str) and len(v) <= max_len else None,
+    @overload
+    def str(self, name: builtins.str, *, max_len: builtins.int = MAX_STR) -> builtins.str: ...
+    @overload
+    def str(self, name: builtins.str, default: D, max_len: builtins.int = MAX_STR) -> builtins.str | D: ...
+
+    def str(self, name: builtins.str, default: object = _REQUIRED, max_len: builtins.int = MAX_STR) -> object:
+        return self._scalar(name, default, lambda v: v if isinstance(v, builtins.str) and len(v) <= max_len else None,
                             f"a string of at most {max_len} characters")
 
-    def name(self, name: str, default: Any = _REQUIRED) -> Any:
+    @overload
+    def name(self, name: builtins.str) -> builtins.str: ...
+    @overload
+    def name(self, name: builtins.str, default: D) -> builtins.str | D: ...
+
+    def name(self, name: builtins.str, default: object = _REQUIRED) -> object:
         return self._scalar(name, default, _check_name, "a valid id (1-128 of letters, digits, '.', '_', '-', "
                             "starting with a letter or digit)")
 
-    def _list(self, name: str, default: Any) -> Any:
+    def _list(self, name: builtins.str, default: object) -> list[object] | None:
+        """The field as a list of at most :data:`MAX_ITEMS` items, or None when it is absent
+        (and not required)."""
         v = self._get(name, default)
         if v is _REQUIRED:
             return None
@@ -204,60 +251,107 @@ class Fields:
             self._fail(f"field {self._path(name)!r} = {_short(v)} is not a list of at most {MAX_ITEMS} items")
         return v
 
-    def names(self, name: str, default: Any = _REQUIRED, unique: bool = False) -> Any:
+    @overload
+    def names(self, name: builtins.str, *, unique: bool = False) -> tuple[builtins.str, ...]: ...
+    @overload
+    def names(self, name: builtins.str, default: D, unique: bool = False) -> tuple[builtins.str, ...] | D: ...
+
+    def names(self, name: builtins.str, default: object = _REQUIRED, unique: bool = False) -> object:
         """A list of valid ids (a tuple)."""
         v = self._list(name, default)
         if v is None:
             return default
+        out: list[builtins.str] = []
         for item in v:
-            if _check_name(item) is None:
+            checked = _check_name(item)
+            if checked is None:
                 self._fail(f"field {self._path(name)!r} holds {_short(item)}, not a valid id")
-        if unique and len(set(v)) != len(v):
+            out.append(checked)
+        if unique and len(set(out)) != len(out):
             self._fail(f"field {self._path(name)!r} lists an id twice")
-        return tuple(v)
+        return tuple(out)
 
-    def ints(self, name: str, default: Any = _REQUIRED, lo: int = 0, hi: int = MAX_INT) -> Any:
+    @overload
+    def ints(self, name: builtins.str, *, lo: builtins.int = 0,
+             hi: builtins.int = MAX_INT) -> list[builtins.int]: ...
+    @overload
+    def ints(self, name: builtins.str, default: D, lo: builtins.int = 0,
+             hi: builtins.int = MAX_INT) -> list[builtins.int] | D: ...
+
+    def ints(self, name: builtins.str, default: object = _REQUIRED, lo: builtins.int = 0,
+             hi: builtins.int = MAX_INT) -> object:
         """A list of integers in [lo, hi] (a list)."""
         v = self._list(name, default)
         if v is None:
             return default
+        out: list[builtins.int] = []
         for item in v:
-            if _check_int(item, lo, hi) is None:
+            checked = _check_int(item, lo, hi)
+            if checked is None:
                 self._fail(f"field {self._path(name)!r} holds {_short(item)}, not an integer in [{lo}, {hi}]")
-        return list(v)
+            out.append(checked)
+        return out
 
-    def items(self, name: str, default: Any = ()) -> Any:
+    @overload
+    def items(self, name: builtins.str) -> list[object] | tuple[()]: ...
+    @overload
+    def items(self, name: builtins.str, default: D) -> list[object] | D: ...
+
+    def items(self, name: builtins.str, default: object = ()) -> object:
         """A list of at most :data:`MAX_ITEMS` items of any type (the caller checks them)."""
         v = self._list(name, default)
         return default if v is None else list(v)
 
-    def rows(self, name: str, default: Any = _REQUIRED) -> Any:
+    @overload
+    def rows(self, name: builtins.str) -> list[list[object]]: ...
+    @overload
+    def rows(self, name: builtins.str, default: D) -> list[list[object]] | D: ...
+
+    def rows(self, name: builtins.str, default: object = _REQUIRED) -> object:
         """A list of lists (e.g. ``[[a, b], ...]``); the caller checks the items."""
         v = self._list(name, default)
         if v is None:
             return default
+        out: list[list[object]] = []
         for item in v:
             if not isinstance(item, list):
                 self._fail(f"field {self._path(name)!r} holds {_short(item)}, not a list")
-        return list(v)
+            out.append(item)
+        return out
 
-    def str_map(self, name: str, default: Any = _REQUIRED, max_len: int = MAX_STR) -> Any:
+    @overload
+    def str_map(self, name: builtins.str, *,
+                max_len: builtins.int = MAX_STR) -> dict[builtins.str, builtins.str]: ...
+    @overload
+    def str_map(self, name: builtins.str, default: D,
+                max_len: builtins.int = MAX_STR) -> dict[builtins.str, builtins.str] | D: ...
+
+    def str_map(self, name: builtins.str, default: object = _REQUIRED, max_len: builtins.int = MAX_STR) -> object:
         """An object of string -> string."""
-        sub = self.obj(name, default)
+        sub = self._obj(name, default)
         if sub is None:
             return default
+        out: dict[builtins.str, builtins.str] = {}
         for k, v in sub.d.items():
-            if len(k) > max_len or not isinstance(v, str) or len(v) > max_len:
+            if len(k) > max_len or not isinstance(v, builtins.str) or len(v) > max_len:
                 self._fail(f"field {self._path(name)!r} maps {_short(k)} to {_short(v)}, not a string of at most "
                            f"{max_len} characters")
-        return dict(sub.d)
+            out[k] = v
+        return out
 
-    def float_map(self, name: str, default: Any = _REQUIRED, lo: float = -math.inf) -> Any:
+    @overload
+    def float_map(self, name: builtins.str, *,
+                  lo: builtins.float = -math.inf) -> dict[builtins.str, builtins.float]: ...
+    @overload
+    def float_map(self, name: builtins.str, default: D,
+                  lo: builtins.float = -math.inf) -> dict[builtins.str, builtins.float] | D: ...
+
+    def float_map(self, name: builtins.str, default: object = _REQUIRED, lo: builtins.float = -math.inf) -> object:
         """An object of valid id -> finite number >= ``lo``."""
-        sub = self.obj(name, default)
+        sub = self._obj(name, default)
         if sub is None:
             return default
-        out = {}
+        out: dict[builtins.str, builtins.float] = {}
         for k, v in sub.d.items():
             f = _check_float(v, lo, math.inf)
             if _check_name(k) is None or f is None:
@@ -266,21 +360,29 @@ class Fields:
             out[k] = f
         return out
 
-    def obj(self, name: str, default: Any = _REQUIRED) -> "Fields | None":
+    @overload
+    def obj(self, name: builtins.str) -> Fields: ...
+    @overload
+    def obj(self, name: builtins.str, default: object) -> Fields | None: ...
+
+    def obj(self, name: builtins.str, default: object = _REQUIRED) -> Fields | None:
         """A nested object, as :class:`Fields` (None when absent and ``default`` given)."""
+        return self._obj(name, default)
+
+    def _obj(self, name: builtins.str, default: object) -> Fields | None:
         v = self._get(name, default)
         if v is _REQUIRED:
             return None
         return Fields(self.kind, v, self.key, self._path(name))
 
-    def by_name(self) -> Iterator[tuple[str, Any]]:
+    def by_name(self) -> Iterator[tuple[builtins.str, object]]:
         """Items of this object, whose keys must all be valid ids."""
         for k, v in self.d.items():
             if _check_name(k) is None:
                 self._fail(f"{self.where or 'the record'} has key {_short(k)}, not a valid id")
             yield k, v
 
-    def fail(self, what: str) -> None:
+    def fail(self, what: builtins.str) -> NoReturn:
         """Raise :class:`RecordError` for this record with ``what`` as the cause."""
         self._fail(what)
 
@@ -314,7 +416,7 @@ class BadRecordCollector:
     """A prometheus-client collector of ``resilient_bad_records_total{kind}`` from this
     process's tally (register it with a registry: ``registry.register(BadRecordCollector())``)."""
 
-    def collect(self):  # noqa: D401 - prometheus-client API
+    def collect(self) -> Iterator[Metric]:  # noqa: D401 - prometheus-client API
         from prometheus_client.core import CounterMetricFamily
 
         fam = CounterMetricFamily("resilient_bad_records", "Records read from etcd that were malformed and "
@@ -323,7 +425,7 @@ class BadRecordCollector:
             fam.add_metric([kind], n)
         yield fam
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return []
 
 
