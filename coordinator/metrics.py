@@ -25,7 +25,7 @@ from __future__ import annotations
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, TypeAlias
+from typing import Callable, Protocol, TypeAlias
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -135,6 +135,15 @@ class BoundedHTTPServer6(BoundedHTTPServer):
     address_family = socket.AF_INET6
 
 
+class MetricsSource(Protocol):
+    """What :class:`MetricsServer` serves at ``/metrics``: :class:`CoordinatorMetrics`, or a
+    node agent's merged worker metrics (:func:`resilient.metrics.serve_node_metrics`)."""
+
+    def render(self) -> bytes:
+        """The exposition-format text of every metric (Prometheus' ``generate_latest``)."""
+        ...
+
+
 class MetricsServer:
     """Serves ``/metrics`` and ``/healthz`` on ``host:port`` (port 0: a free one; see
     :attr:`port`). ``healthy()`` decides /healthz: 200 ``ok`` or 503 with its reason.
@@ -143,7 +152,7 @@ class MetricsServer:
     and a connection that sends no complete request within ``timeout`` seconds is
     closed, so a flood of idle connections holds neither threads nor sockets for long."""
 
-    def __init__(self, metrics: CoordinatorMetrics, healthy: Callable[[], tuple[bool, str]],
+    def __init__(self, metrics: MetricsSource, healthy: Callable[[], tuple[bool, str]],
                  host: str = "127.0.0.1", port: int = 0, timeout: float = HTTP_TIMEOUT_S,
                  max_threads: int = MAX_HTTP_THREADS) -> None:
         outer = self

@@ -34,9 +34,17 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Iterable, TypeVar
 
 from resilient.errors import ConfigError
+
+if TYPE_CHECKING:   # pragma: no cover - prometheus-client loads when metrics are first created
+    from prometheus_client import CollectorRegistry, Info
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from resilient.coordinator.metrics import MetricsServer
+
+    M = TypeVar("M", bound=MetricWrapperBase)
 
 #: The one application prefix of every family (REFERENCE.md, Prometheus naming).
 NAMESPACE = "resilient"
@@ -107,8 +115,8 @@ class RankMetrics:
     :class:`MetricLabelError` for a value outside the bounded set.
     """
 
-    registry: object | None = None
-    families: dict[str, object] = field(default_factory=dict, init=False, repr=False)
+    registry: CollectorRegistry | None = None
+    families: dict[str, MetricWrapperBase] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         from prometheus_client import REGISTRY, Counter, Gauge, Histogram, Info
@@ -116,7 +124,7 @@ class RankMetrics:
         reg = REGISTRY if self.registry is None else self.registry
         self.registry = reg
 
-        def add(metric):
+        def add(metric: M) -> M:
             self.families[metric._name] = metric
             return metric
 
@@ -179,18 +187,18 @@ class RankMetrics:
             "Wire bits per element the automatic switch chose for the last allreduce (32 = uncompressed).",
             namespace=NAMESPACE, multiprocess_mode="livemostrecent", registry=reg))
         # Info is not supported by prometheus-client's multiprocess mode: in-process only.
-        self.build_info = None
+        self.build_info: Info | None = None
         if not _multiprocess_enabled():
             from importlib import metadata
 
-            self.build_info = add(Info(
+            build_info = self.build_info = add(Info(
                 "build", "Version of resilient-collectives on this rank.",
                 namespace=NAMESPACE, registry=reg))
             try:
                 version = metadata.version("resilient-collectives")
             except metadata.PackageNotFoundError:
                 version = "unknown"
-            self.build_info.info({"version": version})
+            build_info.info({"version": version})
         # Pre-create every labelled child so dashboards see zeros instead of gaps.
         for op in COLLECTIVE_OPS:
             self.collective_duration.labels(op)
@@ -328,7 +336,7 @@ def mark_worker_dead(pid: int, path: str | os.PathLike[str]) -> None:
     """Drop the live gauges of the exited worker ``pid`` (its counters keep counting)."""
     from prometheus_client import multiprocess
 
-    multiprocess.mark_process_dead(pid, os.fspath(path))
+    multiprocess.mark_process_dead(pid, os.fspath(path))  # type: ignore[no-untyped-call]  # unannotated upstream
 
 
 @dataclass
@@ -337,7 +345,7 @@ class NodeMetricsServer:
 
     port: int
     path: str
-    _server: Any = field(repr=False)
+    _server: MetricsServer = field(repr=False)
 
     def close(self) -> None:
         self._server.close()
@@ -353,7 +361,7 @@ class _MergedRegistry:
     """``render()`` for :class:`~resilient.coordinator.metrics.MetricsServer`: the workers'
     multiprocess files merged at each scrape."""
 
-    def __init__(self, registry: Any) -> None:
+    def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
 
     def render(self) -> bytes:
@@ -384,9 +392,9 @@ def serve_node_metrics(path: str | os.PathLike[str], port: int = DEFAULT_NODE_ME
         raise ConfigError(f"metrics directory {path!r} does not exist; call "
                           "prepare_multiprocess_dir() before serve_node_metrics()")
     registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=path)
+    MultiProcessCollector(registry, path=path)  # type: ignore[no-untyped-call]  # unannotated upstream
     try:
-        server = MetricsServer(_MergedRegistry(registry), lambda: (True, ""), host=addr, port=port)  # type: ignore[arg-type]
+        server = MetricsServer(_MergedRegistry(registry), lambda: (True, ""), host=addr, port=port)
     except OSError as exc:
         raise ConfigError(f"cannot serve /metrics on {addr}:{port} ({exc.strerror}); pick "
                           "another --metrics-port or stop what holds it") from exc
