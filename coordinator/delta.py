@@ -30,7 +30,7 @@ import hashlib
 import json
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from resilient.coordinator import keys, records
 from resilient.coordinator.membership import MemberInfo
@@ -53,6 +53,10 @@ MAX_CHUNK_BYTES = records.MAX_RECORD_BYTES
 #: plan fields that are inputs, not derived from the ring
 EXTRA_FIELDS = ("avoid", "leaf_deadline_ms", "evicted")
 
+#: Those plan fields of an epoch: the plan's own JSON values, as :func:`~.epoch.check_plan`
+#: validated them (the plan is a JSON object: ``dict[str, Any]``, like ``EpochPlan.raw``).
+PlanExtras = dict[str, Any]
+
 
 @dataclass(frozen=True)
 class EpochDelta:
@@ -65,7 +69,7 @@ class EpochDelta:
     added: tuple[str, ...] = ()
     infos: dict[str, MemberInfo] = field(default_factory=dict)
     roles: dict[str, str] = field(default_factory=dict)
-    extras: dict = field(default_factory=dict)
+    extras: PlanExtras = field(default_factory=dict)
     token: str = ""
     size: int = 0
     plan_hash: str = ""
@@ -136,11 +140,11 @@ class EpochState:
     :class:`RecordError`."""
 
     def __init__(self, number: int = 0, infos: dict[str, MemberInfo] | None = None,
-                 roles: dict[str, str] | None = None, extras: dict | None = None, token: str = "") -> None:
+                 roles: dict[str, str] | None = None, extras: PlanExtras | None = None, token: str = "") -> None:
         self.number = number
         self.infos: dict[str, MemberInfo] = dict(infos or {})
         self.roles: dict[str, str] = {m: r for m, r in (roles or {}).items() if r != "active"}
-        self.extras: dict = dict(extras or {})
+        self.extras: PlanExtras = dict(extras or {})
         self.token = token
         self._ring: IncrementalRing | None = None
 

@@ -29,10 +29,15 @@ TOPOLOGY_LABELS: tuple[str, ...] = ("zone", "rack", "switch")
 
 
 class PlanMember(Protocol):
-    member_id: str
-    host: str
-    local_rank: int
-    labels: Mapping[str, str]
+    # read-only properties, so that frozen dataclasses (MemberInfo) match
+    @property
+    def member_id(self) -> str: ...
+    @property
+    def host(self) -> str: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def labels(self) -> Mapping[str, str]: ...
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,15 @@ from resilient.coordinator.planner import TOPOLOGY_LABELS
 
 
 class RingMember(Protocol):
-    member_id: str
-    host: str
-    local_rank: int
-    labels: Mapping[str, str]
+    # read-only properties, so that frozen dataclasses (MemberInfo) match
+    @property
+    def member_id(self) -> str: ...
+    @property
+    def host(self) -> str: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def labels(self) -> Mapping[str, str]: ...
 
 
 def sort_key(m: RingMember, demoted: bool) -> tuple[str, int, str]:

@@ -144,7 +144,7 @@ class CupyChunkReducer(ChunkReducer):
         dev = cupy.cuda.Device(self.device_index)
         with dev:
             self._sms = int(dev.attributes["MultiProcessorCount"])
-            self.marks = MappedProgressMarks(n_chunks)
+            self.marks: MappedProgressMarks = MappedProgressMarks(n_chunks)   # device-written marks
             self._done_blocks = cupy.zeros(int(n_chunks), dtype=cupy.uint32)
         self._module = reduce_module(self.device_index)
         self._last_stream: int | None = None
