@@ -19,21 +19,12 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-from typing import Iterable, Mapping, Protocol, Sequence
+from typing import Iterable, Sequence
 
-from resilient.coordinator.planner import TOPOLOGY_LABELS
+from resilient.coordinator.planner import TOPOLOGY_LABELS, PlanMember
 
-
-class RingMember(Protocol):
-    # read-only properties, so that frozen dataclasses (MemberInfo) match
-    @property
-    def member_id(self) -> str: ...
-    @property
-    def host(self) -> str: ...
-    @property
-    def local_rank(self) -> int: ...
-    @property
-    def labels(self) -> Mapping[str, str]: ...
+#: what the ring orders: the planner's member shape (read-only, so MemberInfo matches)
+RingMember = PlanMember
 
 
 def sort_key(m: RingMember, demoted: bool) -> tuple[str, int, str]:
