@@ -111,7 +111,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             try:
                 sock.settimeout(0.5)
                 sock.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 5\r\n"
-                                b"Connection: close\r\n\r\nbusy\n")
+                             b"Connection: close\r\n\r\nbusy\n")
             except OSError:
                 pass
             self.shutdown_request(request)

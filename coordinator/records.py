@@ -205,21 +205,23 @@ class Fields:
         return out
 
     @overload
-    def int(self, name: str, *, lo: int = 0, hi: int = MAX_INT) -> int: ...
+    def int(self, name: builtins.str, *, lo: builtins.int = 0, hi: builtins.int = MAX_INT) -> builtins.int: ...
     @overload
-    def int(self, name: str, default: D, lo: int = 0, hi: int = MAX_INT) -> int | D: ...
+    def int(self, name: builtins.str, default: D, lo: builtins.int = 0,
+            hi: builtins.int = MAX_INT) -> builtins.int | D: ...
 
-    def int(self, name: str, default: object = _REQUIRED, lo: int = 0, hi: int = MAX_INT) -> object:
+    def int(self, name: builtins.str, default: object = _REQUIRED, lo: builtins.int = 0,
+            hi: builtins.int = MAX_INT) -> object:
         return self._scalar(name, default, lambda v: _check_int(v, lo, hi), f"an integer in [{lo}, {hi}]")
 
     @overload
-    def float(self, name: str, *, lo: builtins.float = -math.inf,
+    def float(self, name: builtins.str, *, lo: builtins.float = -math.inf,
               hi: builtins.float = math.inf) -> builtins.float: ...
     @overload
-    def float(self, name: str, default: D, lo: builtins.float = -math.inf,
+    def float(self, name: builtins.str, default: D, lo: builtins.float = -math.inf,
               hi: builtins.float = math.inf) -> builtins.float | D: ...
 
-    def float(self, name: str, default: object = _REQUIRED, lo: builtins.float = -math.inf,
+    def float(self, name: builtins.str, default: object = _REQUIRED, lo: builtins.float = -math.inf,
               hi: builtins.float = math.inf) -> object:
         return self._scalar(name, default, lambda v: _check_float(v, lo, hi), f"a finite number in [{lo}, {hi}]")
 

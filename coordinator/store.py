@@ -446,7 +446,8 @@ class Store:
         # No credentials to the client: it would send the token as gRPC *call credentials*,
         # which gRPC refuses on a plain channel ("insufficient security level"). The Store
         # authenticates itself and sends the token as metadata, on any channel.
-        self._client: wire.Client = pyetcd.MultiEndpointEtcd3Client(endpoints=self._eps, timeout=self.timeout, failover=True)
+        self._client: wire.Client = pyetcd.MultiEndpointEtcd3Client(endpoints=self._eps, timeout=self.timeout,
+                                                                     failover=True)
         if user is not None:
             try:
                 self._retry("authenticate", self._authenticate)
