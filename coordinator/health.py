@@ -169,7 +169,7 @@ class NodeHealthAggregator:
         if not isinstance(member, str) or not records.is_id(member):
             log.warning("node %s: dropped a health window without a valid member id", self.node)
             return False
-        self._latest[member] = dict(record)
+        self._latest[member] = record.copy()
         slow = self._slow_members()
         turned = bool(slow - self._slow)
         self._slow = slow

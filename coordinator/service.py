@@ -58,7 +58,7 @@ from resilient.coordinator.metrics import CoordinatorMetrics
 from resilient.coordinator.planner import plan
 from resilient.coordinator.policy import HealthPolicy, LivenessPolicy, SuspectCase
 from resilient.coordinator.shares import SharePublisher
-from resilient.coordinator.store import Compare, Delete, Put, Store, WatchEvent
+from resilient.coordinator.store import Compare, Delete, Put, Store, WatchEvent, WatchHandle
 from resilient.errors import ConfigError, RecordError, StoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,11 @@ class _Published:
     delta: EpochDelta | None = None
 
     def full_epoch(self) -> Epoch:
+        """The full :class:`~.epoch.Epoch` (derived from the delta once, when needed); a
+        delta that no longer yields its plan hash raises :class:`RecordError`."""
         if self.epoch is None:
+            if self.delta is None:   # not reached: a full-form record always carries its Epoch
+                raise RecordError(f"epoch {self.number} is held without its record", "epoch")
             self.epoch = self.state.to_epoch(self.delta)
         return self.epoch
 
@@ -198,7 +202,7 @@ class Coordinator:
         self._running = False
         self.published: list[int] = []   # epoch numbers this process published
         self.reconciles = 0                # completed reconcile passes (tests wait on it)
-        self._last_scores: tuple[dict, float] = ({}, 0.0)
+        self._last_scores: tuple[dict[str, str], float] = ({}, 0.0)
         #: what is wrong with the job's records, for /healthz and logs (None: nothing)
         self._epoch_problem: str | None = None
         #: the last reconcile failure that was not etcd being unreachable
@@ -211,7 +215,7 @@ class Coordinator:
         self._full_pass = True         # next pass compares the whole directory with the epoch
         self._reload_due = True        # next pass re-reads the directory (paged)
         self._pub: _Published | None = None
-        self._members_copy: tuple[int, dict] = (-1, {})
+        self._members_copy: tuple[int, dict[str, Entry]] = (-1, {})
         self._next_reload = 0.0
         #: ops of the last publishing transaction (bench/scale.py counts writes)
         self.last_publish_ops = 0
@@ -292,7 +296,7 @@ class Coordinator:
         due = []
         if p.urgent_at is not None:
             due.append(p.urgent_at + c.debounce)
-        if p.join_first is not None:
+        if p.join_first is not None and p.join_last is not None:
             due.append(min(p.join_last + c.join_debounce, p.join_first + 4 * c.join_debounce))
         return min(due) if due else None
 
@@ -306,7 +310,7 @@ class Coordinator:
             self._next_reload = time.monotonic() + self.config.reload_interval
         return rev
 
-    def start_leading(self) -> list:
+    def start_leading(self) -> list[WatchHandle]:
         """Load the directory and open the watches (returns their handles); the state of
         a previous term is dropped (another leader may have published meanwhile)."""
         self._pub = None
@@ -339,7 +343,7 @@ class Coordinator:
                         self._cond.wait(min(wake - now, 0.5))
                         continue
                     p = self._pending
-                    joins_due = p.join_first is not None and min(
+                    joins_due = p.join_first is not None and p.join_last is not None and min(
                         p.join_last + self.config.join_debounce, p.join_first + 4 * self.config.join_debounce) <= now
                     lost_seen, join_seen = dict(p.lost_seen), dict(p.join_seen)
                     self._pending = _Pending()
@@ -635,7 +639,7 @@ class Coordinator:
         snap = (pub is None or corrupt is not None or pub.form != "delta"
                 or number - pub.snapshot >= keys.EPOCHS_KEPT - 2 or len(added) > CHUNK_MEMBERS)
         base = pub.number if pub is not None and corrupt is None else 0
-        d = EpochDelta(number=number, base=base, snapshot=number if snap else pub.snapshot, removed=removed,
+        d = EpochDelta(number=number, base=base, snapshot=number if snap or pub is None else pub.snapshot, removed=removed,
                        added=added, infos={m: alive[m][0] for m in added}, roles=role_changes, extras=extras,
                        token=token, size=len(alive), cause=cause, trigger_at=trigger, published_at=time.time(),
                        leader=self.id)
