@@ -35,7 +35,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, TypedDict, cast
 
 from resilient.coordinator import keys, records
-from resilient.coordinator.policy import EvictionEntry, PolicyNeeds
+from resilient.coordinator.policy import NoEvictions, PolicyNeeds
 from resilient.coordinator.store import Store
 from resilient.coordinator.straggler import (
     DEMOTED, HealthRecord, MemberState, ScoreRow, StragglerConfig, StragglerDetector, Verdict,
@@ -53,7 +53,7 @@ RECORD_VERSION = 1
 DemotionFn = Callable[[Mapping[str, HealthRecord]], Set[str]]
 
 
-class DemotionRule:
+class DemotionRule(NoEvictions):
     """A :class:`~.policy.HealthPolicy` from a plain function of the health records (the
     members it names are demoted; nobody is evicted). ``reads_health=False``: the
     coordinator reads no records for it (``fn`` gets ``{}``). What ``fn`` raises
@@ -66,14 +66,6 @@ class DemotionRule:
     @property
     def needs(self) -> PolicyNeeds:
         return self._needs
-
-    @property
-    def evicted(self) -> Mapping[str, EvictionEntry]:
-        return {}
-
-    @property
-    def readmitted(self) -> Set[str]:
-        return frozenset()
 
     @property
     def leaf_deadline_ms(self) -> float | None:
@@ -288,7 +280,7 @@ def read_scores(store: Store, job: str) -> ScoresRecord:
         return {}
 
 
-class StragglerPolicy:
+class StragglerPolicy(NoEvictions):
     """The coordinator's straggler policy: a :class:`~.straggler.StragglerDetector` fed
     with the health records and the current epoch on every reconcile pass.
 
@@ -322,14 +314,6 @@ class StragglerPolicy:
     @property
     def needs(self) -> PolicyNeeds:
         return PolicyNeeds(health=True, epoch=True, scores=True)
-
-    @property
-    def evicted(self) -> Mapping[str, EvictionEntry]:
-        return {}
-
-    @property
-    def readmitted(self) -> Set[str]:
-        return frozenset()
 
     def verdict(self, records: Mapping[str, HealthRecord], epoch: Epoch | None, alive: Collection[str],
                 requests: Mapping[str, int]) -> Verdict:

@@ -73,6 +73,19 @@ class EvictionEntry(Protocol):
         ...
 
 
+class NoEvictions:
+    """The eviction part of a :class:`HealthPolicy` that never evicts: nobody is out,
+    nobody is re-admitted (a base for such policies)."""
+
+    @property
+    def evicted(self) -> Mapping[str, EvictionEntry]:
+        return {}
+
+    @property
+    def readmitted(self) -> Set[str]:
+        return frozenset()
+
+
 class HealthPolicy(Protocol):
     """Demotes, evicts and re-admits members from their health records."""
 
