@@ -8,8 +8,10 @@ wait to take over. The leader:
    every ``resync_interval`` seconds as a safety net;
 2. on a change, waits a short debounce (``debounce``, tens of ms, for losses and
    suspicions; ``join_debounce`` for joins, so 8 workers starting together yield one
-   epoch) and then **reconciles**: reads members, the current epoch, suspect reports and
-   ``departed/`` markers, computes the next epoch — deterministic given the member set
+   epoch) and then **reconciles**: reads members, the current epoch, suspect reports
+   (judged by the :class:`~.policy.LivenessPolicy`), ``departed/`` markers and the
+   :class:`~.policy.HealthPolicy`'s verdict into a :class:`~.decide.Snapshot`, lets the
+   pure :func:`.decide.decide` say what to publish — deterministic given the member set
    and health: the ring and tree come from :func:`.planner.plan` — and
 3. publishes it with one transaction that compares the ``epoch`` key's mod revision
    (CAS on epoch n) **and** the ``leader`` key's create revision (we still lead). A
