@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Collection, Iterable, Mapping
 
 from resilient.coordinator import keys, records
 from resilient.coordinator.health import StragglerPolicy
-from resilient.coordinator.policy import PolicyNeeds
+from resilient.coordinator.policy import HealthPolicy, PolicyNeeds
 from resilient.coordinator.straggler import OK, HealthRecord, ScoreRow, StragglerConfig, Verdict
 from resilient.errors import ConfigError, RecordError
 
@@ -277,3 +277,7 @@ class EvictPolicy(StragglerPolicy):
             scores[m] = {**(v.scores.get(m) or ScoreRow(score=None)), "state": EVICTED,
                          "until": round(ev.until, 3), "hold_s": ev.hold_s}
         return Verdict(demoted=frozenset(), avoid=v.avoid, scores=dict(sorted(scores.items())))
+
+
+if TYPE_CHECKING:  # pragma: no cover - a static check that it implements the protocol
+    _conforms: type[HealthPolicy] = EvictPolicy

@@ -35,7 +35,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, TypedDict, cast
 
 from resilient.coordinator import keys, records
-from resilient.coordinator.policy import NoEvictions, PolicyNeeds
+from resilient.coordinator.policy import HealthPolicy, NoEvictions, PolicyNeeds
 from resilient.coordinator.store import Store
 from resilient.coordinator.straggler import (
     DEMOTED, HealthRecord, MemberState, ScoreRow, StragglerConfig, StragglerDetector, Verdict,
@@ -336,3 +336,8 @@ class StragglerPolicy(NoEvictions):
             if epoch.roles.get(m) == "demoted" and i < len(tree) and 0 <= int(tree[i]) < len(ring):
                 parents.add(ring[int(tree[i])])
         return self.detector.update(records, ring, epoch.number, now, exempt=parents)
+
+
+if TYPE_CHECKING:  # pragma: no cover - static checks that both implement the protocol
+    _rule_conforms: type[HealthPolicy] = DemotionRule
+    _straggler_conforms: type[HealthPolicy] = StragglerPolicy

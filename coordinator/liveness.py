@@ -14,8 +14,10 @@ clock (``now`` comes in the case); never raises.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from resilient.coordinator.membership import KEEPALIVE_FRACTION
-from resilient.coordinator.policy import SuspectCase, SuspectRuling
+from resilient.coordinator.policy import LivenessPolicy, SuspectCase, SuspectRuling
 
 
 class LeaseLiveness:
@@ -27,3 +29,7 @@ class LeaseLiveness:
         if case.now - case.first_report > case.lease_granted + 1:
             return "dismiss"
         return "wait"
+
+
+if TYPE_CHECKING:  # pragma: no cover - a static check that it implements the protocol
+    _conforms: type[LivenessPolicy] = LeaseLiveness
