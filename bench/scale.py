@@ -33,6 +33,7 @@ from bench.sim_store import Clock, Latency, SimStore  # noqa: E402
 from resilient.coordinator import keys  # noqa: E402
 from resilient.coordinator.delta import EpochState, is_delta, parse_delta, resolve  # noqa: E402
 from resilient.coordinator.directory import NodeRecord  # noqa: E402
+from resilient.coordinator.health import DemotionRule  # noqa: E402
 from resilient.coordinator.membership import MemberInfo  # noqa: E402
 from resilient.coordinator.service import Coordinator, CoordinatorConfig  # noqa: E402
 
@@ -300,7 +301,7 @@ def run_sim(args: argparse.Namespace) -> dict:
 
     # -- a straggler: the detector (fed the rack summaries) demotes one rank: a role change
     s = sim.agents[11]
-    coord.health_policy = lambda records, m=f"{s.node}-g5": {m}
+    coord.health_policy = DemotionRule(lambda records, m=f"{s.node}-g5": {m})
     t_slow = sim.clock.now
     slow = sim.publish_after(t_slow, "straggler demoted")
     assert slow["cause"] == "health", slow

@@ -37,7 +37,7 @@ class NodeRecord:
 
     node: str
     host: str
-    labels: dict
+    labels: dict[str, str]
     ranks: tuple[MemberInfo, ...]
     ttl: float = 0.0
 

@@ -40,12 +40,13 @@ from typing import TYPE_CHECKING, Collection, Iterable, Mapping
 
 from resilient.coordinator import keys, records
 from resilient.coordinator.health import StragglerPolicy
+from resilient.coordinator.policy import HealthPolicy, PolicyNeeds
+from resilient.coordinator.straggler import OK, HealthRecord, ScoreRow, StragglerConfig, Verdict
 from resilient.errors import ConfigError, RecordError
 
 if TYPE_CHECKING:  # pragma: no cover
     from resilient.coordinator.epoch import Epoch
     from resilient.coordinator.store import Store
-    from resilient.coordinator.straggler import StragglerConfig, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def read_requests(store: "Store", job: str) -> dict[str, int]:
 def parse_readmit(raw: bytes, key: str = "") -> int:
     """The epoch number a ``readmit/<member>`` request answers (an integer in
     [0, 2**63)); :class:`~resilient.errors.RecordError` if the request is malformed."""
-    return records.fields("readmit", raw, key).int("epoch")
+    return int(records.fields("readmit", raw, key).int("epoch"))
 
 
 # -- the pure book -------------------------------------------------------------------------
@@ -127,11 +128,11 @@ class Eviction:
     count: int = 1
     after_epoch: int = 0
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, float | int]:
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}
 
     @classmethod
-    def from_dict(cls, d: "Mapping | records.Fields") -> "Eviction":
+    def from_dict(cls, d: Mapping[str, object] | records.Fields) -> Eviction:
         """Validate one ``plan["evicted"]`` entry (finite times, integer counts in
         [0, 2**63)); :class:`~resilient.errors.RecordError` if malformed."""
         f = d if isinstance(d, records.Fields) else records.Fields("eviction", d)
@@ -170,10 +171,10 @@ class EvictionBook:
             self.events.append((now, m, "forgotten: its lease ended while evicted"))
         for m in [m for m in self.back if m not in alive]:
             del self.back[m]
-        for m, b in self.back.items():
-            if b.epoch is None and m in ring:
-                b.epoch = epoch
-        released = set()
+        for m, served in self.back.items():
+            if served.epoch is None and m in ring:
+                served.epoch = epoch
+        released: set[str] = set()
         for m, ev in sorted(self.evicted.items()):
             req = requests.get(m)
             if now >= ev.until and req is not None and req > ev.after_epoch:
@@ -182,7 +183,8 @@ class EvictionBook:
                 self.events.append((now, m, f"re-admitted after {ev.hold_s:g} s (probation)"))
         for m in released:
             del self.evicted[m]
-        fresh, refused = set(), set()
+        fresh: set[str] = set()
+        refused: set[str] = set()
         cap = max(0, (len(alive) - 1) // 2)
         for m in sorted(set(confirmed) - set(self.evicted)):
             if len(self.evicted) >= cap:
@@ -205,7 +207,7 @@ class EvictionBook:
         b = self.back.get(member)
         return None if b is None else b.epoch
 
-    def seed(self, plan_evicted: Mapping[str, Mapping], alive: Collection[str]) -> None:
+    def seed(self, plan_evicted: Mapping[str, Mapping[str, object]], alive: Collection[str]) -> None:
         """A new leader: take the evictions published in the current epoch's plan."""
         for m, d in (plan_evicted or {}).items():
             if m in alive and m not in self.evicted:
@@ -219,11 +221,12 @@ class EvictionBook:
 
 class EvictPolicy(StragglerPolicy):
     """``--straggler-policy evict``: :class:`~.health.StragglerPolicy` detection, then
-    :class:`EvictionBook`. The coordinator calls :meth:`evaluate_alive` (it knows the live
-    members and reads the requests) and takes :attr:`evicted` out of the next epoch; the
-    returned verdict never demotes (the evicted get state ``evicted`` in its scores)."""
+    :class:`EvictionBook`. The coordinator's :meth:`verdict` is :meth:`evaluate_alive`
+    (it knows the live members and reads the requests: :attr:`needs`) and takes
+    :attr:`evicted` out of the next epoch; the returned verdict never demotes (the
+    evicted get state ``evicted`` in its scores)."""
 
-    def __init__(self, config: "StragglerConfig | None" = None, eviction: EvictionConfig | None = None) -> None:
+    def __init__(self, config: StragglerConfig | None = None, eviction: EvictionConfig | None = None) -> None:
         super().__init__(config)
         self.book = EvictionBook(eviction)
         self._seeded = False
@@ -237,15 +240,21 @@ class EvictPolicy(StragglerPolicy):
         """Members evicted at some point and let back in (for the epoch's cause)."""
         return set(self.book.back)
 
-    def evaluate_alive(self, records: Mapping[str, dict], epoch: "Epoch | None", alive: Collection[str],
-                       requests: Mapping[str, int], now: float | None = None) -> "Verdict":
-        from resilient.coordinator.straggler import OK, Verdict
+    @property
+    def needs(self) -> PolicyNeeds:
+        return PolicyNeeds(health=True, epoch=True, readmit_requests=True, scores=True)
 
+    def verdict(self, records: Mapping[str, HealthRecord], epoch: Epoch | None, alive: Collection[str],
+                requests: Mapping[str, int]) -> Verdict:
+        return self.evaluate_alive(records, epoch, alive, requests)
+
+    def evaluate_alive(self, records: Mapping[str, HealthRecord], epoch: Epoch | None, alive: Collection[str],
+                       requests: Mapping[str, int], now: float | None = None) -> Verdict:
         now = time.time() if now is None else now
         if epoch is not None and not self._seeded:
             self._seeded = True
             self.book.seed(epoch.plan.get("evicted") or {}, alive)
-        recs = {}
+        recs: dict[str, HealthRecord] = {}
         for m, r in records.items():   # probation: only windows of the re-admission epoch on
             since = self.book.probation_epoch(m)
             try:
@@ -261,10 +270,14 @@ class EvictPolicy(StragglerPolicy):
             st = self.detector.members.get(m)
             if st is not None:
                 st.state, st.slow_run, st.clear_run = OK, 0, 0
-        scores = {m: s for m, s in v.scores.items() if m not in refused}
+        scores: dict[str, ScoreRow] = {m: s for m, s in v.scores.items() if m not in refused}
         for m in refused:
-            scores[m] = {**v.scores.get(m, {}), "state": OK}
+            scores[m] = {**v.scores.get(m, ScoreRow()), "state": OK}
         for m, ev in self.book.evicted.items():
-            scores[m] = {**(v.scores.get(m) or {"score": None}), "state": EVICTED, "until": round(ev.until, 3),
-                         "hold_s": ev.hold_s}
+            scores[m] = {**(v.scores.get(m) or ScoreRow(score=None)), "state": EVICTED,
+                         "until": round(ev.until, 3), "hold_s": ev.hold_s}
         return Verdict(demoted=frozenset(), avoid=v.avoid, scores=dict(sorted(scores.items())))
+
+
+if TYPE_CHECKING:  # pragma: no cover - a static check that it implements the protocol
+    _conforms: type[HealthPolicy] = EvictPolicy

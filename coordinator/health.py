@@ -14,11 +14,12 @@ Record format (version 1), one *window* of ops, JSON::
 from :class:`~resilient.transport.base.TransportStats` deltas); the detector
 (:mod:`.straggler`) reads ``ops``, ``window_s``, ``wait_s``, ``epoch``, ``seq``, ``at``.
 
-The coordinator's policy is a :data:`HealthPolicy`: a pure function from every member's
-record to the set of members to demote (:func:`no_demotion`, the default), or a
-:class:`StragglerPolicy` — stateful, fed the current epoch as well, returning a
-:class:`~.straggler.Verdict` (demoted members and links to avoid). The coordinator leader
-publishes the verdict's scores to ``straggler`` (:func:`write_scores`) at a low rate.
+The coordinator's policy is a :class:`~.policy.HealthPolicy`: a :class:`DemotionRule` —
+a pure function from every member's record to the set of members to demote
+(:data:`no_demotion`, the default, reads nothing) — or a :class:`StragglerPolicy` —
+stateful, fed the current epoch as well, returning a :class:`~.straggler.Verdict`
+(demoted members and links to avoid). The coordinator leader publishes a
+:class:`StragglerPolicy`'s scores to ``straggler`` (:func:`write_scores`) at a low rate.
 
 Records live on the member's lease, so a dead member's health goes with it. Failure
 behaviour: :func:`write_health` raises :class:`~resilient.errors.LeaseExpired` when the
@@ -30,33 +31,64 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence, Set
+from typing import TYPE_CHECKING, TypedDict, cast
 
 from resilient.coordinator import keys, records
+from resilient.coordinator.policy import HealthPolicy, NoEvictions, PolicyNeeds
 from resilient.coordinator.store import Store
-from resilient.errors import RecordError
+from resilient.coordinator.straggler import (
+    DEMOTED, HealthRecord, MemberState, ScoreRow, StragglerConfig, StragglerDetector, Verdict,
+)
+from resilient.errors import ConfigError, RecordError
 
-if TYPE_CHECKING:  # pragma: no cover
+if TYPE_CHECKING:  # pragma: no cover - epoch.py reaches eviction.py (and so this module) lazily
     from resilient.coordinator.epoch import Epoch
-    from resilient.coordinator.straggler import StragglerConfig, Verdict
 
 log = logging.getLogger(__name__)
 
 RECORD_VERSION = 1
 
-HealthPolicy = Callable[[Mapping[str, dict]], "set[str]"]
+#: a stateless demotion rule: every member's record -> the members to demote
+DemotionFn = Callable[[Mapping[str, HealthRecord]], Set[str]]
 
 
-def no_demotion(records: Mapping[str, dict]) -> set[str]:
-    """The default policy: nobody is demoted."""
-    return set()
+class DemotionRule(NoEvictions):
+    """A :class:`~.policy.HealthPolicy` from a plain function of the health records (the
+    members it names are demoted; nobody is evicted). ``reads_health=False``: the
+    coordinator reads no records for it (``fn`` gets ``{}``). What ``fn`` raises
+    demotes nobody that pass (the coordinator logs it)."""
+
+    def __init__(self, fn: DemotionFn, reads_health: bool = True) -> None:
+        self.fn = fn
+        self._needs = PolicyNeeds(health=reads_health)
+
+    @property
+    def needs(self) -> PolicyNeeds:
+        return self._needs
+
+    @property
+    def leaf_deadline_ms(self) -> float | None:
+        return None
+
+    def verdict(self, records: Mapping[str, HealthRecord], epoch: Epoch | None, alive: Collection[str],
+                requests: Mapping[str, int]) -> Verdict:
+        return Verdict(demoted=frozenset(self.fn(records)), avoid=frozenset())
+
+
+def _nobody(records: Mapping[str, HealthRecord]) -> Set[str]:
+    return frozenset()
+
+
+#: The default policy: nobody is demoted (and no health record is read).
+no_demotion = DemotionRule(_nobody, reads_health=False)
 
 
 def make_record(member_id: str, epoch: int, seq: int, ops: int, window_s: float,
                 wait_s: Mapping[str, float], op_times: Sequence[float] = (), at: float | None = None,
-                **extra: object) -> dict:
+                **extra: object) -> HealthRecord:
     """A version-1 health record for one window (see the module docstring)."""
-    rec: dict = {"v": RECORD_VERSION, "member": member_id, "epoch": int(epoch), "seq": int(seq),
+    rec: dict[str, object] = {"v": RECORD_VERSION, "member": member_id, "epoch": int(epoch), "seq": int(seq),
                  "at": time.time() if at is None else float(at), "ops": int(ops),
                  "window_s": round(float(window_s), 6),
                  "wait_s": {str(p): round(float(s), 6) for p, s in wait_s.items() if s > 0}}
@@ -65,17 +97,17 @@ def make_record(member_id: str, epoch: int, seq: int, ops: int, window_s: float,
         rec["op_s_p50"] = round(s[len(s) // 2], 6)
         rec["op_s_max"] = round(s[-1], 6)
     rec.update(extra)
-    return rec
+    return cast(HealthRecord, rec)   # the known fields are typed above; ``extra`` passes through
 
 
-def write_health(store: Store, job: str, member_id: str, record: dict, lease_id: int | None) -> None:
+def write_health(store: Store, job: str, member_id: str, record: HealthRecord, lease_id: int | None) -> None:
     """Write ``member_id``'s health record (``at`` is filled in if absent)."""
     body = dict(record)
     body.setdefault("at", time.time())
     store.put(keys.health_of(job, member_id), json.dumps(body, separators=(",", ":")).encode(), lease=lease_id)
 
 
-def parse_health(raw: bytes, key: str = "") -> dict:
+def parse_health(raw: bytes, key: str = "") -> HealthRecord:
     """Validate one ``health/<member>`` record: a JSON object whose known fields have
     their types (``epoch``, ``seq``, ``ops``: integers in [0, 2**63); ``at``,
     ``window_s``, ``op_s_*``: finite numbers >= 0; ``wait_s``: member id -> finite number
@@ -95,7 +127,7 @@ def parse_health(raw: bytes, key: str = "") -> dict:
     for name in ("shaping", "member"):
         if f.has(name):
             rec[name] = f.str(name, max_len=256)
-    return rec
+    return cast(HealthRecord, rec)   # every known field was checked above
 
 
 #: version of a node summary record (:class:`NodeHealthAggregator`)
@@ -118,18 +150,18 @@ class NodeHealthAggregator:
                  slow_factor: float = 3.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.store, self.job, self.node, self.lease_id = store, job, keys.check_name("node id", node), lease_id
         self.interval, self.slow_factor, self._clock = float(interval), float(slow_factor), clock
-        self._latest: dict[str, dict] = {}
+        self._latest: dict[str, HealthRecord] = {}
         self._slow: set[str] = set()
         self._last = clock()
         self.writes = 0
 
-    def add(self, record: dict) -> bool:
+    def add(self, record: HealthRecord) -> bool:
         """Take one rank window; returns True if it made the summary due now."""
         member = record.get("member")
         if not isinstance(member, str) or not records.is_id(member):
             log.warning("node %s: dropped a health window without a valid member id", self.node)
             return False
-        self._latest[member] = dict(record)
+        self._latest[member] = record.copy()
         slow = self._slow_members()
         turned = bool(slow - self._slow)
         self._slow = slow
@@ -143,7 +175,7 @@ class NodeHealthAggregator:
         return {m for m, r in self._latest.items()
                 if isinstance(r.get("op_s_p50"), (int, float)) and median > 0 and r["op_s_p50"] > self.slow_factor * median}
 
-    def maybe_flush(self, record: dict) -> bool:
+    def maybe_flush(self, record: HealthRecord) -> bool:
         """``add`` and, when due, ``flush``; True if a summary was written."""
         if self.add(record):
             self.flush()
@@ -158,12 +190,12 @@ class NodeHealthAggregator:
         self.writes += 1
 
 
-def read_health(store: Store, job: str) -> dict[str, dict]:
+def read_health(store: Store, job: str) -> dict[str, HealthRecord]:
     """Every member's health record (malformed ones skipped: logged and counted); node
     summaries (``"v": 2``, :class:`NodeHealthAggregator`) are expanded into their ranks'
     records, each validated like a record of its own."""
     prefix = keys.health(job)
-    out: dict[str, dict] = {}
+    out: dict[str, HealthRecord] = {}
     for kv in store.get_prefix(prefix):
         if kv.value.startswith(b'{"v":2,'):
             try:
@@ -192,21 +224,30 @@ def scores_key(job: str) -> str:
     return keys.root(job) + "straggler"
 
 
-def write_scores(store: Store, job: str, verdict: "Verdict", lease_id: int | None = None) -> None:
+def write_scores(store: Store, job: str, verdict: Verdict, lease_id: int | None = None) -> None:
     """Publish ``{"at", "members": {id: {score, state}}, "demoted": [...], "avoid": [[a, b]...]}``."""
     body = {"at": time.time(), "members": verdict.scores, "demoted": sorted(verdict.demoted),
             "avoid": [list(p) for p in sorted(verdict.avoid)]}
     store.put(scores_key(job), json.dumps(body, separators=(",", ":")).encode(), lease=lease_id)
 
 
-def parse_scores(raw: bytes, key: str = "") -> dict:
+class ScoresRecord(TypedDict, total=False):
+    """The ``straggler`` record as :func:`parse_scores` validated it (other fields pass)."""
+
+    at: float
+    members: dict[str, ScoreRow]
+    demoted: list[str]
+    avoid: list[list[str]]
+
+
+def parse_scores(raw: bytes, key: str = "") -> ScoresRecord:
     """Validate the ``straggler`` record: ``members`` id -> {``score``: finite number or
     null, ``state``: string, ``until``/``hold_s``: finite numbers}, ``demoted``: ids,
     ``avoid``: [id, id] pairs, ``at``: finite. Raises :class:`~resilient.errors.RecordError`."""
     f = records.fields("scores", raw, key)
     body = dict(f.d)
     body["at"] = f.float("at", 0.0)
-    members = {}
+    members: dict[str, dict[str, object]] = {}
     sub = f.obj("members", {})
     for m, v in (sub.by_name() if sub is not None else ()):
         e = records.Fields("scores", v, key, f"members.{m}")
@@ -224,10 +265,10 @@ def parse_scores(raw: bytes, key: str = "") -> dict:
         if len(pair) != 2 or any(not records.is_id(x) for x in pair):
             f.fail(f"avoid holds {pair!r}, not a pair of member ids")
     body["avoid"] = avoid
-    return body
+    return cast(ScoresRecord, body)   # every known field was checked above
 
 
-def read_scores(store: Store, job: str) -> dict:
+def read_scores(store: Store, job: str) -> ScoresRecord:
     """The published scores (``{}`` when none or malformed: logged and counted)."""
     kv = store.get(scores_key(job))
     if kv is None:
@@ -239,7 +280,7 @@ def read_scores(store: Store, job: str) -> dict:
         return {}
 
 
-class StragglerPolicy:
+class StragglerPolicy(NoEvictions):
     """The coordinator's straggler policy: a :class:`~.straggler.StragglerDetector` fed
     with the health records and the current epoch on every reconcile pass.
 
@@ -252,10 +293,7 @@ class StragglerPolicy:
     Stateless across coordinator failover by design: a new leader starts from the epoch's roles (demoted members stay
     demoted until they have been clear for ``release_windows``)."""
 
-    def __init__(self, config: "StragglerConfig | None" = None, leaf_deadline_ms: float | None = None) -> None:
-        from resilient.coordinator.straggler import StragglerDetector
-        from resilient.errors import ConfigError
-
+    def __init__(self, config: StragglerConfig | None = None, leaf_deadline_ms: float | None = None) -> None:
         if leaf_deadline_ms is not None:
             try:
                 ok = 0.0 <= float(leaf_deadline_ms) <= 600_000.0
@@ -271,9 +309,18 @@ class StragglerPolicy:
         self.leaf_deadline_ms = leaf_deadline_ms
         self._seeded_from: int | None = None
 
-    def evaluate(self, records: Mapping[str, dict], epoch: "Epoch | None", now: float | None = None) -> "Verdict":
-        from resilient.coordinator.straggler import DEMOTED, MemberState
+    # -- the HealthPolicy protocol (coordinator/policy.py) --------------------------------
 
+    @property
+    def needs(self) -> PolicyNeeds:
+        return PolicyNeeds(health=True, epoch=True, scores=True)
+
+    def verdict(self, records: Mapping[str, HealthRecord], epoch: Epoch | None, alive: Collection[str],
+                requests: Mapping[str, int]) -> Verdict:
+        return self.evaluate(records, epoch)
+
+    def evaluate(self, records: Mapping[str, HealthRecord], epoch: Epoch | None,
+                 now: float | None = None) -> Verdict:
         now = time.time() if now is None else now
         if epoch is None:
             return self.detector.update({}, (), 0, now)
@@ -283,9 +330,14 @@ class StragglerPolicy:
                 if role == "demoted" and m in epoch.members:
                     self.detector.members[m] = MemberState(state=DEMOTED, since=now)
         ring = list(epoch.members)
-        parents = set()
+        parents: set[str] = set()
         tree = epoch.plan.get("tree_parent") or []
         for i, m in enumerate(ring):
             if epoch.roles.get(m) == "demoted" and i < len(tree) and 0 <= int(tree[i]) < len(ring):
                 parents.add(ring[int(tree[i])])
         return self.detector.update(records, ring, epoch.number, now, exempt=parents)
+
+
+if TYPE_CHECKING:  # pragma: no cover - static checks that both implement the protocol
+    _rule_conforms: type[HealthPolicy] = DemotionRule
+    _straggler_conforms: type[HealthPolicy] = StragglerPolicy

@@ -29,13 +29,17 @@ TOPOLOGY_LABELS: tuple[str, ...] = ("zone", "rack", "switch")
 
 
 class PlanMember(Protocol):
-    # read-only properties, so that frozen dataclasses (MemberInfo) match
+    """What the planner reads of a member (:class:`~.membership.MemberInfo` has it)."""
+
     @property
     def member_id(self) -> str: ...
+
     @property
     def host(self) -> str: ...
+
     @property
     def local_rank(self) -> int: ...
+
     @property
     def labels(self) -> Mapping[str, str]: ...
 
@@ -53,9 +57,9 @@ class Plan:
     shard_weights: tuple[float, ...] | None = None
     link_classes: tuple[tuple[float, tuple[str, ...]], ...] = ()
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, object]:
         """JSON form stored in the epoch's ``plan`` (the ring itself is ``Epoch.members``)."""
-        d = {
+        d: dict[str, object] = {
             "tree_parent": list(self.parent),
             "host_groups": [list(g) for g in self.host_groups],
             "demoted": list(self.demoted),
@@ -119,7 +123,11 @@ def plan(members: Iterable[PlanMember], demoted: Collection[str] = (),
                 link_classes=tuple((s, tuple(ids)) for s, ids in classes))
 
 
-def _separate(keyed: list, healthy: int, avoid: set) -> list:
+#: a member's sort key in :func:`plan`: (demoted+zone+rack+switch+host, (class rank, local rank), id)
+_Keyed = tuple[str, tuple[int, int], str]
+
+
+def _separate(keyed: list[_Keyed], healthy: int, avoid: set[frozenset[str]]) -> list[_Keyed]:
     """Swap members so that no pair in ``avoid`` is adjacent in the ring (cyclically),
     keeping swaps inside [0, healthy) or [healthy, n). Greedy and deterministic: for the
     first bad edge, swap its second member with the nearest position that lowers the

@@ -8,8 +8,10 @@ wait to take over. The leader:
    every ``resync_interval`` seconds as a safety net;
 2. on a change, waits a short debounce (``debounce``, tens of ms, for losses and
    suspicions; ``join_debounce`` for joins, so 8 workers starting together yield one
-   epoch) and then **reconciles**: reads members, the current epoch, suspect reports and
-   ``departed/`` markers, computes the next epoch — deterministic given the member set
+   epoch) and then **reconciles**: reads members, the current epoch, suspect reports
+   (judged by the :class:`~.policy.LivenessPolicy`), ``departed/`` markers and the
+   :class:`~.policy.HealthPolicy`'s verdict into a :class:`~.decide.Snapshot`, lets the
+   pure :func:`.decide.decide` say what to publish — deterministic given the member set
    and health: the ring and tree come from :func:`.planner.plan` — and
 3. publishes it with one transaction that compares the ``epoch`` key's mod revision
    (CAS on epoch n) **and** the ``leader`` key's create revision (we still lead). A
@@ -40,24 +42,25 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from resilient.coordinator import keys, records
 from resilient.coordinator.delta import (
     CHUNK_MEMBERS, SNAPSHOT_EVERY, EpochDelta, EpochState, is_delta, parse_delta, resolve, snapshot_ops,
 )
+from resilient.coordinator.decide import Decision, Entry, EpochFacts, HealthOutcome, Snapshot, decide
 from resilient.coordinator.directory import Directory
 from resilient.coordinator.election import LeaderElection
 from resilient.coordinator.epoch import Epoch, latest_valid_history
-from resilient.coordinator.health import (
-    HealthPolicy, StragglerPolicy, no_demotion, read_health, write_scores,
-)
-from resilient.coordinator.membership import KEEPALIVE_FRACTION, MemberInfo
+from resilient.coordinator.eviction import read_requests
+from resilient.coordinator.health import no_demotion, read_health, write_scores
+from resilient.coordinator.liveness import LeaseLiveness
 from resilient.coordinator.metrics import CoordinatorMetrics
 from resilient.coordinator.planner import plan
+from resilient.coordinator.policy import HealthPolicy, LivenessPolicy, SuspectCase
 from resilient.coordinator.shares import SharePublisher
-from resilient.coordinator.store import Compare, Delete, Put, Store, WatchEvent
+from resilient.coordinator.store import Compare, Delete, Put, Store, WatchEvent, WatchHandle
 from resilient.errors import ConfigError, RecordError, StoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -85,12 +88,13 @@ class CoordinatorConfig:
     delta_min_members: int = 1024
 
     def validate(self) -> None:
-        for name in ("ttl", "resync_interval", "suspect_interval", "reload_interval"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"coordinator {name} must be > 0, got {getattr(self, name)}")
-        for name in ("debounce", "join_debounce"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"coordinator {name} must be >= 0, got {getattr(self, name)}")
+        for name, value in (("ttl", self.ttl), ("resync_interval", self.resync_interval),
+                            ("suspect_interval", self.suspect_interval), ("reload_interval", self.reload_interval)):
+            if value <= 0:
+                raise ConfigError(f"coordinator {name} must be > 0, got {value}")
+        for name, value in (("debounce", self.debounce), ("join_debounce", self.join_debounce)):
+            if value < 0:
+                raise ConfigError(f"coordinator {name} must be >= 0, got {value}")
         if self.min_members < 1:
             raise ConfigError(f"--min-members must be >= 1, got {self.min_members}")
 
@@ -119,9 +123,27 @@ class _Published:
     delta: EpochDelta | None = None
 
     def full_epoch(self) -> Epoch:
+        """The full :class:`~.epoch.Epoch` (derived from the delta once, when needed); a
+        delta that no longer yields its plan hash raises :class:`RecordError`."""
         if self.epoch is None:
+            if self.delta is None:   # not reached: a full-form record always carries its Epoch
+                raise RecordError(f"epoch {self.number} is held without its record", "epoch")
             self.epoch = self.state.to_epoch(self.delta)
         return self.epoch
+
+
+@dataclass(frozen=True)
+class _PassRead:
+    """What :meth:`Coordinator._read_pass` hands to :meth:`Coordinator._write_pass`: the
+    snapshot :func:`.decide.decide` judges, plus the write side's own context."""
+
+    snapshot: Snapshot
+    pub: _Published | None
+    erev: int                      # mod revision of the epoch key (0: absent)
+    corrupt: RecordError | None    # the epoch key holds a malformed record
+    marks: dict[str, int]          # the dirty marks this pass consumes when done
+    full: bool
+    suspects_pending: bool
 
 
 class _DirtyMarks:
@@ -162,14 +184,18 @@ class Coordinator:
 
     def __init__(self, store: Store, job: str, coordinator_id: str | None = None,
                  config: CoordinatorConfig | None = None,
-                 health_policy: "HealthPolicy | StragglerPolicy" = no_demotion,
-                 metrics: CoordinatorMetrics | None = None) -> None:
+                 health_policy: HealthPolicy = no_demotion,
+                 metrics: CoordinatorMetrics | None = None,
+                 liveness_policy: LivenessPolicy | None = None) -> None:
         self.store = store
         self.job = keys.check_name("job name", job)
         self.id = keys.check_name("coordinator id", coordinator_id or default_coordinator_id())
         self.config = config or CoordinatorConfig()
         self.config.validate()
-        self.health_policy = health_policy
+        #: whom to demote, evict or re-admit (coordinator/policy.py)
+        self.health_policy: HealthPolicy = health_policy
+        #: when a suspected member is dead (coordinator/liveness.py)
+        self.liveness_policy: LivenessPolicy = liveness_policy or LeaseLiveness()
         self.metrics = metrics or CoordinatorMetrics()
         self.election = LeaderElection(store, job, self.id, self.config.ttl)
         self._cond = threading.Condition()
@@ -178,7 +204,7 @@ class Coordinator:
         self._running = False
         self.published: list[int] = []   # epoch numbers this process published
         self.reconciles = 0                # completed reconcile passes (tests wait on it)
-        self._last_scores: tuple[dict, float] = ({}, 0.0)
+        self._last_scores: tuple[dict[str, str], float] = ({}, 0.0)
         #: what is wrong with the job's records, for /healthz and logs (None: nothing)
         self._epoch_problem: str | None = None
         #: the last reconcile failure that was not etcd being unreachable
@@ -191,7 +217,7 @@ class Coordinator:
         self._full_pass = True         # next pass compares the whole directory with the epoch
         self._reload_due = True        # next pass re-reads the directory (paged)
         self._pub: _Published | None = None
-        self._members_copy: tuple[int, dict] = (-1, {})
+        self._members_copy: tuple[int, dict[str, Entry]] = (-1, {})
         self._next_reload = 0.0
         #: ops of the last publishing transaction (bench/scale.py counts writes)
         self.last_publish_ops = 0
@@ -272,7 +298,7 @@ class Coordinator:
         due = []
         if p.urgent_at is not None:
             due.append(p.urgent_at + c.debounce)
-        if p.join_first is not None:
+        if p.join_first is not None and p.join_last is not None:
             due.append(min(p.join_last + c.join_debounce, p.join_first + 4 * c.join_debounce))
         return min(due) if due else None
 
@@ -286,7 +312,7 @@ class Coordinator:
             self._next_reload = time.monotonic() + self.config.reload_interval
         return rev
 
-    def start_leading(self) -> list:
+    def start_leading(self) -> list[WatchHandle]:
         """Load the directory and open the watches (returns their handles); the state of
         a previous term is dropped (another leader may have published meanwhile)."""
         self._pub = None
@@ -319,7 +345,7 @@ class Coordinator:
                         self._cond.wait(min(wake - now, 0.5))
                         continue
                     p = self._pending
-                    joins_due = p.join_first is not None and min(
+                    joins_due = p.join_first is not None and p.join_last is not None and min(
                         p.join_last + self.config.join_debounce, p.join_first + 4 * self.config.join_debounce) <= now
                     lost_seen, join_seen = dict(p.lost_seen), dict(p.join_seen)
                     self._pending = _Pending()
@@ -366,8 +392,10 @@ class Coordinator:
             for w in watches:
                 w.cancel()
 
-    def _check_suspects(self, members: dict[str, tuple[MemberInfo, int]]) -> tuple[dict[str, float], list[str], bool]:
-        """Returns (confirmed suspect -> earliest report time, report keys to delete, still pending)."""
+    def _check_suspects(self, members: Mapping[str, Entry]) -> tuple[dict[str, float], list[str], bool]:
+        """Judge the suspect reports (:attr:`liveness_policy`); a confirmed suspect's lease
+        is revoked here. Returns (confirmed suspect -> earliest report time, report keys
+        to delete, still pending)."""
         confirmed: dict[str, float] = {}
         consumed: list[str] = []
         pending = False
@@ -393,18 +421,33 @@ class Coordinator:
                 consumed += [k for k, _ in items]    # gone anyway: its removal has its own cause
                 continue
             remaining, granted = lease
-            if remaining + 1 <= granted * KEEPALIVE_FRACTION:
+            ruling = self.liveness_policy.judge(SuspectCase(first, remaining, granted, now))
+            if ruling == "confirm":
                 log.warning("suspect %s confirmed: lease unrefreshed (%.0fs of %.0fs left); revoking",
                             suspect, remaining, granted)
                 self.store.revoke(entry[1])
                 confirmed[suspect] = first
                 consumed += [k for k, _ in items]
-            elif now - first > granted + 1:
+            elif ruling == "dismiss":
                 log.info("suspect %s dismissed: its lease kept being refreshed", suspect)
                 consumed += [k for k, _ in items]
             else:
                 pending = True
         return confirmed, consumed, pending
+
+    def _read_departed(self) -> tuple[dict[str, tuple[str, float]], list[str]]:
+        """``departed/`` markers: (member or node id -> (key, wall time), malformed keys)."""
+        departed: dict[str, tuple[str, float]] = {}
+        bad_markers: list[str] = []
+        for kv in self.store.get_prefix(keys.departed(self.job)):
+            try:
+                at = records.timestamp("departed", kv.value, kv.key)
+            except RecordError as exc:   # no cause or timing from it; deleted with the stale markers
+                records.skip(exc, kv.key)
+                bad_markers.append(kv.key)
+                continue
+            departed[keys.last_segment(kv.key)] = (kv.key, at)
+        return departed, bad_markers
 
     def _read_published(self) -> tuple["_Published | None", int, "RecordError | None", int]:
         """The current epoch as ``(published, mod revision, corruption, history top)``.
@@ -442,20 +485,30 @@ class Coordinator:
 
     def _reconcile(self, lost_seen: dict[str, float], join_seen: dict[str, float],
                    joins_due: bool = True) -> tuple[str, bool]:
-        """Publish the next epoch if the member set (or roles) changed. Joins alone wait
-        until ``joins_due`` (their debounce ran out). Returns (``"published"`` |
-        ``"unchanged"`` | ``"joins_deferred"`` | ``"retry"`` | ``"deposed"``, suspects pending).
+        """One pass: read (:meth:`_read_pass`), decide (:func:`.decide.decide`, pure),
+        write (:meth:`_write_pass`). Publishes the next epoch if the member set (or
+        roles) changed; joins alone wait until ``joins_due`` (their debounce ran out).
+        Returns (``"published"`` | ``"unchanged"`` | ``"joins_deferred"`` | ``"retry"`` |
+        ``"deposed"``, suspects pending).
 
         Cost: proportional to the members changed since the last pass (the directory is
         kept from the watch), except on a full pass (after a reload or when the epoch
         was not published by this process), which compares the whole directory."""
+        read = self._read_pass(lost_seen, join_seen, joins_due)
+        return self._write_pass(read, decide(read.snapshot))
+
+    def _read_pass(self, lost_seen: Mapping[str, float], join_seen: Mapping[str, float],
+                   joins_due: bool) -> _PassRead:
+        """Everything a pass decides on. Confirmed suspects' leases are revoked here
+        (:meth:`_check_suspects`); the health policy is asked (:meth:`_health_verdict`)."""
         pub, erev, corrupt, history_top = self._read_published()
+        needs = self.health_policy.needs
         with self._cond:
             marks = self._dirty.snapshot()
-            dirty = set(marks)
             full = self._full_pass or pub is None or corrupt is not None
-            members = self._dir.members
-            if full or len(members) < self.config.delta_min_members or isinstance(self.health_policy, StragglerPolicy):
+            members: Mapping[str, Entry] = self._dir.members
+            # a policy fed the epoch scores every member: it gets a stable copy too
+            if full or len(members) < self.config.delta_min_members or needs.epoch:
                 if self._members_copy[0] != self._dir.version:   # copied once per change, not per pass
                     self._members_copy = (self._dir.version, dict(members))
                 members = self._members_copy[1]
@@ -463,125 +516,56 @@ class Coordinator:
             node_of = self._dir.node_of
         confirmed, consumed, suspects_pending = self._check_suspects(members)
         alive = members if not confirmed else {m: v for m, v in dict(members).items() if m not in confirmed}
-        # only a StragglerPolicy reads the epoch (ring, tree, roles): the full plan, once per epoch
-        epoch_view = pub.full_epoch() if pub is not None and isinstance(self.health_policy, StragglerPolicy) else None
-        departed: dict[str, tuple[str, float]] = {}
-        bad_markers: list[str] = []
-        for kv in self.store.get_prefix(keys.departed(self.job)):
-            try:
-                at = records.timestamp("departed", kv.value, kv.key)
-            except RecordError as exc:   # no cause or timing from it; deleted with the stale markers
-                records.skip(exc, kv.key)
-                bad_markers.append(kv.key)
-                continue
-            departed[keys.last_segment(kv.key)] = (kv.key, at)
-
-        def departed_at(m: str) -> tuple[str, float] | None:
-            return departed.get(m) or (departed.get(node_of[m]) if m in node_of else None)
-
-        demoted, avoid = self._health_verdict(epoch_view, alive.keys())
-        # --straggler-policy evict: evicted members keep their lease but are out of the epoch
-        evicted = {m: ev for m, ev in (getattr(self.health_policy, "evicted", None) or {}).items() if m in alive}
-        if evicted:
-            alive = {m: v for m, v in dict(alive).items() if m not in evicted}
-        avoid = [p for p in avoid if p[0] in alive and p[1] in alive]
-        current = pub.members if pub is not None else set()
-        old_demoted = pub.state.demoted() if pub is not None else set()
-        old_infos = pub.state.infos if pub is not None else {}
-        # A member that restarted under the same id (new lease, pid or address) before we
-        # noticed its exit counts as removed and added again.
-        if full:
-            removed_set = current - alive.keys()
-            added_set = alive.keys() - current
-            check = current & alive.keys()
-        else:
-            # plus whoever the policy may have let back in (eviction ended, re-admission)
-            look = (dirty | confirmed.keys() | evicted.keys() | set(pub.state.extras.get("evicted") or {})
-                    | set(getattr(self.health_policy, "readmitted", None) or ()))
-            removed_set = {m for m in look if m in current and m not in alive}
-            added_set = {m for m in look if m in alive and m not in current}
-            check = {m for m in look if m in current and m in alive}
-        replaced = {m for m in check if alive[m][0] != old_infos.get(m)}
-        demoted_changed = (demoted & current) != old_demoted
-        old_avoid = [list(p) for p in (pub.state.extras.get("avoid") or [])] if pub is not None else []
-        self._update_member_gauges(len(alive), len(added_set), len(demoted & current))
-        stale_markers = [Delete(k) for m, (k, _) in departed.items() if m not in alive] + [
-            Delete(k) for k in bad_markers]
-        cleanup = stale_markers + [Delete(k) for k in consumed]
+        # only a policy that asks for it reads the epoch (ring, tree, roles): the full plan, once per epoch
+        epoch_view = pub.full_epoch() if pub is not None and needs.epoch else None
+        departed, bad_markers = self._read_departed()
+        health = self._health_verdict(epoch_view, alive.keys())
+        facts = None
         if pub is not None:
             self.metrics.epoch.set(pub.number)
+            extras = pub.state.extras
+            facts = EpochFacts(pub.number, pub.members, pub.state.demoted(), pub.state.infos,
+                               [list(p) for p in (extras.get("avoid") or [])], set(extras.get("evicted") or {}))
+        snapshot = Snapshot(
+            published=facts, alive=alive, full=full, dirty=marks.keys(), corrupt=corrupt is not None,
+            epoch_revision=erev, history_top=history_top, confirmed=confirmed, departed=departed,
+            node_of=node_of, bad_markers=bad_markers, consumed=consumed, health=health, lost_seen=lost_seen,
+            join_seen=join_seen, joins_due=joins_due, min_members=self.config.min_members, now=time.time())
+        return _PassRead(snapshot, pub, erev, corrupt, marks, full, suspects_pending)
 
-        def settled(outcome: str) -> tuple[str, bool]:
+    def _write_pass(self, read: _PassRead, d: Decision) -> tuple[str, bool]:
+        """Carry out decision ``d``: delete its cleanup keys and, for ``publish``, write the
+        epoch by compare-and-swap on the ``epoch`` key and the leader key (see the module
+        docstring). Store errors propagate (the loop retries the pass)."""
+        pub, erev, corrupt, marks = read.pub, read.erev, read.corrupt, read.marks
+        self._update_member_gauges(*d.gauges)
+        cleanup = [Delete(k) for k in d.cleanup]
+        if d.outcome != "publish":
             if cleanup:
                 self.store.txn([self.election.leader_compare()], cleanup)
-            if outcome == "unchanged":
+            if d.outcome == "unchanged":
                 with self._cond:
                     self._dirty.consume(marks)
-                    self._full_pass = self._full_pass and not full
+                    self._full_pass = self._full_pass and not read.full
                 if pub is not None and pub.form == "delta" and pub.number - pub.snapshot >= SNAPSHOT_EVERY:
                     self._write_snapshot(pub)
-            return outcome, suspects_pending
+            return d.outcome, read.suspects_pending
 
-        if (pub is None and len(alive) < self.config.min_members) or (
-                corrupt is None and pub is not None and not removed_set and not added_set and not replaced
-                and not demoted_changed and avoid == old_avoid):
-            return settled("unchanged")
-
-        removed = tuple(sorted(removed_set | replaced))
-        added = tuple(sorted(added_set | replaced))
-        back = set(added) & (getattr(self.health_policy, "readmitted", None) or set())
-        if removed and set(removed) <= evicted.keys():   # an eviction: joiners wait for the next epoch too
-            back = set(added) - set(replaced)
-        if back and removed:   # a re-admission waits for the next epoch: joiners cannot follow one that also removes
-            alive = {m: v for m, v in dict(alive).items() if m not in back}
-            added = tuple(m for m in added if m not in back)
-        if corrupt is None and added and not removed and not joins_due and (pub is None or not demoted_changed):
-            return settled("joins_deferred")
-        now = time.time()
-        lost_by_revoke = [departed_at(m) for m in removed]
-        if confirmed.keys() & set(removed):
-            cause, path = "suspect_confirmed", "suspect"
-            trigger = min(confirmed[m] for m in removed if m in confirmed)
-        elif removed and any(lost_by_revoke):
-            cause, path = "member_lost", "revoke"
-            trigger = min(d[1] for d in lost_by_revoke if d)
-        elif removed and set(removed) <= evicted.keys():
-            cause, path, trigger = "evicted", None, now
-        elif removed:
-            cause, path = "lease_expired", "lease_expiry"
-            trigger = min(lost_seen.get(m, now) for m in removed)
-        elif added and pub is not None and set(added) <= getattr(self.health_policy, "readmitted", set()):
-            cause, path, trigger = "readmitted", None, now
-        elif added and corrupt is None:
-            cause, path = ("initial" if pub is None else "joined"), "join"
-            trigger = min(join_seen.get(m, now) for m in added)
-        elif corrupt is not None:
-            cause, path, trigger = "repaired", None, now
-        else:
-            cause, path, trigger = "health", None, now
-
-        extras: dict = {}
-        if avoid:
-            extras["avoid"] = avoid
-        deadline_ms = getattr(self.health_policy, "leaf_deadline_ms", None)
-        if demoted and deadline_ms is not None:   # --straggler-policy deadline: every member applies this value
-            extras["leaf_deadline_ms"] = deadline_ms
-        if evicted:   # read by the evicted member (Evicted message), status and a new leader
-            extras["evicted"] = {m: ev.to_dict() for m, ev in sorted(evicted.items())}
-        number = (pub.number if pub else 0) + 1 if corrupt is None else self._repair_number(history_top, erev)
+        alive, removed, added, number = d.members, d.removed, d.added, d.number
+        demoted = set(d.demoted)
         token = secrets.token_hex(16)
         ops: list[Put | Delete] = []
         if len(alive) >= self.config.delta_min_members:
-            published = self._delta_epoch(pub, corrupt, alive, removed, added, demoted, extras, number, token,
-                                          cause, trigger, ops)
+            published = self._delta_epoch(pub, corrupt, alive, removed, added, demoted, d.extras, number, token,
+                                          d.cause, d.trigger, ops)
         else:
-            p = plan([info for info, _ in alive.values()], demoted, avoid=[tuple(a) for a in avoid])
+            p = plan([info for info, _ in alive.values()], demoted, avoid=[(a[0], a[1]) for a in d.avoid])
             plan_dict = p.to_dict()
-            plan_dict.update(extras)
+            plan_dict.update(d.extras)
             new = Epoch(
                 number=number, members=p.ring, infos={m: alive[m][0] for m in p.ring},
                 roles={m: ("demoted" if m in demoted else "active") for m in p.ring},
-                plan=plan_dict, token=token, cause=cause, trigger_at=trigger,
+                plan=plan_dict, token=token, cause=d.cause, trigger_at=d.trigger,
                 published_at=time.time(), leader=self.id, removed=removed, added=added,
             )
             body = new.to_json()
@@ -599,15 +583,15 @@ class Coordinator:
             if kv is None or kv.create_revision != self.election.leader_revision:
                 log.warning("coordinator %s: deposed (leader key is %s); not publishing",
                             self.id, kv.value.decode() if kv else "gone")
-                return "deposed", suspects_pending
-            return "retry", suspects_pending
+                return "deposed", read.suspects_pending
+            return "retry", read.suspects_pending
         self.last_publish_ops = len(ops)
         self._pub = published
         with self._cond:
             self._dirty.consume(marks)
             # members held back this time (a re-admission waits for the next epoch) stay due
-            self._dirty.mark({m for m in added_set | back if m not in published.members})
-            if full:
+            self._dirty.mark({m for m in d.held_back if m not in published.members})
+            if read.full:
                 self._full_pass = False
         self.published.append(number)
         if corrupt is not None:
@@ -617,14 +601,14 @@ class Coordinator:
                                    f"{corrupt}")
         self.metrics.epochs_published.inc()
         self.metrics.epoch.set(number)
-        latency = time.time() - trigger
-        if path is not None and trigger:
-            self.metrics.detection_latency.labels(path=path).observe(max(0.0, latency))
+        latency = time.time() - d.trigger
+        if d.path is not None and d.trigger:
+            self.metrics.detection_latency.labels(path=d.path).observe(max(0.0, latency))
         self._update_member_gauges(len(alive), 0, len(demoted & published.members))
         log.info("coordinator %s published epoch %d (%s, %.1f ms after the trigger): %d members, "
-                 "removed %s, added %s", self.id, number, cause, latency * 1000, len(published.members),
+                 "removed %s, added %s", self.id, number, d.cause, latency * 1000, len(published.members),
                  list(removed)[:16], list(added)[:16])
-        return "published", suspects_pending
+        return "published", read.suspects_pending
 
     def _write_snapshot(self, pub: _Published) -> None:
         """Snapshot the current delta epoch's state (chunk puts, then the meta) so that the
@@ -640,10 +624,10 @@ class Coordinator:
             pub.snapshot = pub.number
             self.snapshots_written += 1
 
-    def _delta_epoch(self, pub: "_Published | None", corrupt: "RecordError | None",
-                     alive: dict[str, tuple[MemberInfo, int]], removed: tuple[str, ...], added: tuple[str, ...],
-                     demoted: set[str], extras: dict, number: int, token: str, cause: str, trigger: float,
-                     ops: list) -> _Published:
+    def _delta_epoch(self, pub: _Published | None, corrupt: RecordError | None,
+                     alive: Mapping[str, Entry], removed: tuple[str, ...], added: tuple[str, ...],
+                     demoted: set[str], extras: dict[str, object], number: int, token: str, cause: str,
+                     trigger: float, ops: list[Put | Delete]) -> _Published:
         """Build the delta record (and, when due, a snapshot) for epoch ``number``;
         appends the snapshot's ops to ``ops``. Cost: O(change · log N) plus one copy of
         the infos dict, except for snapshot epochs (O(N))."""
@@ -657,7 +641,7 @@ class Coordinator:
         snap = (pub is None or corrupt is not None or pub.form != "delta"
                 or number - pub.snapshot >= keys.EPOCHS_KEPT - 2 or len(added) > CHUNK_MEMBERS)
         base = pub.number if pub is not None and corrupt is None else 0
-        d = EpochDelta(number=number, base=base, snapshot=number if snap else pub.snapshot, removed=removed,
+        d = EpochDelta(number=number, base=base, snapshot=number if snap or pub is None else pub.snapshot, removed=removed,
                        added=added, infos={m: alive[m][0] for m in added}, roles=role_changes, extras=extras,
                        token=token, size=len(alive), cause=cause, trigger_at=trigger, published_at=time.time(),
                        leader=self.id)
@@ -687,57 +671,37 @@ class Coordinator:
             members.update(added)
         return _Published(number, members, state, "delta", d.snapshot, d.to_json(), 0, None, d)
 
-    def _repair_number(self, history_top: int, corrupt_revision: int) -> int:
-        """The number of the epoch published over a malformed ``epoch`` record.
-
-        It must exceed every number a rank may have adopted. Ranks adopt only epochs
-        the coordinator published, and every publish writes ``epochs/<n>/epoch`` in the
-        same transaction (the newest :data:`~.keys.EPOCHS_KEPT` are kept), so the
-        highest ``n`` under ``epochs/`` plus one is safe — taken from the key names, so
-        a history record that is itself corrupt still counts — and keeps the numbers
-        consecutive. Why not always the revision floor below: it would make the numbers
-        jump on every repair and leave the older history keys behind (only epoch
-        ``n - EPOCHS_KEPT`` is deleted when ``n`` is published). If the history is
-        gone, the floor is the corrupt record's mod revision: each publish was its own
-        etcd transaction, so every number published before (epoch n was written at a
-        revision > n) is below it; the jump is harmless (ranks only need the numbers
-        to increase)."""
-        if history_top > 0:
-            return history_top + 1
-        return max(1, corrupt_revision)
-
-    def _health_verdict(self, epoch: Epoch | None, alive) -> tuple[set[str], list[list[str]]]:
-        """(demoted members, links to avoid as sorted [a, b] pairs) from the health policy.
-        A :class:`~.health.StragglerPolicy` also gets the epoch; its scores are published
-        to ``straggler`` when they change state, or every 5 s. A failing policy demotes
-        nobody (logged) rather than stopping the coordinator."""
-        if self.health_policy is no_demotion:
-            return set(), []
+    def _health_verdict(self, epoch: Epoch | None, alive: Collection[str]) -> HealthOutcome:
+        """The health policy's answer for this pass (:class:`~.decide.HealthOutcome`),
+        filtered to ``alive``: demoted members and links to avoid as sorted [a, b] pairs,
+        plus its evictions, re-admissions and leaf deadline. It reads what the policy
+        :attr:`~.policy.HealthPolicy.needs`; a policy whose ``needs.scores`` is set has its
+        scores published to ``straggler`` when they change state, or every 5 s. A failing
+        policy demotes nobody (logged) rather than stopping the coordinator; store errors
+        propagate."""
+        policy = self.health_policy
+        needs = policy.needs
+        demoted: set[str] = set()
+        avoid: list[list[str]] = []
         try:
-            records = read_health(self.store, self.job)
-            if not isinstance(self.health_policy, StragglerPolicy):   # a plain policy: O(its answer)
-                return {m for m in self.health_policy(records) if m in alive}, []
-            live = set(alive)   # once: membership tests below are O(1) each
-            if hasattr(self.health_policy, "evaluate_alive"):   # --straggler-policy evict (eviction.py)
-                from resilient.coordinator.eviction import read_requests
-
-                verdict = self.health_policy.evaluate_alive(records, epoch, live,
-                                                            read_requests(self.store, self.job))
-            else:
-                verdict = self.health_policy.evaluate(records, epoch)
-            states = {m: s["state"] for m, s in verdict.scores.items()}
-            self.metrics.set_straggler_scores(
-                {m: s.get("score", 0.0) or 0.0 for m, s in verdict.scores.items() if m in live})
-            if states != self._last_scores[0] or time.monotonic() - self._last_scores[1] > 5.0:
-                write_scores(self.store, self.job, verdict)
-                self._last_scores = (states, time.monotonic())
-            return set(verdict.demoted) & live, [
-                list(p) for p in sorted(verdict.avoid) if p[0] in live and p[1] in live]
+            health = read_health(self.store, self.job) if needs.health else {}
+            requests = read_requests(self.store, self.job) if needs.readmit_requests else {}
+            verdict = policy.verdict(health, epoch, alive, requests)
+            if needs.scores:
+                states = {m: s["state"] for m, s in verdict.scores.items()}
+                self.metrics.set_straggler_scores(
+                    {m: s.get("score", 0.0) or 0.0 for m, s in verdict.scores.items() if m in alive})
+                if states != self._last_scores[0] or time.monotonic() - self._last_scores[1] > 5.0:
+                    write_scores(self.store, self.job, verdict)
+                    self._last_scores = (states, time.monotonic())
+            demoted = {m for m in verdict.demoted if m in alive}
+            avoid = [list(p) for p in sorted(verdict.avoid) if p[0] in alive and p[1] in alive]
         except StoreError:
             raise
         except Exception:
             log.exception("coordinator %s: health policy failed; demoting nobody this pass", self.id)
-            return set(), []
+            demoted, avoid = set(), []
+        return HealthOutcome(demoted, avoid, policy.evicted, policy.readmitted, policy.leaf_deadline_ms)
 
     def _update_member_gauges(self, alive: int, joining: int, demoted: int) -> None:
         self.metrics.members.labels(state="joining").set(joining)

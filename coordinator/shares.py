@@ -36,7 +36,7 @@ import json
 import logging
 import math
 import time
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence, TypedDict
 
 from resilient.coordinator import keys, records
 from resilient.coordinator.store import Store
@@ -116,20 +116,28 @@ def compute_shares(rates: Mapping[str, float], members: Iterable[str],
     return new
 
 
-def parse_shares(raw: bytes, key: str = "") -> dict:
+class SharesRecord(TypedDict):
+    """A validated ``shares`` record (:func:`parse_shares`)."""
+
+    version: int
+    members: dict[str, float]
+    at: float
+
+
+def parse_shares(raw: bytes, key: str = "") -> SharesRecord:
     """Validate a ``shares`` record: ``version`` int, ``members`` id -> share > 0, the
     shares summing to 1 (within 1e-6). Raises :class:`RecordError`."""
     f = records.fields("scores", raw, key)
-    version = f.int("version")
+    version = int(f.int("version"))
     members = f.float_map("members", lo=0.0)
     if not members or any(v <= 0 for v in members.values()):
         f.fail("members must map at least one member id to a share > 0")
     if abs(sum(members.values()) - 1.0) > 1e-6:
         f.fail(f"the shares sum to {sum(members.values())}, not 1")
-    return {"version": version, "members": members, "at": f.float("at", 0.0)}
+    return {"version": version, "members": dict(members), "at": float(f.float("at", 0.0))}
 
 
-def read_shares(store: Store, job: str) -> dict | None:
+def read_shares(store: Store, job: str) -> SharesRecord | None:
     """The published shares record (``None`` when absent or malformed: logged and counted)."""
     kv = store.get(shares_key(job))
     if kv is None:
@@ -175,7 +183,7 @@ class SharePublisher:
         if not 0 <= hysteresis < 1:
             raise ConfigError(f"share hysteresis must be in [0, 1), got {hysteresis}")
         self.store, self.job, self.hysteresis = store, job, hysteresis
-        self._last: dict | None = None
+        self._last: SharesRecord | None = None
         self._loaded = False
 
     def after_pass(self) -> bool:
@@ -209,7 +217,8 @@ class SharePublisher:
         if new is None:
             return False
         version = (self._last["version"] + 1) if self._last else 1
-        body = {"v": RECORD_VERSION, "version": version, "at": time.time(), "members": new}
+        at = time.time()
+        body = {"v": RECORD_VERSION, "version": version, "at": at, "members": new}
         self.store.put(shares_key(self.job), json.dumps(body, separators=(",", ":")).encode())
-        self._last = {"version": version, "members": new, "at": body["at"]}
+        self._last = {"version": version, "members": new, "at": at}
         return True

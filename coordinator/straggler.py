@@ -55,11 +55,39 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Collection, Mapping, Sequence
+from typing import Collection, Mapping, Sequence, TypedDict
 
 from resilient.errors import ConfigError
 
 OK, PROBE, DEMOTED = "ok", "probe", "demoted"
+
+
+class HealthRecord(TypedDict, total=False):
+    """One member's health window, as :func:`.health.parse_health` validated it (the
+    format is in :mod:`.health`); every field may be absent. Other fields pass through."""
+
+    v: int
+    member: str
+    epoch: int
+    seq: int
+    at: float
+    ops: int
+    window_s: float
+    wait_s: dict[str, float]
+    op_s_p50: float
+    op_s_max: float
+    shaping: str
+
+
+class ScoreRow(TypedDict, total=False):
+    """A member's row in a :class:`Verdict`'s scores (and the ``straggler`` record):
+    ``score``, ``state`` (ok | probe | demoted | evicted); ``until``/``hold_s`` while
+    evicted."""
+
+    score: float | None
+    state: str
+    until: float
+    hold_s: float
 
 
 @dataclass(frozen=True)
@@ -120,10 +148,10 @@ class Verdict:
 
     demoted: frozenset[str]
     avoid: frozenset[tuple[str, str]]
-    scores: dict[str, dict] = field(default_factory=dict, compare=False)
+    scores: dict[str, ScoreRow] = field(default_factory=dict, compare=False)
 
 
-def window_features(record: Mapping) -> tuple[float, float, int] | None:
+def window_features(record: HealthRecord) -> tuple[float, float, int] | None:
     """``(busy_s, op_s, ops)`` of one health record's window, or None if unusable."""
     try:
         ops = int(record["ops"])
@@ -161,7 +189,7 @@ class StragglerDetector:
 
     # -- public -----------------------------------------------------------------------
 
-    def update(self, records: Mapping[str, Mapping], ring: Sequence[str], epoch: int, now: float,
+    def update(self, records: Mapping[str, HealthRecord], ring: Sequence[str], epoch: int, now: float,
                exempt: Collection[str] = ()) -> Verdict:
         """Consume new windows of the members in ``ring`` (the current epoch's ring
         order, ``epoch`` its number) and return the verdict. ``now``: wall seconds,
@@ -228,7 +256,8 @@ class StragglerDetector:
         for s in self.members.values():
             if s.state == PROBE and s.probe_edge:
                 avoid.add(_pair(*s.probe_edge))
-        scores = {m: {"score": round(s.score, 4), "state": s.state} for m, s in sorted(self.members.items())}
+        scores: dict[str, ScoreRow] = {m: {"score": round(s.score, 4), "state": s.state}
+                                       for m, s in sorted(self.members.items())}
         return Verdict(demoted=demoted, avoid=frozenset(avoid), scores=scores)
 
     # -- internals --------------------------------------------------------------------

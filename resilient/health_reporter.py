@@ -36,9 +36,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from resilient.transport.base import TransportStats
+
+if TYPE_CHECKING:  # pragma: no cover - the coordinator package is imported lazily here
+    from resilient.coordinator.straggler import HealthRecord
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +53,7 @@ class HealthReporter:
     def __init__(self, store: Any, job: str, member_id: str, lease_id: int | None, stats: TransportStats,
                  interval: float = 1.0, extra: dict | None = None,
                  clock: Callable[[], float] = time.monotonic, min_ops: int = 1,
-                 sink: Callable[[dict], object] | None = None) -> None:
+                 sink: Callable[[HealthRecord], object] | None = None) -> None:
         self.store, self.job, self.member_id, self.lease_id = store, job, member_id, lease_id
         self.stats = stats
         self.interval = float(interval)

@@ -76,6 +76,7 @@ def test_member_lost_while_a_new_leaders_first_pass_runs_is_published_next_pass(
     stop = threading.Event()
     coord_store = Store(etcd_session.endpoints)
     watches = []
+    coord = None
     try:
         e1 = watcher.wait_for(lambda e: len(e.members) == 3, 15)
         first.close()                                                   # resigns: the key is free
@@ -101,6 +102,8 @@ def test_member_lost_while_a_new_leaders_first_pass_runs_is_published_next_pass(
         for w in watches:
             w.cancel()
         stop.set()
+        if coord is not None:
+            coord.election.resign()   # stops its lease keep-alive before the store closes
         watcher.close()
         first.close()
         coord_store.close()
