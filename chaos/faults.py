@@ -175,7 +175,8 @@ class Fault:
         those from outside)."""
         action = self.kind.failpoint_action
         if action is None or self.trigger.op is None:
-            raise ValueError(f"{self.kind.name} at {self.trigger.describe()} is injected by the runner, not a failpoint")
+            raise ValueError(f"{self.kind.name} at {self.trigger.describe()} is injected by the runner, "
+                             "not a failpoint")
         spec = f"{action}@op={self.trigger.op}"
         if self.trigger.phase is not None:
             spec += f",phase={self.trigger.phase.failpoint_name},frac={self.trigger.progress:g}"

@@ -126,7 +126,8 @@ class _Parser:
             return _Composite(node)
         return self._construct.construct_object(node)
 
-    def required(self, m: Mapping[str, tuple[yaml.Node, yaml.Node]], key: str, parent: yaml.Node, path: str, what: str) -> yaml.Node:
+    def required(self, m: Mapping[str, tuple[yaml.Node, yaml.Node]], key: str, parent: yaml.Node, path: str,
+                 what: str) -> yaml.Node:
         if key not in m:
             where = f"{path}.{key}" if path else key
             raise self.error(parent, where, f"missing required field; add `{key}: {what}`")
@@ -336,7 +337,8 @@ def _parse_fault(p: _Parser, node: yaml.Node, path: str, world: int, etcd_member
     for key, ps in spec.items():
         if key not in m:
             if ps.required:
-                raise p.error(node, f"{path}.{key}", f"missing required field for {kind.name}; add `{key}:` ({ps.help})")
+                raise p.error(node, f"{path}.{key}",
+                              f"missing required field for {kind.name}; add `{key}:` ({ps.help})")
             continue
         params[key] = _parse_param(p, m[key][1], f"{path}.{key}", ps, world)
     ctx = _FaultContext(p, node, m, path, world, etcd_members, coordinators, tuple(requires))

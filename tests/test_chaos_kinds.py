@@ -167,9 +167,8 @@ def test_a_registered_kind_is_injected_through_the_runners_injector(stall, tmp_p
     proc = Proc("member-3", popen, log_path)
     stop = threading.Event()
     log = FaultLog()
-    # only what this kind uses is real here: a process and its signals, timers, the log
-    injector = RunInjector("oracle", 0.0, log, stop, tmp_path, {3: proc}, {}, None, None, "job",  # type: ignore[arg-type]
-                           lambda cid: None)
+    # what this kind uses is real: a process and its signals, timers, the log (no etcd, no store)
+    injector = RunInjector("oracle", 0.0, log, stop, tmp_path, {3: proc}, {}, None, None, "job", lambda cid: None)
     try:
         injector.inject(fault)
         (event,) = log.events()
@@ -197,8 +196,7 @@ def test_a_kind_whose_injection_raises_is_recorded_as_failed_not_lost(tmp_path: 
     with kinds.registered(Broken()):
         (fault,) = parse_scenario(_yaml("broken"), "s.yaml").faults
     log = FaultLog()
-    injector = RunInjector("oracle", 0.0, log, threading.Event(), tmp_path, {}, {}, None, None, "job",  # type: ignore[arg-type]
-                           lambda cid: None)
+    injector = RunInjector("oracle", 0.0, log, threading.Event(), tmp_path, {}, {}, None, None, "job", lambda cid: None)
     injector.inject(fault)
     (event,) = log.events()
     assert event.kind == "broken" and event.skipped == "injection failed: no such device"

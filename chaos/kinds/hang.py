@@ -29,5 +29,6 @@ class Hang(FaultKind):
 
     def chaos_mesh(self, fault: Fault, sel: Selectors) -> list[MeshObject]:
         # no target: all egress of the pod is dropped (its frames, ACKs and keep-alives)
-        return lasting([("NetworkChaos", {"action": "loss", "mode": "all", "selector": sel.workers(fault.params["member"]),
-                                          "loss": {"loss": "100", "correlation": "100"}})], fault.duration_s)
+        spec = {"action": "loss", "mode": "all", "selector": sel.workers(fault.params["member"]),
+                "loss": {"loss": "100", "correlation": "100"}}
+        return lasting([("NetworkChaos", spec)], fault.duration_s)
