@@ -300,7 +300,7 @@ class FaultKind:
     params: ClassVar[Mapping[str, ParamSpec]] = {}
     #: ``RESILIENT_FAILPOINTS`` action (``kill``/``stop``) for op/phase triggers; ``None``:
     #: injected from outside the members, time triggers only.
-    failpoint_action: ClassVar[str | None] = None
+    failpoint_action: ClassVar[Literal["kill", "stop"] | None] = None
     #: The parameter that says how long the fault lasts (``Fault.duration_s``).
     duration_param: ClassVar[str | None] = None
     effect: ClassVar[ExpectedEffect] = ExpectedEffect()
