@@ -1,35 +1,35 @@
-"""Fault kinds and triggers of a chaos scenario (docs/design.md §6).
+"""The fault model of a chaos scenario and the interface every fault kind implements.
 
 A :class:`Fault` is *what* happens (its :class:`FaultKind` and parameters) and *when*
 (its :class:`Trigger`: at a wall time since the workload started, at an op sequence
 number, or at a phase of an op and a fraction of that phase's progress).
 
-This module is pure data: nothing here sends a signal. The runner injects faults; for
-op- and phase-triggered ``kill``/``hang`` it hands the victim process a failpoint spec
-(:meth:`Fault.failpoint_spec`, the ``RESILIENT_FAILPOINTS`` format of
-``resilient/collectives/failpoints.py``) so the process stops *itself* at the exact point.
+A :class:`FaultKind` is one kind of fault in one place (``chaos/kinds/<name>.py``; the
+registry in :mod:`resilient.chaos.kinds` finds it): the YAML fields it takes
+(:attr:`~FaultKind.params`) and their cross-field validation (:meth:`~FaultKind.check`),
+how the runner injects it (:meth:`~FaultKind.inject`, through the :class:`Injector` the
+runner hands it), its Chaos Mesh export (:meth:`~FaultKind.chaos_mesh`) and what the
+verifier expects of it (:attr:`~FaultKind.effect`).
 
-The per-kind parameter table :data:`KIND_PARAMS` is what the scenario parser validates
-against, so adding a kind is one entry here plus its injection in the runner.
+This module is pure data and interfaces: nothing here sends a signal. For op- and
+phase-triggered faults (kinds with a :attr:`~FaultKind.failpoint_action`) the runner hands
+the victim a failpoint spec (:meth:`Fault.failpoint_spec`, the ``RESILIENT_FAILPOINTS``
+format of ``resilient/collectives/failpoints.py``) so the process stops *itself* at the
+exact point. Failure behaviour: :meth:`Fault.failpoint_spec` raises ``ValueError`` for a
+fault that is not fired in-process; :meth:`FaultKind.check` raises the
+:class:`~resilient.errors.ScenarioError` its :class:`ParseContext` builds.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Mapping, Protocol
 
+from resilient.errors import ScenarioError
 
-class FaultKind(str, enum.Enum):
-    """Fault kinds users know from Chaos Mesh, Toxiproxy and etcd's robustness tests."""
-
-    KILL = "kill"                          # SIGKILL a member
-    HANG = "hang"                          # SIGSTOP a member, optional SIGCONT later
-    SLOW = "slow"                          # delay / bandwidth cap on a member's transport
-    DROP_LINK = "drop_link"                # cut one link between two members
-    PARTITION = "partition"                # split members into groups that cannot talk
-    ETCD_KILL = "etcd_kill"                # SIGKILL one member of a 3-member etcd cluster
-    COORDINATOR_KILL = "coordinator_kill"  # SIGKILL the coordinator leader
-    NETEM = "netem"                        # tc netem delay/loss between network namespaces (root)
+if TYPE_CHECKING:  # types only: neither is imported at run time from here
+    from resilient.chaos.mesh import MeshObject, Selectors
+    from resilient.chaos.netns import NetnsLab
 
 
 class Phase(str, enum.Enum):
@@ -82,11 +82,18 @@ class Trigger:
         return text
 
 
+ParamType = Literal["member", "int", "float", "link", "groups", "choice"]
+
+
 @dataclass(frozen=True)
 class ParamSpec:
-    """One parameter of a fault kind: its type, whether it is required, its bounds."""
+    """One YAML parameter of a fault kind: its type, whether it is required, its bounds.
 
-    type: str                      # "member" | "int" | "float" | "link" | "groups" | "choice"
+    Types: ``member`` (an index 0..world_size-1 or ``random``), ``int``, ``float``,
+    ``link`` (two distinct member indices), ``groups`` (disjoint lists of member
+    indices), ``choice`` (one of ``choices``)."""
+
+    type: ParamType
     required: bool = False
     minimum: float | None = None
     maximum: float | None = None
@@ -95,60 +102,48 @@ class ParamSpec:
     help: str = ""
 
 
-_MEMBER = ParamSpec("member", required=True, help="member index 0..world_size-1, or 'random'")
-_DURATION = ParamSpec("float", minimum=0, exclusive_min=True, help="seconds the fault lasts; omitted: until the run ends")
+#: The ``member`` parameter most kinds take.
+MEMBER = ParamSpec("member", required=True, help="member index 0..world_size-1, or 'random'")
+#: The ``link`` parameter of link faults.
+LINK = ParamSpec("link", required=True, help="[a, b]: two member indices")
+#: How long a network fault lasts.
+DURATION = ParamSpec("float", minimum=0, exclusive_min=True,
+                     help="seconds the fault lasts; omitted: until the run ends")
 
-#: Parameters each fault kind takes (besides ``kind`` and ``at``).
-KIND_PARAMS: dict[FaultKind, dict[str, ParamSpec]] = {
-    FaultKind.KILL: {"member": _MEMBER},
-    FaultKind.HANG: {
-        "member": _MEMBER,
-        "resume_after_s": ParamSpec("float", minimum=0, exclusive_min=True, help="SIGCONT after this many seconds"),
-    },
-    FaultKind.SLOW: {
-        "member": _MEMBER,
-        "delay_ms": ParamSpec("float", minimum=0, help="added one-way delay per frame"),
-        "bandwidth_mbit": ParamSpec("float", minimum=0, exclusive_min=True, help="bandwidth cap in Mbit/s"),
-        "duration_s": _DURATION,
-    },
-    FaultKind.DROP_LINK: {"link": ParamSpec("link", required=True, help="[a, b]: two member indices"),
-                          "duration_s": _DURATION},
-    FaultKind.PARTITION: {"groups": ParamSpec("groups", required=True, help="[[0, 1], [2, 3]]: disjoint member groups"),
-                          "duration_s": _DURATION},
-    FaultKind.ETCD_KILL: {
-        "etcd_member": ParamSpec("int", required=True, minimum=0, help="etcd member index 0..etcd_members-1"),
-        "restart_after_s": ParamSpec("float", minimum=0, exclusive_min=True, help="restart it after this many seconds"),
-    },
-    FaultKind.COORDINATOR_KILL: {
-        "target": ParamSpec("choice", choices=("leader",), help="which coordinator: the current leader"),
-        "restart_after_s": ParamSpec("float", minimum=0, exclusive_min=True, help="restart it after this many seconds"),
-    },
-    FaultKind.NETEM: {
-        "link": ParamSpec("link", required=True, help="[a, b]: two member indices"),
-        "delay_ms": ParamSpec("float", minimum=0, help="tc netem delay"),
-        "loss_pct": ParamSpec("float", minimum=0, maximum=100, help="tc netem loss, percent"),
-        "duration_s": _DURATION,
-    },
-}
 
-#: Kinds whose trigger may be an op / phase (fired in-process by a failpoint).
-OP_TRIGGER_KINDS = frozenset({FaultKind.KILL, FaultKind.HANG})
+#: Why a fault on the transport is skipped on the ``oracle`` backend.
+ORACLE_NO_TRANSPORT = "the oracle backend has no transport to shape; run with the resilient backend"
 
-#: Kinds whose victim stops being a live member (the verifier excuses its missing results).
-VICTIM_KINDS = frozenset({FaultKind.KILL, FaultKind.HANG})
 
-#: Kinds that may get a live member evicted by the coordinator (the verifier then excuses
-#: the members a later epoch removed).
-NETWORK_KINDS = frozenset({FaultKind.SLOW, FaultKind.DROP_LINK, FaultKind.PARTITION, FaultKind.NETEM})
+def after_s(what: str) -> ParamSpec:
+    """An optional positive number of seconds after which ``what`` happens."""
+    return ParamSpec("float", minimum=0, exclusive_min=True, help=f"{what} after this many seconds")
+
+
+@dataclass(frozen=True)
+class ExpectedEffect:
+    """What the verifier expects of an injected fault of a kind.
+
+    ``excuses_victim``: the victim stops being a live member, so its unfinished ops are
+    expected (kill, hang). ``victim_loses_data``: the victim's process is gone, so a
+    ``DataLost`` naming it is the contract's allowed error (kill). ``may_evict``: a live
+    member may legitimately be evicted, so members a later epoch removed are excused
+    (network faults). ``recovery_timed``: the fault fails ops and the verifier times the
+    recovery from it (``False``: it degrades instead, e.g. slow, netem)."""
+
+    excuses_victim: bool = False
+    victim_loses_data: bool = False
+    may_evict: bool = False
+    recovery_timed: bool = True
 
 
 @dataclass(frozen=True)
 class Fault:
     """One entry of a scenario's fault timeline.
 
-    ``params`` holds the kind's parameters (see :data:`KIND_PARAMS`); a member parameter
-    may still be the string ``"random"`` until :meth:`resolve` picks one for a seed.
-    ``line`` is the line of the fault in its scenario file (for messages).
+    ``params`` holds the kind's parameters (see :attr:`FaultKind.params`); a member
+    parameter may still be the string ``"random"`` until :meth:`resolve` picks one for a
+    seed. ``line`` is the line of the fault in its scenario file (for messages).
     """
 
     kind: FaultKind
@@ -163,22 +158,25 @@ class Fault:
 
     @property
     def duration_s(self) -> float | None:
-        for key in ("duration_s", "resume_after_s", "restart_after_s"):
-            if self.params.get(key) is not None:
-                return float(self.params[key])
-        return None
+        """How long the fault lasts (the kind's :attr:`~FaultKind.duration_param`), or
+        ``None`` when it lasts until the run ends."""
+        key = self.kind.duration_param
+        value = self.params.get(key) if key is not None else None
+        return None if value is None else float(value)
 
-    def resolve(self, member: int) -> "Fault":
+    def resolve(self, member: int) -> Fault:
         """This fault with ``member: random`` replaced by ``member``."""
         return Fault(self.kind, self.trigger, {**self.params, "member": member}, self.line)
 
     def failpoint_spec(self) -> str:
         """The ``RESILIENT_FAILPOINTS`` entry that makes the victim stop itself at the
-        trigger, e.g. ``kill@op=3,phase=rs,frac=0.5``. Only for op-triggered kill/hang;
-        raises ``ValueError`` otherwise (the runner injects those from outside)."""
-        if self.kind not in OP_TRIGGER_KINDS or self.trigger.op is None:
-            raise ValueError(f"{self.kind.value} at {self.trigger.describe()} is injected by the runner, not a failpoint")
-        action = "kill" if self.kind is FaultKind.KILL else "stop"
+        trigger, e.g. ``kill@op=3,phase=rs,frac=0.5``. Only for op-triggered faults of a
+        kind with a failpoint action; raises ``ValueError`` otherwise (the runner injects
+        those from outside)."""
+        action = self.kind.failpoint_action
+        if action is None or self.trigger.op is None:
+            raise ValueError(f"{self.kind.name} at {self.trigger.describe()} is injected by the runner, "
+                             "not a failpoint")
         spec = f"{action}@op={self.trigger.op}"
         if self.trigger.phase is not None:
             spec += f",phase={self.trigger.phase.failpoint_name},frac={self.trigger.progress:g}"
@@ -186,20 +184,162 @@ class Fault:
 
     def describe(self) -> str:
         """One human line, e.g. ``kill member 1 at op 3 reduce_scatter 50%``."""
-        return f"{self.kind.value} {self.target_text()}"
+        return f"{self.kind.name} {self.target_text()}"
 
     def target_text(self) -> str:
         """:meth:`describe` without the kind: ``member 1 at op 3 reduce_scatter 50%``."""
-        p = self.params
-        if "member" in p:
-            who = f"member {p['member']}"
-        elif "link" in p:
-            who = f"link {p['link'][0]}-{p['link'][1]}"
-        elif "groups" in p:
-            who = " | ".join(",".join(str(m) for m in g) for g in p["groups"])
-        elif "etcd_member" in p:
-            who = f"etcd member {p['etcd_member']}"
-        else:
-            who = "coordinator leader" if self.kind is FaultKind.COORDINATOR_KILL else ""
-        extra = ", ".join(f"{k}={v}" for k, v in p.items() if k not in ("member", "link", "groups", "etcd_member", "target"))
-        return f"{who} at {self.trigger.describe()}" + (f" ({extra})" if extra else "")
+        shown = self.kind.target_params
+        extra = ", ".join(f"{k}={v}" for k, v in self.params.items() if k not in shown)
+        return f"{self.kind.target(self.params)} at {self.trigger.describe()}" + (f" ({extra})" if extra else "")
+
+
+class ParseContext(Protocol):
+    """What :meth:`FaultKind.check` may read about the scenario being parsed."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def etcd_members(self) -> int: ...
+
+    @property
+    def coordinators(self) -> int: ...
+
+    @property
+    def requires(self) -> tuple[str, ...]: ...
+
+    def error(self, field: str, message: str) -> ScenarioError:
+        """The error to raise for ``field`` of this fault: ``FILE:LINE: faults[i].FIELD:
+        message``, at the field's line (the fault's line when the field is absent)."""
+        ...
+
+
+class Injector(Protocol):
+    """What the runner offers :meth:`FaultKind.inject` (every signal goes to a process
+    the runner started). Times are seconds since the run's ``t0``."""
+
+    @property
+    def backend(self) -> str:
+        """``resilient`` (the collectives under test) or ``oracle`` (no transport)."""
+        ...
+
+    def now(self) -> float: ...
+
+    def injected(self, fault: Fault, at: float, target: str | None = None, victim: int | None = None,
+                 end_s: float | None = None) -> None:
+        """Record that ``fault`` was injected at ``at`` (``target``: default
+        :meth:`Fault.target_text`; ``victim``: the member it took out; ``end_s``: when it
+        ends, ``None`` if it lasts)."""
+        ...
+
+    def skipped(self, fault: Fault, at: float, reason: str, target: str | None = None) -> None:
+        """Record that ``fault`` could not be injected here, and why."""
+        ...
+
+    def later(self, delay_s: float, action: Callable[[], None]) -> None:
+        """Run ``action`` after ``delay_s`` unless the run stops first."""
+        ...
+
+    def stopping(self) -> bool:
+        """True once the run is ending (processes and the lab may be going away)."""
+        ...
+
+    def signal_member(self, member: int, sig: int) -> None:
+        """Send ``sig`` to member ``member``'s process if it is still running."""
+        ...
+
+    def resume_later(self, member: int, delay_s: float) -> None:
+        """SIGCONT the stopped member after ``delay_s``; until then the run waits for it."""
+        ...
+
+    def shape(self, fault: Fault, at: float, per_member: Mapping[int, list[str]]) -> None:
+        """Write ``per_member`` shaping items (``delay=``, ``bw=``, ``drop=m<j>`` of
+        :mod:`resilient.transport.shaping`) into each member's shaping file, record the
+        fault, and remove the items again after its duration. Recorded as skipped on a
+        backend without a transport."""
+        ...
+
+    def kill_etcd(self, index: int) -> None: ...
+
+    def restart_etcd(self, index: int) -> None:
+        """Start etcd member ``index`` again (does not wait for it to be healthy)."""
+        ...
+
+    def coordinator_leader(self) -> str | None:
+        """The id of the current coordinator leader, read from etcd."""
+        ...
+
+    def kill_coordinator(self, cid: str) -> bool:
+        """SIGKILL coordinator ``cid``; False when it is not running."""
+        ...
+
+    def start_coordinator(self, cid: str) -> None: ...
+
+    @property
+    def lab(self) -> NetnsLab | None:
+        """The members' network namespaces (``needs_netns`` kinds), ``None`` on loopback."""
+        ...
+
+    @property
+    def netem_unavailable(self) -> str | None:
+        """Why ``tc netem`` cannot be applied on this kernel (probed), else ``None``."""
+        ...
+
+
+class FaultKind:
+    """One kind of fault: subclass it in a module of ``chaos/kinds/`` (one per kind).
+
+    Class attributes: :attr:`name` (the ``kind:`` in YAML), :attr:`params`,
+    :attr:`failpoint_action` (set: op/phase triggers allowed, fired in the victim),
+    :attr:`duration_param`, :attr:`effect`, :attr:`needs_netns`. Override
+    :meth:`inject` (and :meth:`check`, :meth:`target`, :meth:`chaos_mesh` where the
+    defaults do not fit)."""
+
+    name: ClassVar[str]
+    #: The YAML fields it takes besides ``kind`` and ``at``.
+    params: ClassVar[Mapping[str, ParamSpec]] = {}
+    #: ``RESILIENT_FAILPOINTS`` action (``kill``/``stop``) for op/phase triggers; ``None``:
+    #: injected from outside the members, time triggers only.
+    failpoint_action: ClassVar[Literal["kill", "stop"] | None] = None
+    #: The parameter that says how long the fault lasts (``Fault.duration_s``).
+    duration_param: ClassVar[str | None] = None
+    effect: ClassVar[ExpectedEffect] = ExpectedEffect()
+    #: Its scenario runs every member in its own network namespace.
+    needs_netns: ClassVar[bool] = False
+    #: Parameters :meth:`target` names (the others are listed after it).
+    target_params: ClassVar[tuple[str, ...]] = ("member", "link", "groups")
+
+    def check(self, params: dict[str, Any], ctx: ParseContext) -> dict[str, Any]:
+        """Cross-field validation of parsed ``params`` (each field is already valid on
+        its own); returns the params with defaults filled in. Raises
+        ``ctx.error(field, message)``."""
+        return params
+
+    def target(self, params: Mapping[str, Any]) -> str:
+        """What the fault hits, e.g. ``member 1``, ``link 0-2``, ``0,1 | 2,3``."""
+        if "member" in params:
+            return f"member {params['member']}"
+        if "link" in params:
+            return f"link {params['link'][0]}-{params['link'][1]}"
+        if "groups" in params:
+            return " | ".join(",".join(str(m) for m in g) for g in params["groups"])
+        return ""
+
+    def inject(self, fault: Fault, ctx: Injector) -> None:
+        """Inject a time-triggered ``fault`` now and record it (``ctx.injected`` or
+        ``ctx.skipped``). An exception is recorded by the runner as a failed injection."""
+        raise NotImplementedError(f"fault kind {self.name!r} has no injection")
+
+    def fired_in_process(self, fault: Fault, ctx: Injector, at: float) -> None:
+        """The victim stopped itself at ``fault``'s failpoint (seen by the runner at
+        ``at``): record it. Only for kinds with a :attr:`failpoint_action`."""
+        ctx.injected(fault, at, target=f"member {fault.member}", victim=fault.member)
+
+    def chaos_mesh(self, fault: Fault, sel: Selectors) -> list[MeshObject] | None:
+        """The Chaos Mesh objects (``(kind, spec)``) that inject ``fault`` on the Helm
+        chart's pods; ``None`` when Chaos Mesh cannot express it (the export then fails
+        with a :class:`~resilient.errors.ScenarioError` naming the fault)."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"<fault kind {self.name}>"

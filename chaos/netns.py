@@ -56,6 +56,7 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
+from types import TracebackType
 from typing import Callable, Sequence
 
 from resilient.errors import ConfigError, ResilientError
@@ -83,7 +84,7 @@ class NetnsUnavailable(ConfigError):
     """Network namespaces cannot be made on this machine; the message says why and what to do."""
 
 
-def _run(cmd: Sequence[str], check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
+def _run(cmd: Sequence[str], check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
     """Run one command; with ``check`` raise :class:`NetnsError` naming it and its stderr."""
     try:
         res = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
@@ -94,7 +95,7 @@ def _run(cmd: Sequence[str], check: bool = True, timeout: float = 30.0) -> subpr
     return res
 
 
-def _err(res: subprocess.CompletedProcess) -> str:
+def _err(res: subprocess.CompletedProcess[str]) -> str:
     text = (res.stderr or res.stdout or "").strip()
     lines = [ln for ln in text.splitlines() if not ln.startswith("Warning:")]
     return " ".join(lines) or f"exit {res.returncode}"
@@ -276,11 +277,11 @@ def _used_networks() -> list[ipaddress.IPv4Network]:
             continue
         for entry in data:
             for a in entry.get("addr_info", []):
-                out.append(ipaddress.ip_network(f"{a['local']}/{a.get('prefixlen', 32)}", strict=False))
+                out.append(ipaddress.IPv4Network(f"{a['local']}/{a.get('prefixlen', 32)}", strict=False))
             dst = entry.get("dst")
             if dst and dst != "default":
                 try:
-                    out.append(ipaddress.ip_network(dst if "/" in dst else f"{dst}/32", strict=False))
+                    out.append(ipaddress.IPv4Network(dst if "/" in dst else f"{dst}/32", strict=False))
                 except ValueError:
                     pass
     return out
@@ -317,7 +318,8 @@ class NetnsLab:
     def __enter__(self) -> "NetnsLab":
         return self.open()
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         try:
             self.close()
         except NetnsError as err:
@@ -359,7 +361,7 @@ class NetnsLab:
         used = _used_networks()
         rng = random.Random()
         for _ in range(200):
-            net = ipaddress.ip_network(f"10.{rng.randint(200, 254)}.{rng.randint(0, 255)}.0/24")
+            net = ipaddress.IPv4Network(f"10.{rng.randint(200, 254)}.{rng.randint(0, 255)}.0/24")
             if not any(net.overlaps(u) for u in used if u.prefixlen > 0):
                 return net
         raise NetnsError("no free 10.200-254.x.0/24 subnet for a network-namespace lab: every one tried overlaps "

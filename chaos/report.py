@@ -69,7 +69,9 @@ def render_table(verdicts: Sequence[Verdict]) -> str:
         rows.append(("total", "-", str(s["ops"]), str(s["faults"]), str(s["wrong"]), str(s["hangs"]), str(s["lost"]),
                      _fmt(s["recovery_p50_s"]), _fmt(s["recovery_p99_s"]), "PASS" if s["passed"] else "FAIL"))
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
-    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     out = [line(head), line(tuple("-" * w for w in widths))] + [line(r) for r in rows]
     for v in verdicts:
         for kind, fs in (("WRONG", v.wrong), ("HANG", v.hangs), ("LOST", v.lost)):
@@ -83,7 +85,7 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def write_json(summary: dict[str, Any], path: str | os.PathLike) -> None:
+def write_json(summary: dict[str, Any], path: str | os.PathLike[str]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(summary, indent=2) + "\n")
 
@@ -98,7 +100,7 @@ def timeline_size(members: int) -> tuple[int, int]:
     return TIMELINE_WIDTH_PX, 160 + 40 * members
 
 
-def render_timeline(run: RunLog, verdict: Verdict, path: str | os.PathLike) -> Path:
+def render_timeline(run: RunLog, verdict: Verdict, path: str | os.PathLike[str]) -> Path:
     """Write a PNG timeline of ``run`` to ``path``: one row per member, each op a bar
     (wrong ops red, ops that never finished hatched to the end of the run), faults as red
     lines labelled with their kind (shaded while they last), epochs as dashed lines."""
@@ -159,7 +161,7 @@ def render_timeline(run: RunLog, verdict: Verdict, path: str | os.PathLike) -> P
     return path
 
 
-def write_reports(runs: Sequence[RunLog], verdicts: Sequence[Verdict], report_dir: str | os.PathLike) -> list[Path]:
+def write_reports(runs: Sequence[RunLog], verdicts: Sequence[Verdict], report_dir: str | os.PathLike[str]) -> list[Path]:
     """Write ``summary.json``, ``table.txt`` and one ``timeline-seed<K>.png`` per seed to
     ``report_dir``; returns the paths written."""
     d = Path(report_dir)

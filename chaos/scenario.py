@@ -35,13 +35,13 @@ import difflib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import yaml
 from yaml.constructor import SafeConstructor
 
-from resilient.chaos.faults import (KIND_PARAMS, OP_TRIGGER_KINDS, PHASE_ALIASES, Fault, FaultKind,
-                                    ParamSpec, Trigger)
+from resilient.chaos import kinds
+from resilient.chaos.faults import PHASE_ALIASES, Fault, FaultKind, ParamSpec, Trigger
 from resilient.chaos.workload import COLLECTIVES, DTYPES, REDUCE_OPS, REDUCING, OpSpec
 from resilient.errors import ScenarioError
 
@@ -84,6 +84,10 @@ class Scenario:
     def fault_kinds(self) -> set[FaultKind]:
         return {f.kind for f in self.faults}
 
+    def needs_netns(self) -> bool:
+        """Some fault kind of it runs the members in network namespaces (netem)."""
+        return any(k.needs_netns for k in self.fault_kinds())
+
 
 # ---------------------------------------------------------------------------------------
 # node helpers: every error names FILE:LINE and the dotted field path
@@ -122,11 +126,13 @@ class _Parser:
             return _Composite(node)
         return self._construct.construct_object(node)
 
-    def required(self, m: dict, key: str, parent: yaml.Node, path: str, what: str) -> yaml.Node:
+    def required(self, m: Mapping[str, tuple[yaml.Node, yaml.Node]], key: str, parent: yaml.Node, path: str,
+                 what: str) -> yaml.Node:
         if key not in m:
             where = f"{path}.{key}" if path else key
             raise self.error(parent, where, f"missing required field; add `{key}: {what}`")
-        return m[key][1]
+        node: yaml.Node = m[key][1]
+        return node
 
     def integer(self, node: yaml.Node, path: str, minimum: int | None = None, maximum: int | None = None) -> int:
         v = self.scalar(node)
@@ -164,7 +170,8 @@ class _Parser:
             raise self.error(node, path, f"needs at least {min_len} entr{'y' if min_len == 1 else 'ies'}")
         return list(node.value)
 
-    def _bounds(self, node, path, v, minimum, maximum, exclusive_min) -> None:
+    def _bounds(self, node: yaml.Node, path: str, v: float, minimum: float | None, maximum: float | None,
+                exclusive_min: bool) -> None:
         if minimum is not None and (v <= minimum if exclusive_min else v < minimum):
             raise self.error(node, path, f"must be {'>' if exclusive_min else '>='} {minimum:g}, got {v:g}")
         if maximum is not None and v > maximum:
@@ -294,46 +301,48 @@ def _parse_opspec(p: _Parser, node: yaml.Node, path: str, world: int) -> OpSpec:
     return OpSpec(collective=coll, dtype=dtype, numel=numel, op=op, root=root, weight=weight)
 
 
+@dataclass(frozen=True)
+class _FaultContext:
+    """:class:`~resilient.chaos.faults.ParseContext` of one fault: the scenario's sizes,
+    and errors at the line of the named field of this fault (the fault's own line when
+    the field is absent)."""
+
+    parser: _Parser
+    node: yaml.Node
+    fields: Mapping[str, tuple[yaml.Node, yaml.Node]]
+    path: str
+    world_size: int
+    etcd_members: int
+    coordinators: int
+    requires: tuple[str, ...]
+
+    def error(self, field: str, message: str) -> ScenarioError:
+        at = self.fields[field][1] if field in self.fields else self.node
+        return self.parser.error(at, f"{self.path}.{field}", message)
+
+
 def _parse_fault(p: _Parser, node: yaml.Node, path: str, world: int, etcd_members: int, coordinators: int,
                  requires: list[str]) -> Fault:
-    kinds = [k.value for k in FaultKind]
     if not isinstance(node, yaml.MappingNode):
         raise p.error(node, path, f"must be a mapping with `kind:` and `at:`, got {_kind(node)}")
     raw = {p.scalar(k): (k, v) for k, v in node.value}
-    kind = FaultKind(p.string(p.required(raw, "kind", node, path, "kill"), f"{path}.kind", kinds))
-    spec = KIND_PARAMS[kind]
+    kind = kinds.get(p.string(p.required(raw, "kind", node, path, "kill"), f"{path}.kind", kinds.names()))
+    spec = kind.params
     m = p.mapping(node, path, ("kind", "at", *spec))
     trigger = _parse_trigger(p, p.required(m, "at", node, path, "{time_s: 1.0} or {op: 3}"), f"{path}.at")
-    if trigger.op is not None and kind not in OP_TRIGGER_KINDS:
-        raise p.error(m["at"][1], f"{path}.at.op", f"{kind.value} is injected from outside the members and can only "
+    if trigger.op is not None and kind.failpoint_action is None:
+        raise p.error(m["at"][1], f"{path}.at.op", f"{kind.name} is injected from outside the members and can only "
                       "trigger at a time; use `at: {time_s: SECONDS}`")
     params: dict[str, Any] = {}
     for key, ps in spec.items():
         if key not in m:
             if ps.required:
-                raise p.error(node, f"{path}.{key}", f"missing required field for {kind.value}; add `{key}:` ({ps.help})")
+                raise p.error(node, f"{path}.{key}",
+                              f"missing required field for {kind.name}; add `{key}:` ({ps.help})")
             continue
         params[key] = _parse_param(p, m[key][1], f"{path}.{key}", ps, world)
-    if kind is FaultKind.SLOW and "delay_ms" not in params and "bandwidth_mbit" not in params:
-        raise p.error(node, f"{path}.delay_ms", "slow needs `delay_ms:` and/or `bandwidth_mbit:`")
-    if kind is FaultKind.NETEM:
-        if "delay_ms" not in params and "loss_pct" not in params:
-            raise p.error(node, f"{path}.delay_ms", "netem needs `delay_ms:` and/or `loss_pct:`")
-        if "root" not in requires:
-            raise p.error(m["kind"][1], f"{path}.kind", "netem needs root and ip netns; add `requires: [root]` to the "
-                          "scenario so runs without root skip it with a clear message")
-    if kind is FaultKind.ETCD_KILL:
-        if etcd_members < 3:
-            raise p.error(m["kind"][1], f"{path}.kind", "etcd_kill needs a 3-member etcd (killing the only member "
-                          "loses the control plane); set `etcd_members: 3`")
-        if params["etcd_member"] >= etcd_members:
-            raise p.error(m["etcd_member"][1], f"{path}.etcd_member",
-                          f"must be < etcd_members ({etcd_members}), got {params['etcd_member']}")
-    if kind is FaultKind.COORDINATOR_KILL and coordinators < 2:
-        raise p.error(m["kind"][1], f"{path}.kind", "coordinator_kill needs a standby to take over; "
-                      "set `coordinators: 2` or more")
-    if kind is FaultKind.COORDINATOR_KILL:
-        params.setdefault("target", "leader")
+    ctx = _FaultContext(p, node, m, path, world, etcd_members, coordinators, tuple(requires))
+    params = kind.check(params, ctx)
     return Fault(kind=kind, trigger=trigger, params=params, line=node.start_mark.line + 1)
 
 
@@ -397,7 +406,7 @@ def _parse_param(p: _Parser, node: yaml.Node, path: str, ps: ParamSpec, world: i
 # ---------------------------------------------------------------------------------------
 
 
-def load_scenario(path: str | os.PathLike) -> Scenario:
+def load_scenario(path: str | os.PathLike[str]) -> Scenario:
     """Parse the scenario file at ``path``. Raises :class:`ScenarioError` when it cannot be
     read or is malformed."""
     try:

@@ -36,9 +36,10 @@ from typing import Sequence
 
 import numpy as np
 
-from resilient.chaos.faults import NETWORK_KINDS, VICTIM_KINDS, FaultKind
+from resilient.chaos import kinds
+from resilient.chaos.faults import ExpectedEffect
 from resilient.chaos.scenario import Scenario
-from resilient.chaos.workload import REDUCING, compare, expected_output, op_spec_for
+from resilient.chaos.workload import REDUCING, Expected, compare, expected_output, op_spec_for
 
 
 #: Prefix of ``FaultEvent.skipped`` for a planned fault that never fired (vacuous).
@@ -86,6 +87,14 @@ class FaultEvent:
     victim: int | None = None
     end_s: float | None = None
     skipped: str | None = None
+
+
+def _effect(event: FaultEvent) -> ExpectedEffect:
+    """What is expected of an event's fault kind (its
+    :attr:`~resilient.chaos.faults.FaultKind.effect`); an unknown kind name excuses
+    nothing and its recovery is timed."""
+    kind = kinds.find(event.kind)
+    return kind.effect if kind is not None else ExpectedEffect()
 
 
 @dataclass
@@ -200,7 +209,7 @@ def _data_lost_by_contract(run: RunLog, recs: Sequence[OpRecord], excused: set[i
     """True when this op's failure is the contract's ``DataLost``: every non-excused
     member's record of it is a ``DataLost`` error naming the same member, and that member
     was killed by a fault (its piece existed nowhere else)."""
-    killed = {f.victim for f in run.faults if f.kind == FaultKind.KILL.value and f.skipped is None}
+    killed = {f.victim for f in run.faults if f.skipped is None and _effect(f).victim_loses_data}
     named = set()
     for r in recs:
         if r.member in excused:
@@ -223,12 +232,13 @@ def _vacuous(run: RunLog) -> list[str]:
         return out
     starts = [r.start_s for r in run.records if r.seq >= 0]
     ends = [float("inf") if r.end_s is None else r.end_s for r in run.records if r.seq >= 0]
-    first, last = (min(starts), max(ends)) if starts else (None, None)
+    if not starts:
+        return out + [f"{f.kind} {f.target} at {f.time_s:.3f}s: did not overlap any op (no op ran)"
+                      for f in injected]
+    first, last = min(starts), max(ends)
     for f in injected:
         until = f.time_s if f.end_s is None else f.end_s
-        if first is None:
-            out.append(f"{f.kind} {f.target} at {f.time_s:.3f}s: did not overlap any op (no op ran)")
-        elif until < first:
+        if until < first:
             out.append(f"{f.kind} {f.target} at {f.time_s:.3f}s: did not overlap any op "
                        f"(it was over before op 0 started at {first:.3f}s)")
         elif f.time_s > last:
@@ -238,13 +248,15 @@ def _vacuous(run: RunLog) -> list[str]:
 
 
 def _excused_members(run: RunLog) -> set[int]:
-    """Fault victims, and — only when a network fault (slow, drop_link, partition, netem)
-    was injected, which may legitimately get a live member evicted — members a published
-    epoch removed. Their unfinished ops are expected; everyone else is a survivor whose
-    every op must complete (a member that crashed by itself is *not* excused)."""
+    """Victims of kinds that excuse them (kill, hang), and — only when a fault that may
+    legitimately get a live member evicted was injected (the network faults: slow,
+    drop_link, partition, netem) — members a published epoch removed. Their unfinished
+    ops are expected; everyone else is a survivor whose every op must complete (a member
+    that crashed by itself is *not* excused). Each kind's
+    :attr:`~resilient.chaos.faults.FaultKind.effect` says which it is."""
     out = {f.victim for f in run.faults if f.victim is not None and f.skipped is None
-           and FaultKind(f.kind) in VICTIM_KINDS}
-    if not any(f.skipped is None and FaultKind(f.kind) in NETWORK_KINDS for f in run.faults):
+           and _effect(f).excuses_victim}
+    if not any(f.skipped is None and _effect(f).may_evict for f in run.faults):
         return out
     seen: set[int] = set()
     for e in sorted(run.epochs, key=lambda e: e.number):
@@ -253,7 +265,7 @@ def _excused_members(run: RunLog) -> set[int]:
     return out
 
 
-def _nested(sets: set) -> bool:
+def _nested(sets: set[tuple[int, ...] | None]) -> bool:
     """reduce_scatter's output on a member is its own shard, and ``contributors`` is that
     shard's set: a member whose shard was final before a failure keeps the larger set,
     the shards finished by recovery have the survivors' set (the dead member's input to
@@ -270,7 +282,7 @@ def _check_values(run: RunLog, seq: int, recs: Sequence[OpRecord], v: Verdict) -
     if len(sets) > 1 and not (spec.collective == "reduce_scatter" and _nested(sets)):
         shown = "; ".join(f"member {r.member}: {sorted(r.contributors or ())}" for r in recs if r.end_s is not None)
         v.wrong.append(Finding(seq, None, f"members disagree on the contributor set ({shown})"))
-    cache: dict[tuple, object] = {}
+    cache: dict[tuple[tuple[int, ...], tuple[int, int] | None], Expected] = {}
     for r in recs:
         if r.end_s is None or r.error is not None:
             continue
@@ -304,7 +316,7 @@ def _check_values(run: RunLog, seq: int, recs: Sequence[OpRecord], v: Verdict) -
         except ValueError as exc:
             v.wrong.append(Finding(seq, r.member, str(exc)))
             continue
-        mismatch = compare(r.output, cache[key], spec.dtype)  # type: ignore[arg-type]
+        mismatch = compare(r.output, cache[key], spec.dtype)
         if mismatch is not None:
             detail = mismatch.reason
             if mismatch.index is not None:
@@ -314,15 +326,16 @@ def _check_values(run: RunLog, seq: int, recs: Sequence[OpRecord], v: Verdict) -
 
 
 def _recoveries(run: RunLog, survivors: Sequence[int]) -> list[float]:
-    """For each injected fault (except slow/netem, which degrade rather than fail): time
-    until every survivor finished the first op that completed after the fault."""
+    """For each injected fault whose kind's recovery is timed (not slow/netem, which
+    degrade rather than fail): time until every survivor finished the first op that
+    completed after the fault."""
     done: dict[int, list[float]] = defaultdict(list)
     for r in run.records:
         if r.member in survivors and r.end_s is not None and r.error is None:
             done[r.seq].append(r.end_s)
     out = []
     for f in run.faults:
-        if f.skipped is not None or f.kind in (FaultKind.SLOW.value, FaultKind.NETEM.value):
+        if f.skipped is not None or not _effect(f).recovery_timed:
             continue
         after = [seq for seq, ends in done.items() if max(ends) > f.time_s]
         if after:

@@ -36,9 +36,24 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
-from resilient.chaos.scenario import load_scenario
-from resilient.chaos.workload import compare, expected_output, make_input, op_spec_for
+from resilient.chaos.members import member_id, member_index
+from resilient.chaos.scenario import Scenario, load_scenario
+from resilient.chaos.workload import OpSpec, compare, expected_output, make_input, op_spec_for
+
+if TYPE_CHECKING:  # types only: torch is imported by the resilient backend itself
+    import numpy as np
+
+    from resilient.collectives import Communicator
+    from resilient.coordinator.epoch import EpochWatcher
+    from resilient.coordinator.membership import MemberSession
+    from resilient.coordinator.store import Store
+    from resilient.transport.base import Transport
+
+#: What one op delivered: the result (None for a barrier), contributor member ids, and
+#: the ``[start, stop)`` slice a reduce_scatter result holds.
+OpResult = tuple["np.ndarray | None", tuple[str, ...], "tuple[int, int] | None"]
 
 
 _PARENT = os.getppid()
@@ -47,14 +62,6 @@ _PARENT = os.getppid()
 def _orphaned() -> bool:
     """The runner that started us is gone (SIGKILLed): stop instead of running on."""
     return os.getppid() != _PARENT
-
-
-def member_id(index: int) -> str:
-    return f"m{index}"
-
-
-def member_index(mid: str) -> int:
-    return int(mid[1:])
 
 
 def _failpoints(member: int) -> dict[int, str]:
@@ -150,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.backend == "oracle":
             return _run_ops(args, sc, out, session, watcher, records, progress)
+        assert transport is not None  # the resilient backend made one above
         return _run_ops_resilient(args, sc, out, session, watcher, store, transport, records, progress, op_start)
     except Exception as exc:  # record why, and exit now: lingering threads must not keep us alive
         out.write(json.dumps({"seq": progress["seq"], "start": time.time(), "end": None,
@@ -162,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(1)
 
 
-def _run_one(comm, spec, x, member: int):
+def _run_one(comm: Communicator, spec: OpSpec, x: np.ndarray, member: int) -> OpResult:
     """Run one op on the real communicator. Returns ``(result numpy array or None,
     contributor member ids, out_range or None)``. Exceptions propagate."""
     import numpy as np
@@ -201,7 +209,8 @@ def _run_one(comm, spec, x, member: int):
     raise ValueError(f"unknown collective {spec.collective!r}")
 
 
-def _run_one_retrying(comm, spec, x, member: int, seq: int, attempts: int = 3):
+def _run_one_retrying(comm: Communicator, spec: OpSpec, x: np.ndarray, member: int, seq: int,
+                      attempts: int = 3) -> OpResult:
     """:func:`_run_one`, called again when the op raised ``GroupChanged`` — what a careful
     program does: ops with one buffer per member are sized from ``comm.size`` before the
     call, and an epoch adopted at the op's boundary can change it; every member raises it
@@ -227,8 +236,9 @@ def _run_one_retrying(comm, spec, x, member: int, seq: int, attempts: int = 3):
     raise AssertionError("unreachable")
 
 
-def _run_ops_resilient(args, sc, out, session, watcher, store, transport, records: Path, progress: dict,
-                       op_start: dict[int, str]) -> int:
+def _run_ops_resilient(args: argparse.Namespace, sc: Scenario, out: TextIO, session: MemberSession,
+                       watcher: EpochWatcher, store: Store, transport: Transport, records: Path,
+                       progress: dict[str, int], op_start: dict[int, str]) -> int:
     """The ``resilient`` backend: every op through a real
     :class:`~resilient.collectives.Communicator` over etcd + TCP (+ shaping)."""
     from resilient.collectives import Communicator
@@ -314,7 +324,8 @@ def _run_ops_resilient(args, sc, out, session, watcher, store, transport, record
         os._exit(rc)  # lingering transport / watch threads must not keep a finished member alive
 
 
-def _run_ops(args, sc, out, session, watcher, records: Path, progress: dict) -> int:
+def _run_ops(args: argparse.Namespace, sc: Scenario, out: TextIO, session: MemberSession, watcher: EpochWatcher,
+             records: Path, progress: dict[str, int]) -> int:
     fps = _failpoints(args.member)
     end_file, end = records / "end", sc.workload.ops
     world = tuple(range(sc.world_size))

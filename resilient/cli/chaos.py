@@ -75,7 +75,7 @@ def _check(args: argparse.Namespace) -> int:
     for ref in args.scenarios:
         s = find_scenario(ref)  # raises ScenarioError naming line and field
         print(f"{s.source}: ok: {s.name}: world {s.world_size}, {len(s.faults)} faults "
-              f"({', '.join(sorted(k.value for k in s.fault_kinds())) or 'none'})")
+              f"({', '.join(sorted(k.name for k in s.fault_kinds())) or 'none'})")
     return EXIT_OK
 
 
