@@ -135,6 +135,7 @@ class Request(abc.ABC):
 
     peer: str
     nbytes: int
+    op_seq: int
     #: a send (True) or a receive (False)
     is_send: bool = True
 

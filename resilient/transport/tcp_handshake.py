@@ -156,7 +156,7 @@ class TcpHandshake(TcpLinks):
     def _watch_parked(self, conn: Conn) -> None:
         """A parked HELLO's socket is readable: closed by its peer (reap it) or the
         dialler already sent frames (keep them unread; stop watching)."""
-        if peer_closed(conn.sock):
+        if conn.sock is None or peer_closed(conn.sock):
             self._drop_conn(conn, "parked_closed", "the peer closed it while its HELLO was parked")
         else:
             conn.quiet = True
@@ -187,8 +187,8 @@ class TcpHandshake(TcpLinks):
                                                   f"does not name")
             return
         old = self._conns.get(member)
-        live = old is not None and old.sock is not None and old.failed is None
-        if live and not (h.session and h.session == old.session) and not peer_closed(old.sock):
+        if (old is not None and old.sock is not None and old.failed is None
+                and not (h.session and h.session == old.session) and not peer_closed(old.sock)):
             self._drop_conn(conn, "link_taken", f"HELLO naming member {member}, whose link from "
                                                 f"{old.origin or '?'} is live (the epoch token proves membership, not "
                                                 f"identity; a genuine reconnect is accepted once the old link is closed)")

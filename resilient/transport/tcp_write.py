@@ -46,6 +46,8 @@ class TcpWriting(TcpHandshake):
         if conn.tls_handshaking and not self._tls_step(conn):
             return
         sock = conn.sock
+        if sock is None:
+            return
         try:
             while True:
                 # Control frames (HELLO/ERROR) go out only at a frame boundary: never inside
