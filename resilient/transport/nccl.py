@@ -191,7 +191,7 @@ class CtypesNccl(NcclApi):
                               "or set RESILIENT_NCCL_LIBRARY to libnccl.so.2") from None
         self.torch = torch
         self.device = torch.device("cuda", device)
-        self.stream = torch.cuda.Stream(self.device)
+        self.stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # torch.cuda.Stream.__new__ is unannotated
         lib = self.lib
         lib.ncclGetErrorString.restype = ctypes.c_char_p
         lib.ncclCommInitRankConfig.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, _UniqueId,
@@ -252,7 +252,7 @@ class CtypesNccl(NcclApi):
         if handle["event"] is None:        # group still being enqueued (non-blocking mode)
             if self._async_state(comm) != NCCL_SUCCESS:
                 return False
-            ev = self.torch.cuda.Event()
+            ev = self.torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch.cuda.Event.__new__ is unannotated
             ev.record(self.stream)
             handle["event"] = ev
         if handle["event"].query():
