@@ -180,40 +180,8 @@ def test_same_members_keep_the_communicator_changed_members_rebuild(store, job_n
         t.close()
 
 
-def test_wait_timeout_returns_false_and_the_request_stays_posted(store, job_name):
-    fabric = Fabric()
-    ts = make(["a", "b"], store, job_name, fabric)
-    configure_all(ts, 1)
-    run_threads({m: (lambda t=t: ring_step(t, ["a", "b"], 0.0)) for m, t in ts.items()})
-    into = np.zeros(8, dtype=np.int64)
-    req = ts["a"].irecv("b", into, 5, 0)
-    assert ts["a"].wait([req], timeout=0.05) is False
-    assert not req.done() and req.error is None
-    ts["b"].send("a", np.arange(8, dtype=np.int64), 5, 0)
-    assert ts["a"].wait([req], timeout=HANG_GUARD_S) is True
-    assert req.done() and into.tolist() == list(range(8))
-    for t in ts.values():
-        t.close()
 
 
-def test_abort_from_another_thread_wakes_the_waiter_and_configure_clears_it(store, job_name):
-    fabric = Fabric()
-    ts = make(["a", "b"], store, job_name, fabric)
-    configure_all(ts, 1)
-    run_threads({m: (lambda t=t: ring_step(t, ["a", "b"], 0.0)) for m, t in ts.items()})
-    a = ts["a"]
-    req = a.irecv("b", np.zeros(2, dtype=np.float32), 1, 0)
-    timer = threading.Timer(0.2, a.abort, args=("operator said so",))
-    timer.start()
-    with pytest.raises(TransportAborted, match="operator said so"):
-        a.wait([req])
-    timer.join()
-    with pytest.raises(TransportAborted):                      # posts after abort fail too
-        a.wait([a.isend("b", np.zeros(2, dtype=np.float32), 2, 0)])
-    a.configure(2, "tok2", {"a": a.address, "b": ts["b"].address})
-    assert not a.aborted
-    for t in ts.values():
-        t.close()
 
 
 def test_missing_unique_id_times_out_naming_the_creator(store, job_name):

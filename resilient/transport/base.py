@@ -216,7 +216,13 @@ class CoreTransport(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Close every connection and the listener; idempotent."""
+        """Close every connection and the listener; idempotent. Pending requests fail
+        with :class:`~resilient.errors.TransportError`, and so does every later post."""
+
+    @property
+    @abc.abstractmethod
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (a closed transport never recovers)."""
 
     def idle(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds while posted requests progress; return early

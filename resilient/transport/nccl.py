@@ -82,6 +82,8 @@ log = logging.getLogger(__name__)
 UID_NAME = "nccl-uid"
 UID_BYTES = 128
 POLL_S = 0.0002
+#: longest single rendezvous wait for the unique id (an abort ends the setup within it)
+UID_SLICE_S = 0.1
 
 
 # --------------------------------------------------------------------------------------
@@ -353,6 +355,10 @@ class NcclTransport(Transport):
         return self._abort_reason is not None
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def epoch(self) -> int:
         return self._epoch
 
@@ -433,16 +439,26 @@ class NcclTransport(Transport):
             uid = self.api.unique_id()
             self.rendezvous.publish(self._epoch, UID_NAME, self.member_id, uid)
         else:
-            try:
-                uid = self.rendezvous.fetch(self._epoch, UID_NAME, creator, timeout)
-            except TimeoutError:
-                raise _SetupTimeout(f"member {creator} did not publish the NCCL unique id of epoch {self._epoch} "
-                                    f"within {timeout:.1f}s (is it alive?)") from None
+            uid = self._fetch_uid(creator, timeout)
             if len(uid) != UID_BYTES:
                 raise TransportError(f"malformed NCCL unique id from member {creator}: {len(uid)} bytes, "
                                      f"expected {UID_BYTES}")
         self._uid = (self._epoch, uid)
         return uid
+
+    def _fetch_uid(self, creator: str, timeout: float) -> bytes:
+        """``creator``'s unique id of this epoch, fetched in slices of at most
+        :data:`UID_SLICE_S` so that :meth:`abort` ends the wait within one slice."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._raise_if_aborted()
+            left = deadline - time.monotonic()
+            try:
+                return self.rendezvous.fetch(self._epoch, UID_NAME, creator, max(0.0, min(UID_SLICE_S, left)))
+            except TimeoutError:
+                if left <= UID_SLICE_S:
+                    raise _SetupTimeout(f"member {creator} did not publish the NCCL unique id of epoch "
+                                        f"{self._epoch} within {timeout:.1f}s (is it alive?)") from None
 
     def _ensure_comm(self, deadline: float) -> None:
         if self._ready:
@@ -481,7 +497,9 @@ class NcclTransport(Transport):
         req.is_send = kind == "send"
         with self._lock:
             op_error = self._ops.error_of(op_seq)
-            if self._abort_reason is not None:
+            if self._closed:
+                req._error = TransportError("transport is closed")
+            elif self._abort_reason is not None:
                 req._error = TransportAborted(self._abort_reason)
             elif op_error is not None:
                 req._error = op_error
@@ -595,7 +613,7 @@ class NcclTransport(Transport):
                 return
             self._drop_comm("transport closed")
             for r in self._pending:
-                r._error = r._error or TransportAborted("transport closed")
+                r._error = r._error or TransportError("transport closed")
             self._pending.clear()
             self._closed = True
             self.state = "closed"

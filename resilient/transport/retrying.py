@@ -125,6 +125,10 @@ class RetryingTransport(Transport):
     def aborted(self) -> bool:
         return self.inner.aborted
 
+    @property
+    def closed(self) -> bool:
+        return self.inner.closed
+
     def abort(self, reason: str) -> None:
         self.inner.abort(reason)
 
@@ -218,6 +222,8 @@ class RetryingTransport(Transport):
         while True:
             if self.inner.aborted:
                 raise TransportAborted("transport aborted")
+            if self.inner.closed:   # nothing to retry on: fail like the transport itself
+                raise TransportError("transport is closed")
             self._repost_due()
             for r in reqs:
                 if r.failure is not None:

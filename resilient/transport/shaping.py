@@ -235,6 +235,10 @@ class ShapedTransport(Transport):
     def aborted(self) -> bool:
         return self.inner.aborted
 
+    @property
+    def closed(self) -> bool:
+        return self.inner.closed
+
     def configure(self, epoch: int, token: str, addresses: Mapping[str, str]) -> None:
         self._fail_held(TransportAborted(f"shaped send dropped: the transport moved to epoch {epoch}"))
         self.inner.configure(epoch, token, addresses)

@@ -85,6 +85,10 @@ class TcpTransport(TcpReading, TcpWriting, Transport):
     def aborted(self) -> bool:
         return self._abort_reason is not None
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def configure(self, epoch: int, token: str, addresses: Mapping[str, str]) -> None:
         frames.check_u64("epoch", epoch)
         if epoch < self._epoch:
