@@ -24,9 +24,9 @@ Failure behaviour:
 * aborts, input mismatches (``OpMismatch``/``PeerReportedError``) and corrupt frames are
   not retried: they propagate at once, as before.
 
-The wrapper is a :class:`~resilient.transport.base.Transport` with every method of the
-interface written out (no attribute delegation): the ones retrying changes (posting,
-waiting, ``configure``, ``cancel_op``) and the ones it passes on unchanged.
+The wrapper is a :class:`~resilient.transport.wrapper.WrappedTransport` (every method of
+the interface written out, no attribute delegation) that overrides posting, waiting,
+``configure`` and ``cancel_op``.
 """
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ import time
 from typing import Callable, Mapping, Sequence
 
 from resilient.errors import CollectiveError, FrameError, TransportAborted, TransportError
-from resilient.transport.base import Buffer, Request, Transport, TransportStats, buffer_nbytes
+from resilient.transport.base import Buffer, Request, Transport, buffer_nbytes
 from resilient.transport.ops import OpMismatch, PeerReportedError
+from resilient.transport.wrapper import WrappedTransport
 
 #: first and largest pause between two re-posts to a broken peer
 BACKOFF_START_S = 0.05
@@ -95,14 +96,14 @@ class _Broken:
         self.held: list[_Retry] = []
 
 
-class RetryingTransport(Transport):
+class RetryingTransport(WrappedTransport):
     """Wraps ``inner``; only ``isend``/``irecv``/``wait``/``configure``/``cancel_op`` differ."""
 
     def __init__(self, inner: Transport, *, give_up_s: float | None,
                  on_suspect: Callable[[str, str], None], is_member: Callable[[str], bool],
                  is_alive: Callable[[str], bool] = lambda peer: True, dead_wait_s: float = 60.0) -> None:
-        self.inner, self.give_up_s, self.on_suspect, self.is_member = inner, give_up_s, on_suspect, is_member
-        self.member_id = inner.member_id
+        super().__init__(inner)
+        self.give_up_s, self.on_suspect, self.is_member = give_up_s, on_suspect, is_member
         #: whether the peer still holds its lease; a dead peer's link is not "unreachable":
         #: the coordinator's epoch without it is on its way (a standby may be taking over),
         #: so we keep waiting for it — the abort then starts the normal recovery
@@ -110,36 +111,6 @@ class RetryingTransport(Transport):
         self._broken: dict[str, _Broken] = {}
         #: transfers re-posted after a link failure (for tests and logs)
         self.retries = 0
-
-    # -- passed on unchanged -----------------------------------------------------------------
-
-    @property
-    def address(self) -> str:
-        return self.inner.address
-
-    @property
-    def stats(self) -> TransportStats:
-        return self.inner.stats
-
-    @property
-    def aborted(self) -> bool:
-        return self.inner.aborted
-
-    @property
-    def closed(self) -> bool:
-        return self.inner.closed
-
-    def abort(self, reason: str) -> None:
-        self.inner.abort(reason)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def idle(self, timeout: float) -> None:
-        self.inner.idle(timeout)
-
-    def post_error(self, peers: Sequence[str], op_seq: int, message: bytes, timeout: float = 2.0) -> None:
-        self.inner.post_error(peers, op_seq, message, timeout)
 
     # -- posting --------------------------------------------------------------------------
 

@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from resilient.errors import ConfigError, TransportAborted, TransportError
-from resilient.transport.base import Buffer, Request, Transport, TransportStats, buffer_nbytes
+from resilient.transport.base import Buffer, Request, Transport, buffer_nbytes
+from resilient.transport.wrapper import WrappedTransport
 
 ENV = "RESILIENT_SHAPING"
 ENV_FILE = "RESILIENT_SHAPING_FILE"
@@ -176,14 +177,13 @@ class _Failed(Request):
         return self.failure
 
 
-class ShapedTransport(Transport):
+class ShapedTransport(WrappedTransport):
     """Wraps ``inner`` (any :class:`Transport`) and applies ``spec``; see the module
     docstring. Same thread model as the wrapped transport (one op thread; :meth:`abort`
     and :meth:`set_spec` from any thread)."""
 
     def __init__(self, inner: Transport, spec: ShapingSpec | str | None = None, spec_file: str | None = None) -> None:
-        self.inner = inner
-        self.member_id = inner.member_id
+        super().__init__(inner)
         self.spec = spec if isinstance(spec, ShapingSpec) else parse_shaping(spec)
         self.spec_file = spec_file
         self._file_seen: tuple[float, int] | None = None
@@ -221,23 +221,7 @@ class ShapedTransport(Transport):
                 self.spec = parse_shaping(f.read())
             self._file_seen = sig
 
-    # -- Transport ------------------------------------------------------------------------
-
-    @property
-    def address(self) -> str:
-        return self.inner.address
-
-    @property
-    def stats(self) -> TransportStats:
-        return self.inner.stats
-
-    @property
-    def aborted(self) -> bool:
-        return self.inner.aborted
-
-    @property
-    def closed(self) -> bool:
-        return self.inner.closed
+    # -- Transport (what :class:`WrappedTransport` does not pass on unchanged) -------------
 
     def configure(self, epoch: int, token: str, addresses: Mapping[str, str]) -> None:
         self._fail_held(TransportAborted(f"shaped send dropped: the transport moved to epoch {epoch}"))
@@ -331,9 +315,6 @@ class ShapedTransport(Transport):
     def idle(self, timeout: float) -> None:
         self._release()
         self.inner.idle(min(timeout, 0.01) if self._next_due() is not None else timeout)
-
-    def abort(self, reason: str) -> None:
-        self.inner.abort(reason)
 
     def close(self) -> None:
         self._fail_held(TransportError("transport closed"))
