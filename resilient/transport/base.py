@@ -8,8 +8,10 @@ waits on them. Layers:
   ``(op_seq, tag)``, wait, abort, close, stats); the top bits of ``op_seq`` are its
   namespace (:mod:`resilient.transport.tags`), which selects the matching channel;
 * :class:`Transport` — the core plus the op-level guarantees (descriptor digests,
-  :meth:`Transport.cancel_op`, :meth:`Transport.post_error`), whose bookkeeping is
-  implemented once in :mod:`resilient.transport.ops` for every transport.
+  :meth:`Transport.cancel_op`, :meth:`Transport.post_error`), implemented once for every
+  transport: the bookkeeping in :mod:`resilient.transport.ops` (``OpGuard``), the two
+  methods in :mod:`resilient.transport.op_layer` (``OpLayer``, the base of every
+  concrete transport), which leaves a transport only the carrying of them.
 
 Implementations: :mod:`resilient.transport.tcp` (CPU), :mod:`resilient.transport.hybrid`
 (what members build: the TCP transport with shared-memory links between members on one
@@ -239,8 +241,9 @@ class CoreTransport(abc.ABC):
 
 class Transport(CoreTransport):
     """A core transport with the op-level guarantees (digest checks, :meth:`cancel_op`,
-    :meth:`post_error`); their bookkeeping is :class:`~resilient.transport.ops.OpGuard`,
-    the same for every transport. Algorithms and the communicator use this interface."""
+    :meth:`post_error`); concrete transports get them from
+    :class:`~resilient.transport.op_layer.OpLayer`, wrappers pass them on. Algorithms and
+    the communicator use this interface."""
 
     @abc.abstractmethod
     def cancel_op(self, op_seq: int) -> None:

@@ -73,7 +73,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from resilient.errors import ConfigError, TransportAborted, TransportError
-from resilient.transport.base import Buffer, Request, Transport, TransportStats
+from resilient.transport.base import Buffer, Request, TransportStats
+from resilient.transport.op_layer import OpLayer
 from resilient.transport.ops import ERROR_MESSAGE_CAP, OpGuard
 from resilient.transport.rendezvous import Rendezvous
 
@@ -313,7 +314,7 @@ class EpochSource(Protocol):
     def subscribe(self, callback: Callable[[EpochLike], None]) -> Callable[[], None]: ...
 
 
-class NcclTransport(Transport):
+class NcclTransport(OpLayer):
     """See the module docstring. Thread model: one thread calls configure/isend/irecv/wait/
     cancel_op/post_error; :meth:`abort` and :meth:`on_epoch` from any thread."""
 
@@ -496,7 +497,7 @@ class NcclTransport(Transport):
         req = NcclRequest(peer=peer, nbytes=nbytes, kind=kind, op_seq=op_seq, tag=tag, ptr=ptr, buf=buf)
         req.is_send = kind == "send"
         with self._lock:
-            op_error = self._ops.error_of(op_seq)
+            op_error = self._op_failure(op_seq)
             if self._closed:
                 req._error = TransportError("transport is closed")
             elif self._abort_reason is not None:
@@ -513,11 +514,10 @@ class NcclTransport(Transport):
     def irecv(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request:
         return self._post("recv", peer, buf, op_seq, tag)
 
-    def cancel_op(self, op_seq: int) -> None:
+    def _drop_op(self, op_seq: int, exc: BaseException) -> None:
         """Drops requests of ``op_seq`` that were not launched yet. Launched NCCL operations
         cannot be withdrawn: if any is still running, the communicator is aborted."""
         with self._lock:
-            exc = self._ops.cancel(op_seq)
             launched = [r for r in self._pending if r.op_seq == op_seq and r.launch is not None and not r._done]
             for r in self._pending:
                 if r.op_seq == op_seq and r.launch is None:
@@ -526,9 +526,10 @@ class NcclTransport(Transport):
         if launched:
             self.abort(f"op #{op_seq} cancelled with {len(launched)} NCCL operations in flight")
 
-    def post_error(self, peers: Sequence[str], op_seq: int, message: bytes, timeout: float = 2.0) -> None:
-        frame = bytes(message)[:ERROR_MESSAGE_CAP]
-        self._ops.post(op_seq, frame)
+    def _error_frame(self, op_seq: int, message: bytes) -> bytes:
+        return bytes(message)[:ERROR_MESSAGE_CAP]
+
+    def _deliver_error(self, peers: Sequence[str], op_seq: int, frame: bytes, timeout: float) -> None:
         try:
             self.rendezvous.publish(self._epoch, f"op-error-{int(op_seq)}", self.member_id, frame)
         except Exception as exc:  # noqa: BLE001 - best effort by contract

@@ -61,7 +61,8 @@ from typing import Callable, Mapping, Sequence
 
 from resilient.errors import TransportAborted, TransportError
 from resilient.transport import frames
-from resilient.transport.base import Buffer, Request, Transport, TransportStats
+from resilient.transport.base import Buffer, Request, TransportStats
+from resilient.transport.op_layer import OpLayer
 from resilient.transport.tcp_conn import Conn, TcpRequest, as_memoryview
 from resilient.transport.tcp_read import TcpReading
 from resilient.transport.tcp_write import TcpWriting
@@ -69,9 +70,15 @@ from resilient.transport.tcp_write import TcpWriting
 __all__ = ["TcpTransport", "as_memoryview"]
 
 
-class TcpTransport(TcpReading, TcpWriting, Transport):
+class TcpTransport(TcpReading, TcpWriting, OpLayer):
     """The CPU transport. Thread model: one thread at a time calls configure/isend/irecv/
-    wait/cancel_op/post_error (the communicator's op thread); :meth:`abort` from any."""
+    wait/cancel_op/post_error (the communicator's op thread); :meth:`abort` from any.
+
+    ``TcpTransport(member_id, job, host="127.0.0.1", port=0, connect_timeout=10.0,
+    limits=None, early_cap=EARLY_CAP, tls=True)`` (the constructor is
+    :class:`~resilient.transport.tcp_links.TcpLinks`'): listens on ``host:port`` (0: a free
+    port); ``limits`` caps unauthenticated connections (default: from the environment);
+    ``tls=True`` takes mutual TLS from the environment, None/False is plain TCP."""
 
     @property
     def address(self) -> str:
@@ -148,7 +155,7 @@ class TcpTransport(TcpReading, TcpWriting, Transport):
         if self._abort_reason is not None:
             req._fail(TransportAborted(self._abort_reason))
             return None
-        op_error = self._ops.error_of(req.op_seq)
+        op_error = self._op_failure(req.op_seq)
         if op_error is not None:
             req._fail(op_error)
             return None
@@ -206,16 +213,18 @@ class TcpTransport(TcpReading, TcpWriting, Transport):
             conn.target_req._fail(exc)
             self._to_discard(conn)
 
-    def cancel_op(self, op_seq: int) -> None:
-        exc = self._ops.cancel(op_seq)
+    # -- op-level hooks (:class:`~resilient.transport.op_layer.OpLayer`) ---------------------
+
+    def _drop_op(self, op_seq: int, exc: BaseException) -> None:
         for conn in self._conns.values():
             self._cut(conn, exc, lambda r: r.op_seq == op_seq)
             self._filter_unexpected(conn, lambda h: h.op_seq != op_seq)
         self._update_masks()
 
-    def post_error(self, peers: Sequence[str], op_seq: int, message: bytes, timeout: float = 2.0) -> None:
-        header = frames.encode_header(frames.Header(frames.ERROR, self._epoch, op_seq, 0, len(message)))
-        self._ops.post(op_seq, header + message)  # also sent on connections opened later
+    def _error_frame(self, op_seq: int, message: bytes) -> bytes:
+        return frames.encode_header(frames.Header(frames.ERROR, self._epoch, op_seq, 0, len(message))) + message
+
+    def _deliver_error(self, peers: Sequence[str], op_seq: int, frame: bytes, timeout: float) -> None:
         conns = []
         for peer in peers:
             if peer == self.member_id or peer not in self._addresses or self._closed:
@@ -225,7 +234,7 @@ class TcpTransport(TcpReading, TcpWriting, Transport):
                 conn = self._dial(peer)
             if conn is None or conn.failed is not None:
                 continue  # no connection and the peer dials us: it learns through the others (relay)
-            conn.raw_out.append(memoryview(header + message))
+            conn.raw_out.append(memoryview(frame))
             self._try_write(conn)
             conns.append(conn)
         deadline = time.monotonic() + timeout
@@ -246,7 +255,7 @@ class TcpTransport(TcpReading, TcpWriting, Transport):
                         raise req.error
                     if not req.done():
                         pending = True
-                        err = self._ops.error_of(req.op_seq)
+                        err = self._op_failure(req.op_seq)
                         if err is not None:
                             raise err
                 if not pending:
