@@ -180,9 +180,8 @@ class TcpHandshake(TcpLinks):
             self._drop_conn(conn, "hello_refused", f"HELLO from {member[:80]!r}: epoch {h.epoch}/token/member "
                                                    f"does not match epoch {self._epoch}")
             return
-        sock = conn.sock
-        cert = sock.getpeercert() if isinstance(sock, ssl.SSLSocket) else None
-        if self.tls is not None and self.tls.verify_member and member not in names_of(cert):
+        if self.tls is not None and self.tls.verify_member and member not in names_of(
+                conn.sock.getpeercert() if isinstance(conn.sock, ssl.SSLSocket) else None):
             self._drop_conn(conn, "tls_identity", f"HELLO naming member {member[:80]!r}, which its certificate "
                                                   f"does not name")
             return
