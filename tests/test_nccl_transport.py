@@ -1,14 +1,13 @@
 """Transport-level logic of the NCCL path, on a machine without a GPU.
 
-Real etcd (the session fixture), real EpochData / EpochWatcher, real threads. The only
-fake is the :class:`NcclApi` seam (:class:`FakeNccl` below): an in-process "fabric" that
-matches sends to receives in posting order per pair of ranks and copies the bytes, and
-whose communicators become ready only once every rank has joined (like NCCL's init). A
-receive whose sender never sends stays in flight forever - a hung NCCL kernel.
+Real etcd (the session fixture), real EpochData / EpochWatcher (through the injected
+:class:`EpochDataRendezvous`), real threads. The only fake is the :class:`NcclApi` seam
+(:class:`FakeNccl` in tests/nccl_fake.py). What every transport does (send/recv, abort,
+close, stats, cancel_op) is in tests/test_transport_contract.py; this file keeps what is
+NCCL's own: the unique-id exchange, communicator reuse/rebuild, epoch-driven abort.
 """
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any, Sequence
 
@@ -19,84 +18,11 @@ from resilient.coordinator import keys
 from resilient.coordinator.epoch import Epoch, EpochData, EpochWatcher
 from resilient.coordinator.store import Store
 from resilient.errors import ConfigError, TransportAborted, TransportError
-from resilient.transport.nccl import UID_BYTES, UID_NAME, NcclApi, NcclTransport, P2POp
+from resilient.transport.nccl import UID_BYTES, UID_NAME, NcclTransport
+from resilient.transport.rendezvous import EpochDataRendezvous
+from nccl_fake import Fabric, FakeNccl
 
 HANG_GUARD_S = 30.0   # only guards against a hang; behaviour is asserted, not speed
-
-
-class Fabric:
-    """Shared by the FakeNccl of every member in one test."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.joined: dict[bytes, dict[int, "FakeComm"]] = {}
-        self.queues: dict[tuple[bytes, int, int, str], list[dict]] = {}
-        self.inits: list[tuple[str, int, bytes, int]] = []     # (member, nranks, uid, rank)
-
-
-class FakeComm:
-    def __init__(self, uid: bytes, nranks: int, rank: int) -> None:
-        self.uid, self.nranks, self.rank = uid, nranks, rank
-        self.aborted = False
-        self.async_error: str | None = None
-
-
-class FakeNccl(NcclApi):
-    def __init__(self, fabric: Fabric, member: str) -> None:
-        self.fabric, self.member = fabric, member
-        self.aborts: list[FakeComm] = []
-
-    def unique_id(self) -> bytes:
-        return os.urandom(UID_BYTES)
-
-    def init_comm(self, nranks: int, uid: bytes, rank: int) -> FakeComm:
-        comm = FakeComm(uid, nranks, rank)
-        with self.fabric.lock:
-            self.fabric.joined.setdefault(uid, {})[rank] = comm
-            self.fabric.inits.append((self.member, nranks, uid, rank))
-        return comm
-
-    def comm_ready(self, comm: FakeComm) -> bool:
-        with self.fabric.lock:
-            return len(self.fabric.joined.get(comm.uid, {})) == comm.nranks
-
-    def buffer(self, buf: Any) -> tuple[int, int]:
-        if not isinstance(buf, np.ndarray):
-            raise ConfigError("fake NCCL takes numpy arrays")
-        return buf.ctypes.data, buf.nbytes
-
-    def launch(self, comm: FakeComm, ops: Sequence[P2POp]) -> list[dict]:
-        entries = []
-        with self.fabric.lock:
-            for op in ops:
-                src, dst = (comm.rank, op.peer_rank) if op.kind == "send" else (op.peer_rank, comm.rank)
-                e = {"op": op, "done": False}
-                self.fabric.queues.setdefault((comm.uid, src, dst, op.kind), []).append(e)
-                entries.append(e)
-            self._match(comm.uid)
-        return entries
-
-    def _match(self, uid: bytes) -> None:
-        for (u, src, dst, kind), sends in list(self.fabric.queues.items()):
-            if u != uid or kind != "send":
-                continue
-            recvs = self.fabric.queues.get((uid, src, dst, "recv"), [])
-            while sends and recvs:
-                s, r = sends.pop(0), recvs.pop(0)
-                n = min(s["op"].nbytes, r["op"].nbytes)
-                r["op"].buf.view(np.uint8)[:n] = s["op"].buf.view(np.uint8)[:n]
-                s["done"] = r["done"] = True
-
-    def progress(self, comm: FakeComm, handle: list[dict]) -> bool:
-        if comm.async_error:
-            raise TransportError(comm.async_error)
-        with self.fabric.lock:
-            self._match(comm.uid)
-            return all(e["done"] for e in handle)
-
-    def abort(self, comm: FakeComm) -> None:
-        comm.aborted = True
-        self.aborts.append(comm)
 
 
 @pytest.fixture
@@ -114,7 +40,7 @@ def publish_epoch(store: Store, job: str, number: int, members: Sequence[str]) -
 
 
 def make(members: Sequence[str], store: Store, job: str, fabric: Fabric, **kw) -> dict[str, NcclTransport]:
-    return {m: NcclTransport(m, job, store, api=FakeNccl(fabric, m), **kw) for m in members}
+    return {m: NcclTransport(m, EpochDataRendezvous(store, job), api=FakeNccl(fabric, m), **kw) for m in members}
 
 
 def configure_all(ts: dict[str, NcclTransport], epoch: int) -> None:
@@ -254,45 +180,13 @@ def test_same_members_keep_the_communicator_changed_members_rebuild(store, job_n
         t.close()
 
 
-def test_wait_timeout_returns_false_and_the_request_stays_posted(store, job_name):
-    fabric = Fabric()
-    ts = make(["a", "b"], store, job_name, fabric)
-    configure_all(ts, 1)
-    run_threads({m: (lambda t=t: ring_step(t, ["a", "b"], 0.0)) for m, t in ts.items()})
-    into = np.zeros(8, dtype=np.int64)
-    req = ts["a"].irecv("b", into, 5, 0)
-    assert ts["a"].wait([req], timeout=0.05) is False
-    assert not req.done() and req.error is None
-    ts["b"].send("a", np.arange(8, dtype=np.int64), 5, 0)
-    assert ts["a"].wait([req], timeout=HANG_GUARD_S) is True
-    assert req.done() and into.tolist() == list(range(8))
-    for t in ts.values():
-        t.close()
 
 
-def test_abort_from_another_thread_wakes_the_waiter_and_configure_clears_it(store, job_name):
-    fabric = Fabric()
-    ts = make(["a", "b"], store, job_name, fabric)
-    configure_all(ts, 1)
-    run_threads({m: (lambda t=t: ring_step(t, ["a", "b"], 0.0)) for m, t in ts.items()})
-    a = ts["a"]
-    req = a.irecv("b", np.zeros(2, dtype=np.float32), 1, 0)
-    timer = threading.Timer(0.2, a.abort, args=("operator said so",))
-    timer.start()
-    with pytest.raises(TransportAborted, match="operator said so"):
-        a.wait([req])
-    timer.join()
-    with pytest.raises(TransportAborted):                      # posts after abort fail too
-        a.wait([a.isend("b", np.zeros(2, dtype=np.float32), 2, 0)])
-    a.configure(2, "tok2", {"a": a.address, "b": ts["b"].address})
-    assert not a.aborted
-    for t in ts.values():
-        t.close()
 
 
 def test_missing_unique_id_times_out_naming_the_creator(store, job_name):
     fabric = Fabric()
-    b = NcclTransport("b", job_name, store, api=FakeNccl(fabric, "b"), connect_timeout=0.3)
+    b = NcclTransport("b", EpochDataRendezvous(store, job_name), api=FakeNccl(fabric, "b"), connect_timeout=0.3)
     b.configure(1, "tok1", {"a": "x", "b": b.address})
     req = b.irecv("a", np.zeros(1, dtype=np.float32), 0, 0)
     assert b.wait([req], timeout=0.1) is False                  # caller's timeout: False
@@ -303,7 +197,7 @@ def test_missing_unique_id_times_out_naming_the_creator(store, job_name):
 
 def test_malformed_unique_id_is_refused(store, job_name):
     EpochData(store, job_name, 1).put("a", UID_NAME, b"short")
-    b = NcclTransport("b", job_name, store, api=FakeNccl(Fabric(), "b"), connect_timeout=5)
+    b = NcclTransport("b", EpochDataRendezvous(store, job_name), api=FakeNccl(Fabric(), "b"), connect_timeout=5)
     b.configure(1, "tok1", {"a": "x", "b": b.address})
     with pytest.raises(TransportError, match="malformed NCCL unique id from member a: 5 bytes"):
         b.wait([b.irecv("a", np.zeros(1, dtype=np.float32), 0, 0)])
@@ -312,7 +206,7 @@ def test_malformed_unique_id_is_refused(store, job_name):
 
 def test_newer_epoch_while_waiting_for_the_id_aborts_setup(store, job_name):
     publish_epoch(store, job_name, 1, ["a", "b"])
-    b = NcclTransport("b", job_name, store, api=FakeNccl(Fabric(), "b"), connect_timeout=HANG_GUARD_S)
+    b = NcclTransport("b", EpochDataRendezvous(store, job_name), api=FakeNccl(Fabric(), "b"), connect_timeout=HANG_GUARD_S)
     b.configure(1, "tok1", {"a": "x", "b": b.address})
     timer = threading.Timer(0.3, publish_epoch, args=(store, job_name, 2, ["b"]))
     timer.start()
@@ -340,7 +234,7 @@ def test_peer_failure_fails_requests_until_next_epoch(store, job_name):
 
 
 def test_posting_to_a_non_member_names_the_members(store, job_name):
-    t = NcclTransport("a", job_name, store, api=FakeNccl(Fabric(), "a"))
+    t = NcclTransport("a", EpochDataRendezvous(store, job_name), api=FakeNccl(Fabric(), "a"))
     with pytest.raises(TransportError, match="before configure"):
         t.isend("b", np.zeros(1), 0, 0)
     t.configure(1, "tok1", {"a": "x", "b": "y"})

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from resilient.collectives.retry import RetryingTransport
+from resilient.transport.retrying import RetryingTransport
 from resilient.errors import FrameError, TransportError
 from resilient.transport import frames
 from resilient.transport.handshake import HandshakeLimits

@@ -1,5 +1,6 @@
 """Shared-memory links (resilient.transport.shm) and the hybrid transport that picks them for
-same-host peers: the TCP transport's contract tests rerun over shared memory, ring
+same-host peers: TCP framing tests rerun over shared memory (the contract itself runs over
+"shm" in tests/test_transport_contract.py), ring
 wrap-around, refused descriptors and doorbell records, routing (same host: shm; other
 host key or a plain TCP peer: TCP), and real child processes that are SIGKILLed (EOF fails
 the requests naming the peer) and SIGSTOPped mid-message (only completely written bytes are
@@ -27,9 +28,7 @@ from resilient.transport.tcp import TcpTransport
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from transport_helpers import both, transport_pair  # noqa: E402
 from test_transport_tcp import (  # noqa: E402,F401  (rerun over shared memory: see the `pair` fixture)
-    test_abort_unblocks_a_waiting_recv, test_digest_mismatch_fails_the_receive,
     test_kept_connection_resyncs_after_mid_frame_abort, test_roundtrip_into_preallocated_buffer,
-    test_zero_size_and_numpy,
 )
 
 ROOT = Path(__file__).resolve().parents[1]

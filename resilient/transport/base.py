@@ -2,10 +2,23 @@
 
 An algorithm never sees sockets, NCCL communicators or etcd: it posts tagged
 point-to-point sends and receives of raw buffers to members of the current epoch and
-waits on them. Implementations: :mod:`resilient.transport.tcp` (CPU),
-:mod:`resilient.transport.hybrid` (what members build: the TCP transport with
-shared-memory links between members on one host, :mod:`resilient.transport.shm`) and an
-NCCL transport for GPUs.
+waits on them. Layers:
+
+* :class:`CoreTransport` — the small core (post send/recv with an opaque
+  ``(op_seq, tag)``, wait, abort, close, stats); the top bits of ``op_seq`` are its
+  namespace (:mod:`resilient.transport.tags`), which selects the matching channel;
+* :class:`Transport` — the core plus the op-level guarantees (descriptor digests,
+  :meth:`Transport.cancel_op`, :meth:`Transport.post_error`), implemented once for every
+  transport: the bookkeeping in :mod:`resilient.transport.ops` (``OpGuard``), the two
+  methods in :mod:`resilient.transport.op_layer` (``OpLayer``, the base of every
+  concrete transport), which leaves a transport only the carrying of them.
+
+Implementations: :mod:`resilient.transport.tcp` (CPU), :mod:`resilient.transport.hybrid`
+(what members build: the TCP transport with shared-memory links between members on one
+host, :mod:`resilient.transport.shm`), :mod:`resilient.transport.nccl` (GPUs); wrappers:
+:mod:`resilient.transport.shaping` (slow/dropped links) and
+:mod:`resilient.transport.retrying` (re-posting over a failed link). Every one of them
+passes ``tests/test_transport_contract.py``.
 
 Why the transport is ours (docs/design.md §3): when the coordinator publishes an epoch that
 removes a peer, every blocked send/recv on every survivor must return *at once*, whatever
@@ -58,25 +71,24 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from resilient.errors import TransportError
+from resilient.transport.ops import OpMismatch, PeerReportedError
+from resilient.transport.tags import CONTROL_NAMESPACE, control_seq, is_control
 
-# A C-contiguous tensor / ndarray / writable buffer-protocol object.
+# A C-contiguous tensor / ndarray / writable buffer-protocol object (the transports take
+# whatever their device needs: CPU tensors/ndarrays for TCP, CUDA tensors for NCCL).
 Buffer = Any
 
-
-#: op sequence namespace (top two bits of ``op_seq``) of control exchanges between members
-#: (e.g. the ledger summaries of a recovery): a transport matches their frames only with
-#: receives of that namespace, so they never meet an op's data
-CONTROL_NAMESPACE = 2
-
-
-def is_control(op_seq: int) -> bool:
-    return op_seq >> 62 == CONTROL_NAMESPACE
+__all__ = [
+    "Buffer", "CONTROL_NAMESPACE", "CoreTransport", "OpMismatch", "PeerReportedError", "Request", "Transport",
+    "TransportStats", "buffer_nbytes", "control_seq", "is_control",
+]
 
 
-def control_seq(n: int) -> int:
-    """The op sequence number of control exchange ``n`` (e.g. an epoch number)."""
-    return (CONTROL_NAMESPACE << 62) | (n & ((1 << 40) - 1))
+def buffer_nbytes(buf: Buffer) -> int:
+    """Byte size of a tensor (any device) or buffer-protocol object."""
+    if type(buf).__module__.startswith("torch"):
+        return int(buf.numel() * buf.element_size())
+    return memoryview(buf).nbytes
 
 
 @dataclass
@@ -125,6 +137,9 @@ class Request(abc.ABC):
 
     peer: str
     nbytes: int
+    op_seq: int
+    #: a send (True) or a receive (False)
+    is_send: bool = True
 
     @abc.abstractmethod
     def done(self) -> bool:
@@ -140,25 +155,16 @@ class Request(abc.ABC):
         a touched, unfinished receive region as lost). Conservative default: True."""
         return True
 
-
-class OpMismatch(TransportError):
-    """A message for this op carried another op descriptor digest than ours."""
-
-    def __init__(self, peer: str, op_seq: int, theirs: int, ours: int) -> None:
-        super().__init__(f"member {peer} sent op #{op_seq} with descriptor digest {theirs:#010x}, ours is {ours:#010x}")
-        self.peer, self.op_seq, self.theirs, self.ours = peer, op_seq, theirs, ours
+    def done_at(self) -> float | None:
+        """``time.monotonic()`` when the request completed, where the transport knows it."""
+        return None
 
 
-class PeerReportedError(TransportError):
-    """A peer sent an ERROR message about an op (e.g. it detected an input mismatch)."""
-
-    def __init__(self, peer: str, op_seq: int, message: bytes) -> None:
-        super().__init__(f"member {peer} reported an error for op #{op_seq}: {message[:500]!r}")
-        self.peer, self.op_seq, self.message = peer, op_seq, message
-
-
-class Transport(abc.ABC):
-    """Point-to-point, epoch-scoped, abortable message transport (see module docstring)."""
+class CoreTransport(abc.ABC):
+    """The small core every transport implements: tagged point-to-point sends and
+    receives of raw buffers within an epoch, wait, abort, close, counters (see the module
+    docstring). ``op_seq`` and ``tag`` are opaque to the core except for their namespace
+    (:mod:`resilient.transport.tags`), which selects the matching channel."""
 
     member_id: str
 
@@ -193,17 +199,6 @@ class Transport(abc.ABC):
         :class:`OpMismatch` (the ranks called different collectives at ``op_seq``)."""
 
     @abc.abstractmethod
-    def cancel_op(self, op_seq: int) -> None:
-        """Drop every request of ``op_seq`` and discard its messages still arriving (used
-        after an input mismatch; the transport stays usable for later ops)."""
-
-    @abc.abstractmethod
-    def post_error(self, peers: Sequence[str], op_seq: int, message: bytes, timeout: float = 2.0) -> None:
-        """Send an ERROR message about ``op_seq`` to ``peers`` (best effort, bounded by
-        ``timeout``); on the receivers every request of ``op_seq`` then fails with
-        :class:`PeerReportedError` carrying ``message``."""
-
-    @abc.abstractmethod
     def wait(self, requests: Sequence[Request], timeout: float | None = None) -> bool:
         """Progress I/O until every request in ``requests`` is done: True. False when
         ``timeout`` passed first (requests stay posted). Raises
@@ -223,9 +218,13 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Close every connection and the listener; idempotent."""
+        """Close every connection and the listener; idempotent. Pending requests fail
+        with :class:`~resilient.errors.TransportError`, and so does every later post."""
 
-    # -- conveniences -------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (a closed transport never recovers)."""
 
     def idle(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds while posted requests progress; return early
@@ -238,6 +237,26 @@ class Transport(abc.ABC):
             if left <= 0:
                 return
             time.sleep(min(0.005, left))
+
+
+class Transport(CoreTransport):
+    """A core transport with the op-level guarantees (digest checks, :meth:`cancel_op`,
+    :meth:`post_error`); concrete transports get them from
+    :class:`~resilient.transport.op_layer.OpLayer`, wrappers pass them on. Algorithms and
+    the communicator use this interface."""
+
+    @abc.abstractmethod
+    def cancel_op(self, op_seq: int) -> None:
+        """Drop every request of ``op_seq`` and discard its messages still arriving (used
+        after an input mismatch; the transport stays usable for later ops)."""
+
+    @abc.abstractmethod
+    def post_error(self, peers: Sequence[str], op_seq: int, message: bytes, timeout: float = 2.0) -> None:
+        """Send an ERROR message about ``op_seq`` to ``peers`` (best effort, bounded by
+        ``timeout``); on the receivers every request of ``op_seq`` then fails with
+        :class:`PeerReportedError` carrying ``message``."""
+
+    # -- conveniences -------------------------------------------------------------------
 
     def send(self, peer: str, buf: Buffer, op_seq: int, tag: int) -> None:
         """Blocking :meth:`isend` (until sent or failed)."""

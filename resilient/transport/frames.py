@@ -107,7 +107,7 @@ def encode_json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
 
 
-def decode_json(payload: bytes | bytearray | memoryview, what: str) -> dict:
+def decode_json(payload: bytes | bytearray | memoryview, what: str) -> dict[str, Any]:
     """A JSON object from UTF-8 bytes; :class:`FrameError` for anything else (bad UTF-8,
     bad JSON, nesting too deep to parse, an integer too long to convert, a non-object)."""
     try:

@@ -36,7 +36,8 @@ from typing import Any
 
 from resilient.errors import ConfigError, TransportError
 from resilient.transport import shm
-from resilient.transport.tcp import TcpTransport, _Conn
+from resilient.transport.tcp import TcpTransport
+from resilient.transport.tcp_conn import Conn
 
 _SUFFIX = "#shm="
 _BOTH = selectors.EVENT_READ | selectors.EVENT_WRITE
@@ -98,11 +99,11 @@ class HybridTransport(TcpTransport):
             return shm.connect(name, self._shm_capacity)
         return super()._open_link(peer, tcp)
 
-    def _tune(self, sock: socket.socket) -> None:  # type: ignore[override]
+    def _tune(self, sock: socket.socket) -> None:
         if sock.family != socket.AF_UNIX:
-            TcpTransport._tune(sock)
+            super()._tune(sock)
 
-    def _start_tls(self, conn: _Conn, server_side: bool) -> None:
+    def _start_tls(self, conn: Conn, server_side: bool) -> None:
         if not isinstance(conn.sock, shm.ShmChannel):
             super()._start_tls(conn, server_side)
 
@@ -137,7 +138,7 @@ class HybridTransport(TcpTransport):
                 progressed = progressed or ch.consumed != before or conn.failed is not None
         return progressed
 
-    def _serve(self, conn: _Conn, mask: int) -> None:
+    def _serve(self, conn: Conn, mask: int) -> None:
         ch = conn.sock
         if isinstance(ch, shm.ShmChannel):
             ch.pump()

@@ -17,17 +17,20 @@ Why NCCL's C API through ctypes (and not one of the two obvious bindings)
   NCCLs accept unchanged. The library comes from the ``nvidia-nccl-cu12`` wheel (the
   ``gpu`` extra; torch's CUDA builds ship it too) or ``$RESILIENT_NCCL_LIBRARY``.
 
-Every NCCL/CUDA call goes through the small :class:`NcclApi` seam; the transport logic
-(unique-id exchange through etcd, the state machine, abort on epoch change) is tested on
-machines without a GPU with a fake api (``tests/test_nccl_transport.py``); the real
-:class:`CtypesNccl` runs only where a GPU exists.
+Every NCCL/CUDA call goes through the small :class:`NcclApi` seam, and the unique id
+travels through an injected :class:`~resilient.transport.rendezvous.Rendezvous` (members
+pass :class:`~resilient.transport.rendezvous.EpochDataRendezvous`, i.e. etcd); the
+transport logic (unique-id exchange, the state machine, abort on epoch change) is tested
+on machines without a GPU with a fake api (``tests/test_nccl_transport.py``,
+``tests/test_transport_contract.py``); the real :class:`CtypesNccl` runs only where a GPU
+exists.
 
 Model
 -----
 * One communicator per epoch, over the epoch's members sorted by member id (rank = index).
-  The first of them creates the unique id and puts its 128 raw bytes into
-  ``epochs/<n>/data/nccl-uid/<member>`` (:class:`~resilient.coordinator.epoch.EpochData`);
-  the others wait for it there. Nothing is pickled.
+  The first of them creates the unique id and publishes its 128 raw bytes as its
+  ``nccl-uid`` of the epoch in the rendezvous (with :class:`EpochDataRendezvous`:
+  ``epochs/<n>/data/nccl-uid/<member>``); the others fetch it there. Nothing is pickled.
 * :meth:`configure` keeps the communicator when the member set is unchanged and the
   communicator is healthy; otherwise the old one is aborted and a new one is created
   lazily at the next :meth:`wait` (the contract: configure never blocks on peers).
@@ -36,7 +39,10 @@ Model
   stream after it waited for the caller's current stream. So a ring step that posts a
   send and a receive cannot deadlock.
 * Messages are matched by order per pair of members, as the transport contract allows;
-  NCCL carries no tags, so ``op_seq``/``tag``/``digest`` are checked only locally.
+  NCCL carries no tags nor headers, so ``op_seq``/``tag`` only order the requests and the
+  descriptor ``digest`` cannot be compared with the sender's (a mismatch is not detected
+  in-band). The op-level bookkeeping (cancelled and failed ops) is the shared
+  :class:`~resilient.transport.ops.OpGuard`.
 
 Failure behaviour
 -----------------
@@ -50,9 +56,9 @@ Failure behaviour
   raises ``TransportAborted``; if the creator never publishes it within
   ``connect_timeout`` seconds, ``TransportError`` names it. A malformed id (not 128 bytes)
   raises ``TransportError``.
-* :meth:`post_error` records the message in ``epochs/<n>/data/op-error-<seq>/<member>``
-  (best effort); NCCL cannot deliver it in-band, so peers learn of it from etcd or from the
-  next abort.
+* :meth:`post_error` publishes the message as ``op-error-<seq>`` in the rendezvous (best
+  effort); NCCL cannot deliver it in-band, so peers learn of it from the rendezvous or
+  from the next abort.
 """
 from __future__ import annotations
 
@@ -64,16 +70,21 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from resilient.errors import ConfigError, TransportAborted, TransportError
-from resilient.transport.base import Buffer, Request, Transport, TransportStats
+from resilient.transport.base import Buffer, Request, TransportStats
+from resilient.transport.op_layer import OpLayer
+from resilient.transport.ops import ERROR_MESSAGE_CAP, OpGuard
+from resilient.transport.rendezvous import Rendezvous
 
 log = logging.getLogger(__name__)
 
 UID_NAME = "nccl-uid"
 UID_BYTES = 128
 POLL_S = 0.0002
+#: longest single rendezvous wait for the unique id (an abort ends the setup within it)
+UID_SLICE_S = 0.1
 
 
 # --------------------------------------------------------------------------------------
@@ -183,7 +194,7 @@ class CtypesNccl(NcclApi):
                               "or set RESILIENT_NCCL_LIBRARY to libnccl.so.2") from None
         self.torch = torch
         self.device = torch.device("cuda", device)
-        self.stream = torch.cuda.Stream(self.device)
+        self.stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # torch.cuda.Stream.__new__ is unannotated
         lib = self.lib
         lib.ncclGetErrorString.restype = ctypes.c_char_p
         lib.ncclCommInitRankConfig.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, _UniqueId,
@@ -244,7 +255,7 @@ class CtypesNccl(NcclApi):
         if handle["event"] is None:        # group still being enqueued (non-blocking mode)
             if self._async_state(comm) != NCCL_SUCCESS:
                 return False
-            ev = self.torch.cuda.Event()
+            ev = self.torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch.cuda.Event.__new__ is unannotated
             ev.record(self.stream)
             handle["event"] = ev
         if handle["event"].query():
@@ -287,20 +298,34 @@ class NcclRequest(Request):
         return self._error
 
 
-class NcclTransport(Transport):
+class EpochLike(Protocol):
+    """What :meth:`NcclTransport.on_epoch` reads of an epoch."""
+
+    @property
+    def number(self) -> int: ...
+
+    @property
+    def members(self) -> Sequence[str]: ...
+
+
+class EpochSource(Protocol):
+    """What :meth:`NcclTransport.attach` subscribes to (an ``EpochWatcher``)."""
+
+    def subscribe(self, callback: Callable[[EpochLike], None]) -> Callable[[], None]: ...
+
+
+class NcclTransport(OpLayer):
     """See the module docstring. Thread model: one thread calls configure/isend/irecv/wait/
     cancel_op/post_error; :meth:`abort` and :meth:`on_epoch` from any thread."""
 
-    def __init__(self, member_id: str, job: str, store: Any, api: NcclApi | None = None, device: int = 0,
-                 connect_timeout: float = 60.0,
-                 epoch_data: Callable[[int], Any] | None = None) -> None:
+    def __init__(self, member_id: str, rendezvous: Rendezvous, api: NcclApi | None = None, device: int = 0,
+                 connect_timeout: float = 60.0) -> None:
         self.member_id = member_id
-        self.job = job
-        self.store = store
+        self.rendezvous = rendezvous
         self.api = api if api is not None else CtypesNccl(device)
         self.device = device
         self.connect_timeout = connect_timeout
-        self._epoch_data = epoch_data or self._default_epoch_data
+        self._ops = OpGuard()
         self._stats = TransportStats()
         self._lock = threading.RLock()
         self._wake = threading.Event()
@@ -316,11 +341,6 @@ class NcclTransport(Transport):
         self._closed = False
         self.state = "idle"                       # idle | configured | ready | aborted | closed
 
-    def _default_epoch_data(self, number: int) -> Any:
-        from resilient.coordinator.epoch import EpochData  # noqa: PLC0415
-
-        return EpochData(self.store, self.job, number)
-
     # -- Transport properties ---------------------------------------------------------------
 
     @property
@@ -334,6 +354,10 @@ class NcclTransport(Transport):
     @property
     def aborted(self) -> bool:
         return self._abort_reason is not None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def epoch(self) -> int:
@@ -362,6 +386,7 @@ class NcclTransport(Transport):
             self._epoch, self._members = int(epoch), members
             self._abort_reason = None
             self._failed = None
+            self._ops.reset()
             self._wake.clear()
             self.state = "ready" if keep else "configured"
 
@@ -374,7 +399,7 @@ class NcclTransport(Transport):
                 log.exception("ncclCommAbort failed")
         self._comm, self._ready, self._comm_epoch = None, False, -1
 
-    def on_epoch(self, epoch: Any) -> None:
+    def on_epoch(self, epoch: EpochLike) -> None:
         """Epoch-watcher callback: abort at once when ``epoch`` is newer than ours and
         removes one of our members (or us). Epochs that only add members do not abort:
         joiners are admitted at an op boundary, and :meth:`configure` rebuilds then."""
@@ -384,7 +409,7 @@ class NcclTransport(Transport):
         if gone:
             self.abort(f"epoch {epoch.number} removed {gone}")
 
-    def attach(self, watcher: Any) -> Callable[[], None]:
+    def attach(self, watcher: EpochSource) -> Callable[[], None]:
         """Subscribe :meth:`on_epoch` to an :class:`~resilient.coordinator.epoch.EpochWatcher`;
         returns the unsubscribe function."""
         return watcher.subscribe(self.on_epoch)
@@ -406,29 +431,35 @@ class NcclTransport(Transport):
     def _exchange_uid(self, timeout: float) -> bytes:
         """The epoch's unique id: created and put by the first member, awaited by the
         others. Cached per epoch, so a wait that timed out and is retried never makes a
-        second id. Raises :class:`_SetupTimeout` when ``timeout`` passes first."""
-        from resilient.coordinator.epoch import EpochChanged  # noqa: PLC0415
-
+        second id. Raises :class:`_SetupTimeout` when ``timeout`` passes first and
+        :class:`~resilient.errors.TransportAborted` when a newer epoch superseded ours."""
         if self._uid is not None and self._uid[0] == self._epoch:
             return self._uid[1]
-        data = self._epoch_data(self._epoch)
         creator = self._members[0]
         if creator == self.member_id:
             uid = self.api.unique_id()
-            data.put(self.member_id, UID_NAME, uid)
+            self.rendezvous.publish(self._epoch, UID_NAME, self.member_id, uid)
         else:
-            try:
-                uid = bytes(data.wait_all(UID_NAME, [creator], timeout)[creator])
-            except EpochChanged as exc:
-                raise TransportAborted(f"epoch {exc.newest} superseded epoch {self._epoch} during NCCL setup") from None
-            except TimeoutError:
-                raise _SetupTimeout(f"member {creator} did not publish the NCCL unique id of epoch {self._epoch} "
-                                    f"within {timeout:.1f}s (is it alive?)") from None
+            uid = self._fetch_uid(creator, timeout)
             if len(uid) != UID_BYTES:
                 raise TransportError(f"malformed NCCL unique id from member {creator}: {len(uid)} bytes, "
                                      f"expected {UID_BYTES}")
         self._uid = (self._epoch, uid)
         return uid
+
+    def _fetch_uid(self, creator: str, timeout: float) -> bytes:
+        """``creator``'s unique id of this epoch, fetched in slices of at most
+        :data:`UID_SLICE_S` so that :meth:`abort` ends the wait within one slice."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._raise_if_aborted()
+            left = deadline - time.monotonic()
+            try:
+                return self.rendezvous.fetch(self._epoch, UID_NAME, creator, max(0.0, min(UID_SLICE_S, left)))
+            except TimeoutError:
+                if left <= UID_SLICE_S:
+                    raise _SetupTimeout(f"member {creator} did not publish the NCCL unique id of epoch "
+                                        f"{self._epoch} within {timeout:.1f}s (is it alive?)") from None
 
     def _ensure_comm(self, deadline: float) -> None:
         if self._ready:
@@ -464,9 +495,15 @@ class NcclTransport(Transport):
                               f"({list(self._members)})")
         ptr, nbytes = self.api.buffer(buf)
         req = NcclRequest(peer=peer, nbytes=nbytes, kind=kind, op_seq=op_seq, tag=tag, ptr=ptr, buf=buf)
+        req.is_send = kind == "send"
         with self._lock:
-            if self._abort_reason is not None:
+            op_error = self._op_failure(op_seq)
+            if self._closed:
+                req._error = TransportError("transport is closed")
+            elif self._abort_reason is not None:
                 req._error = TransportAborted(self._abort_reason)
+            elif op_error is not None:
+                req._error = op_error
             else:
                 self._pending.append(req)
         return req
@@ -477,21 +514,24 @@ class NcclTransport(Transport):
     def irecv(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request:
         return self._post("recv", peer, buf, op_seq, tag)
 
-    def cancel_op(self, op_seq: int) -> None:
+    def _drop_op(self, op_seq: int, exc: BaseException) -> None:
         """Drops requests of ``op_seq`` that were not launched yet. Launched NCCL operations
         cannot be withdrawn: if any is still running, the communicator is aborted."""
         with self._lock:
             launched = [r for r in self._pending if r.op_seq == op_seq and r.launch is not None and not r._done]
             for r in self._pending:
                 if r.op_seq == op_seq and r.launch is None:
-                    r._error = TransportAborted(f"op #{op_seq} cancelled")
+                    r._error = exc
             self._pending = [r for r in self._pending if r.op_seq != op_seq or r.launch is not None]
         if launched:
             self.abort(f"op #{op_seq} cancelled with {len(launched)} NCCL operations in flight")
 
-    def post_error(self, peers: Sequence[str], op_seq: int, message: bytes, timeout: float = 2.0) -> None:
+    def _error_frame(self, op_seq: int, message: bytes) -> bytes:
+        return bytes(message)[:ERROR_MESSAGE_CAP]
+
+    def _deliver_error(self, peers: Sequence[str], op_seq: int, frame: bytes, timeout: float) -> None:
         try:
-            self._epoch_data(self._epoch).put(self.member_id, f"op-error-{int(op_seq)}", bytes(message)[:4096])
+            self.rendezvous.publish(self._epoch, f"op-error-{int(op_seq)}", self.member_id, frame)
         except Exception as exc:  # noqa: BLE001 - best effort by contract
             log.warning("post_error for op #%d not recorded: %s", op_seq, exc)
 
@@ -574,7 +614,7 @@ class NcclTransport(Transport):
                 return
             self._drop_comm("transport closed")
             for r in self._pending:
-                r._error = r._error or TransportAborted("transport closed")
+                r._error = r._error or TransportError("transport closed")
             self._pending.clear()
             self._closed = True
             self.state = "closed"

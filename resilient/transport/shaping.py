@@ -38,10 +38,11 @@ import re
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from resilient.errors import ConfigError, TransportAborted, TransportError
-from resilient.transport.base import Buffer, Request, Transport, TransportStats
+from resilient.transport.base import Buffer, Request, Transport, buffer_nbytes
+from resilient.transport.wrapper import WrappedTransport
 
 ENV = "RESILIENT_SHAPING"
 ENV_FILE = "RESILIENT_SHAPING_FILE"
@@ -99,7 +100,7 @@ def _rate(item: str, v: str) -> float:
 
 def parse_shaping(text: str | None) -> ShapingSpec:
     """Parse a spec (see the module docstring); empty or None: no shaping."""
-    kw: dict = {"links": {}, "drop": set()}
+    kw: dict[str, Any] = {"links": {}, "drop": set()}
     for item in re.split(r"[,;]", text or ""):
         item = item.strip()
         if not item:
@@ -163,31 +164,26 @@ class _Held(Request):
 
 
 class _Failed(Request):
-    def __init__(self, peer: str, nbytes: int, exc: BaseException) -> None:
-        self.peer, self.nbytes, self._error = peer, nbytes, exc
+    """A request on a dropped link: failed when posted."""
+
+    def __init__(self, peer: str, nbytes: int, op_seq: int, exc: BaseException, is_send: bool) -> None:
+        self.peer, self.nbytes, self.op_seq, self.failure, self.is_send = peer, nbytes, op_seq, exc, is_send
 
     def done(self) -> bool:
         return False
 
     @property
     def error(self) -> BaseException | None:
-        return self._error
+        return self.failure
 
 
-def _nbytes(buf: Buffer) -> int:
-    if type(buf).__module__.startswith("torch"):
-        return buf.numel() * buf.element_size()
-    return memoryview(buf).nbytes
-
-
-class ShapedTransport(Transport):
+class ShapedTransport(WrappedTransport):
     """Wraps ``inner`` (any :class:`Transport`) and applies ``spec``; see the module
     docstring. Same thread model as the wrapped transport (one op thread; :meth:`abort`
     and :meth:`set_spec` from any thread)."""
 
     def __init__(self, inner: Transport, spec: ShapingSpec | str | None = None, spec_file: str | None = None) -> None:
-        self.inner = inner
-        self.member_id = inner.member_id
+        super().__init__(inner)
         self.spec = spec if isinstance(spec, ShapingSpec) else parse_shaping(spec)
         self.spec_file = spec_file
         self._file_seen: tuple[float, int] | None = None
@@ -225,19 +221,7 @@ class ShapedTransport(Transport):
                 self.spec = parse_shaping(f.read())
             self._file_seen = sig
 
-    # -- Transport ------------------------------------------------------------------------
-
-    @property
-    def address(self) -> str:
-        return self.inner.address
-
-    @property
-    def stats(self) -> TransportStats:
-        return self.inner.stats
-
-    @property
-    def aborted(self) -> bool:
-        return self.inner.aborted
+    # -- Transport (what :class:`WrappedTransport` does not pass on unchanged) -------------
 
     def configure(self, epoch: int, token: str, addresses: Mapping[str, str]) -> None:
         self._fail_held(TransportAborted(f"shaped send dropped: the transport moved to epoch {epoch}"))
@@ -247,9 +231,10 @@ class ShapedTransport(Transport):
         self._reload()
         spec = self.spec
         if peer in spec.drop:
-            return _Failed(peer, _nbytes(buf), TransportError(f"link to member {peer} is down (shaping drop={peer})"))
+            return _Failed(peer, buffer_nbytes(buf), op_seq,
+                           TransportError(f"link to member {peer} is down (shaping drop={peer})"), True)
         q = self._queues.get(peer)
-        nbytes = _nbytes(buf)
+        nbytes = buffer_nbytes(buf)
         hold = spec.hold_s(peer, nbytes) if spec.active else 0.0
         if spec.jitter and hold > 0:
             seed = spec.seed if spec.seed is not None else zlib.crc32(self.member_id.encode())
@@ -271,7 +256,8 @@ class ShapedTransport(Transport):
     def irecv(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request:
         self._reload()  # a receive re-posted after a drop must see the healed link too
         if peer in self.spec.drop:
-            return _Failed(peer, _nbytes(buf), TransportError(f"link to member {peer} is down (shaping drop={peer})"))
+            return _Failed(peer, buffer_nbytes(buf), op_seq,
+                           TransportError(f"link to member {peer} is down (shaping drop={peer})"), False)
         return self.inner.irecv(peer, buf, op_seq, tag, digest)
 
     def cancel_op(self, op_seq: int) -> None:
@@ -302,7 +288,7 @@ class ShapedTransport(Transport):
                     else:
                         inner.append(r.inner)
                 elif isinstance(r, _Failed):
-                    raise r.error  # type: ignore[misc]
+                    raise r.failure
                 else:
                     inner.append(r)
             next_due = self._next_due()
@@ -330,9 +316,6 @@ class ShapedTransport(Transport):
         self._release()
         self.inner.idle(min(timeout, 0.01) if self._next_due() is not None else timeout)
 
-    def abort(self, reason: str) -> None:
-        self.inner.abort(reason)
-
     def close(self) -> None:
         self._fail_held(TransportError("transport closed"))
         self.inner.close()
@@ -345,7 +328,7 @@ class ShapedTransport(Transport):
         is *busy* (a slow NIC transmitting), not waiting. The wrapped transport counts a
         receive's wait from the start of the slice it completed in; this corrects that to
         the idle slices of the whole call."""
-        recvs = [r for r in inner if getattr(r, "is_send", True) is False and not r.done()]
+        recvs = [r for r in inner if not r.is_send and not r.done()]
         busy = self._next_due() is not None
         t_slice = time.monotonic()
         try:
@@ -354,7 +337,7 @@ class ShapedTransport(Transport):
             now = time.monotonic()
             for r in recvs:
                 if r.done():
-                    counted = max(0.0, min(getattr(r, "t_done", now) or now, now) - t_slice)
+                    counted = max(0.0, min(r.done_at() or now, now) - t_slice)
                     fix = self._idle - (counted if busy else 0.0)
                     if fix:
                         self.inner.stats.add_wait(r.peer, fix)

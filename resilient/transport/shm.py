@@ -249,7 +249,7 @@ class ShmChannel(socket.socket):
 
     # -- the socket interface the transport uses --------------------------------------------
 
-    def sendmsg(self, buffers: Iterable[Any], *unused: Any) -> int:  # type: ignore[override]
+    def sendmsg(self, buffers: Iterable[Any], *unused: Any) -> int:
         """Copy a prefix of ``buffers`` into free ring space and announce it: the number of
         bytes taken; :class:`BlockingIOError` while the ring is full;
         :class:`BrokenPipeError` once the peer closed."""
@@ -275,10 +275,10 @@ class ShmChannel(socket.socket):
             self._ring(b"D", total)
         return total
 
-    def send(self, data: Any, *unused: Any) -> int:  # type: ignore[override]
+    def send(self, data: Any, *unused: Any) -> int:
         return self.sendmsg([data])
 
-    def recv_into(self, buf: Any, nbytes: int = 0, *unused: Any) -> int:  # type: ignore[override]
+    def recv_into(self, buf: Any, nbytes: int = 0, *unused: Any) -> int:
         """Copy up to ``nbytes`` (default: all of ``buf``) announced bytes into ``buf`` and
         credit them; 0 at EOF with nothing announced left; :class:`BlockingIOError` when
         nothing is announced yet."""

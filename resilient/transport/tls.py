@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import ssl
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from resilient.errors import ConfigError
 
@@ -65,8 +65,10 @@ class TlsConfig:
             ctx.minimum_version = ssl.TLSVersion.TLSv1_2
             ctx.check_hostname = False
             ctx.verify_mode = ssl.CERT_REQUIRED
-            for what, load in (("certificate/key", lambda: ctx.load_cert_chain(self.cert, self.key)),
-                               ("CA bundle", lambda: ctx.load_verify_locations(cafile=self.ca))):
+            loaders: tuple[tuple[str, Callable[[], None]], ...] = (
+                ("certificate/key", lambda: ctx.load_cert_chain(self.cert, self.key)),
+                ("CA bundle", lambda: ctx.load_verify_locations(cafile=self.ca)))
+            for what, load in loaders:
                 try:
                     load()
                 except (OSError, ssl.SSLError) as exc:
