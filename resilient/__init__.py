@@ -2,9 +2,12 @@
 errors (imported lazily, so ``import resilient`` stays light)."""
 from typing import Any
 
-from resilient import errors  # noqa: F401
-from resilient.errors import (  # noqa: F401
-    CollectiveAborted, CollectiveError, DataLost, Evicted, GroupChanged, InputMismatch, RemovedFromGroup, ResilientError,
+from resilient import errors
+from resilient.errors import (
+    Cancelled, ClosedError, CollectiveAborted, CollectiveError, ConfigError, DataLost, EpochChanged, Evicted, FrameError,
+    GroupChanged, InputMismatch, LeaseExpired, MetricLabelError, OpMismatch, PeerReportedError, PeerUnreachable,
+    RecordError, RemovedFromGroup, RendezvousTimeout, ResilientError, ResilientTimeout, ScenarioError, StoreError,
+    StoreUnavailable, TrainingFinished, TransportAborted, TransportError,
 )
 
 # The "resilient" torch.distributed backend: registered now if torch.distributed is loaded,
@@ -13,8 +16,7 @@ from resilient.torch_backend import autoregister as _autoregister_torch_backend 
 
 _autoregister_torch_backend()
 
-__all__ = ["Communicator", "Work", "ReduceOp", "Policy", "world", "World", "errors", "ResilientError", "CollectiveError",
-           "CollectiveAborted", "InputMismatch", "DataLost", "GroupChanged", "RemovedFromGroup", "Evicted"]
+__all__ = ["Communicator", "Work", "ReduceOp", "Policy", "world", "World", "connect", "errors", *errors.__all__]
 
 
 def __getattr__(name: str) -> Any:

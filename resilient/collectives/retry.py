@@ -30,21 +30,13 @@ import itertools
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from resilient.errors import CollectiveError, FrameError, TransportAborted, TransportError
-from resilient.transport.base import Buffer, OpMismatch, PeerReportedError, Request, Transport
+from resilient.errors import FrameError, OpMismatch, PeerReportedError, PeerUnreachable, TransportAborted, TransportError
+from resilient.transport.base import Buffer, Request, Transport
 
 #: first and largest pause between two re-posts to a broken peer
 BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 1.0
 _POLL_S = 0.05
-
-
-class PeerUnreachable(CollectiveError):
-    """A link to a live member stayed down longer than the op timeout."""
-
-    def __init__(self, peer: str, message: str) -> None:
-        super().__init__(message)
-        self.peer = peer
 
 
 def retryable(exc: BaseException | None) -> bool:

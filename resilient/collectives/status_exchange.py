@@ -36,7 +36,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from resilient.collectives.algorithms.base import tag
-from resilient.errors import FrameError
+from resilient.errors import FrameError, ResilientTimeout
 from resilient.transport.base import control_seq
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class StatusExchange:
                     raise self._etcd_error
                 if time.monotonic() > deadline:
                     missing = sorted(set(self.ring) - set(got))
-                    raise TimeoutError(f"no ledger summary from {missing} within {timeout}s")
+                    raise ResilientTimeout(f"no ledger summary from {missing} within {timeout}s")
             return True
 
         def receive(pairs: list[tuple[str, str, int]]) -> bool:

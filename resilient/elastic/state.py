@@ -72,7 +72,7 @@ import torch
 import torch.distributed as dist
 
 from resilient.elastic.stream import Snapshot, StateReceiver, endpoint_words, serve
-from resilient.errors import CollectiveError, ConfigError, DataLost, ResilientError
+from resilient.errors import CollectiveError, ConfigError, DataLost, ResilientError, TrainingFinished
 from resilient.torch_backend.codec import decode, encode
 from resilient.live_world import World
 
@@ -97,11 +97,6 @@ def _live_world(group: Any = None) -> World | None:
 
 class _StreamFailed(Exception):
     """The joiner's state stream broke (raised past sync()'s retry as DataLost)."""
-
-
-class TrainingFinished(ResilientError):
-    """A joiner arrived after the other members called :meth:`State.finish`: there is no
-    training left to take part in (exit normally)."""
 
 
 class State:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from resilient.coordinator import records
-from resilient.errors import LeaseExpired, RecordError, ResilientError, StoreError
+from resilient.errors import LeaseExpired, RecordError, RendezvousTimeout, ResilientError, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +57,6 @@ def parse_started(raw: bytes, key: str = "") -> dict:
     return {"nodes": f.ints("nodes", hi=1 << 20), "agents": list(f.names("agents")),
             "master_addr": f.str("master_addr", max_len=255), "master_port": f.int("master_port", lo=1, hi=65535),
             "time": f.float("time", 0.0)}
-
-
-class RendezvousTimeout(ResilientError):
-    """Not enough nodes joined (or no slot freed up) within the join timeout."""
 
 
 def nodes_prefix(job: str) -> str:

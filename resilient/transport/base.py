@@ -58,7 +58,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from resilient.errors import TransportError
+from resilient.errors import OpMismatch, PeerReportedError, TransportError
 
 # A C-contiguous tensor / ndarray / writable buffer-protocol object.
 Buffer = Any
@@ -139,22 +139,6 @@ class Request(abc.ABC):
         """Whether any byte may have been written into a receive buffer (the ledger treats
         a touched, unfinished receive region as lost). Conservative default: True."""
         return True
-
-
-class OpMismatch(TransportError):
-    """A message for this op carried another op descriptor digest than ours."""
-
-    def __init__(self, peer: str, op_seq: int, theirs: int, ours: int) -> None:
-        super().__init__(f"member {peer} sent op #{op_seq} with descriptor digest {theirs:#010x}, ours is {ours:#010x}")
-        self.peer, self.op_seq, self.theirs, self.ours = peer, op_seq, theirs, ours
-
-
-class PeerReportedError(TransportError):
-    """A peer sent an ERROR message about an op (e.g. it detected an input mismatch)."""
-
-    def __init__(self, peer: str, op_seq: int, message: bytes) -> None:
-        super().__init__(f"member {peer} reported an error for op #{op_seq}: {message[:500]!r}")
-        self.peer, self.op_seq, self.message = peer, op_seq, message
 
 
 class Transport(abc.ABC):
