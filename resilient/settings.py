@@ -58,7 +58,7 @@ class Settings:
     shm: bool = field(default=True, metadata=_var(
         "RESILIENT_SHM", "1", "`0`: no shared-memory links under `auto`"))
     shm_ring: int = field(default=8 << 20, metadata=_var(
-        "RESILIENT_SHM_RING", "8388608", "bytes of each shared-memory ring (> 0)"))
+        "RESILIENT_SHM_RING", "8388608", "bytes of each shared-memory ring (65536..1073741824)"))
     tcp_sockbuf: int = field(default=4 << 20, metadata=_var(
         "RESILIENT_TCP_SOCKBUF", "4194304", "SO_SNDBUF/SO_RCVBUF bytes of data sockets (0: the kernel's)"))
     tcp_early_cap: int = field(default=256 << 20, metadata=_var(
@@ -93,7 +93,7 @@ class Settings:
             host=get("RESILIENT_HOST", _nonempty, d.host),
             transport=get("RESILIENT_TRANSPORT", _transport, d.transport),
             shm=get("RESILIENT_SHM", _flag, d.shm),
-            shm_ring=get("RESILIENT_SHM_RING", _positive_int, d.shm_ring),
+            shm_ring=get("RESILIENT_SHM_RING", _ring_bytes, d.shm_ring),
             tcp_sockbuf=get("RESILIENT_TCP_SOCKBUF", _nonnegative_int, d.tcp_sockbuf),
             tcp_early_cap=get("RESILIENT_TCP_EARLY_CAP", _nonnegative_int, d.tcp_early_cap),
             selector=get("RESILIENT_SELECTOR", _selector, d.selector),
@@ -134,18 +134,18 @@ def _flag(name: str, raw: str) -> bool:
     raise _bad(name, raw, "use 1 or 0")
 
 
-def _int(name: str, raw: str, lo: int) -> int:
+def _int(name: str, raw: str, lo: int, hi: int = (1 << 63) - 1) -> int:
     try:
         value = int(raw.strip())
     except ValueError:
-        raise _bad(name, raw, f"give a whole number >= {lo}") from None
-    if value < lo:
-        raise _bad(name, raw, f"give a whole number >= {lo}")
+        value = lo - 1
+    if not lo <= value <= hi:
+        raise _bad(name, raw, f"give a whole number in {lo}..{hi}" if hi < (1 << 63) - 1 else f"give a whole number >= {lo}")
     return value
 
 
-def _positive_int(name: str, raw: str) -> int:
-    return _int(name, raw, 1)
+def _ring_bytes(name: str, raw: str) -> int:
+    return _int(name, raw, 64 << 10, 1 << 30)  # resilient.transport.shm's MIN_CAPACITY..MAX_CAPACITY
 
 
 def _nonnegative_int(name: str, raw: str) -> int:
@@ -223,7 +223,8 @@ def markdown_table() -> str:
     rows = ["| variable | type | default | meaning | parsed by |", "|---|---|---|---|---|"]
     for f in dataclasses.fields(Settings):
         m = f.metadata
-        rows.append(f"| `{m['env']}` | `{f.type}` | {m['default']} | {m['meaning']} | `Settings.{f.name}` |")
+        kind = str(f.type).replace(" | ", " or ").replace("TransportMode", "auto or tcp")
+        rows.append(f"| `{m['env']}` | {kind} | {m['default']} | {m['meaning']} | `Settings.{f.name}` |")
     for name, module, meaning in DELEGATED:
         rows.append(f"| `{name}` | | | {meaning} | `{module}` |")
     return "\n".join(rows) + "\n"

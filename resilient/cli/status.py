@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -30,11 +29,13 @@ def add_etcd_arguments(parser: argparse.ArgumentParser) -> None:
     """``--etcd``, ``--job`` and the TLS/auth flags (defaults from RESILIENT_* env vars;
     see :mod:`resilient.coordinator.etcd_access`)."""
     from resilient.coordinator.etcd_access import add_arguments
+    from resilient.settings import Settings
 
+    settings = Settings.from_env()
     g = parser.add_argument_group("etcd")
-    g.add_argument("--etcd", default=os.environ.get("RESILIENT_ETCD"),
+    g.add_argument("--etcd", default=settings.etcd,
                    help="etcd endpoints host:port[,host:port...] (env RESILIENT_ETCD)")
-    g.add_argument("--job", default=os.environ.get("RESILIENT_JOB"), help="job name (env RESILIENT_JOB)")
+    g.add_argument("--job", default=settings.job, help="job name (env RESILIENT_JOB)")
     add_arguments(g, legacy_spellings=True)
     g.add_argument("--etcd-timeout", type=float, default=10.0,
                    help="seconds to keep retrying an unreachable etcd before giving up (default 10)")

@@ -67,6 +67,7 @@ from resilient.launcher.args import LaunchConfig
 from resilient.launcher.env import Placement, ResilientIds, agent_process_env, worker_env
 from resilient.launcher.logs import WorkerLogs, WorkerStreams
 from resilient.launcher.summary import Death, format_summary, job_exit_code, shrink_epoch, signal_name
+from resilient.settings import Settings
 
 log = logging.getLogger("resilient.launcher")
 
@@ -137,7 +138,7 @@ class Agent:
         self._exits: queue.Queue = queue.Queue()
         self._signal: int | None = None
         self._hb_dir: str | None = None
-        if control is not None and os.environ.get("RESILIENT_NODE_LEASE", "") not in ("", "0"):
+        if control is not None and Settings.from_env().node_lease:
             import tempfile
 
             control.node_lease = control.store.grant(control.lease_ttl)

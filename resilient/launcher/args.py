@@ -318,17 +318,15 @@ def _parse_ranks_filter(value: str) -> set[int] | None:
 
 
 def parse_endpoints(value: str, flag: str) -> list[str]:
-    """``host:port[,host:port]`` (an ``http://`` prefix is tolerated) -> ``["host:port", ...]``."""
-    eps = []
-    for raw in filter(None, (s.strip() for s in value.split(","))):
-        ep = raw.split("://", 1)[-1].rstrip("/")
-        host, sep, port = ep.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"{flag} {raw!r} is not HOST:PORT; use e.g. {flag} 127.0.0.1:2379")
-        eps.append(ep)
-    if not eps:
-        raise ConfigError(f"{flag} is empty; give etcd endpoints as HOST:PORT[,HOST:PORT]")
-    return eps
+    """``host:port[,host:port]`` (an ``http://`` prefix is tolerated) -> ``["host:port", ...]``,
+    parsed by :func:`resilient.coordinator.store.parse_endpoints`; ConfigError naming ``flag``."""
+    from resilient.coordinator.store import parse_endpoints as parse
+
+    try:
+        pairs = parse(value)
+    except ConfigError as exc:
+        raise ConfigError(f"{flag} {value!r} is not HOST:PORT[,HOST:PORT] ({exc}); use e.g. {flag} 127.0.0.1:2379") from None
+    return [f"[{host}]:{port}" if ":" in host else f"{host}:{port}" for host, port in pairs]
 
 
 def check_job_name(value: str, flag: str) -> str:

@@ -11,13 +11,13 @@ by PID: workers, node lease, TCPStore, metrics server, coordinator, etcd.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import tempfile
 from contextlib import ExitStack
 from typing import Sequence
 
 from resilient.errors import ConfigError, ResilientError
+from resilient.settings import Settings
 
 log = logging.getLogger("resilient.launcher")
 
@@ -31,7 +31,7 @@ class _Signaled(BaseException):
 
 
 def _setup_logging() -> None:
-    level = os.environ.get("RESILIENT_LOG_LEVEL", "INFO").upper()
+    level = Settings.from_env().log_level
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("[resilient-run] %(levelname)s %(message)s"))
     root = logging.getLogger("resilient")

@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from resilient.errors import ConfigError, TransportAborted, TransportError
+from resilient.settings import Settings
 from resilient.transport.base import Buffer, Request, Transport, TransportStats
 
 log = logging.getLogger(__name__)
@@ -150,7 +151,7 @@ def _config_nonblocking() -> _ConfigV21700:
 
 def find_nccl_library() -> str:
     """``$RESILIENT_NCCL_LIBRARY``, the ``nvidia-nccl-cu12`` wheel's, or the system's."""
-    env = os.environ.get("RESILIENT_NCCL_LIBRARY")
+    env = Settings.from_env().nccl_library
     if env:
         return env
     try:

@@ -64,17 +64,14 @@ from resilient.transport.base import (
     Buffer, OpMismatch, PeerReportedError, Request, Transport, TransportStats, is_control,
 )
 from resilient.transport.handshake import HandshakeLimits, PendingHandshakes, peer_closed
+from resilient.settings import Settings
 from resilient.transport.tls import TlsConfig, names_of
 
 log = logging.getLogger(__name__)
 
-SOCK_BUF = int(os.environ.get("RESILIENT_TCP_SOCKBUF", 4 << 20))
 _SCRATCH = 1 << 20
 #: bytes of early-arrival buffers kept for reuse
 SPARE_CAP = 32 << 20
-#: bytes of frames buffered per connection before their receive is posted; beyond it the
-#: connection is not read until a receive is posted (a header never allocates on trust)
-EARLY_CAP = int(os.environ.get("RESILIENT_TCP_EARLY_CAP", 256 << 20))
 #: connections accepted per progress round (a connect flood cannot starve member links,
 #: nor evict, in one round, pending handshakes that have not been read yet)
 ACCEPT_BATCH = 16
@@ -185,19 +182,23 @@ class TcpTransport(Transport):
 
     def __init__(self, member_id: str, job: str, host: str = "127.0.0.1", port: int = 0,
                  connect_timeout: float = 10.0, limits: HandshakeLimits | None = None,
-                 early_cap: int = EARLY_CAP, tls: TlsConfig | None | bool = True) -> None:
+                 early_cap: int | None = None, tls: TlsConfig | None | bool = True) -> None:
         self.member_id = member_id
         self.job = job
         self.connect_timeout = connect_timeout
         self.limits = limits or HandshakeLimits.from_env()
-        self.early_cap = early_cap
+        settings = Settings.from_env()  # RESILIENT_TCP_EARLY_CAP, RESILIENT_SELECTOR, RESILIENT_TCP_SOCKBUF
+        #: bytes of frames buffered per connection before their receive is posted; beyond it the
+        #: connection is not read until a receive is posted (a header never allocates on trust)
+        self.early_cap = settings.tcp_early_cap if early_cap is None else early_cap
+        self._sockbuf = settings.tcp_sockbuf
         self._session = secrets.token_hex(16)  # identifies this dialler's links; never published
         #: mutual TLS (``tls=True``: from the environment, see :mod:`resilient.transport.tls`;
         #: None/False: plain TCP)
         self.tls = TlsConfig.from_env() if tls is True else (tls or None)
         self._tls_ctx = self.tls.contexts() if self.tls is not None else None
         self._stats = TransportStats()
-        self._sel = getattr(selectors, os.environ.get("RESILIENT_SELECTOR", "DefaultSelector"))()
+        self._sel = settings.make_selector()
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((host, port))
@@ -402,12 +403,11 @@ class TcpTransport(Transport):
         assert sock is not None
         return sock.send(mv[:_TLS_CHUNK] if isinstance(sock, ssl.SSLSocket) else mv)
 
-    @staticmethod
-    def _tune(sock: socket.socket) -> None:
+    def _tune(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for opt in ((socket.SO_SNDBUF, socket.SO_RCVBUF) if SOCK_BUF > 0 else ()):
+        for opt in ((socket.SO_SNDBUF, socket.SO_RCVBUF) if self._sockbuf > 0 else ()):
             try:
-                sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
+                sock.setsockopt(socket.SOL_SOCKET, opt, self._sockbuf)
             except OSError:  # pragma: no cover - capped by the kernel
                 pass
 
