@@ -42,7 +42,9 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover
     from .election import LeaderElection, current_leader
-    from .epoch import Epoch, EpochChanged, EpochData, EpochWatcher, read_epoch
+    from resilient.errors import EpochChanged
+
+    from .epoch import Epoch, EpochData, EpochWatcher, read_epoch
     from .local_etcd import LocalEtcd
     from .membership import MemberInfo, MemberSession, read_members, report_suspect, revoke_member
     from .metrics import CoordinatorMetrics

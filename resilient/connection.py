@@ -29,6 +29,7 @@ twice and never raises for an unreachable etcd (the lease then expires after its
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -78,8 +79,8 @@ class ConnectedCommunicator(Communicator):
         finally:
             if not self._torn_down:
                 self._torn_down = True
-                _close_all([self.transport, self.watcher, _SessionCloser(self.session)]
-                           + ([self.store] if self._owns_store else []))
+                steps: list[_Closable] = [self.transport, self.watcher, _SessionCloser(self.session)]
+                _close_all(steps + ([self.store] if self._owns_store else []))
 
 
 class _SessionCloser:
@@ -147,8 +148,9 @@ def connect(etcd: str | Sequence[str] | None = None, job: str | None = None, mem
             if wrap_transport is not None:
                 transport = wrap_transport(transport)
         built.append(transport)
-        info = MemberInfo(member_id=mid, address=transport.address, labels=dict(labels or {}), local_rank=local_rank,
-                          **({"host": host_label} if host_label else {}))
+        info = MemberInfo(member_id=mid, address=transport.address, labels=dict(labels or {}), local_rank=local_rank)
+        if host_label:
+            info = dataclasses.replace(info, host=host_label)
         session = MemberSession.register(store, job, info, ttl=ttl or settings.lease_ttl,
                                          lease_id=lease_id if lease_id is not None else settings.lease_id)
         built.append(_SessionCloser(session))

@@ -48,9 +48,9 @@ LINK_MIN_BYTES = 64 << 10
 
 class HealthReporter:
     def __init__(self, store: Any, job: str, member_id: str, lease_id: int | None, stats: TransportStats,
-                 interval: float = 1.0, extra: dict | None = None,
+                 interval: float = 1.0, extra: dict[str, Any] | None = None,
                  clock: Callable[[], float] = time.monotonic, min_ops: int = 1,
-                 sink: Callable[[dict], object] | None = None) -> None:
+                 sink: Callable[[dict[str, Any]], object] | None = None) -> None:
         self.store, self.job, self.member_id, self.lease_id = store, job, member_id, lease_id
         self.stats = stats
         self.interval = float(interval)

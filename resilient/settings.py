@@ -167,8 +167,10 @@ def _positive_float(name: str, raw: str) -> float:
 
 
 def _transport(name: str, raw: str) -> TransportMode:
-    if raw == "auto" or raw == "tcp":
-        return raw
+    if raw == "auto":
+        return "auto"
+    if raw == "tcp":
+        return "tcp"
     raise ConfigError(f"{name}={raw!r}: use 'auto' (shared memory on one host, TCP across hosts) or 'tcp'")
 
 

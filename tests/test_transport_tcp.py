@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from resilient.errors import FrameError, TransportAborted, TransportError
+from resilient.errors import FrameError, OpMismatch, TransportAborted, TransportError
 from resilient.transport import frames
-from resilient.transport.base import OpMismatch
 from resilient.transport.tcp import TcpTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -51,16 +51,16 @@ from resilient.collectives.group import GroupView, addresses_of
 from resilient.collectives.ledger import Ledger, decode_status, encode_status, split
 from resilient.collectives.recovery import PieceKind, Policy, members_of
 from resilient.collectives.resume import build_plan, execute_plan
-from resilient.collectives.retry import PeerUnreachable, RetryingTransport
+from resilient.collectives.retry import RetryingTransport
 from resilient.collectives.status_exchange import StatusExchange
 from resilient.collectives.work import Work
 from resilient.errors import (
-    ClosedError, CollectiveError, ConfigError, EpochChanged, GroupChanged, InputMismatch, RemovedFromGroup, StoreError,
-    TransportAborted, TransportError,
+    ClosedError, CollectiveError, ConfigError, EpochChanged, GroupChanged, InputMismatch, OpMismatch, PeerReportedError,
+    PeerUnreachable, RemovedFromGroup, StoreError, TransportAborted, TransportError,
 )
 from resilient.kernels import ReduceOp
 from resilient.coordinator import records
-from resilient.transport.base import OpMismatch, PeerReportedError, Transport
+from resilient.transport.base import Transport
 
 log = logging.getLogger(__name__)
 
@@ -375,8 +375,6 @@ class Communicator:
     def _serve_retained(self, linger: float) -> None:
         """Join a recovery of our last op from its retained result (see :meth:`close`)."""
         from resilient.collectives.algorithms import OpContext as _Ctx
-        from resilient.coordinator.epoch import EpochChanged
-
         R = self._retained
         if R is None:
             return
@@ -480,8 +478,6 @@ class Communicator:
         """Before an op (``next_seq``: its pre-reserved number): adopt newer epochs.
         Returns whether the op must start with a ledger-status exchange (an epoch removed
         a member)."""
-        from resilient.coordinator.epoch import EpochChanged
-
         if self.view.session_lost() and self.member_id not in (self.view.current() or self._epoch).members:
             raise RemovedFromGroup(f"member {self.member_id} lost its lease; it is no longer in the job")
         while True:
@@ -583,8 +579,6 @@ class Communicator:
 
     def _recover(self, ctx: OpContext, awaiting: bool) -> str:
         """Finish (``"done"``) or ask to rerun (``"rerun"``) ``ctx``'s op; see :mod:`.resume`."""
-        from resilient.coordinator.epoch import EpochChanged
-
         L = ctx.ledger
         t0 = time.monotonic()
         wall0 = time.time()

@@ -46,7 +46,8 @@ class EnvDefault(argparse.Action):
             required = False
         super().__init__(dest=dest, default=default, required=required, **kwargs)  # type: ignore[arg-type]
 
-    def __call__(self, parser, namespace, values, option_string=None):  # noqa: D401
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
         setattr(namespace, self.dest, values)
 
 
@@ -65,7 +66,8 @@ class EnvFlag(argparse.Action):
             raise ConfigError(f"{name}={raw!r} must be 0 or 1") from None
         super().__init__(dest=dest, const=True, default=value, nargs=0, **kwargs)  # type: ignore[arg-type]
 
-    def __call__(self, parser, namespace, values, option_string=None):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
         setattr(namespace, self.dest, self.const)
 
 
@@ -285,13 +287,13 @@ def local_world_size(value: str) -> int:
         import torch
 
         if value == "cpu" or (value == "auto" and not torch.accelerator.is_available()):
-            return torch._utils.cpu_count()
+            return torch._utils.cpu_count() or 1
         if value == "auto":
             return torch.accelerator.device_count()
         mod = torch.cuda if value == "gpu" else torch.xpu
         if not mod.is_available():
             raise ConfigError(f"--nproc-per-node {value}: no {value.upper()} is available; give a number instead")
-        return mod.device_count()
+        return int(mod.device_count())
     if n < 1:
         raise ConfigError(f"--nproc-per-node {value!r} must be at least 1")
     return n

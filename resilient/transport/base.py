@@ -58,7 +58,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from resilient.errors import OpMismatch, PeerReportedError, TransportError
 
 # A C-contiguous tensor / ndarray / writable buffer-protocol object.
 Buffer = Any

@@ -66,7 +66,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from resilient.errors import ConfigError, TransportAborted, TransportError
+from resilient.errors import ConfigError, EpochChanged, TransportAborted, TransportError
 from resilient.settings import Settings
 from resilient.transport.base import Buffer, Request, Transport, TransportStats
 
@@ -408,8 +408,6 @@ class NcclTransport(Transport):
         """The epoch's unique id: created and put by the first member, awaited by the
         others. Cached per epoch, so a wait that timed out and is retried never makes a
         second id. Raises :class:`_SetupTimeout` when ``timeout`` passes first."""
-        from resilient.coordinator.epoch import EpochChanged  # noqa: PLC0415
-
         if self._uid is not None and self._uid[0] == self._epoch:
             return self._uid[1]
         data = self._epoch_data(self._epoch)

@@ -58,13 +58,11 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from resilient.errors import FrameError, TransportAborted, TransportError
-from resilient.transport import frames
-from resilient.transport.base import (
-    Buffer, OpMismatch, PeerReportedError, Request, Transport, TransportStats, is_control,
-)
-from resilient.transport.handshake import HandshakeLimits, PendingHandshakes, peer_closed
+from resilient.errors import FrameError, OpMismatch, PeerReportedError, TransportAborted, TransportError
 from resilient.settings import Settings
+from resilient.transport import frames
+from resilient.transport.base import Buffer, Request, Transport, TransportStats, is_control
+from resilient.transport.handshake import HandshakeLimits, PendingHandshakes, peer_closed
 from resilient.transport.tls import TlsConfig, names_of
 
 log = logging.getLogger(__name__)
