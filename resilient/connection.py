@@ -66,7 +66,10 @@ class ConnectedCommunicator(Communicator):
         self.store, self.session, self.watcher = store, session, watcher
         self._owns_store = owns_store
         self._torn_down = False
+        self._handed_over = False  # rejoin(): the successor owns the transport, lease and store
         super().__init__(view, transport, **kwargs)
+        # rejoin() builds type(self)(view, transport, joining=True, **_init_kwargs): the same owner
+        self._init_kwargs.update(store=store, session=session, watcher=watcher, owns_store=owns_store)
 
     def close(self, linger: float = 0.0, leave: bool = True) -> None:
         """Close the Communicator (``leave=True``: this member's lease is revoked now, so
@@ -75,12 +78,25 @@ class ConnectedCommunicator(Communicator):
         opened it — the store. Each step is attempted even if an earlier one failed
         (logged); safe to call twice."""
         try:
-            super().close(linger=linger, leave=leave)
+            super().close(linger=linger, leave=leave and not self._handed_over)
         finally:
-            if not self._torn_down:
+            if not self._torn_down and not self._handed_over:
                 self._torn_down = True
                 steps: list[_Closable] = [self.transport, self.watcher, _SessionCloser(self.session)]
                 _close_all(steps + ([self.store] if self._owns_store else []))
+
+
+    def rejoin(self, timeout: float | None = None) -> Communicator:
+        """:meth:`Communicator.rejoin`; the returned Communicator (also a
+        ``ConnectedCommunicator``) takes over the transport, session, watcher and store, so
+        this one's close does not tear them down. If rejoining fails, this one owns them
+        again (call ``rejoin`` again, or :meth:`close`)."""
+        self._handed_over = True
+        try:
+            return super().rejoin(timeout)
+        except BaseException:
+            self._handed_over = False
+            raise
 
 
 class _SessionCloser:

@@ -27,7 +27,7 @@ T = TypeVar("T")
 TransportMode = Literal["auto", "tcp"]
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
-_LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "NOTSET")
+_LOG_LEVELS = ("CRITICAL", "FATAL", "ERROR", "WARNING", "WARN", "INFO", "DEBUG", "NOTSET")
 
 
 def _var(name: str, default: str, meaning: str) -> dict[str, str]:
