@@ -37,7 +37,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from resilient.collectives.communicator import Communicator
-from resilient.collectives.group import EtcdGroupView
+from resilient.collectives.group import EtcdGroupView, GroupView
 from resilient.settings import Settings
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -60,7 +60,7 @@ class ConnectedCommunicator(Communicator):
     (``store``, ``session``, ``watcher``; ``transport`` and ``view`` as every Communicator)
     and closes them after itself. Built by :func:`connect`."""
 
-    def __init__(self, view: EtcdGroupView, transport: Transport, *, store: Store, session: MemberSession,
+    def __init__(self, view: GroupView, transport: Transport, *, store: Store, session: MemberSession,
                  watcher: EpochWatcher, owns_store: bool, **kwargs: Any) -> None:
         # set before the Communicator starts: a failing constructor is cleaned up by connect()
         self.store, self.session, self.watcher = store, session, watcher
@@ -123,6 +123,7 @@ def connect(etcd: str | Sequence[str] | None = None, job: str | None = None, mem
             labels: dict[str, str] | None = None, local_rank: int = 0,
             store: Store | None = None, transport: Transport | None = None,
             wrap_transport: Callable[[Transport], Transport] | None = None,
+            wrap_view: Callable[[EtcdGroupView], GroupView] | None = None,
             **communicator_kwargs: Any) -> ConnectedCommunicator:
     """Join job ``job`` on etcd ``etcd`` as ``member_id`` and return a ready Communicator.
 
@@ -136,7 +137,9 @@ def connect(etcd: str | Sequence[str] | None = None, job: str | None = None, mem
     :class:`~resilient.coordinator.MemberInfo`); ``store``/``transport``: use these instead
     of opening new ones (a given store is not closed by :meth:`close`; a given transport
     is); ``wrap_transport``: applied to the new transport (e.g.
-    :func:`resilient.transport.shaping.shaped_from_env`). Other keyword arguments go to
+    :func:`resilient.transport.shaping.shaped_from_env`); ``wrap_view``: applied to the
+    group view before the Communicator is built (e.g. the torch backend's admission
+    gate). Other keyword arguments go to
     :class:`~resilient.Communicator` (``op_timeout``, ``policy``, ``joining``, ...).
     See the module docstring for the failure behaviour."""
     from resilient.coordinator.epoch import EpochWatcher
@@ -177,7 +180,9 @@ def connect(etcd: str | Sequence[str] | None = None, job: str | None = None, mem
             return mid in e.members and (world is None or len(e.members) == world)
 
         watcher.wait_for(ready, timeout)
-        return ConnectedCommunicator(EtcdGroupView(store, job, session, watcher), transport, store=store,
+        etcd_view = EtcdGroupView(store, job, session, watcher)
+        view: GroupView = etcd_view if wrap_view is None else wrap_view(etcd_view)
+        return ConnectedCommunicator(view, transport, store=store,
                                      session=session, watcher=watcher, owns_store=owns_store, **communicator_kwargs)
     except BaseException:
         _close_all(list(reversed(built)))
