@@ -215,21 +215,13 @@ def worker_argparser(description: str):
 
 def join(args: Any, **comm_kwargs: Any) -> tuple[Any, Any, Any, int]:
     """Worker: register on the driver's lease, wait for the full world; (comm, transport,
-    session, index)."""
-    from resilient.collectives import Communicator
-    from resilient.collectives.group import EtcdGroupView
-    from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession
-    from resilient.coordinator.etcd_access import open_store_from_env
-    from resilient.transport.hybrid import make_transport
+    session, index). ``comm.close()`` also closes the transport, the session and the store."""
+    import resilient
 
-    store = open_store_from_env(args.etcd)  # RESILIENT_ETCD_* TLS/credentials
-    transport = make_transport(args.id, args.job)
-    session = MemberSession.register(store, args.job, MemberInfo(member_id=args.id, address=transport.address),
-                                     lease_id=args.lease_id)
-    watcher = EpochWatcher(store, args.job)
-    watcher.wait_for(lambda e: len(e.members) == args.world and args.id in e.members, 120)
-    comm = Communicator(EtcdGroupView(store, args.job, session, watcher), transport, **comm_kwargs)
-    return comm, transport, session, int(args.id.lstrip("m"))
+    # RESILIENT_ETCD_* TLS/credentials and RESILIENT_TRANSPORT from the environment
+    comm = resilient.connect(args.etcd, args.job, args.id, world=args.world, timeout=120, lease_id=args.lease_id,
+                             **comm_kwargs)
+    return comm, comm.transport, comm.session, int(args.id.lstrip("m"))
 
 
 def emit(event: str, **fields: Any) -> None:

@@ -49,7 +49,7 @@ def worker(args) -> None:
     kw = {"slice_bytes": args.slice_bytes} if args.slice_bytes else {}
     if args.small_bytes:
         kw["small_bytes"] = args.small_bytes
-    comm, transport, session, index = join(args, **kw)
+    comm, _, _, index = join(args, **kw)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.gloo_port}", rank=index,
                             world_size=args.world)
     emit("ready")
@@ -91,9 +91,7 @@ def worker(args) -> None:
         comm.ledger_enabled = True
         emit("times", size=size, iters=k, times=times, cpu=cpu)
     dist.destroy_process_group()
-    comm.close()
-    session.close(revoke=True, reason="bench done")
-    transport.close()
+    comm.close()  # leaves the group, then closes the transport, the session and the store
 
 
 def main() -> None:

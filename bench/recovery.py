@@ -71,9 +71,7 @@ def worker(args) -> None:
     comm.allreduce(x)                                     # op 4: from scratch among survivors
     emit("redo", seconds=time.perf_counter() - t0, bytes=transport.stats.bytes_sent - sent0)
     wait_go()
-    comm.close()
-    session.close(revoke=True, reason="bench done")
-    transport.close()
+    comm.close()  # leaves the group, then closes the transport, the session and the store
 
 
 def model_resent(n: int, phase: str, frac: float, victim: int, slices: int = 16) -> float:

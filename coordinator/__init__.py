@@ -42,8 +42,9 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover - the lazy names above, for the type checker ("X as X": re-exported)
     from .election import LeaderElection as LeaderElection, current_leader as current_leader
-    from .epoch import (Epoch as Epoch, EpochChanged as EpochChanged, EpochData as EpochData,
-                        EpochWatcher as EpochWatcher, read_epoch as read_epoch)
+    from resilient.errors import EpochChanged as EpochChanged
+
+    from .epoch import Epoch as Epoch, EpochData as EpochData, EpochWatcher as EpochWatcher, read_epoch as read_epoch
     from .local_etcd import LocalEtcd as LocalEtcd
     from .membership import (MemberInfo as MemberInfo, MemberSession as MemberSession, read_members as read_members,
                              report_suspect as report_suspect, revoke_member as revoke_member)

@@ -33,7 +33,7 @@ from typing import Callable, Iterable
 from resilient.coordinator import keys, records
 from resilient.coordinator.membership import MemberInfo
 from resilient.coordinator.store import Store, WatchEvent
-from resilient.errors import RecordError, StoreError
+from resilient.errors import Cancelled, EpochChanged, RecordError, ResilientTimeout
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +288,7 @@ class EpochWatcher:
         for cb in subs:
             try:
                 cb(epoch)
-            except Exception:
+            except (Exception, Cancelled):  # a subscriber's failure never stops the others or the watch
                 log.exception("epoch subscriber failed on epoch %d", epoch.number)
 
     def current(self) -> Epoch | None:
@@ -306,7 +306,7 @@ class EpochWatcher:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed:
                     last = self._current
-                    raise TimeoutError(
+                    raise ResilientTimeout(
                         f"no epoch of job {self.job!r} matched within {timeout:.1f}s; last seen: "
                         + (f"epoch {last.number} members {list(last.members)}" if last else "none published")
                     )
@@ -340,17 +340,6 @@ class EpochWatcher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class EpochChanged(StoreError):
-    """Raised by :meth:`EpochData.wait_all` when a newer epoch is published while waiting:
-    the members being waited for may never write. ``newest`` is the new epoch number,
-    ``partial`` what had arrived."""
-
-    def __init__(self, message: str, newest: int, partial: dict[str, bytes]) -> None:
-        super().__init__(message)
-        self.newest = newest
-        self.partial = partial
 
 
 class EpochData:
@@ -432,7 +421,7 @@ class EpochData:
                             f"from {sorted(wanted - got.keys())}", max(newer), partial)
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise TimeoutError(
+                        raise ResilientTimeout(
                             f"epoch {self.number}: {name!r} still missing from {sorted(wanted - got.keys())} "
                             f"after {timeout:.1f}s (have {sorted(partial)})")
                     cond.wait(left)

@@ -1,10 +1,14 @@
-"""Rank side of resilient: ``Communicator``, ``Work``, ``ReduceOp``, ``Policy`` and the
-errors (imported lazily, so ``import resilient`` stays light)."""
+"""Rank side of resilient: ``connect`` (a ready ``Communicator`` in one call),
+``Communicator``, ``Work``, ``ReduceOp``, ``Policy`` (imported lazily, so ``import resilient``
+stays light) and every error of :mod:`resilient.errors`."""
 from typing import Any
 
-from resilient import errors  # noqa: F401
-from resilient.errors import (  # noqa: F401
-    CollectiveAborted, CollectiveError, DataLost, Evicted, GroupChanged, InputMismatch, RemovedFromGroup, ResilientError,
+from resilient import errors
+from resilient.errors import (
+    Cancelled, ClosedError, CollectiveAborted, CollectiveError, ConfigError, DataLost, EpochChanged, Evicted, FrameError,
+    GroupChanged, InputMismatch, LeaseExpired, MetricLabelError, OpMismatch, PeerReportedError, PeerUnreachable,
+    RecordError, RemovedFromGroup, RendezvousTimeout, ResilientError, ResilientTimeout, ScenarioError, StoreError,
+    StoreUnavailable, TrainingFinished, TransportAborted, TransportError,
 )
 
 # The "resilient" torch.distributed backend: registered now if torch.distributed is loaded,
@@ -13,8 +17,7 @@ from resilient.torch_backend import autoregister as _autoregister_torch_backend 
 
 _autoregister_torch_backend()
 
-__all__ = ["Communicator", "Work", "ReduceOp", "Policy", "world", "World", "errors", "ResilientError", "CollectiveError",
-           "CollectiveAborted", "InputMismatch", "DataLost", "GroupChanged", "RemovedFromGroup", "Evicted"]
+__all__ = ["Communicator", "Work", "ReduceOp", "Policy", "world", "World", "connect", "ConnectedCommunicator", "errors", *errors.__all__]
 
 
 def __getattr__(name: str) -> Any:
@@ -27,6 +30,11 @@ def __getattr__(name: str) -> Any:
         import resilient.live_world as w
 
         return getattr(w, name)
+    if name in ("connect", "ConnectedCommunicator"):
+        # Store -> MemberSession -> EpochWatcher -> GroupView -> transport -> Communicator
+        import resilient.connection as conn
+
+        return getattr(conn, name)
     if name == "ReduceOp":
         from resilient.kernels import ReduceOp
 

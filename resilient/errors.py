@@ -1,12 +1,19 @@
-"""The exception hierarchy of resilient.
+"""The exception hierarchy of resilient: every error that crosses a module boundary.
 
 Every error the library raises on purpose derives from :class:`ResilientError`, so callers
 can catch one base class; the subclasses say *which* part failed and messages name the
-cause and the fix.
+cause and the fix. The two *cancellation signals* are the exception: they derive from
+:class:`Cancelled`, a :class:`BaseException` (like ``trio.Cancelled`` and
+``asyncio.CancelledError``), so an ``except Exception`` written for real failures cannot
+swallow them; catch them by name where the recovery path handles them.
 
-    ResilientError
+    ResilientError                  (an Exception)
     ├── ConfigError                 bad argument / flag / file (nothing was started)
-    │   └── ScenarioError           malformed chaos scenario (names line and field)
+    │   ├── ScenarioError           malformed chaos scenario (names line and field)
+    │   ├── MetricLabelError        a metric label outside its bounded set
+    │   └── ClosedError             the communicator is closed
+    ├── ResilientTimeout            a bounded wait ran out (also a built-in TimeoutError)
+    │   └── RendezvousTimeout       not enough nodes joined within the launcher's join timeout
     ├── StoreError                  the etcd control plane
     │   ├── StoreUnavailable        no endpoint answered within the retry budget
     │   ├── LeaseExpired            our lease is gone: we are no longer a member
@@ -16,17 +23,34 @@ cause and the fix.
     │   ├── InputMismatch           ranks called with different shape/dtype/op/collective
     │   ├── DataLost                a piece of a broadcast/allgather exists nowhere
     │   ├── GroupChanged            per-member buffers sized for a group that changed; call again
+    │   ├── PeerUnreachable         a link to a live member stayed down past the op timeout
     │   └── RemovedFromGroup        this member was removed from the epoch (e.g. after SIGSTOP)
     │       └── Evicted             removed as a straggler (--straggler-policy evict); may rejoin
-    └── TransportError              a peer connection failed
-        ├── TransportAborted        aborted because the epoch changed (expected, recoverable)
-        └── FrameError              a corrupt or unexpected frame arrived
+    ├── TrainingFinished            a joiner arrived after the job called State.finish()
+    └── TransportError              a peer connection failed (also a built-in ConnectionError)
+        ├── FrameError              a corrupt or unexpected frame arrived
+        ├── OpMismatch              a peer's message carried another op descriptor digest
+        └── PeerReportedError       a peer sent an ERROR frame about the op
+
+    Cancelled                       (a BaseException: `except Exception` does not catch it)
+    ├── EpochChanged                a newer epoch superseded the one being waited on
+    └── TransportAborted            a blocked send/recv was aborted: an epoch removed a peer
+
+See docs/errors.md for which handler catches what, with a runnable example.
 """
 from __future__ import annotations
 
 
 class ResilientError(Exception):
-    """Base class of every error raised on purpose by resilient."""
+    """Base class of every error raised on purpose by resilient (cancellation signals,
+    :class:`Cancelled`, excepted)."""
+
+
+class Cancelled(BaseException):
+    """Base of resilient's cancellation signals: the work in progress was cancelled because
+    the group moved on (a newer epoch), not because something failed. Not an
+    :class:`Exception`, so a broad ``except Exception`` (metrics, best-effort cleanup, a
+    retry loop) lets it through to the recovery path that catches it by name."""
 
 
 class ConfigError(ResilientError, ValueError):
@@ -35,6 +59,24 @@ class ConfigError(ResilientError, ValueError):
 
 class ScenarioError(ConfigError):
     """A chaos scenario file is malformed; the message names the line and the field."""
+
+
+class MetricLabelError(ConfigError):
+    """A label value outside its bounded set (names the metric and the allowed values)."""
+
+
+class ClosedError(ConfigError):
+    """The object (a :class:`~resilient.Communicator`) is closed: build a new one. A
+    :class:`ConfigError` because that is what a closed communicator raised before."""
+
+
+class ResilientTimeout(ResilientError, TimeoutError):
+    """A bounded wait ran out; the message names what was awaited and the bound. Also a
+    built-in :class:`TimeoutError`, so ``except TimeoutError`` keeps catching it."""
+
+
+class RendezvousTimeout(ResilientTimeout):
+    """Not enough nodes joined (or no slot freed up) within the launcher's join timeout."""
 
 
 class StoreError(ResilientError):
@@ -59,6 +101,19 @@ class RecordError(StoreError):
     def __init__(self, message: str, kind: str = "", key: str = "") -> None:
         super().__init__(message)
         self.kind, self.key = kind, key
+
+
+class EpochChanged(Cancelled):
+    """Raised while waiting on an epoch's rendezvous data
+    (:meth:`~resilient.coordinator.EpochData.wait_all`) when a newer epoch is published:
+    the members being waited for may never write. ``newest`` is the new epoch number,
+    ``partial`` what had arrived. A cancellation signal (not a :class:`StoreError`): the
+    caller starts again on the newer epoch."""
+
+    def __init__(self, message: str, newest: int, partial: dict[str, bytes]) -> None:
+        super().__init__(message)
+        self.newest = newest
+        self.partial = partial
 
 
 class CollectiveError(ResilientError):
@@ -90,6 +145,15 @@ class GroupChanged(CollectiveError):
         self.expected, self.size = expected, size
 
 
+class PeerUnreachable(CollectiveError):
+    """A link to a live member (``peer``) stayed down longer than the op timeout: the op
+    failed on this member and the members beyond the link were told."""
+
+    def __init__(self, peer: str, message: str) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
 class RemovedFromGroup(CollectiveError):
     """This member was removed from the current epoch (for example it was SIGSTOPped past
     its lease TTL); it must not contribute to or read results of later ops."""
@@ -108,13 +172,46 @@ class Evicted(RemovedFromGroup):
         self.epoch, self.readmit_at, self.hold_s = epoch, readmit_at, hold_s
 
 
+class TrainingFinished(ResilientError):
+    """A joiner arrived after the other members called
+    :meth:`resilient.elastic.State.finish`: there is no training left to take part in
+    (exit normally)."""
+
+
 class TransportError(ResilientError, ConnectionError):
     """A peer connection failed."""
 
 
-class TransportAborted(TransportError):
-    """A blocked send/recv was aborted because a new epoch removed a peer."""
-
-
 class FrameError(TransportError):
     """A frame failed validation (bad magic, header, length or checksum)."""
+
+
+class OpMismatch(TransportError):
+    """A message for this op carried another op descriptor digest than ours."""
+
+    def __init__(self, peer: str, op_seq: int, theirs: int, ours: int) -> None:
+        super().__init__(f"member {peer} sent op #{op_seq} with descriptor digest {theirs:#010x}, ours is {ours:#010x}")
+        self.peer, self.op_seq, self.theirs, self.ours = peer, op_seq, theirs, ours
+
+
+class PeerReportedError(TransportError):
+    """A peer sent an ERROR message about an op (e.g. it detected an input mismatch)."""
+
+    def __init__(self, peer: str, op_seq: int, message: bytes) -> None:
+        super().__init__(f"member {peer} reported an error for op #{op_seq}: {message[:500]!r}")
+        self.peer, self.op_seq, self.message = peer, op_seq, message
+
+
+class TransportAborted(Cancelled):
+    """A blocked send/recv was aborted because a new epoch removed a peer (or the transport
+    was aborted/closed). A cancellation signal (not a :class:`TransportError`): the op's
+    recovery path catches it by name and resumes in the new epoch."""
+
+
+__all__ = [
+    "ResilientError", "Cancelled", "ConfigError", "ScenarioError", "MetricLabelError", "ClosedError",
+    "ResilientTimeout", "RendezvousTimeout", "StoreError", "StoreUnavailable", "LeaseExpired", "RecordError",
+    "EpochChanged", "CollectiveError", "CollectiveAborted", "InputMismatch", "DataLost", "GroupChanged",
+    "PeerUnreachable", "RemovedFromGroup", "Evicted", "TrainingFinished", "TransportError", "FrameError",
+    "OpMismatch", "PeerReportedError", "TransportAborted",
+]

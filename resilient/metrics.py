@@ -36,7 +36,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, TypeVar
 
-from resilient.errors import ConfigError
+from resilient.errors import ConfigError, MetricLabelError
 
 if TYPE_CHECKING:   # pragma: no cover - prometheus-client loads when metrics are first created
     from prometheus_client import CollectorRegistry, Info
@@ -88,10 +88,6 @@ RECOVERY_BUCKETS = exponential_buckets(0.01, 2.0, 17)
 COLLECTIVE_BUCKETS = exponential_buckets(1e-5, 4.0, 13)
 #: 100 us .. ~105 s: time blocked on a peer, one etcd request.
 WAIT_BUCKETS = exponential_buckets(1e-4, 4.0, 11)
-
-
-class MetricLabelError(ConfigError):
-    """A label value outside its bounded set (names the metric and the allowed values)."""
 
 
 def _check(metric: str, label: str, value: str, allowed: Iterable[str], constant: str) -> str:

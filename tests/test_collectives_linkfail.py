@@ -35,20 +35,14 @@ WORKER = textwrap.dedent('''
     sys.path.insert(0, sys.argv[6]); sys.path.insert(0, os.path.join(sys.argv[6], "tests", "workers"))
     import numpy as np, torch
     from inputs import make_input
-    from resilient.collectives import Communicator
-    from resilient.collectives.group import EtcdGroupView
-    from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession, Store
+    import resilient
     from resilient.errors import ResilientError
     from resilient.transport.shaping import shaped_from_env
     from resilient.transport.tcp import TcpTransport
     etcd, job, mid, out, n_ops, op_timeout = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), float(sys.argv[7])
     index = int(mid[1:])
-    transport = shaped_from_env(TcpTransport(mid, job))
-    store = Store(etcd)
-    session = MemberSession.register(store, job, MemberInfo(member_id=mid, address=transport.address), ttl=2.0)
-    watcher = EpochWatcher(store, job)
-    watcher.wait_for(lambda e: len(e.members) == 4 and mid in e.members, 60)
-    comm = Communicator(EtcdGroupView(store, job, session, watcher), transport, op_timeout=op_timeout)
+    comm = resilient.connect(etcd, job, mid, world=4, timeout=60, ttl=2.0, op_timeout=op_timeout,
+                             transport=shaped_from_env(TcpTransport(mid, job)))
     def report():  # the retry count, for the test to see that the cut bit
         last = -1
         while True:

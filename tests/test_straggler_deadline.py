@@ -117,7 +117,7 @@ class _Watch:
             held, self.held = self.held, []
             try:
                 self.inner.wait(held)
-            except TransportError:
+            except (TransportError, TransportAborted):
                 if raising:
                     raise   # (isend never raises, as a real transport's: the next wait does)
 
@@ -347,7 +347,7 @@ def test_masks_describe_out_exactly_whenever_a_deadline_op_is_aborted(who, k, la
         algo = LeafPath(RingReduceScatterAllgather(S), leaves, actives, deadline_s=0.0)
         try:
             algo.run(ctx)
-        except TransportError:
+        except (TransportError, TransportAborted):  # as the communicator's op loop
             ctx.settle()
         except BaseException as exc:  # surfaced below
             errors.append(exc)

@@ -12,8 +12,12 @@ import logging
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 from resilient.cli.status import add_etcd_arguments, store_from_args
+
+if TYPE_CHECKING:  # pragma: no cover
+    from resilient.coordinator.health import HealthPolicy, StragglerPolicy
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 DEFAULT_LEAF_DEADLINE_MS = 10.0
 
 
-def health_policy_from_args(args: argparse.Namespace):
+def health_policy_from_args(args: argparse.Namespace) -> HealthPolicy | StragglerPolicy:
     """``--straggler-policy``: ``demote`` -> a :class:`StragglerPolicy` with the default
     :class:`StragglerConfig` (sustained >= 10 % shift for 3 windows to suspect, 5 clear
     windows to promote back); ``off`` -> :func:`no_demotion`.
@@ -134,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    url = f"http://{server.host}:{server.port}" if server else "off"
+    url = f"http://{server.host!s}:{server.port}" if server else "off"
     print(f"coordinator {coordinator.id} job {args.job} etcd {args.etcd} metrics {url}", flush=True)
     failure: list[BaseException] = []
 

@@ -21,26 +21,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover - the etcd client is imported on use only
+    from resilient.coordinator.store import Store
 
 
 def add_etcd_arguments(parser: argparse.ArgumentParser) -> None:
     """``--etcd``, ``--job`` and the TLS/auth flags (defaults from RESILIENT_* env vars;
     see :mod:`resilient.coordinator.etcd_access`)."""
     from resilient.coordinator.etcd_access import add_arguments
+    from resilient.settings import Settings
 
+    settings = Settings.from_env()
     g = parser.add_argument_group("etcd")
-    g.add_argument("--etcd", default=os.environ.get("RESILIENT_ETCD"),
+    g.add_argument("--etcd", default=settings.etcd,
                    help="etcd endpoints host:port[,host:port...] (env RESILIENT_ETCD)")
-    g.add_argument("--job", default=os.environ.get("RESILIENT_JOB"), help="job name (env RESILIENT_JOB)")
+    g.add_argument("--job", default=settings.job, help="job name (env RESILIENT_JOB)")
     add_arguments(g, legacy_spellings=True)
     g.add_argument("--etcd-timeout", type=float, default=10.0,
                    help="seconds to keep retrying an unreachable etcd before giving up (default 10)")
 
 
-def store_from_args(args: argparse.Namespace):
+def store_from_args(args: argparse.Namespace) -> Store:
     """A :class:`~resilient.coordinator.store.Store` from the flags; ConfigError if
     ``--etcd``/``--job`` are missing."""
     from resilient.coordinator import keys
@@ -52,7 +57,8 @@ def store_from_args(args: argparse.Namespace):
     if not args.job:
         raise ConfigError("no job name: pass --job NAME or set RESILIENT_JOB")
     keys.check_name("job name", args.job)
-    return EtcdAccess.from_args(args).open_store(args.etcd, retry_timeout=args.etcd_timeout)
+    store: Store = EtcdAccess.from_args(args).open_store(args.etcd, retry_timeout=args.etcd_timeout)
+    return store
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
-def collect(store, job: str) -> dict:
+def collect(store: Store, job: str) -> dict[str, Any]:
     """The status of ``job`` as a JSON-able dict (what ``--json`` prints)."""
     from resilient.coordinator.election import current_leader
     from resilient.coordinator.epoch import read_epoch_lenient
@@ -87,7 +93,7 @@ def collect(store, job: str) -> dict:
         elif mid not in in_epoch:   # evicted (--straggler-policy evict): listed in the epoch's plan
             state = "evicted" if mid in evicted else "joining"
         else:
-            state = epoch.roles.get(mid, "active")
+            state = epoch.roles.get(mid, "active") if epoch is not None else "active"
         rows.append({
             "id": mid, "host": info.host if info else "", "local_rank": info.local_rank if info else None,
             "device": info.device if info else "", "address": info.address if info else "",
@@ -110,7 +116,7 @@ def collect(store, job: str) -> dict:
     }
 
 
-def render_table(status: dict) -> str:
+def render_table(status: dict[str, Any]) -> str:
     lines = []
     e = status["epoch"]
     lines.append(f"job {status['job']}   leader: {status['leader'] or '(none)'}")

@@ -51,16 +51,16 @@ from resilient.collectives.group import GroupView, addresses_of
 from resilient.collectives.ledger import Ledger, decode_status, encode_status, split
 from resilient.collectives.recovery import PieceKind, Policy, members_of
 from resilient.collectives.resume import build_plan, execute_plan
-from resilient.collectives.retry import PeerUnreachable, RetryingTransport
+from resilient.collectives.retry import RetryingTransport
 from resilient.collectives.status_exchange import StatusExchange
 from resilient.collectives.work import Work
 from resilient.errors import (
-    CollectiveError, ConfigError, GroupChanged, InputMismatch, RemovedFromGroup, StoreError, TransportAborted,
-    TransportError,
+    ClosedError, CollectiveError, ConfigError, EpochChanged, GroupChanged, InputMismatch, OpMismatch, PeerReportedError,
+    PeerUnreachable, RemovedFromGroup, StoreError, TransportAborted, TransportError,
 )
 from resilient.kernels import ReduceOp
 from resilient.coordinator import records
-from resilient.transport.base import OpMismatch, PeerReportedError, Transport
+from resilient.transport.base import Transport
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ class Communicator:
         """At an op boundary: agree with the group on the op seq at which the epoch ``e``
         (which removes no member of ours: joiners, role changes) takes effect — the
         largest seq any member announced — and adopt it there. Raises ``EpochChanged``
-        (a StoreError) when a newer epoch supersedes ``e`` meanwhile, TimeoutError after
+        (a cancellation signal) when a newer epoch supersedes ``e`` meanwhile, TimeoutError after
         ``epoch_timeout`` if a member never announces (its lease then expires and the
         next epoch removes it)."""
         self._announce(e.number)
@@ -359,7 +359,7 @@ class Communicator:
         drain(self._op_transport, self._epoch.number, max(linger, self.op_timeout or 30.0))
         try:
             self._serve_retained(linger)
-        except Exception as exc:  # noqa: BLE001 - best effort on the way out
+        except (Exception, EpochChanged, TransportAborted) as exc:  # noqa: BLE001 - best effort on the way out
             log.info("close: serving the retained result of op #%s failed: %s",
                      self._retained.seq if self._retained else None, exc)
         try:
@@ -375,8 +375,6 @@ class Communicator:
     def _serve_retained(self, linger: float) -> None:
         """Join a recovery of our last op from its retained result (see :meth:`close`)."""
         from resilient.collectives.algorithms import OpContext as _Ctx
-        from resilient.coordinator.epoch import EpochChanged
-
         R = self._retained
         if R is None:
             return
@@ -415,7 +413,7 @@ class Communicator:
 
     def _submit(self, fn: Callable[[], OpResult], async_op: bool, kind: str = "", nbytes: int = 0) -> Any:
         if self._closed:
-            raise ConfigError("the communicator is closed")
+            raise ClosedError("the communicator is closed: build a new Communicator (or resilient.connect())")
         if kind:
             inner = fn
 
@@ -480,8 +478,6 @@ class Communicator:
         """Before an op (``next_seq``: its pre-reserved number): adopt newer epochs.
         Returns whether the op must start with a ledger-status exchange (an epoch removed
         a member)."""
-        from resilient.coordinator.epoch import EpochChanged
-
         if self.view.session_lost() and self.member_id not in (self.view.current() or self._epoch).members:
             raise RemovedFromGroup(f"member {self.member_id} lost its lease; it is no longer in the job")
         while True:
@@ -548,7 +544,7 @@ class Communicator:
                         outcome = "done"
                     except (OpMismatch, PeerReportedError) as exc:
                         self._mismatch(seq, desc, exc)
-                    except TransportError as exc:
+                    except (TransportError, TransportAborted) as exc:
                         ctx.settle()
                         log.info("op #%d interrupted: %s", seq, exc)
                         outcome = self._recover(ctx, awaiting=True)
@@ -583,8 +579,6 @@ class Communicator:
 
     def _recover(self, ctx: OpContext, awaiting: bool) -> str:
         """Finish (``"done"``) or ask to rerun (``"rerun"``) ``ctx``'s op; see :mod:`.resume`."""
-        from resilient.coordinator.epoch import EpochChanged
-
         L = ctx.ledger
         t0 = time.monotonic()
         wall0 = time.time()
@@ -638,7 +632,7 @@ class Communicator:
                 exec_stats = execute_plan(ctx, plan)
             except (OpMismatch, PeerReportedError):
                 raise
-            except TransportError as exc:
+            except (TransportError, TransportAborted) as exc:
                 ctx.settle()
                 log.info("recovery of op #%d interrupted: %s", L.seq, exc)
                 continue

@@ -86,4 +86,5 @@ def rejoin(comm: Any, timeout: float | None = None) -> Any:
         log.info("member %s asks to be re-admitted (newest epoch %d without it)", me, seen)
         cur = view.wait_for(lambda e: me in e.members and e.number > seen, timeout)
     log.info("member %s re-admitted in epoch %d", me, cur.number)
-    return Communicator(view, comm.transport, joining=True, **comm._init_kwargs)
+    # type(comm): a Communicator from resilient.connect() hands its transport, lease and store on
+    return type(comm)(view, comm.transport, joining=True, **comm._init_kwargs)

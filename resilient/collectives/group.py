@@ -5,7 +5,7 @@ use an in-memory view while every test that claims a feature works uses
 :class:`EtcdGroupView` over :mod:`resilient.coordinator` (a real etcd + coordinator).
 
 Failure behaviour: :meth:`GroupView.wait_blobs` raises ``EpochChanged`` (a
-:class:`~resilient.errors.StoreError`) as soon as an epoch newer than the one waited on is
+cancellation signal, :class:`~resilient.errors.Cancelled`) as soon as an epoch newer than the one waited on is
 published — the caller re-plans on the newer epoch — and ``TimeoutError`` naming the
 missing members after ``timeout``; etcd unreachable surfaces as
 :class:`~resilient.errors.StoreUnavailable` after the store's retry budget.

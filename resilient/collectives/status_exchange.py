@@ -36,7 +36,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from resilient.collectives.algorithms.base import tag
-from resilient.errors import FrameError
+from resilient.errors import EpochChanged, FrameError, ResilientTimeout
 from resilient.transport.base import control_seq
 
 log = logging.getLogger(__name__)
@@ -94,8 +94,6 @@ class StatusExchange:
         """Every survivor's summary, keyed by member id (see the module docstring for
         what it raises). ``newer_epoch()`` returns the number of an epoch newer than
         ``epoch`` when there is one."""
-        from resilient.coordinator.epoch import EpochChanged
-
         self._timeout = timeout
         threading.Thread(target=self._publish, name=f"ledger-status-{self.epoch}", daemon=True).start()
         deadline = time.monotonic() + timeout
@@ -121,7 +119,7 @@ class StatusExchange:
                     raise self._etcd_error
                 if time.monotonic() > deadline:
                     missing = sorted(set(self.ring) - set(got))
-                    raise TimeoutError(f"no ledger summary from {missing} within {timeout}s")
+                    raise ResilientTimeout(f"no ledger summary from {missing} within {timeout}s")
             return True
 
         def receive(pairs: list[tuple[str, str, int]]) -> bool:

@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import copy
 import ipaddress
-import os
 import time
 from typing import Any, Callable
 
@@ -72,7 +71,8 @@ import torch
 import torch.distributed as dist
 
 from resilient.elastic.stream import Snapshot, StateReceiver, endpoint_words, serve
-from resilient.errors import CollectiveError, ConfigError, DataLost, ResilientError
+from resilient.errors import CollectiveError, ConfigError, DataLost, ResilientError, TrainingFinished
+from resilient.settings import Settings
 from resilient.torch_backend.codec import decode, encode
 from resilient.live_world import World
 
@@ -99,11 +99,6 @@ class _StreamFailed(Exception):
     """The joiner's state stream broke (raised past sync()'s retry as DataLost)."""
 
 
-class TrainingFinished(ResilientError):
-    """A joiner arrived after the other members called :meth:`State.finish`: there is no
-    training left to take part in (exit normally)."""
-
-
 class State:
     """See the module docstring."""
 
@@ -122,7 +117,7 @@ class State:
         object.__setattr__(self, "optimizer", optimizer)
         object.__setattr__(self, "group", group)
         if joiner is None:
-            joiner = os.environ.get("RESILIENT_JOINER", "0") == "1"
+            joiner = Settings.from_env().joiner
         object.__setattr__(self, "joiner", bool(joiner))
         object.__setattr__(self, "_fresh", True)  # has not received / confirmed the shared state yet
         object.__setattr__(self, "_commits", 0)
@@ -392,7 +387,7 @@ class State:
         receiver = None
         if needy:
             try:
-                receiver = StateReceiver(os.environ.get("RESILIENT_HOST", "127.0.0.1"))
+                receiver = StateReceiver(Settings.from_env().host)
                 ip, port = endpoint_words(receiver.host, receiver.port)
                 info[3 + 3 * me:6 + 3 * me] = torch.tensor([ip, port, receiver.token])
             except (OSError, ValueError):

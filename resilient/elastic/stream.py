@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from resilient.errors import DataLost, FrameError
+from resilient.errors import DataLost, FrameError, ResilientTimeout
 from resilient.torch_backend.codec import assemble, pack_into, split
 
 MAGIC = b"RSTATE01"
@@ -117,8 +117,8 @@ class StateReceiver:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"no state stream arrived at {self.host}:{self.port} within {timeout:.0f}s "
-                                       "(did the source member die before it connected?)")
+                    raise ResilientTimeout(f"no state stream arrived at {self.host}:{self.port} within {timeout:.0f}s "
+                                           "(did the source member die before it connected?)")
                 self._sock.settimeout(left)
                 try:
                     conn, _ = self._sock.accept()

@@ -60,13 +60,18 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from resilient.errors import ResilientError, StoreError
 from resilient.launcher.args import LaunchConfig
 from resilient.launcher.env import Placement, ResilientIds, agent_process_env, worker_env
 from resilient.launcher.logs import WorkerLogs, WorkerStreams
 from resilient.launcher.summary import Death, format_summary, job_exit_code, shrink_epoch, signal_name
+from resilient.settings import Settings
+
+if TYPE_CHECKING:  # pragma: no cover - the launcher imports the etcd client only with --etcd
+    from resilient.coordinator.store import Store
+    from resilient.launcher.rendezvous import LeaseKeeper
 
 log = logging.getLogger("resilient.launcher")
 
@@ -75,11 +80,11 @@ log = logging.getLogger("resilient.launcher")
 class ControlPlane:
     """The etcd side of the agent (absent with static rendezvous and no ``--etcd``)."""
 
-    store: Any  # resilient.coordinator.store.Store
+    store: Store
     endpoints: list[str]
     job: str
     lease_ttl: float
-    keeper: Any  # resilient.launcher.rendezvous.LeaseKeeper
+    keeper: LeaseKeeper
     #: the node lease every worker shares (RESILIENT_NODE_LEASE=1), else None
     node_lease: int | None = None
 
@@ -105,7 +110,7 @@ class Worker:
     local_rank: int
     rank: int
     restart_count: int = 0
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[bytes] | None = None
     lease_id: int | None = None
     member_id: str | None = None
     streams: WorkerStreams | None = None
@@ -134,10 +139,10 @@ class Agent:
         self.failures: list[Failure] = []
         self.deaths: list[Death] = []
         self.restarts = 0
-        self._exits: queue.Queue = queue.Queue()
+        self._exits: queue.Queue[tuple[Worker, subprocess.Popen[bytes], int]] = queue.Queue()
         self._signal: int | None = None
         self._hb_dir: str | None = None
-        if control is not None and os.environ.get("RESILIENT_NODE_LEASE", "") not in ("", "0"):
+        if control is not None and Settings.from_env().node_lease:
             import tempfile
 
             control.node_lease = control.store.grant(control.lease_ttl)
@@ -161,6 +166,7 @@ class Agent:
             w.member_id = f"g{self.placement.group_rank}-l{w.local_rank}-a{w.restart_count}-{self.token}"
             if c.node_lease is not None:
                 w.lease_id, w.vouched_out = c.node_lease, False
+                assert self._hb_dir is not None  # made with the node lease
                 w.heartbeat = os.path.join(self._hb_dir, f"{w.local_rank}.{w.restart_count}")
                 open(w.heartbeat, "w").close()
             else:
@@ -209,7 +215,7 @@ class Agent:
         if self.control is not None and w.heartbeat is not None:
             if not w.vouched_out:
                 self._vouch_out(w, f"exit code {rc}" if rc >= 0 else f"signal {-rc}")
-        elif self.control is not None and w.lease_id is not None:
+        elif self.control is not None and w.lease_id is not None and w.member_id is not None:
             from resilient.coordinator.membership import revoke_member
 
             self.control.keeper.remove(w.lease_id)
@@ -232,9 +238,11 @@ class Agent:
         """Node-lease mode: remove one worker's membership (its siblings keep theirs)."""
         from resilient.coordinator.membership import depart_member
 
+        c = self.control
+        assert c is not None and c.node_lease is not None and w.member_id is not None  # node-lease mode only
         w.vouched_out = True
         try:
-            depart_member(self.control.store, self.control.job, w.member_id, reason, self.control.node_lease)
+            depart_member(c.store, c.job, w.member_id, reason, c.node_lease)
             log.info("local rank %d (%s): removed member %s from the node lease", w.local_rank, reason, w.member_id)
         except StoreError as exc:
             w.vouched_out = False   # tried again on the next check / exit
@@ -353,29 +361,29 @@ class Agent:
     def _stop_workers(self, sig: int) -> None:
         """Send ``sig`` to every running worker, wait ``--shutdown-timeout``, SIGKILL the rest
         (their process groups), reap them and revoke their leases."""
-        running = self._running()
-        for w in running:
-            if w.proc.poll() is None:
-                log.info("sending %s to local rank %d (pid %d)", signal.Signals(sig).name, w.local_rank, w.proc.pid)
+        running = [(w, w.proc) for w in self._running() if w.proc is not None]
+        for w, proc in running:
+            if proc.poll() is None:
+                log.info("sending %s to local rank %d (pid %d)", signal.Signals(sig).name, w.local_rank, proc.pid)
                 try:
-                    w.proc.send_signal(sig)
+                    proc.send_signal(sig)
                 except ProcessLookupError:
                     pass
         deadline = time.monotonic() + self.cfg.shutdown_timeout
-        for w in running:
+        for w, proc in running:
             try:
-                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("local rank %d (pid %d) did not exit within %gs; SIGKILL",
-                            w.local_rank, w.proc.pid, self.cfg.shutdown_timeout)
+                            w.local_rank, proc.pid, self.cfg.shutdown_timeout)
                 try:
-                    os.killpg(w.proc.pid, signal.SIGKILL)
+                    os.killpg(proc.pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
-                    w.proc.kill()
-                w.proc.wait()
-        for w in running:
-            w.done, w.exitcode = True, w.proc.returncode
-            self._release(w, w.proc.returncode)
+                    proc.kill()
+                proc.wait()
+        for w, proc in running:
+            w.done, w.exitcode = True, proc.returncode
+            self._release(w, proc.returncode)
 
     def _print_summary(self, root: Failure) -> None:
         """torchrun's ``ChildFailedError`` layout."""

@@ -46,7 +46,8 @@ class EnvDefault(argparse.Action):
             required = False
         super().__init__(dest=dest, default=default, required=required, **kwargs)  # type: ignore[arg-type]
 
-    def __call__(self, parser, namespace, values, option_string=None):  # noqa: D401
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
         setattr(namespace, self.dest, values)
 
 
@@ -65,7 +66,8 @@ class EnvFlag(argparse.Action):
             raise ConfigError(f"{name}={raw!r} must be 0 or 1") from None
         super().__init__(dest=dest, const=True, default=value, nargs=0, **kwargs)  # type: ignore[arg-type]
 
-    def __call__(self, parser, namespace, values, option_string=None):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
         setattr(namespace, self.dest, self.const)
 
 
@@ -285,13 +287,13 @@ def local_world_size(value: str) -> int:
         import torch
 
         if value == "cpu" or (value == "auto" and not torch.accelerator.is_available()):
-            return torch._utils.cpu_count()
+            return torch._utils.cpu_count() or 1
         if value == "auto":
             return torch.accelerator.device_count()
         mod = torch.cuda if value == "gpu" else torch.xpu
         if not mod.is_available():
             raise ConfigError(f"--nproc-per-node {value}: no {value.upper()} is available; give a number instead")
-        return mod.device_count()
+        return int(mod.device_count())
     if n < 1:
         raise ConfigError(f"--nproc-per-node {value!r} must be at least 1")
     return n
@@ -318,17 +320,15 @@ def _parse_ranks_filter(value: str) -> set[int] | None:
 
 
 def parse_endpoints(value: str, flag: str) -> list[str]:
-    """``host:port[,host:port]`` (an ``http://`` prefix is tolerated) -> ``["host:port", ...]``."""
-    eps = []
-    for raw in filter(None, (s.strip() for s in value.split(","))):
-        ep = raw.split("://", 1)[-1].rstrip("/")
-        host, sep, port = ep.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"{flag} {raw!r} is not HOST:PORT; use e.g. {flag} 127.0.0.1:2379")
-        eps.append(ep)
-    if not eps:
-        raise ConfigError(f"{flag} is empty; give etcd endpoints as HOST:PORT[,HOST:PORT]")
-    return eps
+    """``host:port[,host:port]`` (an ``http://`` prefix is tolerated) -> ``["host:port", ...]``,
+    parsed by :func:`resilient.coordinator.store.parse_endpoints`; ConfigError naming ``flag``."""
+    from resilient.coordinator.store import parse_endpoints as parse
+
+    try:
+        pairs = parse(value)
+    except ConfigError as exc:
+        raise ConfigError(f"{flag} {value!r} is not HOST:PORT[,HOST:PORT] ({exc}); use e.g. {flag} 127.0.0.1:2379") from None
+    return [f"[{host}]:{port}" if ":" in host else f"{host}:{port}" for host, port in pairs]
 
 
 def check_job_name(value: str, flag: str) -> str:

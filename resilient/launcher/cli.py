@@ -11,13 +11,16 @@ by PID: workers, node lease, TCPStore, metrics server, coordinator, etcd.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import tempfile
 from contextlib import ExitStack
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from resilient.errors import ConfigError, ResilientError
+from resilient.settings import Settings
+
+if TYPE_CHECKING:  # pragma: no cover
+    from resilient.launcher.args import LaunchConfig
 
 log = logging.getLogger("resilient.launcher")
 
@@ -31,7 +34,7 @@ class _Signaled(BaseException):
 
 
 def _setup_logging() -> None:
-    level = os.environ.get("RESILIENT_LOG_LEVEL", "INFO").upper()
+    level = Settings.from_env().log_level
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("[resilient-run] %(levelname)s %(message)s"))
     root = logging.getLogger("resilient")
@@ -40,7 +43,7 @@ def _setup_logging() -> None:
     root.propagate = False
 
 
-def run(cfg) -> int:  # cfg: LaunchConfig
+def run(cfg: LaunchConfig) -> int:
     """Run one node agent for ``cfg``; returns the process exit code."""
     from resilient.launcher.agent import Agent, ControlPlane, install_signal_handlers
     from resilient.launcher.env import Placement
@@ -84,6 +87,7 @@ def run(cfg) -> int:  # cfg: LaunchConfig
                 stack.callback(lambda: tcp)  # keep a reference until exit
                 placement = Placement(0, 1, cfg.nproc_per_node, "localhost", port, cfg.run_id)
             elif cfg.elastic_nodes:
+                assert control is not None  # elastic --nnodes MIN:MAX needs etcd (checked by the flags)
                 addr = local_address(cfg.local_addr)
                 tcp, port = host_tcp_store(addr, 0)
                 rdzv = NodeRendezvous(control.store, cfg.job, control.keeper, cfg.lease_ttl)

@@ -31,7 +31,7 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from enum import IntFlag
-from typing import Callable, TextIO
+from typing import IO, Callable, TextIO
 
 from resilient.errors import ConfigError
 
@@ -88,8 +88,8 @@ def _tail(header: str, path: str, dst: TextIO, finished: threading.Event, interv
 class WorkerStreams:
     """Where one worker process writes; pass ``stdout``/``stderr`` to ``Popen``."""
 
-    stdout: object  # None (console), subprocess.DEVNULL, or an open file
-    stderr: object
+    stdout: int | IO[str] | None  # None (console), subprocess.DEVNULL, or an open file
+    stderr: int | IO[str] | None
     error_file: str
     log_dir: str
     _finished: threading.Event = field(default_factory=threading.Event)
@@ -148,14 +148,17 @@ class WorkerLogs:
                 path = os.path.join(rank_dir, f"{name}.log")
                 f = open(path, "w")
                 streams._files.append(f)
-                target: object = f
+                target: int | IO[str] | None = f
                 if tee & which:
                     if shown:
                         self._start_tail(streams, local_rank, path, console, None)
                     if self.dup[which]:
                         needles = list(self.dup[which])
-                        self._start_tail(streams, local_rank, path, self._filtered_file(attempt, name),
-                                         lambda line, n=needles: any(x in line for x in n))
+
+                        def keep(line: str, n: list[str] = needles) -> bool:
+                            return any(x in line for x in n)
+
+                        self._start_tail(streams, local_rank, path, self._filtered_file(attempt, name), keep)
             else:
                 target = None if shown else subprocess.DEVNULL
             setattr(streams, name, target)

@@ -33,15 +33,35 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypedDict
 
 from resilient.coordinator import records
-from resilient.errors import LeaseExpired, RecordError, ResilientError, StoreError
+from resilient.errors import LeaseExpired, RecordError, RendezvousTimeout, ResilientError, StoreError
 
 log = logging.getLogger(__name__)
 
 
-def parse_node(raw: bytes, key: str = "") -> dict:
+class NodeRecord(TypedDict):
+    """A ``nodes/<i>`` record: the agent holding node slot ``i``."""
+
+    addr: str
+    store_port: int
+    nproc: int
+    host: str
+    agent: str
+
+
+class StartedRecord(TypedDict):
+    """The ``launcher/started`` record: the rendezvous round that started the job."""
+
+    nodes: list[int]
+    agents: list[str]
+    master_addr: str
+    master_port: int
+    time: float
+
+
+def parse_node(raw: bytes, key: str = "") -> NodeRecord:
     """Validate a ``nodes/<i>`` record ({addr, store_port, nproc, host, agent});
     :class:`~resilient.errors.RecordError` if malformed."""
     f = records.fields("node", raw, key)
@@ -50,17 +70,13 @@ def parse_node(raw: bytes, key: str = "") -> dict:
             "agent": f.name("agent")}
 
 
-def parse_started(raw: bytes, key: str = "") -> dict:
+def parse_started(raw: bytes, key: str = "") -> StartedRecord:
     """Validate the ``launcher/started`` record ({nodes, agents, master_addr,
     master_port, time}); :class:`~resilient.errors.RecordError` if malformed."""
     f = records.fields("rendezvous", raw, key)
-    return {"nodes": f.ints("nodes", hi=1 << 20), "agents": list(f.names("agents")),
+    return {"nodes": list(f.ints("nodes", hi=1 << 20)), "agents": list(f.names("agents")),
             "master_addr": f.str("master_addr", max_len=255), "master_port": f.int("master_port", lo=1, hi=65535),
             "time": f.float("time", 0.0)}
-
-
-class RendezvousTimeout(ResilientError):
-    """Not enough nodes joined (or no slot freed up) within the join timeout."""
 
 
 def nodes_prefix(job: str) -> str:
@@ -212,10 +228,10 @@ class NodeRendezvous:
             joiner=not initial,
         )
 
-    def _nodes(self) -> dict[int, dict]:
+    def _nodes(self) -> dict[int, NodeRecord]:
         """Every node slot's record; malformed ones skipped (logged, counted as ``node``)."""
         prefix = nodes_prefix(self.job)
-        out: dict[int, dict] = {}
+        out: dict[int, NodeRecord] = {}
         for kv in self.store.get_prefix(prefix):
             try:
                 slot = kv.key[len(prefix):]
@@ -244,7 +260,7 @@ def host_tcp_store(addr: str, port: int, bind: str | None = None) -> tuple[Any, 
     import socket
     from datetime import timedelta
 
-    from torch.distributed import TCPStore
+    from torch._C._distributed_c10d import TCPStore  # torch.distributed.TCPStore (re-exported there without __all__)
 
     try:
         fd = None

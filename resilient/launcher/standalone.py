@@ -55,7 +55,7 @@ class StandaloneControlPlane:
         self.job = job
         self.min_members = min_members
         self.etcd = LocalEtcd(auth=True)
-        self.coordinator: subprocess.Popen | None = None
+        self.coordinator: subprocess.Popen[bytes] | None = None
         self.coordinator_log = ""
         self._startup_check_s = startup_check_s
 

@@ -34,7 +34,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from resilient.errors import ConfigError, TransportError
+from resilient.errors import TransportError
+from resilient.settings import Settings
 from resilient.transport import shm
 from resilient.transport.tcp import TcpTransport
 from resilient.transport.tcp_conn import Conn
@@ -68,14 +69,15 @@ class HybridTransport(TcpTransport):
     module docstring). Same constructor; ``shm_capacity`` is each outgoing ring's size."""
 
     def __init__(self, member_id: str, job: str, host: str = "127.0.0.1", port: int = 0,
-                 shm_capacity: int = shm.DEFAULT_CAPACITY, **kw: Any) -> None:
+                 shm_capacity: int | None = None, **kw: Any) -> None:
         super().__init__(member_id, job, host=host, port=port, **kw)
-        self._shm_capacity = shm_capacity
-        self._host_key = host_key() if os.environ.get("RESILIENT_SHM", "1") != "0" and self.tls is None else None
+        settings = Settings.from_env()  # RESILIENT_SHM, RESILIENT_SHM_RING
+        self._shm_capacity = settings.shm_ring if shm_capacity is None else shm_capacity
+        self._host_key = host_key() if settings.shm and self.tls is None else None
         self._shm_listener: shm.ShmListener | None = None
         if self._host_key is not None:
             name = f"resilient-{os.getpid()}-{secrets.token_hex(8)}"
-            self._shm_listener = shm.ShmListener(name, shm_capacity, on_refused=self._stats.add_dropped)
+            self._shm_listener = shm.ShmListener(name, self._shm_capacity, on_refused=self._stats.add_dropped)
             self._sel.register(self._shm_listener, selectors.EVENT_READ, "listener")
             self._listeners.append(self._shm_listener)
 
@@ -172,10 +174,6 @@ def make_transport(member_id: str, job: str, host: str = "127.0.0.1", **kw: Any)
     """The transport a member uses: ``RESILIENT_TRANSPORT=auto`` (default: shared memory
     to same-host peers, TCP to the others) or ``tcp`` (TCP only). :class:`ConfigError`
     for another value."""
-    mode = os.environ.get("RESILIENT_TRANSPORT", "auto")
-    if mode == "auto":
+    if Settings.from_env().transport == "auto":
         return HybridTransport(member_id, job, host=host, **kw)
-    if mode == "tcp":
-        return TcpTransport(member_id, job, host=host, **kw)
-    raise ConfigError(f"RESILIENT_TRANSPORT={mode!r}: use 'auto' (shared memory on one host, TCP across "
-                      "hosts) or 'tcp'")
+    return TcpTransport(member_id, job, host=host, **kw)

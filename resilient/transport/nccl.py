@@ -73,6 +73,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from resilient.errors import ConfigError, TransportAborted, TransportError
+from resilient.settings import Settings
 from resilient.transport.base import Buffer, Request, TransportStats
 from resilient.transport.op_layer import OpLayer
 from resilient.transport.ops import ERROR_MESSAGE_CAP, OpGuard
@@ -161,7 +162,7 @@ def _config_nonblocking() -> _ConfigV21700:
 
 def find_nccl_library() -> str:
     """``$RESILIENT_NCCL_LIBRARY``, the ``nvidia-nccl-cu12`` wheel's, or the system's."""
-    env = os.environ.get("RESILIENT_NCCL_LIBRARY")
+    env = Settings.from_env().nccl_library
     if env:
         return env
     try:

@@ -16,26 +16,12 @@ peer cannot grow this state without bound.
 """
 from __future__ import annotations
 
-from resilient.errors import TransportAborted, TransportError
+from resilient.errors import OpMismatch, PeerReportedError, TransportAborted, TransportError
+
+__all__ = ["ERROR_MESSAGE_CAP", "ERRORS_PER_EPOCH", "OpGuard", "OpMismatch", "PeerReportedError"]
 
 #: bytes of an ERROR message kept per op, and ops with a kept error per epoch
 ERROR_MESSAGE_CAP, ERRORS_PER_EPOCH = 4096, 4096
-
-
-class OpMismatch(TransportError):
-    """A message for this op carried another op descriptor digest than ours."""
-
-    def __init__(self, peer: str, op_seq: int, theirs: int, ours: int) -> None:
-        super().__init__(f"member {peer} sent op #{op_seq} with descriptor digest {theirs:#010x}, ours is {ours:#010x}")
-        self.peer, self.op_seq, self.theirs, self.ours = peer, op_seq, theirs, ours
-
-
-class PeerReportedError(TransportError):
-    """A peer sent an ERROR message about an op (e.g. it detected an input mismatch)."""
-
-    def __init__(self, peer: str, op_seq: int, message: bytes) -> None:
-        super().__init__(f"member {peer} reported an error for op #{op_seq}: {message[:500]!r}")
-        self.peer, self.op_seq, self.message = peer, op_seq, message
 
 
 class OpGuard:

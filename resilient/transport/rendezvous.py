@@ -18,7 +18,8 @@ import threading
 import time
 from typing import Protocol
 
-from resilient.coordinator.epoch import EpochChanged, EpochData
+from resilient.coordinator.epoch import EpochData
+from resilient.errors import EpochChanged
 from resilient.coordinator.store import Store
 from resilient.errors import TransportAborted
 

@@ -34,23 +34,17 @@ import itertools
 import time
 from typing import Callable, Mapping, Sequence
 
-from resilient.errors import CollectiveError, FrameError, TransportAborted, TransportError
+from resilient.errors import FrameError, PeerUnreachable, TransportAborted, TransportError
 from resilient.transport.base import Buffer, Request, Transport, buffer_nbytes
 from resilient.transport.ops import OpMismatch, PeerReportedError
+
+__all__ = ["PeerUnreachable", "RetryingTransport", "retryable"]
 from resilient.transport.wrapper import WrappedTransport
 
 #: first and largest pause between two re-posts to a broken peer
 BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 1.0
 _POLL_S = 0.05
-
-
-class PeerUnreachable(CollectiveError):
-    """A link to a live member stayed down longer than the op timeout."""
-
-    def __init__(self, peer: str, message: str) -> None:
-        super().__init__(message)
-        self.peer = peer
 
 
 def retryable(exc: BaseException | None) -> bool:

@@ -45,7 +45,7 @@ from typing import Any, Iterable
 from resilient.errors import FrameError
 
 #: bytes of each outgoing ring (per directed pair)
-DEFAULT_CAPACITY = int(os.environ.get("RESILIENT_SHM_RING", 8 << 20))
+DEFAULT_CAPACITY = 8 << 20  # RESILIENT_SHM_RING (resilient.settings) sets it per transport
 MIN_CAPACITY, MAX_CAPACITY = 64 << 10, 1 << 30
 _REC = struct.Struct("<cQ")
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL

@@ -75,7 +75,7 @@ class TcpTransport(TcpReading, TcpWriting, OpLayer):
     wait/cancel_op/post_error (the communicator's op thread); :meth:`abort` from any.
 
     ``TcpTransport(member_id, job, host="127.0.0.1", port=0, connect_timeout=10.0,
-    limits=None, early_cap=EARLY_CAP, tls=True)`` (the constructor is
+    limits=None, early_cap=None, tls=True)`` (the constructor is
     :class:`~resilient.transport.tcp_links.TcpLinks`'): listens on ``host:port`` (0: a free
     port); ``limits`` caps unauthenticated connections (default: from the environment);
     ``tls=True`` takes mutual TLS from the environment, None/False is plain TCP."""

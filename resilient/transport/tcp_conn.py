@@ -21,13 +21,13 @@ from resilient.errors import TransportError
 from resilient.transport import frames
 from resilient.transport.base import Buffer, Request
 
-SOCK_BUF = int(os.environ.get("RESILIENT_TCP_SOCKBUF", 4 << 20))
+SOCK_BUF = 4 << 20   # default; RESILIENT_TCP_SOCKBUF (resilient.settings) sets it per transport
 SCRATCH = 1 << 20
 #: bytes of early-arrival buffers kept for reuse
 SPARE_CAP = 32 << 20
 #: bytes of frames buffered per connection before their receive is posted; beyond it the
 #: connection is not read until a receive is posted (a header never allocates on trust)
-EARLY_CAP = int(os.environ.get("RESILIENT_TCP_EARLY_CAP", 256 << 20))
+EARLY_CAP = 256 << 20   # default; RESILIENT_TCP_EARLY_CAP (resilient.settings) sets it per transport
 #: connections accepted per progress round (a connect flood cannot starve member links,
 #: nor evict, in one round, pending handshakes that have not been read yet)
 ACCEPT_BATCH = 16

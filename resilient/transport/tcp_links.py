@@ -27,10 +27,11 @@ import threading
 from typing import Callable, Protocol
 
 from resilient.errors import FrameError, TransportError
+from resilient.settings import Settings
 from resilient.transport.base import TransportStats
 from resilient.transport.handshake import HandshakeLimits, PendingHandshakes
 from resilient.transport.ops import OpGuard
-from resilient.transport.tcp_conn import ACCEPT_PAUSE_S, EARLY_CAP, SCRATCH, SOCK_BUF, TLS_CHUNK, Conn
+from resilient.transport.tcp_conn import ACCEPT_PAUSE_S, SCRATCH, TLS_CHUNK, Conn
 from resilient.transport.tls import TlsConfig
 
 log = logging.getLogger("resilient.transport.tcp")
@@ -53,19 +54,23 @@ class TcpLinks(abc.ABC):
 
     def __init__(self, member_id: str, job: str, host: str = "127.0.0.1", port: int = 0,
                  connect_timeout: float = 10.0, limits: HandshakeLimits | None = None,
-                 early_cap: int = EARLY_CAP, tls: TlsConfig | None | bool = True) -> None:
+                 early_cap: int | None = None, tls: TlsConfig | None | bool = True) -> None:
         self.member_id = member_id
         self.job = job
         self.connect_timeout = connect_timeout
         self.limits = limits or HandshakeLimits.from_env()
-        self.early_cap = early_cap
+        settings = Settings.from_env()  # RESILIENT_TCP_EARLY_CAP, RESILIENT_SELECTOR, RESILIENT_TCP_SOCKBUF
+        #: bytes of frames buffered per connection before their receive is posted; beyond it the
+        #: connection is not read until a receive is posted (a header never allocates on trust)
+        self.early_cap = settings.tcp_early_cap if early_cap is None else early_cap
+        self._sockbuf = settings.tcp_sockbuf
         self._session = secrets.token_hex(16)  # identifies this dialler's links; never published
         #: mutual TLS (``tls=True``: from the environment, see :mod:`resilient.transport.tls`;
         #: None/False: plain TCP)
         self.tls = TlsConfig.from_env() if tls is True else (tls or None)
         self._tls_ctx = self.tls.contexts() if self.tls is not None else None
         self._stats = TransportStats()
-        self._sel = getattr(selectors, os.environ.get("RESILIENT_SELECTOR", "DefaultSelector"))()
+        self._sel = settings.make_selector()
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((host, port))
@@ -108,9 +113,9 @@ class TcpLinks(abc.ABC):
 
     def _tune(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for opt in ((socket.SO_SNDBUF, socket.SO_RCVBUF) if SOCK_BUF > 0 else ()):
+        for opt in ((socket.SO_SNDBUF, socket.SO_RCVBUF) if self._sockbuf > 0 else ()):
             try:
-                sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
+                sock.setsockopt(socket.SOL_SOCKET, opt, self._sockbuf)
             except OSError:  # pragma: no cover - capped by the kernel
                 pass
 

@@ -49,26 +49,17 @@ def main() -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from inputs import make_input
 
-    from resilient.collectives import Communicator
-    from resilient.collectives.group import EtcdGroupView
-    from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession, Store
+    import resilient
     from resilient.errors import RemovedFromGroup, ResilientError
-    from resilient.transport.hybrid import make_transport
 
     index = int(args.id.lstrip("m"))
-    store = Store(args.etcd)
-    transport = make_transport(args.id, args.job)  # RESILIENT_TRANSPORT: auto (shm on one host) | tcp
-    host = os.environ.get("RESILIENT_TEST_HOST")   # an emulated host label (hierarchical tests)
-    info = MemberInfo(member_id=args.id, address=transport.address, **({"host": host} if host else {}))
-    session = MemberSession.register(store, args.job, info, ttl=args.ttl)
-    print(f"LEASE {args.id} {session.lease_id}", flush=True)  # the harness revokes it when we exit
-    watcher = EpochWatcher(store, args.job)
-    if args.join:
-        watcher.wait_for(lambda e: args.id in e.members, 60)
-    else:
-        watcher.wait_for(lambda e: len(e.members) == args.world and args.id in e.members, 60)
-    comm = Communicator(EtcdGroupView(store, args.job, session, watcher), transport,
-                        op_timeout=args.op_timeout, policy=args.policy, joining=True if args.join else None)
+    # RESILIENT_TRANSPORT: auto (shm on one host) | tcp; RESILIENT_TEST_HOST: an emulated
+    # host label (hierarchical tests); a joiner waits only to be in an epoch
+    comm = resilient.connect(args.etcd, args.job, args.id, world=None if args.join else args.world, timeout=60,
+                             ttl=args.ttl, host_label=os.environ.get("RESILIENT_TEST_HOST"),
+                             op_timeout=args.op_timeout, policy=args.policy, joining=True if args.join else None)
+    watcher = comm.watcher
+    print(f"LEASE {args.id} {comm.session.lease_id}", flush=True)  # the harness revokes it when we exit
     ops = json.loads(args.ops)
     rc = 0
     first = comm.next_seq  # a joiner starts at the group's next op

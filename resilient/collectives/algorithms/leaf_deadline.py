@@ -56,7 +56,7 @@ import torch
 
 from resilient.collectives.algorithms.base import OpContext, tag
 from resilient.collectives.algorithms.ring import RingReduceScatterAllgather
-from resilient.errors import CollectiveError
+from resilient.errors import CollectiveError, TransportAborted
 from resilient.kernels import reduce_into
 
 SPACE = 4          # the leaf path's tag space (shared with leaf.py; the lossless path uses steps 0-2)
@@ -421,5 +421,5 @@ def drain(transport: Any, epoch: int, timeout: float) -> bool:
         return True
     try:
         return bool(transport.wait(lag[1], timeout=timeout))
-    except Exception:  # noqa: BLE001 - best effort on the way out
+    except (Exception, TransportAborted):  # noqa: BLE001 - best effort on the way out (an abort included)
         return False
