@@ -51,7 +51,7 @@ LINK_MIN_BYTES = 64 << 10
 
 class HealthReporter:
     def __init__(self, store: Any, job: str, member_id: str, lease_id: int | None, stats: TransportStats,
-                 interval: float = 1.0, extra: dict | None = None,
+                 interval: float = 1.0, extra: dict[str, Any] | None = None,
                  clock: Callable[[], float] = time.monotonic, min_ops: int = 1,
                  sink: Callable[[HealthRecord], object] | None = None) -> None:
         self.store, self.job, self.member_id, self.lease_id = store, job, member_id, lease_id

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 from resilient.cli.status import add_etcd_arguments, store_from_args
 
 if TYPE_CHECKING:  # pragma: no cover
-    from resilient.coordinator.health import HealthPolicy, StragglerPolicy
+    from resilient.coordinator.health import StragglerPolicy
+    from resilient.coordinator.policy import HealthPolicy
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
