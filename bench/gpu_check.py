@@ -338,8 +338,8 @@ def check_staging(gpu: bool) -> Result:
         problems.append("abort: the failing receive did not raise")
     except TransportError:
         pass
+    ops.synchronize()                         # let the enqueued reductions finish, then read
     states = pl.settle(9)
-    ops.synchronize()
     marked = pl.reducer.marks.finished(mark=9)
     if marked != tuple(range(fail)):
         problems.append(f"abort: marks {marked}, expected chunks 0..{fail - 1}")

@@ -179,7 +179,7 @@ def test_combine_needs_the_members_input():
     assert wire.log == []
 
 
-@pytest.mark.parametrize("mode", [RecvMode.COPY, RecvMode.ACCUMULATE])
+@pytest.mark.parametrize("mode", list(RecvMode))
 def test_abort_mid_receive_leaves_marks_and_piece_states_exact(mode):
     # pieces: [0,6) = chunks 0,1 ; [6,12) = chunks 2,3 ; [12,18) = chunks 4,5
     peer = torch.arange(18, dtype=torch.float32) + 100
@@ -188,11 +188,11 @@ def test_abort_mid_receive_leaves_marks_and_piece_states_exact(mode):
     wire = Wire(peer, fail_at=("recv", 3))
     pl = pipeline(wire, chunks, slots=2)
     with pytest.raises(TransportError, match="chunk 3"):
-        pl.recv(dst, wire.post_recv, mark=9, mode=mode)
+        pl.recv(dst, wire.post_recv, mark=9, mode=mode, own=torch.ones(18))
     assert pl.reducer.marks.finished(mark=9) == (0, 1, 2)
     assert pl.written == {0, 1, 2}
     assert pl.settle(9) == {0: PieceState.COMPLETE, 1: PieceState.LOST, 2: PieceState.UNTOUCHED}
-    want = peer + 1 if mode is RecvMode.ACCUMULATE else peer
+    want = peer if mode is RecvMode.COPY else peer + 1          # dst and own are ones
     assert torch.equal(dst[:9], want[:9])            # every marked chunk holds its final value
     assert torch.equal(dst[9:], torch.ones(9))       # chunk 3's partial bytes stayed in host staging
 
@@ -202,3 +202,33 @@ def test_marks_of_an_earlier_op_do_not_count_as_this_ops():
     pl = pipeline(wire, plan_chunks([(0, 4)], 2))
     pl.recv(torch.zeros(4), wire.post_recv, mark=1)
     assert pl.settle(2) == {0: PieceState.LOST}        # written by op 1, not finished for op 2
+
+
+def test_abort_mid_send_raises_and_leaves_the_device_buffer_alone():
+    src = torch.arange(12, dtype=torch.float32)
+    wire = Wire(fail_at=("send", 1))
+    pl = pipeline(wire, plan_chunks([(0, 12)], 3), slots=2)
+    with pytest.raises(TransportError, match="chunk 1"):
+        pl.send(src, wire.post_send)
+    assert torch.equal(src, torch.arange(12, dtype=torch.float32))
+    assert sorted(wire.sent) == [0] and pl.written == set() and pl.reducer.marks.finished() == ()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=5).filter(any), st.integers(1, 9), st.integers(1, 4))
+def test_any_plan_and_slot_count_round_trips_exactly(lengths, size, slots):
+    pieces, s = [], 0
+    for n in lengths:
+        pieces.append((s, s + n))
+        s += n
+    chunks = plan_chunks(pieces, size)
+    src = torch.randn(s)
+    wire = Wire()
+    pipeline(wire, chunks, slots=slots).send(src, wire.post_send)
+    wire.peer = torch.cat([wire.sent[c.index] for c in chunks])
+    dst = torch.zeros(s)
+    pl = pipeline(wire, chunks, slots=slots)
+    pl.recv(dst, wire.post_recv, mark=3)
+    assert torch.equal(dst, src)
+    assert pl.stats.max_slots_busy <= slots
+    assert set(pl.settle(3).values()) == {PieceState.COMPLETE}

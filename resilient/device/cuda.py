@@ -148,21 +148,23 @@ class CudaOps:
         check_same(host_dst, src, "to_host")
         self._check_pinned(host_dst)
         self._check_here(src, "the D2H source")
-        self.d2h.wait_stream(self.compute)
-        with torch.cuda.stream(self.d2h):
-            host_dst.copy_(src.view(host_dst.shape), non_blocking=True)
-        src.record_stream(self.d2h)
-        return self._event(self.d2h)
+        return self._staged_copy(self.d2h, host_dst, src, device_side=src)
 
     def from_host(self, dst: torch.Tensor, host_src: torch.Tensor) -> CopyEvent:
         check_same(dst, host_src, "from_host")
         self._check_pinned(host_src)
         self._check_here(dst, "the H2D destination")
-        self.h2d.wait_stream(self.compute)
-        with torch.cuda.stream(self.h2d):
-            dst.copy_(host_src.view(dst.shape), non_blocking=True)
-        dst.record_stream(self.h2d)
-        return self._event(self.h2d)
+        return self._staged_copy(self.h2d, dst, host_src, device_side=dst)
+
+    def _staged_copy(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor,
+                     device_side: torch.Tensor) -> CudaEvent:
+        """``dst <- src`` on a copy stream, after ``compute``; the device tensor is kept
+        alive for that stream (``record_stream``)."""
+        stream.wait_stream(self.compute)
+        with torch.cuda.stream(stream):
+            dst.copy_(src.view(dst.shape), non_blocking=True)
+        device_side.record_stream(stream)
+        return self._event(stream)
 
     def wait_for_caller(self) -> None:
         self.compute.wait_stream(torch.cuda.current_stream(self._device))
