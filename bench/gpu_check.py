@@ -367,12 +367,11 @@ def _cluster_check(name: str, devices: list[str], size_mib: int, kill: bool) -> 
     op #2 and check every survivor."""
     from _common import BenchCluster, BenchError, busbw, median
 
-    from resilient.device import DeviceRecord, choose_transport
+    from resilient.device import choose_transport
+    from resilient.device.probe import local_record
 
     world = len(devices)
-    uuids = [str(torch.cuda.get_device_properties(torch.device(d)).uuid) for d in devices]
-    choice = choose_transport([DeviceRecord(f"m{i}", "localhost", d, "GPU-" + u.removeprefix("GPU-"), True)
-                               for i, (d, u) in enumerate(zip(devices, uuids))])
+    choice = choose_transport([local_record(f"m{i}", "localhost", d, nccl=True) for i, d in enumerate(devices)])
     victim = "m1"
     from resilient.coordinator.local_etcd import free_port
 

@@ -89,3 +89,25 @@ def test_json_round_trip_and_validation():
 def test_malformed_records_raise_record_error_naming_the_field(raw, match):
     with pytest.raises(RecordError, match=match):
         DeviceRecord.from_json(raw)
+
+
+def test_local_record_of_a_cpu_member_has_no_uuid():
+    from resilient.device.probe import local_record
+
+    rec = local_record("m0", "node0", "cpu")
+    assert rec == DeviceRecord("m0", "node0", "cpu", None, False)
+
+
+def test_local_record_of_a_cuda_member_without_cuda_names_the_fix():
+    import torch
+
+    from resilient.device.probe import local_record
+
+    if torch.cuda.is_available():
+        rec = local_record("m0", "node0", "cuda:0")
+        assert rec.gpu_uuid is not None and rec.gpu_uuid.startswith("GPU-")
+        return
+    with pytest.raises(ConfigError, match=r"pip install -e '\.\[gpu\]'"):
+        local_record("m0", "node0", "cuda:0")
+    with pytest.raises(ConfigError, match="not supported"):
+        local_record("m0", "node0", "meta")

@@ -6,7 +6,8 @@ One responsibility: choose the buffer operations for a tensor's device. The part
 * :mod:`.cpu` - :class:`CpuOps` (today's behaviour), :mod:`.cuda` - :class:`CudaOps`
   (accumulators on the GPU, CuPy kernels with progress marks, own copy streams);
 * :mod:`.staging` - the host-staged schedule (pinned slots, D2H/H2D overlapped with sends);
-* :mod:`.select` - host-staged vs NCCL, from the members' device records.
+* :mod:`.select` - host-staged vs NCCL, from the members' device records;
+* :mod:`.probe` - this process's device record (GPU UUID).
 
 Importing this package never imports CuPy or initialises CUDA. Failure behaviour:
 :func:`device_ops` raises :class:`~resilient.errors.ConfigError` for a device other than

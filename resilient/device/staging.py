@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Generic, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -48,10 +48,13 @@ class Pending(Protocol):
         ...
 
 
+#: the request type of the transport in use (e.g. :class:`resilient.transport.base.Request`)
+R = TypeVar("R", bound=Pending)
 #: posts one transfer of a chunk through a host staging buffer; returns its request
-Post = Callable[["StageChunk", torch.Tensor], Pending]
-#: blocks until every request given is done (raises the transport's error otherwise)
-Wait = Callable[[Sequence[Pending]], None]
+Post = Callable[["StageChunk", torch.Tensor], R]
+#: blocks until every request given is done (raises the transport's error otherwise),
+#: e.g. :meth:`resilient.collectives.algorithms.base.OpContext.wait`
+Wait = Callable[[Sequence[R]], None]
 
 
 @dataclass(frozen=True)
@@ -107,10 +110,11 @@ class StagingStats:
     overlapped_copies: int = 0     # copies enqueued while one of our transfers was in flight
 
 
-class StagingPipeline:
-    """Moves the chunks of one op step through ``slots`` host staging buffers."""
+class StagingPipeline(Generic[R]):
+    """Moves the chunks of one op step through ``slots`` host staging buffers; ``R`` is
+    the transport's request type (``post`` returns one, ``wait`` takes them)."""
 
-    def __init__(self, ops: DeviceOps, chunks: Sequence[StageChunk], dtype: torch.dtype, wait: Wait,
+    def __init__(self, ops: DeviceOps, chunks: Sequence[StageChunk], dtype: torch.dtype, wait: Wait[R],
                  slots: int = 2, reducer: ChunkReducer | None = None) -> None:
         if int(slots) < 1:
             raise ConfigError(f"a staging pipeline needs at least one slot, got slots={slots}")
@@ -126,7 +130,7 @@ class StagingPipeline:
         self._scratch: list[torch.Tensor] | None = None
         self.written: set[int] = set()   # chunks whose device region may have been written
         self.stats = StagingStats()
-        self._inflight: list[Pending] = []
+        self._inflight: list[R] = []
 
     # -- bookkeeping ------------------------------------------------------------------
 
@@ -140,25 +144,25 @@ class StagingPipeline:
         if any(not r.done() for r in self._inflight):
             self.stats.overlapped_copies += 1
 
-    def _post(self, post: Post, chunk: StageChunk, stage: torch.Tensor) -> Pending:
+    def _post(self, post: Post[R], chunk: StageChunk, stage: torch.Tensor) -> R:
         req = post(chunk, stage)
         self._inflight.append(req)
         self.stats.posted += 1
         return req
 
-    def _finish(self, req: Pending) -> None:
+    def _finish(self, req: R) -> None:
         self.wait([req])
         self._inflight.remove(req)
 
     # -- send -------------------------------------------------------------------------
 
-    def send(self, src: torch.Tensor, post: Post) -> None:
+    def send(self, src: torch.Tensor, post: Post[R]) -> None:
         """Send every chunk of the flat device buffer ``src`` through the staging slots,
         in chunk order; returns when every send completed."""
         check_flat(src, "the staged send's source")
         free: deque[int] = deque(range(self.slots))
         copying: deque[tuple[StageChunk, int, CopyEvent]] = deque()
-        sending: deque[tuple[int, Pending]] = deque()
+        sending: deque[tuple[int, R]] = deque()
         todo = deque(self.chunks)
         while todo or copying:
             while free and todo:                          # copy ahead into every free slot
@@ -181,7 +185,7 @@ class StagingPipeline:
 
     # -- receive ----------------------------------------------------------------------
 
-    def recv(self, dst: torch.Tensor, post: Post, mark: int, mode: RecvMode = RecvMode.COPY,
+    def recv(self, dst: torch.Tensor, post: Post[R], mark: int, mode: RecvMode = RecvMode.COPY,
              op: ReduceOp | str = ReduceOp.SUM, own: torch.Tensor | None = None) -> None:
         """Receive every chunk (in chunk order) into the flat device buffer ``dst``, combined
         as ``mode`` says (``own``: the member's flat input, for COMBINE, indexed like
@@ -195,7 +199,7 @@ class StagingPipeline:
         if mode is RecvMode.ACCUMULATE and self._scratch is None:
             biggest = self.host[0].numel()
             self._scratch = [self.ops.empty(biggest, self.dtype) for _ in range(self.slots)]
-        posted: deque[tuple[StageChunk, int, Pending]] = deque()
+        posted: deque[tuple[StageChunk, int, R]] = deque()
         todo = deque(self.chunks)
         for slot in range(self.slots):                    # post ahead into every slot
             chunk = todo.popleft()
