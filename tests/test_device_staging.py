@@ -232,3 +232,93 @@ def test_any_plan_and_slot_count_round_trips_exactly(lengths, size, slots):
     assert torch.equal(dst, src)
     assert pl.stats.max_slots_busy <= slots
     assert set(pl.settle(3).values()) == {PieceState.COMPLETE}
+
+
+# -- exchange: two members in two threads ---------------------------------------------------
+
+
+class Mailbox:
+    """Thread-safe double of a transport between members: a send is done when posted
+    (its bytes copied into the mailbox); a receive completes in ``wait`` once the
+    matching send arrived, or raises after a deadline (a deadlocked schedule fails)."""
+
+    class Req:
+        def __init__(self, key: tuple[str, str, int], stage: torch.Tensor | None) -> None:
+            self.key, self.stage, self._done = key, stage, stage is None
+
+        def done(self) -> bool:
+            return self._done
+
+        def fill(self, data: torch.Tensor) -> None:
+            assert self.stage is not None
+            self.stage.copy_(data)
+            self._done = True
+
+    def __init__(self) -> None:
+        import threading
+
+        self.cond = threading.Condition()
+        self.box: dict[tuple[str, str, int], torch.Tensor] = {}
+
+    def sender(self, me: str, to: str):
+        def post(chunk: StageChunk, stage: torch.Tensor) -> "Mailbox.Req":
+            with self.cond:
+                self.box[(me, to, chunk.index)] = stage.clone()
+                self.cond.notify_all()
+            return self.Req((me, to, chunk.index), None)
+        return post
+
+    def receiver(self, me: str, frm: str):
+        def post(chunk: StageChunk, stage: torch.Tensor) -> "Mailbox.Req":
+            return self.Req((frm, me, chunk.index), stage)
+        return post
+
+    def wait(self, reqs) -> None:
+        for r in reqs:
+            if r.done():
+                continue
+            with self.cond:
+                if not self.cond.wait_for(lambda: r.key in self.box, timeout=30):
+                    raise TransportError(f"no message {r.key} within 30 s: the schedule deadlocked")
+                r.fill(self.box.pop(r.key))
+
+
+def test_exchange_sends_one_piece_while_receiving_another_between_two_members():
+    import threading
+
+    pieces = [(0, 10), (10, 20)]
+    chunks = plan_chunks(pieces, 3)
+    first, second = [c for c in chunks if c.piece == 0], [c for c in chunks if c.piece == 1]
+    box = Mailbox()
+    inputs = {"a": torch.arange(20, dtype=torch.float32), "b": 100 + torch.arange(20, dtype=torch.float32)}
+    outs = {m: torch.zeros(20) for m in inputs}
+    errors: list[BaseException] = []
+    marks: dict[str, tuple[int, ...]] = {}
+
+    def member(me: str, peer: str, send_chunks, recv_chunks) -> None:
+        try:
+            pl = StagingPipeline(CpuOps(), chunks, torch.float32, box.wait, slots=2)
+            # ring reduce-scatter step: send my piece, receive the peer's and add my input
+            pl.exchange(inputs[me], box.sender(me, peer), send_chunks, outs[me], box.receiver(me, peer), recv_chunks,
+                        mark=4, mode=RecvMode.COMBINE, own=inputs[me])
+            marks[me] = pl.reducer.marks.finished(mark=4)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member, args=("a", "b", first, second)),
+               threading.Thread(target=member, args=("b", "a", second, first))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    total = inputs["a"] + inputs["b"]
+    assert torch.equal(outs["a"][10:], total[10:]) and torch.equal(outs["b"][:10], total[:10])
+    assert marks == {"a": tuple(c.index for c in second), "b": tuple(c.index for c in first)}
+
+
+def test_chunks_from_another_plan_are_refused():
+    wire = Wire()
+    pl = pipeline(wire, plan_chunks([(0, 6)], 3))
+    with pytest.raises(ConfigError, match="not a chunk of this pipeline's plan"):
+        pl.send(torch.zeros(6), wire.post_send, chunks=[StageChunk(0, 0, 0, 2)])

@@ -7,15 +7,17 @@ the bookkeeping that keeps the ledger exact when the op is aborted half-way.
 * :func:`plan_chunks` cuts the ledger's pieces into chunks of at most ``chunk_elems``
   elements; a chunk never straddles two pieces (a piece's mask is then exactly "every
   chunk of it is marked"). Chunk ``i`` owns progress-mark slot ``i``.
-* :class:`StagingPipeline` owns ``slots`` host staging buffers (pinned on CUDA) of the
-  largest chunk's size. :meth:`~StagingPipeline.send`: D2H copies on the copy stream fill
+* :class:`StagingPipeline` owns ``slots`` host staging buffers per direction (pinned on
+  CUDA) of the largest chunk's size. :meth:`~StagingPipeline.send`: D2H copies on the copy stream fill
   every free slot ahead, each slot's send is posted once its copy finished, and a slot is
   reused only after its send completed, so the copy of chunk ``k+1`` runs while chunk
   ``k`` is on the wire. :meth:`~StagingPipeline.recv`: receives are posted into every
   slot ahead (in chunk order, the order the peer sends), and as each completes its H2D
   copy is enqueued and the chunk is combined (:class:`RecvMode`); the slot is re-posted
   once its H2D copy finished. A received byte never touches device memory before its
-  whole chunk arrived.
+  whole chunk arrived. :meth:`~StagingPipeline.exchange` runs a send and a receive
+  together (a ring step: chunks of one piece to the next member while another piece's
+  arrive from the previous one), its receives posted before its first send.
 * Marks: a reduction's mark is written by the reducer after the reduction (on CUDA by the
   kernel itself); a COPY chunk's mark after its H2D copy completed. :meth:`~StagingPipeline.
   settle` turns marks plus "which chunks' device region was written" into per-piece
@@ -32,7 +34,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Generic, Protocol, Sequence, TypeVar
+from typing import Callable, Generic, Iterator, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -111,8 +113,9 @@ class StagingStats:
 
 
 class StagingPipeline(Generic[R]):
-    """Moves the chunks of one op step through ``slots`` host staging buffers; ``R`` is
-    the transport's request type (``post`` returns one, ``wait`` takes them)."""
+    """Moves the chunks of one op step through ``slots`` host staging buffers per
+    direction; ``R`` is the transport's request type (``post`` returns one, ``wait``
+    takes them)."""
 
     def __init__(self, ops: DeviceOps, chunks: Sequence[StageChunk], dtype: torch.dtype, wait: Wait[R],
                  slots: int = 2, reducer: ChunkReducer | None = None) -> None:
@@ -121,9 +124,11 @@ class StagingPipeline(Generic[R]):
         if not chunks:
             raise ConfigError("nothing to stage: plan_chunks() returned no chunk (every piece is empty)")
         self.ops, self.chunks, self.dtype, self.wait = ops, tuple(chunks), dtype, wait
+        if any(c.index != i for i, c in enumerate(self.chunks)):
+            raise ConfigError("chunks must be plan_chunks()'s output: chunk i has index i")
         self.slots = min(int(slots), len(self.chunks))
-        biggest = max(c.numel for c in self.chunks)
-        self.host = [ops.host_buffer(biggest, dtype) for _ in range(self.slots)]
+        self._slot_elems = max(c.numel for c in self.chunks)
+        self._host: dict[str, list[torch.Tensor]] = {}    # "send"/"recv" -> its slots
         self.reducer = reducer if reducer is not None else ops.reducer(len(self.chunks))
         if self.reducer.n_chunks < len(self.chunks):
             raise ConfigError(f"the reducer has {self.reducer.n_chunks} mark slots for {len(self.chunks)} chunks")
@@ -134,8 +139,20 @@ class StagingPipeline(Generic[R]):
 
     # -- bookkeeping ------------------------------------------------------------------
 
-    def _stage(self, slot: int, chunk: StageChunk) -> torch.Tensor:
-        return self.host[slot][:chunk.numel]
+    def _stage(self, direction: str, slot: int, chunk: StageChunk) -> torch.Tensor:
+        host = self._host.get(direction)
+        if host is None:
+            host = self._host[direction] = [self.ops.host_buffer(self._slot_elems, self.dtype)
+                                            for _ in range(self.slots)]
+        return host[slot][:chunk.numel]
+
+    def _select(self, chunks: Sequence[StageChunk] | None) -> deque[StageChunk]:
+        if chunks is None:
+            return deque(self.chunks)
+        for c in chunks:
+            if not 0 <= c.index < len(self.chunks) or self.chunks[c.index] != c:
+                raise ConfigError(f"{c} is not a chunk of this pipeline's plan")
+        return deque(chunks)
 
     def _busy(self, n: int) -> None:
         self.stats.max_slots_busy = max(self.stats.max_slots_busy, n)
@@ -150,24 +167,58 @@ class StagingPipeline(Generic[R]):
         self.stats.posted += 1
         return req
 
-    def _finish(self, req: R) -> None:
-        self.wait([req])
-        self._inflight.remove(req)
+    def _drive(self, steps: Sequence[Iterator[R]]) -> None:
+        """Run step generators round-robin: each yields the request it must wait on next.
+        While one wait blocks, the transport progresses every posted request, so the
+        receives and sends of one exchange advance together."""
+        live = [(g, r) for g in steps for r in (next(g, None),) if r is not None]
+        while live:
+            after = []
+            for g, req in live:
+                self.wait([req])
+                self._inflight.remove(req)
+                nxt = next(g, None)
+                if nxt is not None:
+                    after.append((g, nxt))
+            live = after
 
-    # -- send -------------------------------------------------------------------------
+    # -- the three entry points -----------------------------------------------------------
 
-    def send(self, src: torch.Tensor, post: Post[R]) -> None:
-        """Send every chunk of the flat device buffer ``src`` through the staging slots,
-        in chunk order; returns when every send completed."""
+    def send(self, src: torch.Tensor, post: Post[R], chunks: Sequence[StageChunk] | None = None) -> None:
+        """Send ``chunks`` (default: all, in order) of the flat device buffer ``src``
+        through the send slots; returns when every send completed."""
+        self._drive([self._send_steps(src, post, self._select(chunks))])
+
+    def recv(self, dst: torch.Tensor, post: Post[R], mark: int, mode: RecvMode = RecvMode.COPY,
+             op: ReduceOp | str = ReduceOp.SUM, own: torch.Tensor | None = None,
+             chunks: Sequence[StageChunk] | None = None) -> None:
+        """Receive ``chunks`` (default: all, in order) into the flat device buffer ``dst``,
+        combined as ``mode`` says (``own``: the member's flat input, for COMBINE, indexed
+        like ``dst``), marking each chunk with ``mark`` once it is final."""
+        self._drive([self._recv_steps(dst, post, mark, mode, op, own, self._select(chunks))])
+
+    def exchange(self, src: torch.Tensor, post_send: Post[R], send_chunks: Sequence[StageChunk],
+                 dst: torch.Tensor, post_recv: Post[R], recv_chunks: Sequence[StageChunk], mark: int,
+                 mode: RecvMode = RecvMode.COPY, op: ReduceOp | str = ReduceOp.SUM,
+                 own: torch.Tensor | None = None) -> None:
+        """One ring step: send ``send_chunks`` of ``src`` while receiving ``recv_chunks``
+        into ``dst`` (as :meth:`recv`); the receives are posted before the first send."""
+        self._drive([self._recv_steps(dst, post_recv, mark, mode, op, own, self._select(recv_chunks)),
+                     self._send_steps(src, post_send, self._select(send_chunks))])
+
+    # -- send steps -----------------------------------------------------------------------
+
+    def _send_steps(self, src: torch.Tensor, post: Post[R], todo: deque[StageChunk]) -> Iterator[R]:
+        """D2H copies fill every free slot ahead; the oldest finished copy is posted; a
+        slot is reclaimed (yield: wait for its send) only when none is free."""
         check_flat(src, "the staged send's source")
         free: deque[int] = deque(range(self.slots))
         copying: deque[tuple[StageChunk, int, CopyEvent]] = deque()
         sending: deque[tuple[int, R]] = deque()
-        todo = deque(self.chunks)
         while todo or copying:
             while free and todo:                          # copy ahead into every free slot
                 chunk, slot = todo.popleft(), free.popleft()
-                ev = self.ops.to_host(self._stage(slot, chunk), self.ops.view(src, chunk.start, chunk.end))
+                ev = self.ops.to_host(self._stage("send", slot, chunk), self.ops.view(src, chunk.start, chunk.end))
                 self.stats.d2h += 1
                 self._copied()
                 copying.append((chunk, slot, ev))
@@ -175,21 +226,20 @@ class StagingPipeline(Generic[R]):
             if copying:                                   # the oldest copy goes on the wire
                 chunk, slot, ev = copying.popleft()
                 ev.wait()
-                sending.append((slot, self._post(post, chunk, self._stage(slot, chunk))))
+                sending.append((slot, self._post(post, chunk, self._stage("send", slot, chunk))))
             if not free and not copying and sending:      # reclaim the oldest slot
                 slot, req = sending.popleft()
-                self._finish(req)
+                yield req
                 free.append(slot)
         while sending:
-            self._finish(sending.popleft()[1])
+            yield sending.popleft()[1]
 
-    # -- receive ----------------------------------------------------------------------
+    # -- receive steps --------------------------------------------------------------------
 
-    def recv(self, dst: torch.Tensor, post: Post[R], mark: int, mode: RecvMode = RecvMode.COPY,
-             op: ReduceOp | str = ReduceOp.SUM, own: torch.Tensor | None = None) -> None:
-        """Receive every chunk (in chunk order) into the flat device buffer ``dst``, combined
-        as ``mode`` says (``own``: the member's flat input, for COMBINE, indexed like
-        ``dst``), marking each chunk with ``mark`` once it is final."""
+    def _recv_steps(self, dst: torch.Tensor, post: Post[R], mark: int, mode: RecvMode, op: ReduceOp | str,
+                    own: torch.Tensor | None, todo: deque[StageChunk]) -> Iterator[R]:
+        """Receives posted into every slot ahead; each completed one (yield: wait for it)
+        is landed on the device, and its slot re-posted once the H2D copy finished."""
         mode = RecvMode(mode)
         check_flat(dst, "the staged receive's destination")
         if mode is RecvMode.COMBINE:
@@ -197,30 +247,28 @@ class StagingPipeline(Generic[R]):
                 raise ConfigError("RecvMode.COMBINE needs own=<this member's flat input>")
             check_flat(own, "the member's own input")
         if mode is RecvMode.ACCUMULATE and self._scratch is None:
-            biggest = self.host[0].numel()
-            self._scratch = [self.ops.empty(biggest, self.dtype) for _ in range(self.slots)]
+            self._scratch = [self.ops.empty(self._slot_elems, self.dtype) for _ in range(self.slots)]
         posted: deque[tuple[StageChunk, int, R]] = deque()
-        todo = deque(self.chunks)
-        for slot in range(self.slots):                    # post ahead into every slot
+        for slot in range(min(self.slots, len(todo))):    # post ahead into every slot
             chunk = todo.popleft()
-            posted.append((chunk, slot, self._post(post, chunk, self._stage(slot, chunk))))
+            posted.append((chunk, slot, self._post(post, chunk, self._stage("recv", slot, chunk))))
         self._busy(len(posted))
         while posted:
             chunk, slot, req = posted.popleft()
-            self._finish(req)
+            yield req
             ev = self._land(chunk, slot, dst, mark, mode, op, own)
             ev.wait()                                     # the slot's bytes are on the device
             if mode is RecvMode.COPY:
                 self.reducer.marks.publish(chunk.index, mark)
             if todo:
                 nxt = todo.popleft()
-                posted.append((nxt, slot, self._post(post, nxt, self._stage(slot, nxt))))
+                posted.append((nxt, slot, self._post(post, nxt, self._stage("recv", slot, nxt))))
 
     def _land(self, chunk: StageChunk, slot: int, dst: torch.Tensor, mark: int, mode: RecvMode,
               op: ReduceOp | str, own: torch.Tensor | None) -> CopyEvent:
         """Enqueue the H2D copy of a received slot (and the reduction that consumes it)."""
         target = self.ops.view(dst, chunk.start, chunk.end)
-        stage = self._stage(slot, chunk)
+        stage = self._stage("recv", slot, chunk)
         if mode is RecvMode.ACCUMULATE:
             assert self._scratch is not None
             scratch = self._scratch[slot][:chunk.numel]
