@@ -85,7 +85,7 @@ def chunk_reducer(n_chunks: int, device: Any = "cpu") -> ChunkReducer:
     """A reducer for buffers on ``device``: ``"cpu"`` (or a CPU tensor/array) gives
     :class:`CpuChunkReducer`; ``"cuda"``/``"cuda:N"``/a ``torch.device`` of type cuda/a
     CUDA tensor or CuPy array gives :class:`resilient.kernels.cupy_impl.CupyChunkReducer`
-    (needs CuPy: ``pip install 'resilient-collectives[gpu]'``; raises
+    (needs CuPy: ``pip install -e '.[gpu]'``; raises
     :class:`~resilient.errors.ConfigError` saying so when it is missing)."""
     kind = str(device)
     if _is_cuda(device) or kind.startswith("cuda"):

@@ -56,8 +56,8 @@ def import_cupy() -> Any:
         import cupy  # noqa: PLC0415 - lazy on purpose
     except ImportError as exc:
         raise ConfigError(
-            f"the GPU kernels need CuPy ({exc}); install it with `pip install 'resilient-collectives[gpu]'` "
-            "(cupy-cuda12x), or use CPU tensors"
+            f"the GPU kernels need CuPy ({exc}); install it with `pip install -e '.[gpu]'` from a checkout "
+            "or `pip install 'resilient-collectives[gpu]'` (cupy-cuda12x), or use CPU tensors"
         ) from None
     return cupy
 

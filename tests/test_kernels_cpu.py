@@ -225,8 +225,9 @@ def test_gpu_reducer_without_gpu_raises_config_error_naming_the_fix():
         chunk_reducer(2, "cuda:0")
 
 
-def test_kernels_package_does_not_import_cupy_or_compile_anything():
-    code = "import sys, resilient.kernels, resilient.kernels.cupy_impl; print('cupy' in sys.modules)"
+def test_kernels_and_device_packages_do_not_import_cupy_or_compile_anything():
+    code = ("import sys, resilient.kernels, resilient.kernels.cupy_impl, resilient.device, resilient.device.cuda; "
+            "print('cupy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

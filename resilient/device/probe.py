@@ -1,0 +1,39 @@
+"""This process's :class:`~resilient.device.select.DeviceRecord`.
+
+One responsibility: describe where this member's tensors live, for the transport
+selection: the device string, and for a CUDA device its GPU UUID as torch reports it
+(``torch.cuda.get_device_properties(i).uuid``, written ``GPU-<hex>`` as nvidia-smi does).
+Whether NCCL is loadable is the caller's input (the NCCL transport knows how it loads
+the library).
+
+Failure behaviour: a CUDA device that this torch cannot see raises
+:class:`~resilient.errors.ConfigError` naming ``pip install -e '.[gpu]'``; a device type
+other than CPU/CUDA raises ``ConfigError``; nothing else raises.
+"""
+from __future__ import annotations
+
+import torch
+
+from resilient.device.cuda import INSTALL_HINT
+from resilient.device.select import DeviceRecord
+from resilient.errors import ConfigError
+
+
+def gpu_uuid(device: torch.device) -> str:
+    """``GPU-<hex>`` of a CUDA device of this process."""
+    if not torch.cuda.is_available():
+        raise ConfigError(f"cannot read the UUID of {device}: this torch ({torch.__version__}) sees no CUDA device; "
+                          f"{INSTALL_HINT}")
+    raw = str(torch.cuda.get_device_properties(device).uuid)
+    return "GPU-" + raw.removeprefix("GPU-")
+
+
+def local_record(member: str, host: str, device: torch.device | str, nccl: bool = False) -> DeviceRecord:
+    """This member's record: ``cpu``, or ``cuda:N`` with its GPU UUID."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return DeviceRecord(member, host, "cpu", None, nccl)
+    if dev.type != "cuda":
+        raise ConfigError(f"tensors on {dev} are not supported: use CPU or CUDA tensors")
+    index = dev.index if dev.index is not None else 0
+    return DeviceRecord(member, host, f"cuda:{index}", gpu_uuid(torch.device("cuda", index)), nccl)
