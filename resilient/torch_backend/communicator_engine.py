@@ -51,6 +51,7 @@ import torch
 
 from resilient.errors import ConfigError
 from resilient.live_world import World
+from resilient.torch_backend.p2p import PointToPoint
 
 
 class CommunicatorEngine:
@@ -66,6 +67,7 @@ class CommunicatorEngine:
         self.store, self.job, self.transport = store, job, transport
         #: False on a joiner until :meth:`wait_admitted` returns (ops go through the gate)
         self.admitted = not isinstance(comm, NotAdmittedGate)
+        self._p2p: PointToPoint | None = None
 
     def _comm_members(self) -> list[str]:
         m = self.comm.members
@@ -215,11 +217,21 @@ class CommunicatorEngine:
     def barrier(self) -> Any:
         return self.comm.barrier(async_op=True)
 
+    def _point_to_point(self) -> PointToPoint:
+        """The p2p ops of the current Communicator (fresh sequence numbers with each one)."""
+        if self._p2p is None or self._p2p.host is not self.comm:
+            self._p2p = PointToPoint(self.comm)
+        return self._p2p
+
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
-        return self.comm.send(tensor, dst, tag=tag, async_op=True)
+        if isinstance(self.comm, NotAdmittedGate):
+            return self.comm.send(tensor, dst, tag=tag, async_op=True)  # refused (leave_unadmitted)
+        return self._point_to_point().send(tensor, dst, tag)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
-        return self.comm.recv(tensor, src, tag=tag, async_op=True)
+        if isinstance(self.comm, NotAdmittedGate):
+            return self.comm.recv(tensor, src, tag=tag, async_op=True)
+        return self._point_to_point().recv(tensor, src, tag)
 
     def close(self) -> None:
         for c in [self.comm, self.watcher, *self._closers]:

@@ -38,7 +38,7 @@ from resilient.errors import ResilientError
 from resilient.torch_backend import composed
 from resilient.torch_backend.dtypes import Packed, for_reduce
 from resilient.torch_backend.engine import Engine
-from resilient.torch_backend.work import ResilientWork
+from resilient.torch_backend.work import ResilientWork, batch_work
 
 BACKEND_NAME = "resilient"
 
@@ -101,6 +101,33 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def __init__(self, engine: Engine, rank: int, size: int) -> None:
         super().__init__(rank, size)
         self.engine = engine
+        #: the Works issued since ``_start_coalescing`` (None: not coalescing)
+        self._coalesced: list[ResilientWork] | None = None
+
+    # -- coalescing (``dist._coalescing_manager(group, device)``) ------------------------
+
+    def _issued(self, work: ResilientWork) -> ResilientWork:
+        if self._coalesced is not None:
+            self._coalesced.append(work)
+        return work
+
+    def _start_coalescing(self, device: torch.device) -> None:
+        """``_coalescing_manager(group, device)`` begins: the ops until
+        :meth:`_end_coalescing` are issued as usual (each with its own fault contract)
+        and collected. Raises ValueError when a coalescing block is already open."""
+        if self._coalesced is not None:
+            raise ValueError("ProcessGroup 'resilient' is already coalescing (nested _coalescing_manager)")
+        self._coalesced = []
+
+    def _end_coalescing(self, device: torch.device) -> ResilientWork:
+        """One Work over every op issued since :meth:`_start_coalescing` (torch's coalesced
+        op, or a batch of isend/irecv): ``wait()`` completes them all and re-raises the
+        first error; ``contributors`` is the union of theirs (a coalesced collective: its
+        own set). Raises ValueError without a matching start."""
+        works, self._coalesced = self._coalesced, None
+        if works is None:
+            raise ValueError("_end_coalescing without _start_coalescing on ProcessGroup 'resilient'")
+        return batch_work(works)
 
     # -- identity ---------------------------------------------------------------------
 
@@ -133,24 +160,24 @@ class ResilientProcessGroup(dist.ProcessGroup):
 
     def _work(self, pair: tuple, result: object) -> ResilientWork:
         handle, then = pair
-        return ResilientWork(handle, result, then)
+        return self._issued(ResilientWork(handle, result, then))
 
     def allreduce(self, tensors, opts=None):  # type: ignore[override]
         t = _one(tensors, "all_reduce")
         wire, op, wb = for_reduce(t, _op_of(opts, "all_reduce"), "all_reduce")
-        return ResilientWork(self.engine.allreduce(wire, op), list(tensors), wb)
+        return self._issued(ResilientWork(self.engine.allreduce(wire, op), list(tensors), wb))
 
     def broadcast(self, tensors, opts=None):  # type: ignore[override]
         t = _one(tensors, "broadcast")
         p = Packed(t)
-        return ResilientWork(self.engine.broadcast(p.wire, _root(opts)), list(tensors), None if p.native else p.unpack)
+        return self._issued(ResilientWork(self.engine.broadcast(p.wire, _root(opts)), list(tensors), None if p.native else p.unpack))
 
     def allgather(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
         inp = _one(input_tensors, "all_gather")
         if len(output_tensors) != 1:
             raise UnsupportedOperation("all_gather with several input tensors per process")
         _check_cpu(output_tensors[0], "all_gather")
-        return self._work(composed.allgather_into(self.engine, output_tensors[0], inp), output_tensors)
+        return self._issued(self._work(composed.allgather_into(self.engine, output_tensors[0], inp), output_tensors))
 
     def all_gather_single(self, output, input, opts=None):  # noqa: A002 - torch's names
         _check_cpu([output, input], "all_gather_into_tensor")
@@ -161,7 +188,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         target = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
         h, then = composed.allgather_into(self.engine, _chunks(target, n, input.shape), input)
         back = None if target is output else (lambda: output.copy_(target))
-        return ResilientWork(h, [output], composed._chain(then, back))
+        return self._issued(ResilientWork(h, [output], composed._chain(then, back)))
 
     _allgather_base = all_gather_single
 
@@ -174,7 +201,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         op = _op_of(opts, "reduce_scatter")
         wire, wop, wb = for_reduce(out, op, "reduce_scatter")
         wires = [for_reduce(x, op, "reduce_scatter")[0] for x in ins]
-        return ResilientWork(self.engine.reduce_scatter(wire, wires, wop), output_tensors, wb)
+        return self._issued(ResilientWork(self.engine.reduce_scatter(wire, wires, wop), output_tensors, wb))
 
     def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002
         _check_cpu([output, input], "reduce_scatter_tensor")
@@ -186,46 +213,46 @@ class ResilientProcessGroup(dist.ProcessGroup):
         ins = _chunks(input.detach().contiguous(), n, output.shape)
         wire, wop, wb = for_reduce(output, op, "reduce_scatter_tensor")
         wires = [for_reduce(x, op, "reduce_scatter_tensor")[0] for x in ins]
-        return ResilientWork(self.engine.reduce_scatter(wire, wires, wop), [output], wb)
+        return self._issued(ResilientWork(self.engine.reduce_scatter(wire, wires, wop), [output], wb))
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce(self, tensors, opts=None):  # type: ignore[override]
         t = _one(tensors, "reduce")
         pair = composed.reduce(self.engine, t, _op_of(opts, "reduce"), _root(opts), self.rank())
-        return self._work(pair, list(tensors))
+        return self._issued(self._work(pair, list(tensors)))
 
     def gather(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
         inp = _one(input_tensors, "gather")
         outs = output_tensors[0] if output_tensors else []
         _check_cpu(outs, "gather")
         pair = composed.gather(self.engine, outs, inp, _root(opts), self.rank(), self.size())
-        return self._work(pair, output_tensors)
+        return self._issued(self._work(pair, output_tensors))
 
     def scatter(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
         out = _one(output_tensors, "scatter")
         ins = input_tensors[0] if input_tensors else []
         _check_cpu(ins, "scatter")
         pair = composed.scatter(self.engine, out, ins, _root(opts), self.rank(), self.size())
-        return self._work(pair, output_tensors)
+        return self._issued(self._work(pair, output_tensors))
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # type: ignore[override]  # noqa: A002
         _check_cpu([output, input], "all_to_all_single")
         pair = composed.all_to_all_single(self.engine, output, input, list(output_split_sizes or []),
                                           list(input_split_sizes or []), self.rank(), self.size())
-        return self._work(pair, [output])
+        return self._issued(self._work(pair, [output]))
 
     all_to_all_single = alltoall_base
 
     def alltoall(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
         _check_cpu([*output_tensors, *input_tensors], "all_to_all")
         pair = composed.all_to_all(self.engine, output_tensors, input_tensors, self.rank(), self.size())
-        return self._work(pair, output_tensors)
+        return self._issued(self._work(pair, output_tensors))
 
     def allreduce_coalesced(self, tensors, opts=None):  # type: ignore[override]
         _check_cpu(tensors, "all_reduce_coalesced")
         pair = composed.allreduce_coalesced(self.engine, tensors, _op_of(opts, "all_reduce_coalesced"))
-        return self._work(pair, list(tensors))
+        return self._issued(self._work(pair, list(tensors)))
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):  # type: ignore[override]
         _check_cpu([*input_list, *[t for lst in output_lists for t in lst]], "all_gather_coalesced")
@@ -235,7 +262,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
                              f"{len(input_list)} tensors (one per input)")
         by_input = [[output_lists[r][k] for r in range(n)] for k in range(len(input_list))]
         pair = composed.allgather_coalesced(self.engine, by_input, input_list, n, "all_gather_coalesced")
-        return self._work(pair, output_lists)
+        return self._issued(self._work(pair, output_lists))
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):  # type: ignore[override]
         _check_cpu([*outputs, *inputs], "all_gather_into_tensor_coalesced")
@@ -246,7 +273,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
                                  f"{n} x its input's elements ({o.numel()} vs {i.numel()})")
         lists = [_chunks(o, n, i.shape) for o, i in zip(outputs, inputs)]
         pair = composed.allgather_coalesced(self.engine, lists, inputs, n, "all_gather_into_tensor_coalesced")
-        return self._work(pair, list(outputs))
+        return self._issued(self._work(pair, list(outputs)))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -254,12 +281,12 @@ class ResilientProcessGroup(dist.ProcessGroup):
         _check_cpu([*outputs, *inputs], "reduce_scatter_tensor_coalesced")
         pair = composed.reduce_scatter_coalesced(self.engine, outputs, inputs,
                                                  _op_of(opts, "reduce_scatter_tensor_coalesced"), self.size())
-        return self._work(pair, list(outputs))
+        return self._issued(self._work(pair, list(outputs)))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def barrier(self, opts=None):  # type: ignore[override]
-        return ResilientWork(self.engine.barrier(), None)
+        return self._issued(ResilientWork(self.engine.barrier(), None))
 
     def _mailbox(self) -> composed.SelfMailbox:
         box = self.__dict__.get("_self_box")
@@ -270,17 +297,17 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def send(self, tensors, dst_rank, tag=0):  # type: ignore[override]
         t = _one(tensors, "send")
         if int(dst_rank) == self.rank():
-            return ResilientWork(self._mailbox().send(t, int(tag)), list(tensors))
+            return self._issued(ResilientWork(self._mailbox().send(t, int(tag)), list(tensors)))
         p = Packed(t)
-        return ResilientWork(self.engine.send(p.wire, int(dst_rank), int(tag)), list(tensors))
+        return self._issued(ResilientWork(self.engine.send(p.wire, int(dst_rank), int(tag)), list(tensors)))
 
     def recv(self, tensors, src_rank, tag=0):  # type: ignore[override]
         t = _one(tensors, "recv")
         if int(src_rank) == self.rank():
-            return ResilientWork(self._mailbox().recv(t, int(tag)), list(tensors))
+            return self._issued(ResilientWork(self._mailbox().recv(t, int(tag)), list(tensors)))
         p = Packed(t, fill=False)
-        return ResilientWork(self.engine.recv(p.wire, int(src_rank), int(tag)), list(tensors),
-                             None if p.native else p.unpack)
+        return self._issued(ResilientWork(self.engine.recv(p.wire, int(src_rank), int(tag)), list(tensors),
+                             None if p.native else p.unpack))
 
     # -- not supported: name the op ----------------------------------------------------
 
