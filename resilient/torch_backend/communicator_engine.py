@@ -262,7 +262,8 @@ def from_environment(store: Any = None, rank: int = 0, size: int = 1,
     except ImportError as exc:
         raise ConfigError(f"the resilient collectives (resilient.collectives.Communicator) are not "
                           f"available: {exc}") from exc
-    from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession
+    from resilient.coordinator.epoch import EpochWatcher
+    from resilient.coordinator.membership import MemberInfo, MemberSession
     from resilient.coordinator.etcd_access import open_store_from_env
     from resilient.transport.hybrid import make_transport
 
@@ -385,7 +386,7 @@ def _make_communicator(store: Any, job: str, session: Any, watcher: Any, transpo
 
     epoch = watcher.current()
     view = AdmittedView(EtcdGroupView(store, job, session, watcher), set(epoch.members) if epoch else set())
-    kwargs = {"joining": False} if "joining" in inspect.signature(Communicator).parameters else {}
+    kwargs: dict[str, Any] = {"joining": False} if "joining" in inspect.signature(Communicator).parameters else {}
     from resilient.health_reporter import HealthReporter
     from resilient.metrics import multiprocess_enabled, rank_metrics
 

@@ -37,7 +37,7 @@ from resilient.errors import CollectiveError, GroupChanged, ResilientError
 from resilient.torch_backend.dtypes import Packed, for_reduce
 from resilient.torch_backend.engine import Engine, Handle
 
-Then = Callable[[], None] | None
+Then = Callable[[], object] | None
 
 
 class AllOf:
@@ -247,6 +247,11 @@ def _split_into(flat: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
         off += t.numel()
 
 
+def _splitter(flat: torch.Tensor, targets: Sequence[torch.Tensor]) -> Callable[[], None]:
+    """The step that copies consecutive parts of ``flat`` into ``targets``."""
+    return lambda: _split_into(flat, targets)
+
+
 def allreduce_coalesced(engine: Engine, tensors: Sequence[torch.Tensor], op: str) -> tuple[Handle, Then]:
     handles, steps = [], []
     for group in _by_dtype(range(len(tensors)), [t.dtype for t in tensors]):
@@ -254,7 +259,7 @@ def allreduce_coalesced(engine: Engine, tensors: Sequence[torch.Tensor], op: str
         flat = torch.cat([t.detach().reshape(-1) for t in ts])
         wire, wop, wb = for_reduce(flat, op, "all_reduce_coalesced")
         handles.append(engine.allreduce(wire, wop))
-        steps.append(_chain(wb, lambda flat=flat, ts=ts: _split_into(flat, ts)))
+        steps.append(_chain(wb, _splitter(flat, ts)))
     return AllOf(handles, "all_reduce_coalesced"), _chain(*steps)
 
 
@@ -269,10 +274,7 @@ def allgather_coalesced(engine: Engine, output_lists: Sequence[Sequence[torch.Te
         h, unpack = allgather_into(engine, outs, flat)
         handles.append(h)
 
-        def place(outs=outs, group=group) -> None:
-            for r in range(n):
-                _split_into(outs[r], [output_lists[i][r] for i in group])
-        steps.append(_chain(unpack, place))
+        steps.append(_chain(unpack, *[_splitter(outs[r], [output_lists[i][r] for i in group]) for r in range(n)]))
     return AllOf(handles, what), _chain(*steps)
 
 
@@ -292,7 +294,7 @@ def reduce_scatter_coalesced(engine: Engine, outputs: Sequence[torch.Tensor], in
         wire, wop, wb = for_reduce(flat, op, "reduce_scatter_tensor_coalesced")
         wires = [for_reduce(c, op, "reduce_scatter_tensor_coalesced")[0] for c in chunks]
         handles.append(engine.reduce_scatter(wire, wires, wop))
-        steps.append(_chain(wb, lambda flat=flat, outs=outs: _split_into(flat, outs)))
+        steps.append(_chain(wb, _splitter(flat, outs)))
     return AllOf(handles, "reduce_scatter_tensor_coalesced"), _chain(*steps)
 
 
@@ -325,11 +327,11 @@ class SelfMailbox:
 class _SelfHandle:
     def __init__(self, box: SelfMailbox, target: torch.Tensor | None, tag: int) -> None:
         self.box, self.target, self.tag = box, target, tag
-        self.contributors = (box.member_id,)
+        self.contributors: tuple[str, ...] = (box.member_id,)
         self._done = target is None
 
     def wait(self, timeout: float | None = None) -> bool:
-        if self._done:
+        if self._done or self.target is None:
             return True
         with self.box._cond:
             if not self.box._cond.wait_for(lambda: self.box._boxes.get(self.tag), timeout):

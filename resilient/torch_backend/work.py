@@ -23,12 +23,12 @@ from resilient.torch_backend.engine import Handle
 class ResilientWork(dist.Work):
     """A running op (see the module docstring)."""
 
-    def __init__(self, handle: Handle, result: Any, then: Callable[[], None] | None = None) -> None:
+    def __init__(self, handle: Handle, result: Any, then: Callable[[], object] | None = None) -> None:
         super().__init__()
         self.handle = handle
         self._result = result
         self._then = then
-        self._future: Future = Future()
+        self._future: Future[Any] = Future()
         self._lock = threading.Lock()
         self._done_lock = threading.Lock()
         self._started = False
@@ -95,7 +95,7 @@ class ResilientWork(dist.Work):
             return exc
         return None
 
-    def get_future(self) -> Future:
+    def get_future(self) -> Future[Any]:
         self._ensure_watcher()
         return self._future
 
