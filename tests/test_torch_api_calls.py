@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from collective_harness import coordinator
+from torch_proc_helpers import revoke_lease_on_exit
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "torch_api_worker.py"
@@ -46,26 +47,7 @@ def _run(etcd: str, job: str, call: str, tmp: Path) -> tuple[dict, list[int], st
                               stdout=subprocess.PIPE, stderr=open(tmp / f"{r}.err", "w"), text=True, env=env, cwd=ROOT)
              for r in range(WORLD)]
 
-    def watch(p: subprocess.Popen) -> None:
-        """Revoke the rank's lease the moment it exits (what resilient-run's agent does)."""
-        lease = None
-        for line in p.stdout:
-            if line.startswith("LEASE "):
-                lease = line.split()[1:]
-        p.wait()
-        if lease:
-            from resilient.coordinator import Store
-            from resilient.coordinator.membership import revoke_member
-
-            st = Store(etcd)
-            try:
-                revoke_member(st, job, lease[0], int(lease[1]), reason=f"exited {p.returncode}")
-            except Exception:  # noqa: BLE001 - the TTL removes it anyway
-                pass
-            finally:
-                st.close()
-
-    threads = [threading.Thread(target=watch, args=(p,), daemon=True) for p in procs]
+    threads = [threading.Thread(target=revoke_lease_on_exit, args=(p, etcd, job), daemon=True) for p in procs]
     for t in threads:
         t.start()
     try:

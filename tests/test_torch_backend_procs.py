@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from torch_proc_helpers import revoke_lease_on_exit
+
 ROOT = Path(__file__).resolve().parents[1]
 RUN = [sys.executable, "-c", "import sys; from resilient.launcher.cli import main; sys.exit(main())"]
 
@@ -112,26 +114,6 @@ def test_dist_ops_and_live_world_under_resilient_run(tmp_path):
 SPLICE_WORKER = ROOT / "tests" / "workers" / "joiner_splice_worker.py"
 
 
-def _revoke_on_exit(p: subprocess.Popen, etcd: str, job: str) -> None:
-    """Revoke the process's lease the moment it exits (what resilient-run's agent does)."""
-    lease = None
-    for line in p.stdout:
-        if line.startswith("LEASE "):
-            lease = line.split()[1:]
-    p.wait()
-    if lease:
-        from resilient.coordinator import Store
-        from resilient.coordinator.membership import revoke_member
-
-        st = Store(etcd)
-        try:
-            revoke_member(st, job, lease[0], int(lease[1]), reason=f"exited {p.returncode}")
-        except Exception:  # noqa: BLE001 - the TTL removes it anyway
-            pass
-        finally:
-            st.close()
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_joiner_s_first_all_reduce_is_never_spliced_into_the_survivors_ops(etcd_session, job_name, tmp_path):
@@ -160,7 +142,7 @@ def test_a_joiner_s_first_all_reduce_is_never_spliced_into_the_survivors_ops(etc
                              stdout=subprocess.PIPE, stderr=open(tmp_path / f"{role}{rank}.err", "w"),  # noqa: SIM115
                              text=True, env={**env, **extra}, cwd=ROOT)
         procs.append(p)
-        threading.Thread(target=_revoke_on_exit, args=(p, etcd, job_name), daemon=True).start()
+        threading.Thread(target=revoke_lease_on_exit, args=(p, etcd, job_name), daemon=True).start()
 
     def logs() -> str:
         return "\n".join(f"--- {f.name}\n{f.read_text()[-2000:]}" for f in sorted(tmp_path.glob("*.err")))
