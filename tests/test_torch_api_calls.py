@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from collective_harness import coordinator
-from torch_proc_helpers import revoke_lease_on_exit
+from torch_proc_helpers import revoke_lease_on_exit, wait_then_kill
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "torch_api_worker.py"
@@ -51,13 +51,8 @@ def _run(etcd: str, job: str, call: str, tmp: Path) -> tuple[dict, list[int], st
     for t in threads:
         t.start()
     try:
-        for p in procs:
-            p.wait(timeout=120)
+        wait_then_kill(procs, 120)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
         for t in threads:
             t.join(10)
     logs = "\n".join(f"--- rank {r}\n" + (tmp / f"{r}.err").read_text()[-2500:] for r in range(WORLD))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from torch_proc_helpers import revoke_lease_on_exit
+from torch_proc_helpers import revoke_lease_on_exit, wait_then_kill
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = [sys.executable, "-c", "import sys; from resilient.launcher.cli import main; sys.exit(main())"]
@@ -152,13 +152,8 @@ def test_a_joiner_s_first_all_reduce_is_never_spliced_into_the_survivors_ops(etc
             for r in range(3):
                 start("survivor", r, {})
             start("joiner", 3, {"RESILIENT_JOINER": "1"})  # registers once the survivors' epoch of 3 exists
-            for p in procs:
-                p.wait(timeout=120)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+            wait_then_kill(procs, 120)
     assert [p.returncode for p in procs] == [0, 0, 0, 0], logs()
     res = {r: json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)}
     joiner = json.loads((tmp_path / "joiner.json").read_text())

@@ -25,3 +25,16 @@ def revoke_lease_on_exit(p: subprocess.Popen, etcd: str, job: str) -> None:
             pass
         finally:
             st.close()
+
+
+def wait_then_kill(procs: list[subprocess.Popen], timeout: float) -> None:
+    """Wait for every process (``timeout`` s each, TimeoutExpired propagates); SIGKILL and
+    reap whichever of them is still running on the way out."""
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
