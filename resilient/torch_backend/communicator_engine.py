@@ -16,7 +16,8 @@ the job's control plane, built from the environment ``resilient-run`` gives a wo
    suite) the member registers with ``local_rank`` = the ``rank`` given to
    ``init_process_group`` (the planner orders a host's members by it), waits for an epoch
    of exactly ``world_size`` members, and checks that it sits at that rank;
-4. builds the Communicator on the etcd-backed group view.
+4. builds the Communicator on the etcd-backed group view. ``send``/``recv`` run through
+   :mod:`.p2p` on that Communicator's op thread (ops of a batch posted together).
 
 The torch ``store`` (the launcher's TCPStore) is not used: etcd is the rendezvous.
 
