@@ -10,9 +10,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+
+from torch_proc_helpers import revoke_lease_on_exit, wait_then_kill
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = [sys.executable, "-c", "import sys; from resilient.launcher.cli import main; sys.exit(main())"]
@@ -106,3 +109,58 @@ def test_dist_ops_and_live_world_under_resilient_run(tmp_path):
         assert k["values"] == [2.0]  # (1 + 2 + 3) / 3: the mean over the contributors
         assert k["size"] == 3 and k["world_members"] == [m for m in k["world_members"] if m in survivors]
         assert k["rank"] == k["world_members"].index(d["member"])
+
+
+SPLICE_WORKER = ROOT / "tests" / "workers" / "joiner_splice_worker.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_joiner_s_first_all_reduce_is_never_spliced_into_the_survivors_ops(etcd_session, job_name, tmp_path):
+    """Issue 12 item 3, root cause of the restarted worker's wrong first all_reduce: the
+    Communicator admitted a joiner at an op boundary — the survivors adopted the grown
+    epoch at their next op seq and the joiner started there — so an unchanged script's
+    op 0 on the joiner met the survivors' op k (same shape, dtype and op: nothing told
+    them apart) and both got crc(survivors)*(k+1) + crc(joiner)*1. Now a Communicator
+    never grows by itself (AdmittedView; joiners are admitted only where every member
+    rebuilds at op seq 0, State.sync()). Here the joiner's gate is opened on purpose, so
+    its op 0 really runs: the survivors' ops must stay exact over contributor sets that
+    never include it, and the joiner's op must not return a value that is not the exact
+    sum over the contributors it reports (with RESILIENT_TEST_OLD_ADMISSION=1, the old
+    construction, both fail)."""
+    from collective_harness import coordinator
+
+    etcd = etcd_session.endpoint_arg
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}", RESILIENT_ETCD=etcd, RESILIENT_JOB=job_name,
+               RESILIENT_LEASE_TTL="2", OMP_NUM_THREADS="1")
+    for k in ("RESILIENT_MEMBER_ID", "RESILIENT_FAILPOINTS", "RANK", "WORLD_SIZE", "RESILIENT_JOINER"):
+        env.pop(k, None)
+    procs: list[subprocess.Popen] = []
+
+    def start(role: str, rank: int, extra: dict[str, str]) -> None:
+        p = subprocess.Popen([sys.executable, str(SPLICE_WORKER), role, str(rank), "3", str(tmp_path)],
+                             stdout=subprocess.PIPE, stderr=open(tmp_path / f"{role}{rank}.err", "w"),  # noqa: SIM115
+                             text=True, env={**env, **extra}, cwd=ROOT)
+        procs.append(p)
+        threading.Thread(target=revoke_lease_on_exit, args=(p, etcd, job_name), daemon=True).start()
+
+    def logs() -> str:
+        return "\n".join(f"--- {f.name}\n{f.read_text()[-2000:]}" for f in sorted(tmp_path.glob("*.err")))
+
+    with coordinator(etcd, job_name, ttl=2.0):
+        try:
+            for r in range(3):
+                start("survivor", r, {})
+            start("joiner", 3, {"RESILIENT_JOINER": "1"})  # registers once the survivors' epoch of 3 exists
+        finally:
+            wait_then_kill(procs, 120)
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], logs()
+    res = {r: json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)}
+    joiner = json.loads((tmp_path / "joiner.json").read_text())
+    survivors = {d["member"] for d in res.values()}
+    for r, d in res.items():
+        assert len(d["ops"]) > 8, d
+        for i, contributors, ok in d["ops"]:
+            assert set(contributors) == survivors and ok, (r, i, contributors, ok, joiner)
+    if joiner["state"] == "done":
+        assert joiner["exact"], joiner

@@ -306,6 +306,13 @@ class Communicator:
         t = _as_tensor(tensor, "recv tensor")
         return self._submit(lambda: self._p2p_op(t, src, tag, False), async_op)
 
+    def run_on_op_thread(self, fn: Callable[[], OpResult], async_op: bool = True) -> Any:
+        """Run ``fn`` on the op thread, after the ops queued before it, as an op of its own
+        (a :class:`Work`; ``fn``'s exception fails it). The transport has one user at a
+        time, this thread: this is how a caller outside this class drives it (the torch
+        backend's point-to-point, ``resilient/torch_backend/p2p.py``)."""
+        return self._submit(fn, async_op)
+
     @property
     def members(self) -> list[str]:
         return self._members()

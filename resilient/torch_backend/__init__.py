@@ -26,7 +26,8 @@ import importlib.machinery
 import sys
 import threading
 from datetime import timedelta
-from typing import Any, Callable
+import types
+from typing import Any, Callable, Sequence
 
 # torch is imported lazily: ``import resilient`` must stay cheap for ``resilient status``.
 BACKEND_NAME = "resilient"
@@ -74,7 +75,9 @@ def _create(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
         return ResilientProcessGroup(subgroup.create(_current, store, rank, size, timeout), rank, size)
     factory = _engine_factory
     if factory is None:
-        from resilient.torch_backend.communicator_engine import from_environment as factory
+        from resilient.torch_backend.communicator_engine import from_environment
+
+        factory = from_environment
     engine = factory(store=store, rank=rank, size=size, timeout=timeout)
     from resilient.errors import RemovedFromGroup
     from resilient.torch_backend.op_log import wrap_from_environment
@@ -112,7 +115,8 @@ class _RegisterWhenTorchDistributedLoads(importlib.abc.MetaPathFinder):
     """Registers the backend right after ``torch.distributed`` is imported (so ``import
     resilient`` before ``import torch`` works without importing torch itself)."""
 
-    def find_spec(self, fullname, path, target=None):  # type: ignore[override]
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if fullname != "torch.distributed":
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)

@@ -84,7 +84,7 @@ def encode(obj: Any) -> bytes:
     header, tensors, nbytes = split(obj)
     out = torch.zeros(8 + len(header) + nbytes, dtype=torch.uint8)
     raw = out.numpy()
-    struct.pack_into("<Q", raw, 0, len(header))
+    raw[:8] = memoryview(struct.pack("<Q", len(header)))
     raw[8:8 + len(header)] = memoryview(header)
     pack_into(header, tensors, out[8 + len(header):])
     return raw.tobytes()

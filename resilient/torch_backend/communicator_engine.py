@@ -16,7 +16,8 @@ the job's control plane, built from the environment ``resilient-run`` gives a wo
    suite) the member registers with ``local_rank`` = the ``rank`` given to
    ``init_process_group`` (the planner orders a host's members by it), waits for an epoch
    of exactly ``world_size`` members, and checks that it sits at that rank;
-4. builds the Communicator on the etcd-backed group view.
+4. builds the Communicator on the etcd-backed group view. ``send``/``recv`` run through
+   :mod:`.p2p` on that Communicator's op thread (ops of a batch posted together).
 
 The torch ``store`` (the launcher's TCPStore) is not used: etcd is the rendezvous.
 
@@ -51,6 +52,7 @@ import torch
 
 from resilient.errors import ConfigError
 from resilient.live_world import World
+from resilient.torch_backend.p2p import PointToPoint
 
 
 class CommunicatorEngine:
@@ -66,6 +68,7 @@ class CommunicatorEngine:
         self.store, self.job, self.transport = store, job, transport
         #: False on a joiner until :meth:`wait_admitted` returns (ops go through the gate)
         self.admitted = not isinstance(comm, NotAdmittedGate)
+        self._p2p: PointToPoint | None = None
 
     def _comm_members(self) -> list[str]:
         m = self.comm.members
@@ -215,11 +218,21 @@ class CommunicatorEngine:
     def barrier(self) -> Any:
         return self.comm.barrier(async_op=True)
 
+    def _point_to_point(self) -> PointToPoint:
+        """The p2p ops of the current Communicator (fresh sequence numbers with each one)."""
+        if self._p2p is None or self._p2p.host is not self.comm:
+            self._p2p = PointToPoint(self.comm)
+        return self._p2p
+
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
-        return self.comm.send(tensor, dst, tag=tag, async_op=True)
+        if isinstance(self.comm, NotAdmittedGate):
+            return self.comm.send(tensor, dst, tag=tag, async_op=True)  # refused (leave_unadmitted)
+        return self._point_to_point().send(tensor, dst, tag)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
-        return self.comm.recv(tensor, src, tag=tag, async_op=True)
+        if isinstance(self.comm, NotAdmittedGate):
+            return self.comm.recv(tensor, src, tag=tag, async_op=True)
+        return self._point_to_point().recv(tensor, src, tag)
 
     def close(self) -> None:
         for c in [self.comm, self.watcher, *self._closers]:
@@ -250,7 +263,8 @@ def from_environment(store: Any = None, rank: int = 0, size: int = 1,
     except ImportError as exc:
         raise ConfigError(f"the resilient collectives (resilient.collectives.Communicator) are not "
                           f"available: {exc}") from exc
-    from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession
+    from resilient.coordinator.epoch import EpochWatcher
+    from resilient.coordinator.membership import MemberInfo, MemberSession
     from resilient.coordinator.etcd_access import open_store_from_env
     from resilient.transport.hybrid import make_transport
 
@@ -373,7 +387,7 @@ def _make_communicator(store: Any, job: str, session: Any, watcher: Any, transpo
 
     epoch = watcher.current()
     view = AdmittedView(EtcdGroupView(store, job, session, watcher), set(epoch.members) if epoch else set())
-    kwargs = {"joining": False} if "joining" in inspect.signature(Communicator).parameters else {}
+    kwargs: dict[str, Any] = {"joining": False} if "joining" in inspect.signature(Communicator).parameters else {}
     from resilient.health_reporter import HealthReporter
     from resilient.metrics import multiprocess_enabled, rank_metrics
 

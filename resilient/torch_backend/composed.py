@@ -21,7 +21,10 @@ over ``contributors`` or the op fails with a named :class:`~resilient.errors.Col
 before the op started). An op made of several engine ops whose parts completed over
 different member sets (a member died between two of them) raises ``CollectiveError``
 naming both sets instead of returning a mix. Split sizes that do not match across ranks
-raise ``ValueError`` on every rank (each checks the exchanged matrix).
+raise ``ValueError`` on every rank (each checks the exchanged matrix). A ``gather``/``scatter``
+root whose list has another length than the group has members (one died after the caller
+sized the list, as torch's object collectives do between their two ops) gets
+``GroupChanged`` and every other rank ``InputMismatch`` — no rank waits for the others.
 """
 from __future__ import annotations
 
@@ -30,11 +33,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from resilient.errors import CollectiveError
+from resilient.errors import CollectiveError, GroupChanged, ResilientError
 from resilient.torch_backend.dtypes import Packed, for_reduce
 from resilient.torch_backend.engine import Engine, Handle
 
-Then = Callable[[], None] | None
+Then = Callable[[], object] | None
 
 
 class AllOf:
@@ -73,6 +76,37 @@ def _chain(*steps: Then) -> Then:
     return run
 
 
+class _Refused:
+    """The handle of an op this rank took part in only to fail it (see :func:`_refuse`)."""
+
+    def __init__(self, inner: Handle, error: CollectiveError) -> None:
+        self.inner, self.error = inner, error
+        self.contributors: tuple[str, ...] = ()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        try:
+            if not self.inner.wait(timeout):
+                return False
+        except ResilientError:  # the others' InputMismatch, relayed: ours says why
+            pass
+        raise self.error
+
+    def is_completed(self) -> bool:
+        return self.inner.is_completed()
+
+
+def _refuse(engine: Engine, what: str, got: int, n: int, post: Callable[[torch.Tensor], Handle]) -> tuple[Handle, Then]:
+    """The root's list has ``got`` entries but the group has ``n`` members (one left after
+    the caller sized the list from the world size, or the list is wrong). Raising at the
+    call would leave the other ranks waiting in the op for the root, so the root takes
+    part with a descriptor nobody else uses (``post(marker)``): every other rank's op then
+    fails with :class:`~resilient.errors.InputMismatch`, and the root's handle raises
+    :class:`~resilient.errors.GroupChanged` saying what to do."""
+    err = GroupChanged(f"{what}, the group has {n} members: a member left after the list was made (or the list "
+                       "is wrong); call again with one entry per current member (dist.get_world_size())", got, n)
+    return _Refused(post(torch.zeros(1, 1, 1, dtype=torch.int32)), err), None
+
+
 # -- rooted ops ----------------------------------------------------------------------
 
 
@@ -93,7 +127,8 @@ def allgather_into(engine: Engine, outputs: Sequence[torch.Tensor], inp: torch.T
 def gather(engine: Engine, outputs: Sequence[torch.Tensor], inp: torch.Tensor, dst: int, me: int,
            n: int) -> tuple[Handle, Then]:
     if me == dst and len(outputs) != n:
-        raise ValueError(f"gather: the gather_list on dst has {len(outputs)} tensors, need the world size {n}")
+        return _refuse(engine, f"gather: the gather_list on dst has {len(outputs)} tensors", len(outputs), n,
+                       lambda mark: engine.allgather([torch.empty_like(mark) for _ in range(n)], mark))
     outs = list(outputs) if me == dst else [torch.empty_like(inp) for _ in range(n)]
     return allgather_into(engine, outs, inp)
 
@@ -103,7 +138,8 @@ def scatter(engine: Engine, out: torch.Tensor, inputs: Sequence[torch.Tensor], s
     m = out.numel()
     if me == src:
         if len(inputs) != n:
-            raise ValueError(f"scatter: the scatter_list on src has {len(inputs)} tensors, need the world size {n}")
+            return _refuse(engine, f"scatter: the scatter_list on src has {len(inputs)} tensors", len(inputs), n,
+                           lambda mark: engine.broadcast(mark, src))
         for i, x in enumerate(inputs):
             if x.numel() != m or x.dtype != out.dtype:
                 raise ValueError(f"scatter: scatter_list[{i}] is {tuple(x.shape)}/{x.dtype}, the output is "
@@ -211,6 +247,11 @@ def _split_into(flat: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
         off += t.numel()
 
 
+def _splitter(flat: torch.Tensor, targets: Sequence[torch.Tensor]) -> Callable[[], None]:
+    """The step that copies consecutive parts of ``flat`` into ``targets``."""
+    return lambda: _split_into(flat, targets)
+
+
 def allreduce_coalesced(engine: Engine, tensors: Sequence[torch.Tensor], op: str) -> tuple[Handle, Then]:
     handles, steps = [], []
     for group in _by_dtype(range(len(tensors)), [t.dtype for t in tensors]):
@@ -218,7 +259,7 @@ def allreduce_coalesced(engine: Engine, tensors: Sequence[torch.Tensor], op: str
         flat = torch.cat([t.detach().reshape(-1) for t in ts])
         wire, wop, wb = for_reduce(flat, op, "all_reduce_coalesced")
         handles.append(engine.allreduce(wire, wop))
-        steps.append(_chain(wb, lambda flat=flat, ts=ts: _split_into(flat, ts)))
+        steps.append(_chain(wb, _splitter(flat, ts)))
     return AllOf(handles, "all_reduce_coalesced"), _chain(*steps)
 
 
@@ -233,10 +274,7 @@ def allgather_coalesced(engine: Engine, output_lists: Sequence[Sequence[torch.Te
         h, unpack = allgather_into(engine, outs, flat)
         handles.append(h)
 
-        def place(outs=outs, group=group) -> None:
-            for r in range(n):
-                _split_into(outs[r], [output_lists[i][r] for i in group])
-        steps.append(_chain(unpack, place))
+        steps.append(_chain(unpack, *[_splitter(outs[r], [output_lists[i][r] for i in group]) for r in range(n)]))
     return AllOf(handles, what), _chain(*steps)
 
 
@@ -256,7 +294,7 @@ def reduce_scatter_coalesced(engine: Engine, outputs: Sequence[torch.Tensor], in
         wire, wop, wb = for_reduce(flat, op, "reduce_scatter_tensor_coalesced")
         wires = [for_reduce(c, op, "reduce_scatter_tensor_coalesced")[0] for c in chunks]
         handles.append(engine.reduce_scatter(wire, wires, wop))
-        steps.append(_chain(wb, lambda flat=flat, outs=outs: _split_into(flat, outs)))
+        steps.append(_chain(wb, _splitter(flat, outs)))
     return AllOf(handles, "reduce_scatter_tensor_coalesced"), _chain(*steps)
 
 
@@ -289,11 +327,11 @@ class SelfMailbox:
 class _SelfHandle:
     def __init__(self, box: SelfMailbox, target: torch.Tensor | None, tag: int) -> None:
         self.box, self.target, self.tag = box, target, tag
-        self.contributors = (box.member_id,)
+        self.contributors: tuple[str, ...] = (box.member_id,)
         self._done = target is None
 
     def wait(self, timeout: float | None = None) -> bool:
-        if self._done:
+        if self._done or self.target is None:
             return True
         with self.box._cond:
             if not self.box._cond.wait_for(lambda: self.box._boxes.get(self.tag), timeout):

@@ -30,7 +30,7 @@ NATIVE = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16,
 WIDENED = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16})
 BITWISE = ("band", "bor", "bxor")
 
-WriteBack = Callable[[], None]
+WriteBack = Callable[[], object]
 
 
 def _unsupported(what: str, hint: str) -> Exception:

@@ -11,7 +11,7 @@ adds a member (it starts at the next op). Nothing here touches sockets or etcd.
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -19,11 +19,18 @@ from resilient.errors import InputMismatch, RemovedFromGroup
 from resilient.live_world import World
 
 
+#: one op's shared record: kind, inputs / handles by member, ring order, result
+Slot = dict[str, Any]
+#: ``compute(slot, contributors) -> result`` (run once, by the op's last depositor)
+Compute = Callable[[Slot, tuple[str, ...]], Any]
+
+
 class _Handle:
     def __init__(self) -> None:
         self.contributors: tuple[str, ...] = ()
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self.slot: Slot = {}
 
     def _set(self, contributors: tuple[str, ...], error: BaseException | None = None) -> None:
         self.contributors, self._error = contributors, error
@@ -47,9 +54,9 @@ class InProcWorld:
         self.members: list[str] = list(members)
         self.epoch = 1
         self._cond = threading.Condition()
-        self._slots: dict[int, dict] = {}
+        self._slots: dict[int, Slot] = {}
         self._seq: dict[str, int] = {m: 0 for m in members}
-        self._p2p: dict[tuple[str, str, int], list] = {}
+        self._p2p: dict[tuple[str, str, int], list[torch.Tensor]] = {}
 
     def engine(self, member_id: str) -> "InProcEngine":
         return InProcEngine(self, member_id)
@@ -74,7 +81,7 @@ class InProcWorld:
             return World.from_members(member_id, self.epoch, self.members)
 
     # one collective: deposit, wait for every live member, compute once
-    def _run(self, member: str, kind: str, payload: object, compute) -> _Handle:
+    def _run(self, member: str, kind: str, payload: object, compute: Compute) -> _Handle:
         h = _Handle()
         with self._cond:
             if member not in self.members:
@@ -87,7 +94,7 @@ class InProcWorld:
             slot["inputs"][member] = payload
             slot.setdefault("kinds", {})[member] = kind
             slot["handles"][member] = h
-            h.slot = slot  # type: ignore[attr-defined]
+            h.slot = slot
             self._cond.notify_all()
 
         def finish() -> None:
@@ -139,7 +146,7 @@ class InProcEngine:
     def world(self) -> World:
         return self.w.view(self.member_id)
 
-    def _deliver(self, h: _Handle, write) -> _Handle:
+    def _deliver(self, h: _Handle, write: Callable[[], object]) -> _Handle:
         """Write this member's output once the op is computed."""
         out = _Handle()
 
@@ -157,20 +164,20 @@ class InProcEngine:
     def allreduce(self, tensor: torch.Tensor, op: str) -> _Handle:
         me = self.member_id
 
-        def compute(slot, contributors):
+        def compute(slot: Slot, contributors: tuple[str, ...]) -> Any:
             return _reduce([slot["inputs"][m] for m in contributors], op)
 
         h = self.w._run(me, f"allreduce-{op}-{tuple(tensor.shape)}", tensor.clone(), compute)
         return self._deliver(h, lambda: tensor.copy_(self._result_of(h, tensor)))
 
     @staticmethod
-    def _result_of(h: _Handle, like: torch.Tensor):
-        return h.slot["result"][0]  # type: ignore[attr-defined]
+    def _result_of(h: _Handle, like: torch.Tensor) -> Any:
+        return h.slot["result"][0]
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> _Handle:
         order = self.world().members
 
-        def compute(slot, contributors):
+        def compute(slot: Slot, contributors: tuple[str, ...]) -> Any:
             src = slot["order"][root] if root < len(slot["order"]) else order[root]
             return slot["inputs"][src].clone()
 
@@ -178,7 +185,7 @@ class InProcEngine:
         return self._deliver(h, lambda: tensor.copy_(self._result_of(h, tensor)))
 
     def allgather(self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor) -> _Handle:
-        def compute(slot, contributors):
+        def compute(slot: Slot, contributors: tuple[str, ...]) -> Any:
             return [slot["inputs"][m].clone() for m in contributors]
 
         h = self.w._run(self.member_id, "allgather", tensor.clone(), compute)
@@ -192,7 +199,7 @@ class InProcEngine:
     def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], op: str) -> _Handle:
         me = self.member_id
 
-        def compute(slot, contributors):
+        def compute(slot: Slot, contributors: tuple[str, ...]) -> Any:
             return [_reduce([slot["inputs"][m][i] for m in contributors], op) for i in range(len(contributors))]
 
         h = self.w._run(me, f"reduce_scatter-{op}", [t.clone() for t in inputs], compute)

@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 from resilient.errors import ConfigError
+from resilient.torch_backend.engine import Handle
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ ENV = "RESILIENT_OP_LOG"
 class _LoggedHandle:
     """An engine handle that writes its op's line once, when it is first seen finished."""
 
-    def __init__(self, inner: Any, oplog: "OpLogEngine", kind: str, n: int) -> None:
+    def __init__(self, inner: Handle, oplog: "OpLogEngine", kind: str, n: int) -> None:
         self._inner, self._log, self._kind, self._n = inner, oplog, kind, n
         self._written = False
         self._lock = threading.Lock()

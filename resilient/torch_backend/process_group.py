@@ -33,12 +33,15 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
+from torch.distributed.distributed_c10d import GroupName
 
 from resilient.errors import ResilientError
 from resilient.torch_backend import composed
 from resilient.torch_backend.dtypes import Packed, for_reduce
-from resilient.torch_backend.engine import Engine
-from resilient.torch_backend.work import ResilientWork
+from resilient.torch_backend.composed import Then
+from resilient.torch_backend.engine import Engine, Handle
+from resilient.torch_backend.work import ResilientWork, batch_work
 
 BACKEND_NAME = "resilient"
 
@@ -56,6 +59,10 @@ _OPS = {"SUM": "sum", "AVG": "avg", "MIN": "min", "MAX": "max", "PRODUCT": "prod
         "BAND": "band", "BOR": "bor", "BXOR": "bxor"}
 
 
+_ReduceOpts = dist.AllreduceOptions | dist.ReduceOptions | dist.ReduceScatterOptions
+_RootOpts = dist.BroadcastOptions | dist.ReduceOptions | dist.GatherOptions | dist.ScatterOptions
+
+
 def _reduce_op_name(op: object, where: str) -> str:
     for name, v in _OPS.items():
         if op == getattr(dist.ReduceOp, name):
@@ -64,11 +71,11 @@ def _reduce_op_name(op: object, where: str) -> str:
                                "use ReduceOp.SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR or BXOR")
 
 
-def _op_of(opts: object, where: str) -> str:
+def _op_of(opts: _ReduceOpts | None, where: str) -> str:
     return _reduce_op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, where)
 
 
-def _root(opts: object) -> int:
+def _root(opts: _RootOpts | None) -> int:
     return int(opts.rootRank) if opts is not None else 0
 
 
@@ -99,8 +106,35 @@ class ResilientProcessGroup(dist.ProcessGroup):
     """See the module docstring."""
 
     def __init__(self, engine: Engine, rank: int, size: int) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # torch binds (rank, size) too
         self.engine = engine
+        #: the Works issued since ``_start_coalescing`` (None: not coalescing)
+        self._coalesced: list[ResilientWork] | None = None
+
+    # -- coalescing (``dist._coalescing_manager(group, device)``) ------------------------
+
+    def _issued(self, work: ResilientWork) -> ResilientWork:
+        if self._coalesced is not None:
+            self._coalesced.append(work)
+        return work
+
+    def _start_coalescing(self, device: torch.device) -> None:
+        """``_coalescing_manager(group, device)`` begins: the ops until
+        :meth:`_end_coalescing` are issued as usual (each with its own fault contract)
+        and collected. Raises ValueError when a coalescing block is already open."""
+        if self._coalesced is not None:
+            raise ValueError("ProcessGroup 'resilient' is already coalescing (nested _coalescing_manager)")
+        self._coalesced = []
+
+    def _end_coalescing(self, device: torch.device) -> ResilientWork:
+        """One Work over every op issued since :meth:`_start_coalescing` (torch's coalesced
+        op, or a batch of isend/irecv): ``wait()`` completes them all and re-raises the
+        first error; ``contributors`` is the union of theirs (a coalesced collective: its
+        own set). Raises ValueError without a matching start."""
+        works, self._coalesced = self._coalesced, None
+        if works is None:
+            raise ValueError("_end_coalescing without _start_coalescing on ProcessGroup 'resilient'")
+        return batch_work(works)
 
     # -- identity ---------------------------------------------------------------------
 
@@ -108,51 +142,53 @@ class ResilientProcessGroup(dist.ProcessGroup):
         return BACKEND_NAME
 
     @property
-    def name(self) -> str:  # type: ignore[override]
+    def name(self) -> str:  # type: ignore[override]  # torch: overloads
         return BACKEND_NAME
 
-    def _set_group_name(self, name: str) -> None:  # torch names every group after creating it
-        self._group_name = name
+    def _set_group_name(self, name: GroupName) -> None:  # torch names every group after creating it
+        self._group_name: str = name
         try:
             super()._set_group_name(name)
         except RuntimeError:  # no C++ backend registered under a Python process group
             pass
 
     @property
-    def group_name(self) -> str:  # type: ignore[override]
+    def group_name(self) -> str:  # type: ignore[override]  # torch: overloads
         name = getattr(self, "_group_name", None)
         return name if name is not None else super().group_name
 
-    def rank(self) -> int:  # type: ignore[override]
+    def rank(self) -> int:
         return self.engine.world().rank
 
-    def size(self) -> int:  # type: ignore[override]
+    def size(self) -> int:
         return self.engine.world().size
 
     # -- collectives ------------------------------------------------------------------
 
-    def _work(self, pair: tuple, result: object) -> ResilientWork:
+    def _work(self, pair: tuple[Handle, Then], result: object) -> ResilientWork:
         handle, then = pair
-        return ResilientWork(handle, result, then)
+        return self._issued(ResilientWork(handle, result, then))
 
-    def allreduce(self, tensors, opts=None):  # type: ignore[override]
+    def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions | None = None) -> ResilientWork:  # type: ignore[override]  # torch: overloads
         t = _one(tensors, "all_reduce")
         wire, op, wb = for_reduce(t, _op_of(opts, "all_reduce"), "all_reduce")
-        return ResilientWork(self.engine.allreduce(wire, op), list(tensors), wb)
+        return self._issued(ResilientWork(self.engine.allreduce(wire, op), list(tensors), wb))
 
-    def broadcast(self, tensors, opts=None):  # type: ignore[override]
+    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions | None = None) -> ResilientWork:  # type: ignore[override]  # torch: overloads
         t = _one(tensors, "broadcast")
         p = Packed(t)
-        return ResilientWork(self.engine.broadcast(p.wire, _root(opts)), list(tensors), None if p.native else p.unpack)
+        return self._issued(ResilientWork(self.engine.broadcast(p.wire, _root(opts)), list(tensors), None if p.native else p.unpack))
 
-    def allgather(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]  # torch: overloads
+                  opts: AllgatherOptions | None = None) -> ResilientWork:
         inp = _one(input_tensors, "all_gather")
         if len(output_tensors) != 1:
             raise UnsupportedOperation("all_gather with several input tensors per process")
         _check_cpu(output_tensors[0], "all_gather")
-        return self._work(composed.allgather_into(self.engine, output_tensors[0], inp), output_tensors)
+        return self._issued(self._work(composed.allgather_into(self.engine, output_tensors[0], inp), output_tensors))
 
-    def all_gather_single(self, output, input, opts=None):  # noqa: A002 - torch's names
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                          opts: AllgatherOptions | None = None) -> ResilientWork:  # noqa: A002 - torch's names
         _check_cpu([output, input], "all_gather_into_tensor")
         n = self.size()
         if output.numel() != n * input.numel():
@@ -161,11 +197,12 @@ class ResilientProcessGroup(dist.ProcessGroup):
         target = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
         h, then = composed.allgather_into(self.engine, _chunks(target, n, input.shape), input)
         back = None if target is output else (lambda: output.copy_(target))
-        return ResilientWork(h, [output], composed._chain(then, back))
+        return self._issued(ResilientWork(h, [output], composed._chain(then, back)))
 
     _allgather_base = all_gather_single
 
-    def reduce_scatter(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],  # type: ignore[override]  # torch: overloads
+                       opts: dist.ReduceScatterOptions | None = None) -> ResilientWork:
         out = _one(output_tensors, "reduce_scatter")
         if len(input_tensors) != 1:
             raise UnsupportedOperation("reduce_scatter with several output tensors per process")
@@ -174,9 +211,10 @@ class ResilientProcessGroup(dist.ProcessGroup):
         op = _op_of(opts, "reduce_scatter")
         wire, wop, wb = for_reduce(out, op, "reduce_scatter")
         wires = [for_reduce(x, op, "reduce_scatter")[0] for x in ins]
-        return ResilientWork(self.engine.reduce_scatter(wire, wires, wop), output_tensors, wb)
+        return self._issued(ResilientWork(self.engine.reduce_scatter(wire, wires, wop), output_tensors, wb))
 
-    def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: dist.ReduceScatterOptions | None = None) -> ResilientWork:  # noqa: A002
         _check_cpu([output, input], "reduce_scatter_tensor")
         n = self.size()
         if input.numel() != n * output.numel():
@@ -186,48 +224,53 @@ class ResilientProcessGroup(dist.ProcessGroup):
         ins = _chunks(input.detach().contiguous(), n, output.shape)
         wire, wop, wb = for_reduce(output, op, "reduce_scatter_tensor")
         wires = [for_reduce(x, op, "reduce_scatter_tensor")[0] for x in ins]
-        return ResilientWork(self.engine.reduce_scatter(wire, wires, wop), [output], wb)
+        return self._issued(ResilientWork(self.engine.reduce_scatter(wire, wires, wop), [output], wb))
 
-    _reduce_scatter_base = reduce_scatter_single
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # torch: other param names
 
-    def reduce(self, tensors, opts=None):  # type: ignore[override]
+    def reduce(self, tensors: list[torch.Tensor], opts: dist.ReduceOptions | None = None) -> ResilientWork:  # type: ignore[override]  # torch: overloads
         t = _one(tensors, "reduce")
         pair = composed.reduce(self.engine, t, _op_of(opts, "reduce"), _root(opts), self.rank())
-        return self._work(pair, list(tensors))
+        return self._issued(self._work(pair, list(tensors)))
 
-    def gather(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]  # torch: overloads
+               opts: dist.GatherOptions | None = None) -> ResilientWork:
         inp = _one(input_tensors, "gather")
         outs = output_tensors[0] if output_tensors else []
         _check_cpu(outs, "gather")
         pair = composed.gather(self.engine, outs, inp, _root(opts), self.rank(), self.size())
-        return self._work(pair, output_tensors)
+        return self._issued(self._work(pair, output_tensors))
 
-    def scatter(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],  # type: ignore[override]  # torch: overloads
+                opts: dist.ScatterOptions | None = None) -> ResilientWork:
         out = _one(output_tensors, "scatter")
         ins = input_tensors[0] if input_tensors else []
         _check_cpu(ins, "scatter")
         pair = composed.scatter(self.engine, out, ins, _root(opts), self.rank(), self.size())
-        return self._work(pair, output_tensors)
+        return self._issued(self._work(pair, output_tensors))
 
-    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # type: ignore[override]  # noqa: A002
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None,  # type: ignore[override]  # torch: overloads
+                      input_split_sizes: list[int] | None, opts: dist.AllToAllOptions | None = None) -> ResilientWork:  # noqa: A002
         _check_cpu([output, input], "all_to_all_single")
         pair = composed.all_to_all_single(self.engine, output, input, list(output_split_sizes or []),
                                           list(input_split_sizes or []), self.rank(), self.size())
-        return self._work(pair, [output])
+        return self._issued(self._work(pair, [output]))
 
-    all_to_all_single = alltoall_base
+    all_to_all_single = alltoall_base  # type: ignore[assignment]  # torch: other param names
 
-    def alltoall(self, output_tensors, input_tensors, opts=None):  # type: ignore[override]
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],  # type: ignore[override]  # torch: overloads
+                 opts: dist.AllToAllOptions | None = None) -> ResilientWork:
         _check_cpu([*output_tensors, *input_tensors], "all_to_all")
         pair = composed.all_to_all(self.engine, output_tensors, input_tensors, self.rank(), self.size())
-        return self._work(pair, output_tensors)
+        return self._issued(self._work(pair, output_tensors))
 
-    def allreduce_coalesced(self, tensors, opts=None):  # type: ignore[override]
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: dist.AllreduceCoalescedOptions | None = None) -> ResilientWork:
         _check_cpu(tensors, "all_reduce_coalesced")
         pair = composed.allreduce_coalesced(self.engine, tensors, _op_of(opts, "all_reduce_coalesced"))
-        return self._work(pair, list(tensors))
+        return self._issued(self._work(pair, list(tensors)))
 
-    def allgather_coalesced(self, output_lists, input_list, opts=None):  # type: ignore[override]
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
+                            opts: AllgatherOptions | None = None) -> ResilientWork:
         _check_cpu([*input_list, *[t for lst in output_lists for t in lst]], "all_gather_coalesced")
         n = self.size()
         if len(output_lists) != n or any(len(lst) != len(input_list) for lst in output_lists):
@@ -235,9 +278,10 @@ class ResilientProcessGroup(dist.ProcessGroup):
                              f"{len(input_list)} tensors (one per input)")
         by_input = [[output_lists[r][k] for r in range(n)] for k in range(len(input_list))]
         pair = composed.allgather_coalesced(self.engine, by_input, input_list, n, "all_gather_coalesced")
-        return self._work(pair, output_lists)
+        return self._issued(self._work(pair, output_lists))
 
-    def all_gather_single_coalesced(self, outputs, inputs, opts=None):  # type: ignore[override]
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts: AllgatherOptions | None = None) -> ResilientWork:
         _check_cpu([*outputs, *inputs], "all_gather_into_tensor_coalesced")
         n = self.size()
         for o, i in zip(outputs, inputs):
@@ -246,20 +290,21 @@ class ResilientProcessGroup(dist.ProcessGroup):
                                  f"{n} x its input's elements ({o.numel()} vs {i.numel()})")
         lists = [_chunks(o, n, i.shape) for o, i in zip(outputs, inputs)]
         pair = composed.allgather_coalesced(self.engine, lists, inputs, n, "all_gather_into_tensor_coalesced")
-        return self._work(pair, list(outputs))
+        return self._issued(self._work(pair, list(outputs)))
 
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]  # torch: other param names
 
-    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):  # type: ignore[override]
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: dist.ReduceScatterOptions | None = None) -> ResilientWork:
         _check_cpu([*outputs, *inputs], "reduce_scatter_tensor_coalesced")
         pair = composed.reduce_scatter_coalesced(self.engine, outputs, inputs,
                                                  _op_of(opts, "reduce_scatter_tensor_coalesced"), self.size())
-        return self._work(pair, list(outputs))
+        return self._issued(self._work(pair, list(outputs)))
 
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]  # torch: other param names
 
-    def barrier(self, opts=None):  # type: ignore[override]
-        return ResilientWork(self.engine.barrier(), None)
+    def barrier(self, opts: dist.BarrierOptions | None = None) -> ResilientWork:  # type: ignore[override]  # torch: overloads
+        return self._issued(ResilientWork(self.engine.barrier(), None))
 
     def _mailbox(self) -> composed.SelfMailbox:
         box = self.__dict__.get("_self_box")
@@ -267,37 +312,37 @@ class ResilientProcessGroup(dist.ProcessGroup):
             box = self.__dict__["_self_box"] = composed.SelfMailbox(self.engine.world().member_id)
         return box
 
-    def send(self, tensors, dst_rank, tag=0):  # type: ignore[override]
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int = 0) -> ResilientWork:
         t = _one(tensors, "send")
         if int(dst_rank) == self.rank():
-            return ResilientWork(self._mailbox().send(t, int(tag)), list(tensors))
+            return self._issued(ResilientWork(self._mailbox().send(t, int(tag)), list(tensors)))
         p = Packed(t)
-        return ResilientWork(self.engine.send(p.wire, int(dst_rank), int(tag)), list(tensors))
+        return self._issued(ResilientWork(self.engine.send(p.wire, int(dst_rank), int(tag)), list(tensors)))
 
-    def recv(self, tensors, src_rank, tag=0):  # type: ignore[override]
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> ResilientWork:
         t = _one(tensors, "recv")
         if int(src_rank) == self.rank():
-            return ResilientWork(self._mailbox().recv(t, int(tag)), list(tensors))
+            return self._issued(ResilientWork(self._mailbox().recv(t, int(tag)), list(tensors)))
         p = Packed(t, fill=False)
-        return ResilientWork(self.engine.recv(p.wire, int(src_rank), int(tag)), list(tensors),
-                             None if p.native else p.unpack)
+        return self._issued(ResilientWork(self.engine.recv(p.wire, int(src_rank), int(tag)), list(tensors),
+                             None if p.native else p.unpack))
 
     # -- not supported: name the op ----------------------------------------------------
 
-    def recv_anysource(self, tensors, tag=0):  # type: ignore[override]
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> ResilientWork:
         raise UnsupportedOperation("recv from any source (recv with src=None)",
                                    "pass src=<rank> (the sender is needed to resume a transfer after a failure)")
 
-    def monitored_barrier(self, *args, **kwargs):  # type: ignore[override]
+    def monitored_barrier(self, *args: object, **kwargs: object) -> ResilientWork:
         raise UnsupportedOperation("monitored_barrier", "use barrier (a dead member is detected by the "
                                    "control plane and the barrier completes with the survivors)")
 
-    def split_group(self, *args, **kwargs):  # type: ignore[override]
+    def split_group(self, *args: object, **kwargs: object) -> ResilientProcessGroup:
         raise UnsupportedOperation("split_group", "use dist.new_group(ranks)")
 
-    def shutdown(self) -> None:  # type: ignore[override]
+    def shutdown(self) -> None:
         self.engine.close()
 
-    def abort(self) -> None:  # type: ignore[override]
+    def abort(self) -> None:
         self.engine.close()
 

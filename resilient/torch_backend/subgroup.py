@@ -71,7 +71,8 @@ class SubgroupView:
         return self._filter(self.inner.wait_for(lambda e: pred(self._filter(e)), timeout))
 
     def subscribe(self, callback: Callable[[Any], None]) -> Callable[[], None]:
-        return self.inner.subscribe(lambda e: callback(self._filter(e)))
+        unsubscribe: Callable[[], None] = self.inner.subscribe(lambda e: callback(self._filter(e)))
+        return unsubscribe
 
     def _name(self, name: str) -> str:
         return f"g-{self.group_id}-{name}"
@@ -80,7 +81,8 @@ class SubgroupView:
         self.inner.put_blob(epoch, self._name(name), payload)
 
     def wait_blobs(self, epoch: int, name: str, members: Iterable[str], timeout: float) -> dict[str, bytes]:
-        return self.inner.wait_blobs(epoch, self._name(name), members, timeout)
+        blobs: dict[str, bytes] = self.inner.wait_blobs(epoch, self._name(name), members, timeout)
+        return blobs
 
     def __getattr__(self, name: str) -> Any:  # report_suspect, session_lost, peer_alive
         return getattr(self.inner, name)
@@ -98,7 +100,7 @@ class SubgroupEngine(CommunicatorEngine):
                 pass
 
 
-def _record(raw: bytes, rank: int) -> dict:
+def _record(raw: bytes, rank: int) -> dict[str, Any]:
     try:
         rec = json.loads(bytes(raw).decode())
         if isinstance(rec, dict) and isinstance(rec.get("member"), str) and isinstance(rec.get("address"), str):

@@ -10,8 +10,9 @@ that waits on the handle; if the op fails the future is completed with the excep
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 from torch.futures import Future
@@ -22,12 +23,12 @@ from resilient.torch_backend.engine import Handle
 class ResilientWork(dist.Work):
     """A running op (see the module docstring)."""
 
-    def __init__(self, handle: Handle, result: Any, then: Callable[[], None] | None = None) -> None:
+    def __init__(self, handle: Handle, result: Any, then: Callable[[], object] | None = None) -> None:
         super().__init__()
         self.handle = handle
         self._result = result
         self._then = then
-        self._future: Future = Future()
+        self._future: Future[Any] = Future()
         self._lock = threading.Lock()
         self._done_lock = threading.Lock()
         self._started = False
@@ -94,7 +95,7 @@ class ResilientWork(dist.Work):
             return exc
         return None
 
-    def get_future(self) -> Future:
+    def get_future(self) -> Future[Any]:
         self._ensure_watcher()
         return self._future
 
@@ -110,6 +111,38 @@ class ResilientWork(dist.Work):
 
     def abort(self) -> None:  # the engine aborts ops on membership changes by itself
         return None
+
+
+class _AllWorks:
+    """The handle of :func:`batch_work`."""
+
+    def __init__(self, works: Sequence[ResilientWork]) -> None:
+        self.works = list(works)
+        self.contributors: tuple[str, ...] = ()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for w in self.works:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not w.handle.wait(left):
+                return False
+        for w in self.works:
+            w._complete()  # noqa: SLF001 - results written, errors re-raised, futures settled
+        union: dict[str, None] = {}
+        for w in self.works:
+            union.update(dict.fromkeys(w.contributors))
+        self.contributors = tuple(union)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def batch_work(works: Sequence[ResilientWork]) -> ResilientWork:
+    """One Work over several (a coalescing block): done when all are, their first error
+    re-raised, ``contributors`` the union of theirs; its future's value is the list of
+    their results."""
+    return ResilientWork(_AllWorks(works), [w._result for w in works])  # noqa: SLF001
 
 
 def completed_work(result: Any = None) -> ResilientWork:

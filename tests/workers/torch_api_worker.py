@@ -123,7 +123,8 @@ def run_reduce_scatter_tensor():
 def run_all_reduce_coalesced():
     for op in ["SUM", "MAX", "BAND"]:
         ts = [x(RANK, d, 3 + i) for i, d in enumerate(DTYPES) if defined(op, d)]
-        with dist._coalescing_manager():
+        # the device form is torch's _start/_end_coalescing path (one Work from the backend)
+        with dist._coalescing_manager(device=torch.device("cpu") if op == "MAX" else None):
             for t in ts:
                 dist.all_reduce(t, op=rop(op))
         want = [expect(op, d, range(WORLD), 3 + i) for i, d in enumerate(DTYPES) if defined(op, d)]
@@ -134,7 +135,7 @@ def run_all_reduce_coalesced():
 def run_reduce_scatter_tensor_coalesced():
     ds = [d for d in DTYPES if defined("SUM", d)]
     outs = [torch.empty(2, dtype=d) for d in ds]
-    with dist._coalescing_manager():
+    with dist._coalescing_manager(device=torch.device("cpu")):
         for o, d in zip(outs, ds):
             dist.reduce_scatter_tensor(o, x(RANK, d, 2 * WORLD))
     for o, d in zip(outs, ds):
@@ -219,6 +220,24 @@ def run_send_recv():
             check(f"send/recv {d}", t, x(5, d))
 
 
+def run_batch_isend_irecv():
+    nxt, prv = (RANK + 1) % WORLD, (RANK - 1) % WORLD
+    for d in DTYPES:  # a ring exchange, receive posted first (each rank waits on a peer's send)
+        got = torch.empty(6, dtype=d)
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.irecv, got, prv), dist.P2POp(dist.isend, x(RANK, d), nxt)])
+        for q in reqs:
+            q.wait()
+        check(f"batch_isend_irecv ring {d}", got, x(prv, d))
+    peer = RANK ^ 1  # a pair: two tensors each way, told apart by tags, receives first
+    a, b = torch.empty(4), torch.empty(4)
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.irecv, a, peer, tag=7), dist.P2POp(dist.irecv, b, peer, tag=9),
+                                   dist.P2POp(dist.isend, torch.full((4,), 10.0 * RANK + 1), peer, tag=7),
+                                   dist.P2POp(dist.isend, torch.full((4,), 10.0 * RANK + 2), peer, tag=9)])
+    for q in reqs:
+        q.wait()
+    check("batch_isend_irecv tags", (a.tolist(), b.tolist()), ([10.0 * peer + 1] * 4, [10.0 * peer + 2] * 4))
+
+
 def obj(r: int):
     return {"rank": r, "name": f"member-{r}", "blob": bytes(range(r % 200 + 3)), "nested": [r, (r, "t"), None]}
 
@@ -287,11 +306,15 @@ def arm(engine, phase: str, skip: int = 0) -> None:
     failpoints.ACTIVE = True
 
 
+CPU = torch.device("cpu")
+
+
 def issue(coalesced: bool, fn, *args):
-    """``fn(*args)`` async, alone or inside torch's coalescing manager (its one Work)."""
+    """``fn(*args)`` async, alone or inside torch's coalescing manager with a device (the
+    backend's _start/_end_coalescing: its one Work)."""
     if not coalesced:
         return fn(*args, async_op=True)
-    with dist._coalescing_manager(async_ops=True) as cm:
+    with dist._coalescing_manager(device=CPU, async_ops=True) as cm:
         fn(*args)
     return cm.works[0]
 
@@ -307,8 +330,12 @@ def kill_phase(engine, members0):
         "reduce_scatter_tensor_coalesced": "rs", "broadcast": "chain", "scatter": "chain", "objects": "chain",
         "all_gather": "ag", "all_gather_into_tensor": "ag", "all_gather_into_tensor_coalesced": "ag", "gather": "ag",
         "all_to_all_single": "ag", "all_to_all": "ag", "new_group": "rs", "rank": "ag", "send_recv": "rs",
+        "gather_object": "ag", "scatter_object_list": "chain",
     }
-    skip = {"all_to_all": 1, "objects": 1, "rank": 1}.get(CALL, 0)
+    # object collectives: op 0 exchanges sizes, op 1 moves the pickled bytes
+    skip = {"all_to_all": 1, "objects": 1, "rank": 1, "gather_object": 1, "scatter_object_list": 1}.get(CALL, 0)
+    if CALL == "batch_isend_irecv":
+        return kill_batch(engine)
     if CALL == "send_recv":  # the sender dies before sending: the receiver gets a named error, no hang
         if RANK == VICTIM:
             os.kill(os.getpid(), 9)
@@ -340,7 +367,7 @@ def kill_phase(engine, members0):
             res["exact"] = torch.equal(t, expect("SUM", d, ranks_of(work.contributors), n)) if RANK == 0 else True
         elif CALL == "all_reduce_coalesced":
             ts = [x(RANK, d, n), x(RANK, d, 7)]
-            with dist._coalescing_manager(async_ops=True) as cm:
+            with dist._coalescing_manager(device=CPU, async_ops=True) as cm:
                 for t in ts:
                     dist.all_reduce(t)
             cm.wait()
@@ -396,7 +423,16 @@ def kill_phase(engine, members0):
             lst = [bytes(n)] if RANK == 0 else [None]
             dist.broadcast_object_list(lst, src=0)
             res["exact"] = lst == [bytes(n)]
-        elif CALL == "rank":
+        elif CALL == "gather_object":
+            got = [None] * WORLD if RANK == 0 else None
+            dist.gather_object(bytes([RANK]) * (n // WORLD), got, dst=0)
+            res["exact"] = RANK != 0 or got == [bytes([r]) * (n // WORLD) for r in range(WORLD)]
+        elif CALL == "scatter_object_list":
+            out = [None]
+            dist.scatter_object_list(out, [bytes([r]) * (n // WORLD) for r in range(WORLD)] if RANK == 0 else None,
+                                     src=0)
+            res["exact"] = out[0] == bytes([RANK]) * (n // WORLD)
+        elif CALL == "rank":  # (its kill: all_gather_object)
             got = [None] * WORLD
             dist.all_gather_object(got, bytes([RANK]) * (n // WORLD))
             res["exact"] = got == [bytes([r]) * (n // WORLD) for r in range(WORLD)]
@@ -414,6 +450,30 @@ def kill_phase(engine, members0):
         res.update(ok=False, error=type(exc).__name__, message=str(exc)[:300])
     if work is not None:
         res["contributors"] = ranks_of(work.contributors) if work.contributors else []
+    return res
+
+
+def kill_batch(engine) -> dict:
+    """A ring batch of big tensors; the victim SIGKILLs itself once its send to rank 0 is
+    under way (>= 256 KiB of 32 MiB out), so rank 0's receive from it can never complete."""
+    n = 32 << 20
+    nxt, prv = (RANK + 1) % WORLD, (RANK - 1) % WORLD
+    got = torch.empty(n, dtype=torch.uint8)
+    sent0 = engine.transport.stats.bytes_sent
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.irecv, got, prv),
+                                   dist.P2POp(dist.isend, torch.full((n,), RANK + 1, dtype=torch.uint8), nxt)])
+    if RANK == VICTIM:
+        while engine.transport.stats.bytes_sent - sent0 < (256 << 10):
+            pass
+        os.kill(os.getpid(), 9)
+    res: dict = {"dtype": "torch.uint8", "waited": []}
+    try:
+        for q in reqs:
+            q.wait()
+            res["waited"].append(True)
+        res.update(ok=True, exact=bool(torch.all(got == prv + 1)))
+    except ResilientError as exc:
+        res.update(ok=False, error=type(exc).__name__, message=str(exc)[:300])
     return res
 
 
@@ -440,7 +500,9 @@ def main() -> int:
              "all_gather": run_all_gather, "all_gather_into_tensor": run_all_gather_into_tensor,
              "all_gather_into_tensor_coalesced": run_all_gather_into_tensor_coalesced, "gather": run_gather,
              "scatter": run_scatter, "all_to_all_single": run_all_to_all_single, "all_to_all": run_all_to_all,
-             "send_recv": run_send_recv, "objects": run_objects, "rank": run_rank}[CALL]()
+             "send_recv": run_send_recv, "objects": run_objects, "rank": run_rank,
+             "batch_isend_irecv": run_batch_isend_irecv, "gather_object": run_objects,
+             "scatter_object_list": run_objects}[CALL]()
         dist.barrier()
         print(f"calls {time.monotonic() - t0:.2f}", file=sys.stderr, flush=True)
         record["checks"] = checks
