@@ -142,6 +142,7 @@ def worker(args) -> None:
                 apply_phase(phase, members)
             idx = sampler.step_indices()
             state.set(len(idx))
+            emit("batch", step=step, idx=idx)   # before the allreduce: a victim killed in it still told its samples
             t0 = time.time()
             time.sleep(len(idx) * args.t_sample * slow)              # the device's per-sample time
             loss = loss_of(ddp, x_all[idx], y_all[idx])
@@ -160,10 +161,16 @@ def worker(args) -> None:
             sampler.record_step([members.index(m) for m in contributors])
             opt.step()
             opt.zero_grad()
-            now = engine.world()
-            if now.members != members:   # a member left: re-shard the rest at this boundary
-                members = now.members
-                sampler.set_world(now.rank, now.size)
+            # A member left: re-shard the rest at this boundary. Decided from the step's
+            # contributor set, which every member's hook reports identically — not from
+            # engine.world(), which follows each process's own etcd watch: a member that
+            # finished the step's allreduce before the epoch without the victim was
+            # published would still see the old world, skip the broadcast below and call
+            # the next step's allreduce while the others broadcast (different ops: they
+            # never exchange a byte, so nobody sees a mismatch and both sides wait).
+            if set(contributors) != set(members):
+                members = tuple(m for m in members if m in contributors)
+                sampler.set_world(members.index(args.id), len(members))
                 apply_phase(phase, members)
     except Exception as exc:  # noqa: BLE001 - DDP may wrap the hook's error
         if not isinstance(exc, RemovedFromGroup) and "RemovedFromGroup" not in f"{type(exc).__name__} {exc}" \
@@ -233,6 +240,7 @@ def _run(args) -> dict:
         everyone = sorted(cl.procs)
         cl.send(everyone, "go")
         steps: dict[str, list[dict]] = {m: [] for m in everyone}
+        batches: dict[tuple[int, str], list[int]] = {}
         finished: dict[str, dict] = {}
         total_steps = len(PHASES) * args.steps
         faulty = args.kill_step is not None or args.stop_step is not None
@@ -247,13 +255,15 @@ def _run(args) -> dict:
                     if m != args.victim or args.kill_step is None:
                         raise SystemExit(f"member {m} exited early: {cl.stderr_tail(m)}")
                     break
-                if ev["event"] == "step":
+                if ev["event"] == "batch":
+                    batches[(ev["step"], m)] = ev["idx"]
+                elif ev["event"] == "step":
                     steps[m].append(ev)
                 elif ev["event"] in ("done", "removed"):
                     finished[m] = ev
                     break
         cl.send([m for m, f in finished.items() if f["event"] == "done"], "quit")
-        return summarize(args, steps, finished, total_steps)
+        return summarize(args, steps, finished, total_steps, batches)
 
 
 def next_event(cl: BenchCluster, mid: str, timeout: float) -> dict | None:
@@ -280,7 +290,8 @@ def next_event(cl: BenchCluster, mid: str, timeout: float) -> dict | None:
         raise SystemExit(f"member {mid} printed {out[0]!r}: {cl.stderr_tail(mid)}") from None
 
 
-def summarize(args, steps: dict[str, list[dict]], finished: dict[str, dict], total_steps: int) -> dict:
+def summarize(args, steps: dict[str, list[dict]], finished: dict[str, dict], total_steps: int,
+              batches: dict[tuple[int, str], list[int]]) -> dict:
     """Check every step against one process: the reference model takes the same SGD steps
     with the reference gradients (the members' differ from them by rounding only)."""
     import numpy as np
@@ -303,7 +314,9 @@ def summarize(args, steps: dict[str, list[dict]], finished: dict[str, dict], tot
         contributors = next(iter(evs.values()))["contributors"]
         if any(ev["contributors"] != contributors for ev in evs.values()):
             raise AssertionError(f"step {s}: members disagree on the contributors: {evs}")
-        idx = [i for m in contributors for i in by_step[s][m]["idx"]] if all(m in evs for m in contributors) else None
+        # a contributor that died after its gradient was in (the victim) reported its batch only
+        idx = ([i for m in contributors for i in batches[(s, m)]]
+               if all((s, m) in batches for m in contributors) else None)
         if idx is None:
             raise AssertionError(f"step {s}: a contributor did not report its samples")
         processed.extend(idx)
