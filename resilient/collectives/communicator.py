@@ -46,6 +46,7 @@ import torch
 from resilient.collectives.algorithms import ChainBroadcast, OpContext, RecursiveDoubling, RingReduceScatterAllgather
 from resilient.collectives.algorithms.hierarchical import select as select_hierarchical, select_per_member
 from resilient.collectives.algorithms.leaf import LeafPath
+from resilient.collectives import tags
 from resilient.collectives.eviction import removed_error
 from resilient.collectives.group import GroupView, addresses_of
 from resilient.collectives.ledger import Ledger, decode_status, encode_status, split
@@ -902,7 +903,7 @@ class Communicator:
         key = (self.member_id, peer) if is_send else (peer, self.member_id)
         n = self._p2p.get(key, 0)
         self._p2p[key] = n + 1
-        seq = (1 << 62) | (n & ((1 << 40) - 1))
+        seq = tags.p2p_seq(n)
         buf = t if t.is_contiguous() else t.contiguous()
         desc = {"k": "p2p", "shape": list(t.shape), "dtype": str(t.dtype)}
         d = self._digest(desc)

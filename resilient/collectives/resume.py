@@ -23,12 +23,13 @@ import time
 
 import torch
 
+from resilient.collectives import tags
 from resilient.collectives.algorithms.base import OpContext, tag
 from resilient.collectives.ledger import Ledger
 from resilient.collectives.recovery import PieceKind, Policy, RecoveryPlan, plan_recovery
 from resilient.kernels import reduce_into
 
-SPACE = 3
+SPACE = tags.RECOVERY
 
 
 def build_plan(ledger: Ledger, ring: list[str], statuses: dict[str, dict], policy: Policy) -> RecoveryPlan:

@@ -37,11 +37,12 @@ from typing import Any, Callable, Sequence
 
 from resilient.collectives.algorithms.base import tag
 from resilient.errors import FrameError
-from resilient.transport.base import control_seq
+from resilient.collectives import tags
+from resilient.collectives.tags import control_seq
 
 log = logging.getLogger(__name__)
 
-SPACE = 4
+SPACE = tags.STATUS_EXCHANGE
 MAX_STATUS_BYTES = 64 << 20
 #: up to this many survivors every one sends its summary straight to every other (one
 #: hop, n - 1 connections each); beyond it the summaries go around the ring (n - 1 hops

@@ -60,6 +60,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from resilient.errors import FrameError, TransportAborted, TransportError
 from resilient.transport import frames
+from resilient.collectives.tags import same_namespace
 from resilient.transport.base import (
     Buffer, OpMismatch, PeerReportedError, Request, Transport, TransportStats, is_control,
 )
@@ -926,7 +927,7 @@ class TcpTransport(Transport):
         if req is None:
             self._buffer_early(conn, h)
             return
-        if (h.op_seq >> 62) == (req.op_seq >> 62) and h.op_seq != req.op_seq:
+        if same_namespace(h.op_seq, req.op_seq) and h.op_seq != req.op_seq:
             if h.op_seq < req.op_seq:
                 conn.discard, conn.cur = h.length, None  # left over from an op this side already ended
             else:  # a later op's frame (the sender finished or abandoned this op): keep it for that op
@@ -998,7 +999,7 @@ class TcpTransport(Transport):
             h, payload = conn.unexpected.popleft()
             ctl = is_control(h.op_seq)
             req = None if ctl in blocked else self._head_recv(conn, ctl)
-            same_ns = req is not None and (h.op_seq >> 62) == (req.op_seq >> 62)
+            same_ns = req is not None and same_namespace(h.op_seq, req.op_seq)
             if req is None or (same_ns and h.op_seq > req.op_seq):
                 blocked.add(ctl)  # for a later op, or nothing posted yet: ``req`` waits
                 kept.append((h, payload))

@@ -5,11 +5,14 @@ slice arrived. Followed by the caller's tiny barrier, so every member depends on
 other (input mismatches reach every rank; members stay at most one op apart)."""
 from __future__ import annotations
 
-from resilient.collectives.algorithms.base import OpContext, tag
+from resilient.collectives import tags
+from resilient.collectives.algorithms.base import Capabilities, OpContext, index_order, tag
 
 
 class ChainBroadcast:
-    SPACE = 2
+    SPACE = tags.CHAIN
+    capabilities = Capabilities()
+    final_order = staticmethod(index_order)
 
     def __init__(self, root: int, slices: int) -> None:
         self.root, self.slices = root, slices

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from resilient.collectives import failpoints
-from resilient.collectives.algorithms.base import OpContext
+from resilient.collectives.algorithms.base import Capabilities, OpContext, index_order
 from resilient.collectives.algorithms.ring import RingReduceScatterAllgather
 from resilient.collectives.ledger import Ledger
 
@@ -169,6 +169,9 @@ class HierarchicalAllreduce:
     each host, every group of size ``k``); ``layout``: from :meth:`Layout.make` with the
     same ``k`` and ``H = len(groups)``."""
 
+    capabilities = Capabilities()
+    final_order = staticmethod(index_order)
+
     def __init__(self, groups: Sequence[Sequence[str]], layout: Layout) -> None:
         self.groups = [list(g) for g in groups]
         self.layout = layout
@@ -267,6 +270,9 @@ class ChunkLayout:
 class _PerMemberHierarchy:
     """Shared by :class:`HierarchicalReduceScatter` / :class:`HierarchicalAllgather`: the
     member's host, local index and the op's mask helpers."""
+
+    capabilities = Capabilities()
+    final_order = staticmethod(index_order)
 
     def __init__(self, layout: ChunkLayout) -> None:
         self.layout = layout

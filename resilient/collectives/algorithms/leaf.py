@@ -45,12 +45,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from resilient.collectives.algorithms.base import OpContext, tag
-from resilient.collectives.algorithms.ring import RingReduceScatterAllgather
-from resilient.collectives.ledger import Ledger
+from resilient.collectives import tags
+from resilient.collectives.algorithms.base import Algorithm, Capabilities, OpContext, index_order, tag
+from resilient.collectives.algorithms.leaf_common import ActiveLedger, LeafRoute, items_of
+from resilient.collectives.algorithms.leaf_deadline import run_deadline
 from resilient.kernels import reduce_into
 
-SPACE = 4   # tag space (ring 0, recursive doubling 1, chain 2, recovery 3)
+SPACE = tags.LEAF
+__all__ = ["LeafPath", "LeafPlan", "deadline_of", "items_of", "leaf_assignment"]
 
 
 def leaf_assignment(members: Sequence[str], ring: Sequence[str], roles: Mapping[str, str],
@@ -82,55 +84,17 @@ def leaf_assignment(members: Sequence[str], ring: Sequence[str], roles: Mapping[
     return out
 
 
-def items_of(pieces: Sequence[tuple[int, int]], elem_bytes: int, sub_bytes: int) -> list[tuple[int, int, int]]:
-    """The leaf stream's units: every ledger piece cut into sub-slices of about
-    ``sub_bytes`` (fine grain keeps the pipeline tail short), as ``(piece, start, end)``."""
-    out = []
-    per = max(1, sub_bytes // max(1, elem_bytes))
-    for q, (s, e) in enumerate(pieces):
-        k = max(1, -(-(e - s) // per))
-        base, extra = divmod(e - s, k)
-        a = s
-        for i in range(k):
-            b = a + base + (1 if i < extra else 0)
-            out.append((q, a, b))
-            a = b
-    return out
-
-
-class _ActiveLedger(Ledger):
-    """The ledger as the inner algorithm sees it: members = the active members; every
-    ``set`` is mirrored into the op's ledger (active ``k`` -> its bit in the op's member
-    order) and then runs ``pump`` (forwarding leaf data that arrived meanwhile)."""
-
-    outer: Ledger
-    bits: list[int]
-    pump: Callable[[], None]
-    final: Callable[[int], None] | None = None   # deadline mode: piece p holds the actives' result
-
-    def set(self, p: int, mask: int) -> None:
-        super().set(p, mask)
-        outer = 0
-        for k, b in enumerate(self.bits):
-            if mask >> k & 1:
-                outer |= b
-        self.outer.set(p, outer)
-        if self.final is not None and mask == self.full:
-            self.final(p)
-        self.pump()
-
-
-class LeafPath:
+class LeafPath(LeafRoute):
     """Runs ``inner`` (ring or recursive doubling, built for ``len(actives)`` members)
     over the active members' own inputs, and the leaf streams around it (see the module
     docstring)."""
 
-    SUB_BYTES = 32 << 10
+    capabilities = Capabilities()
+    final_order = staticmethod(index_order)
 
-    def __init__(self, inner: Any, leaves: Mapping[str, str], actives: Sequence[str],
+    def __init__(self, inner: Algorithm, leaves: Mapping[str, str], actives: Sequence[str],
                  deadline_s: float | None = None) -> None:
-        self.inner, self.leaves, self.actives = inner, dict(leaves), list(actives)
-        self.deadline_s = deadline_s
+        super().__init__(inner, dict(leaves), list(actives), deadline_s)
 
     @classmethod
     def for_epoch(cls, members: Sequence[str], epoch: Any) -> "LeafPlan | None":
@@ -149,8 +113,6 @@ class LeafPath:
         L = ctx.ledger
         items = items_of(L.pieces, L.inp.element_size(), self.SUB_BYTES)
         if self.deadline_s is not None:
-            from resilient.collectives.algorithms.leaf_deadline import run_deadline
-
             run_deadline(self, ctx, items)
         elif L.members[L.me] in self.leaves:
             self._run_leaf(ctx, items)
@@ -184,7 +146,7 @@ class LeafPath:
         # link with the inner algorithm while both run: with a ring of >= 3 it runs
         # against the ring's direction (links the ring leaves idle) *concurrently*;
         # otherwise (2 actives, recursive doubling) it runs after the inner algorithm.
-        concurrent = isinstance(self.inner, RingReduceScatterAllgather) and n_a >= 3
+        concurrent = self.inner.capabilities.forward_ring_only and n_a >= 3
         d = -1 if concurrent else 1
         nxt, prv = self.actives[(ia + d) % n_a], self.actives[(ia - d) % n_a]
         leaves = sorted(self.leaves, key=index.__getitem__)
@@ -223,7 +185,7 @@ class LeafPath:
 
         if concurrent:
             post_chain()
-        inner = _ActiveLedger(L.seq, L.kind, tuple(self.actives), ia, L.epoch, L.digest, L.inp, L.out, L.pieces)
+        inner = ActiveLedger(L.seq, L.kind, tuple(self.actives), ia, L.epoch, L.digest, L.inp, L.out, L.pieces)
         inner.enabled = L.enabled
         inner.outer = L
         inner.bits = [1 << index[a] for a in self.actives]

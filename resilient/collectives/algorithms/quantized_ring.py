@@ -25,11 +25,16 @@ from __future__ import annotations
 
 import torch
 
-from resilient.collectives.algorithms.base import OpContext, finish_alone, tag
+from resilient.collectives import tags
+from resilient.collectives.algorithms.base import Capabilities, OpContext, finish_alone, index_order, tag
 from resilient.collectives.quantization import pack, unpack, wire_bits, wire_nbytes
 
 
 class QuantizedRing:
+    SPACE = tags.QUANTIZED_RING
+    capabilities = Capabilities()
+    final_order = staticmethod(index_order)
+
     def __init__(self, piece_bits: list[int], per_chunk: int, members_bound: int) -> None:
         self.piece_bits, self.per_chunk, self.members_bound = piece_bits, per_chunk, members_bound
 
@@ -62,7 +67,7 @@ class QuantizedRing:
                 a, b = L.pieces[pc]
                 w = self._width(pc, k)
                 wire = torch.empty(wire_nbytes(b - a, w), dtype=torch.uint8)
-                req = tr.irecv(prv, wire, ctx.seq, tag(idx, j), ctx.digest)
+                req = tr.irecv(prv, wire, ctx.seq, tag(idx, j, self.SPACE), ctx.digest)
                 cur.append((req, pc, wire, w, phase, done_mask))
             posted.append(cur)
         keep: list[torch.Tensor] = []  # wire buffers of sends in flight
@@ -79,7 +84,7 @@ class QuantizedRing:
                 if L.enabled:
                     ctx.failpoint(phase, self._frac(idx, j, S, n))
                 keep.append(wire)
-                sends.append(tr.isend(nxt, wire, ctx.seq, tag(idx, j), ctx.digest))
+                sends.append(tr.isend(nxt, wire, ctx.seq, tag(idx, j, self.SPACE), ctx.digest))
             prev = posted[idx]
         for j in range(S):
             self._complete(ctx, prev[j])

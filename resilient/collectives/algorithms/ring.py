@@ -15,13 +15,26 @@ makes its region final. Failure behaviour: any transport error propagates after
 """
 from __future__ import annotations
 
-from resilient.collectives.algorithms.base import OpContext, finish_alone, tag
+from resilient.collectives import tags
+from resilient.collectives.algorithms.base import Capabilities, OpContext, finish_alone, tag
 from resilient.kernels import reduce_into
 
 
 class RingReduceScatterAllgather:
+    SPACE = tags.RING
+    capabilities = Capabilities(forward_ring_only=True)
+
     def __init__(self, slices: int, shift: int = 0, do_rs: bool = True, do_ag: bool = True) -> None:
         self.slices, self.shift, self.do_rs, self.do_ag = slices, shift, do_rs, do_ag
+
+    def final_order(self, n_members: int, index: int, n_pieces: int) -> list[int]:
+        """Its last reduce-scatter chunk, then the all-gather chunks (slices in order);
+        index order for a one-phase ring or a layout that is not ``n_members`` chunks."""
+        if not (n_members >= 2 and self.do_rs and self.do_ag and n_pieces % n_members == 0):
+            return list(range(n_pieces))
+        S, sh = n_pieces // n_members, self.shift
+        chunks = [(index + 1 - sh) % n_members] + [(index - sh - t) % n_members for t in range(n_members - 1)]
+        return [c * S + j for c in chunks for j in range(S)]
 
     def run(self, ctx: OpContext) -> None:
         L, tr = ctx.ledger, ctx.transport
@@ -57,7 +70,7 @@ class RingReduceScatterAllgather:
             cur = []
             for j in range(S):
                 pc = rc * S + j
-                req = tr.irecv(prv, L.buf(pc), ctx.seq, tag(idx, j), ctx.digest)
+                req = tr.irecv(prv, L.buf(pc), ctx.seq, tag(idx, j, self.SPACE), ctx.digest)
                 entry = (req, pc, sender_mask)
                 ctx.inflight.append(entry)
                 cur.append((entry, phase, done_mask))
@@ -74,7 +87,7 @@ class RingReduceScatterAllgather:
                     buf = L.buf(ps)
                 if ctx.ledger.enabled:
                     ctx.failpoint(phase, self._frac(idx, j, S, n))
-                sends.append(tr.isend(nxt, buf, ctx.seq, tag(idx, j), ctx.digest))
+                sends.append(tr.isend(nxt, buf, ctx.seq, tag(idx, j, self.SPACE), ctx.digest))
             prev = posted[idx]
         for j in range(S):
             self._complete(ctx, *prev[j])
