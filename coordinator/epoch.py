@@ -232,7 +232,7 @@ def check_plan(f: "records.Fields | None", size: int) -> dict[str, Any]:
 
 def parse_epoch_number(raw: bytes, key: str = "") -> int:
     """Only the ``number`` of an epoch record (cheap; :class:`~resilient.errors.RecordError`)."""
-    return records.fields("epoch", raw, key).int("number")
+    return int(records.fields("epoch", raw, key).int("number"))
 
 
 def parse_any(store: Store, job: str, raw: bytes, key: str, have: "object | None" = None) -> tuple[Epoch, object]:
@@ -326,7 +326,7 @@ class EpochWatcher:
         self._state: object = None    # the delta state of the current epoch (resilient.coordinator.delta)
         self._current: Epoch | None = None
         kv, revision = store.get_with_revision(self._key)
-        self._current: Epoch | None = self._parse(kv.value) if kv else None
+        self._current = self._parse(kv.value) if kv else None
         start = revision + 1
         self._watch = store.watch_key(self._key, start, self._on_events)
 

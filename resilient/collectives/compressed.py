@@ -198,9 +198,11 @@ class CompressedResult:
     contributors: tuple[str, ...]
     piece_contributors: list[tuple[str, ...]] | None = None
     recovered: bool = False
-    compression: dict | None = None
+    compression: dict[str, Any] | None = None
 
     def dequantized_input(self) -> torch.Tensor:
         """``s * q`` of this member (float32, flat)."""
         c = self.compression
+        if c is None:
+            raise ValueError("this result has no compression record (the op ran uncompressed)")
         return dequantize(c["q"], c["scales"], c["segments"], c["bucket"])

@@ -110,17 +110,17 @@ class EtcdGroupView:
         return unsubscribe
 
     def report_suspect(self, suspect_id: str, reason: str) -> None:
-        from resilient.coordinator import report_suspect
+        from resilient.coordinator.membership import report_suspect
 
         report_suspect(self.store, self.job, self.member_id, suspect_id, reason)
 
     def put_blob(self, epoch: int, name: str, payload: bytes) -> None:
-        from resilient.coordinator import EpochData
+        from resilient.coordinator.epoch import EpochData
 
         EpochData(self.store, self.job, epoch).put(self.member_id, name, payload)
 
     def wait_blobs(self, epoch: int, name: str, members: Iterable[str], timeout: float) -> dict[str, bytes]:
-        from resilient.coordinator import EpochData
+        from resilient.coordinator.epoch import EpochData
 
         return EpochData(self.store, self.job, epoch).wait_all(name, members, timeout)
 

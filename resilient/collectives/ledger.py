@@ -83,11 +83,11 @@ class Ledger:
     def _bytes(self, key: str, t: torch.Tensor, start: int, p: int) -> Any:
         """Elements ``[start, start + len(piece p))`` of ``t``: a slice of its byte view,
         made once per op and cached under ``key`` (the tensor slice where ``t`` has none)."""
-        mv = self.__dict__.get(key)
+        mv: memoryview | bool | None = self.__dict__.get(key)
         if mv is None:
             mv = self.__dict__[key] = _bytes_of(t)
         s, e = self.pieces[p]
-        if mv is False:
+        if not isinstance(mv, memoryview):
             return t[start:start + e - s]
         es = t.element_size()
         return mv[start * es:(start + e - s) * es]
@@ -116,7 +116,7 @@ def _bytes_of(t: torch.Tensor) -> memoryview | bool:
     """A flat writable byte view of a contiguous CPU tensor, or False (use tensor views)."""
     if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
         return False
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def encode_status(member: str, inflight: Ledger | None, retained: Ledger | None) -> bytes:

@@ -106,8 +106,9 @@ class ReduceScatterOp:
     def layout(self, members: list[str], me: int, seq: int, digest: int, epoch: EpochLike) -> tuple[Ledger, Algorithm]:
         self.check_group(self.n0, members, seq, "reduce_scatter", "input")
         lay = select.per_member("reduce_scatter", members, epoch, self.n0, self.m, self.out.element_size(), self.sizing)
+        want: list[int | None] = list(lay.owner)
         return Ledger(seq, "reduce_scatter", tuple(members), me, epoch.number, digest, self.inp,
-                      torch.empty_like(self.inp), lay.pieces, want=lay.owner), lay.algorithm
+                      torch.empty_like(self.inp), lay.pieces, want=want), lay.algorithm
 
     def finish(self, L: Ledger) -> OpResult:
         res, m = finish_avg(L, self.op), self.m

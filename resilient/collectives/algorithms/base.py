@@ -12,9 +12,20 @@ from typing import Callable, Protocol, Sequence
 
 from resilient.collectives import failpoints
 from resilient.collectives.ledger import Ledger
-from resilient.collectives.tags import tag
+from resilient.collectives.tags import tag as tag   # re-exported: algorithms build their tags with it
 from resilient.kernels import ReduceOp
-from resilient.transport.base import Request, Transport
+from resilient.transport.base import Buffer, Request
+
+
+class OpTransport(Protocol):
+    """What an algorithm posts through (a :class:`~resilient.transport.base.Transport`
+    or the retrying layer over one): see the transport interface for the semantics."""
+
+    def isend(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request: ...
+
+    def irecv(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request: ...
+
+    def wait(self, requests: Sequence[Request], timeout: float | None = None) -> bool: ...
 
 
 @dataclass
@@ -26,7 +37,7 @@ class OpContext:
     ``inflight`` holds receives whose region is not final yet, as (request, piece,
     mask-if-complete): after an abort :meth:`settle` turns them into exact ledger state."""
 
-    transport: Transport
+    transport: OpTransport
     ledger: Ledger
     op: ReduceOp
     op_timeout: float | None

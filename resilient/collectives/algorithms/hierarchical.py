@@ -320,7 +320,9 @@ class HierarchicalAllgather(_PerMemberHierarchy):
         final = lambda mask: full if mask else 0   # noqa: E731
         _phase = HierarchicalAllreduce._phase
         mine = list(range(c * HS, (c + 1) * HS))
-        _phase(ctx, "cross", [g[c] for g in self.layout.groups], mine, final, L.inp, [L.inp_offset[q] for q in mine],
+        offs = L.inp_offset
+        assert offs is not None   # an allgather ledger carries its input offsets
+        _phase(ctx, "cross", [g[c] for g in self.layout.groups], mine, final, L.inp, [offs[q] for q in mine],
                RingReduceScatterAllgather(self.layout.S, shift=1, do_rs=False))
         _phase(ctx, "intra", host, list(range(len(L.pieces))), final, L.inp, L.inp_offset,
                RingReduceScatterAllgather(HS, shift=1, do_rs=False))

@@ -155,7 +155,7 @@ class LeafPath(LeafRoute):
         stage = {l: torch.empty_like(L.inp) for l in leaves}
         # Every leaf's input travels parent -> next -> ... around the actives (a chain),
         # in one canonical order per link: (item, leaf).
-        entries: list[list] = []   # [item, leaf, request or None, forward?, hop]
+        entries: list[list[Any]] = []   # [item, leaf, request or None, forward?, hop]
         for k, (q, s, e) in enumerate(items):
             for l in leaves:
                 hop = ((ia - self.actives.index(self.leaves[l])) * d) % n_a   # 0: the parent itself

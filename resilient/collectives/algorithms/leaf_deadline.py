@@ -59,6 +59,7 @@ from resilient.collectives.algorithms.base import OpContext, tag
 from resilient.collectives.algorithms.leaf_common import ActiveLedger, LeafRoute
 from resilient.errors import CollectiveError
 from resilient.kernels import reduce_into
+from resilient.transport.base import Request
 
 SPACE = tags.LEAF  # shared with leaf.py (the lossless path uses steps 0-2)
 T_INPUT, T_RESULT, T_CHAIN, T_DECISION, T_FINAL, T_CTRL, T_ACK = 0, 1, 2, 3, 4, 5, 6
@@ -66,7 +67,7 @@ POLL_S = 0.005     # wake-up granularity while waiting on several streams at onc
 
 #: transport -> (epoch, a parent's receives still posted after its op: its leaves' late
 #: input sub-slices and their acks), awaited at its next deadline-mode op or by drain()
-_LAGGING: "weakref.WeakKeyDictionary[Any, tuple[int, list]]" = weakref.WeakKeyDictionary()
+_LAGGING: "weakref.WeakKeyDictionary[Any, tuple[int, list[Request]]]" = weakref.WeakKeyDictionary()
 
 
 def _mask_bytes(n_members: int) -> int:
@@ -171,9 +172,9 @@ class _Active:
         self.ctrl_in = self.ctrl_out = 0
         self.ctrl_req: Any = None
         self.ctrl_buf: torch.Tensor | None = None
-        self.groups: list[tuple[str, int, int, int, list]] = []   # announced, not yet complete
+        self.groups: list[tuple[str, int, int, int, list[Request]]] = []   # announced, not yet complete
         self.live = self.concurrent
-        self.leaf_reqs: dict[str, list] = {}
+        self.leaf_reqs: dict[str, list[Request]] = {}
 
     # -- chain ----------------------------------------------------------------------------
 
@@ -330,6 +331,7 @@ class _Active:
         """Wait until every leaf is decided: own leaves by the deadline, others by their
         parents' control frames (which come: every parent decides by its deadline)."""
         ctx = self.ctx
+        assert self.path.deadline_s is not None   # run_deadline runs only in the deadline mode
         t_dead = time.monotonic() + self.path.deadline_s
         quiet_since, reported = time.monotonic(), set()
         while True:

@@ -17,7 +17,12 @@ from __future__ import annotations
 
 from resilient.collectives import tags
 from resilient.collectives.algorithms.base import Capabilities, OpContext, finish_alone, tag
+from resilient.transport.base import Request
 from resilient.kernels import reduce_into
+
+
+#: a posted receive: ((request, piece, sender's mask), phase, mask once reduced)
+_Posted = tuple[tuple[Request, int, int], str, int]
 
 
 class RingReduceScatterAllgather:
@@ -57,7 +62,7 @@ class RingReduceScatterAllgather:
         # reduce-scatter, and its bytes can only arrive after that send completed (the
         # final value includes what it carried), so posting early never overwrites a
         # buffer in flight.
-        posted: list[list] = []
+        posted: list[list[_Posted]] = []
         for idx, (phase, sc, rc, s) in enumerate(steps):
             if phase == "rs":
                 arc = 0
@@ -67,7 +72,7 @@ class RingReduceScatterAllgather:
                 sender_mask = arc & ~(1 << p)
             else:
                 done_mask = sender_mask = full
-            cur = []
+            cur: list[_Posted] = []
             for j in range(S):
                 pc = rc * S + j
                 req = tr.irecv(prv, L.buf(pc), ctx.seq, tag(idx, j, self.SPACE), ctx.digest)
@@ -75,8 +80,8 @@ class RingReduceScatterAllgather:
                 ctx.inflight.append(entry)
                 cur.append((entry, phase, done_mask))
             posted.append(cur)
-        prev: list | None = None
-        sends = []
+        prev: list[_Posted] | None = None
+        sends: list[Request] = []
         for idx, (phase, sc, rc, s) in enumerate(steps):
             for j in range(S):
                 ps = sc * S + j
@@ -89,6 +94,7 @@ class RingReduceScatterAllgather:
                     ctx.failpoint(phase, self._frac(idx, j, S, n))
                 sends.append(tr.isend(nxt, buf, ctx.seq, tag(idx, j, self.SPACE), ctx.digest))
             prev = posted[idx]
+        assert prev is not None   # n >= 2: at least one step
         for j in range(S):
             self._complete(ctx, *prev[j])
         ctx.wait(sends)
@@ -99,7 +105,7 @@ class RingReduceScatterAllgather:
         return (k % per_phase) / per_phase
 
     @staticmethod
-    def _complete(ctx: OpContext, entry, phase: str, done_mask: int) -> None:
+    def _complete(ctx: OpContext, entry: tuple[Request, int, int], phase: str, done_mask: int) -> None:
         req, piece, _ = entry
         ctx.wait([req])
         L = ctx.ledger
