@@ -1,10 +1,11 @@
 """``Communicator``: resumable collectives over an abortable transport (docs/design.md §3).
 
-The facade: public API and input checks, the op loop with error translation, close.
-Its parts: :mod:`.epochs` (which epoch an op runs in), :mod:`.ops` (one spec per
-collective: layout and result), :mod:`.algorithms.select` (which algorithm),
-:mod:`.recovery_path` (finishing an op after a failure), :mod:`.error_frame` (what one
-member tells the others when it gives up an op), :mod:`.buffers`.
+The facade: the public API, the op loop with error translation, close. Its parts:
+:mod:`.epochs` (which epoch an op runs in), :mod:`.ops` (one spec per collective: input
+checks, layout, result), :mod:`.algorithms.select` (which algorithm),
+:mod:`.recovery_path` (finishing an op after a failure), :mod:`.op_errors` /
+:mod:`.error_frame` (what one member tells the others when it gives up an op),
+:mod:`.buffers`, :mod:`.op_metrics`, :mod:`.p2p`.
 
 Every op has a sequence number; all members call ops in the same order. Ops run one at a
 time on a private thread (``async_op=True`` returns a :class:`~.work.Work`). The op's
@@ -38,87 +39,44 @@ Failure behaviour:
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from dataclasses import asdict, replace
+from typing import Any, Callable, Sequence
 
 import torch
 
-from resilient.collectives import tags
 from resilient.collectives.algorithms.base import OpContext
 from resilient.collectives.algorithms.leaf_deadline import drain
 from resilient.collectives.algorithms.select import Sizing
 from resilient.collectives.buffers import BufferPool
+from resilient.collectives.comm_settings import CommSettings
+from resilient.collectives.compressed import Compression, run_compressed
+from resilient.collectives.compression_switch import CompressionSwitch, run_auto
 from resilient.collectives.epochs import EpochTracker
-from resilient.collectives.error_frame import ErrorFrame
 from resilient.collectives.eviction import await_readmission
 from resilient.collectives.group import EpochLike, GroupView
 from resilient.collectives.ledger import Ledger
+from resilient.collectives.op_errors import OpErrors
+from resilient.collectives.op_metrics import OpMetrics
 from resilient.collectives.ops import (
-    AllgatherOp, AllreduceOp, BroadcastOp, OpResult, OpSpec, ReduceScatterOp, describe, finish_avg, result_of,
+    AllgatherOp, AllreduceOp, BroadcastOp, OpResult, OpSpec, ReduceScatterOp, as_tensor, describe, digest,
+    result_of,
 )
+from resilient.collectives.p2p import PointToPoint
 from resilient.collectives.recovery import Policy
 from resilient.collectives.recovery_path import RecoveryPath
 from resilient.collectives.recovery_report import RecoveryReport
 from resilient.collectives.retry import PeerUnreachable, RetryingTransport
 from resilient.collectives.work import Work
-from resilient.errors import ConfigError, GroupChanged, InputMismatch, TransportError
+from resilient.errors import ConfigError, TransportError
 from resilient.kernels import ReduceOp
 from resilient.transport.base import OpMismatch, PeerReportedError, Transport
 
-if TYPE_CHECKING:
-    from resilient.collectives.compression_switch import CompressionSwitch
-
 log = logging.getLogger(__name__)
 
-DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64}
 __all__ = ["Communicator", "CommSettings", "OpResult"]
-
-
-@dataclass(frozen=True)
-class CommSettings:
-    """Everything a Communicator was built with besides view and transport (``rejoin``
-    builds the next one from it)."""
-
-    policy: Policy | str = Policy.DEFAULT
-    op_timeout: float | None = 30.0
-    small_bytes: int = 64 << 10
-    slice_bytes: int = 2 << 20
-    max_slices: int = 64
-    recovery_timeout: float = 300.0
-    epoch_timeout: float = 60.0
-    ledger: bool = True
-    health_reporter: Any = None
-    metrics: Any = None
-    hierarchical: bool = True
-
-
-def _as_tensor(x: Any, what: str) -> torch.Tensor:
-    if isinstance(x, torch.Tensor):
-        t = x
-    else:
-        try:
-            import numpy as np
-
-            if isinstance(x, np.ndarray):
-                t = torch.from_numpy(x)
-            else:
-                raise TypeError
-        except TypeError:
-            raise ConfigError(f"{what} must be a torch CPU tensor or a numpy array, got {type(x).__name__}") from None
-    if t.device.type != "cpu":
-        raise ConfigError(f"{what} is on {t.device}; the TCP communicator needs CPU tensors (use the NCCL transport for GPUs)")
-    if t.dtype not in DTYPES:
-        raise ConfigError(f"{what} has dtype {t.dtype}; supported: float32, float64, float16, bfloat16, int32, int64")
-    return t
-
-
-def _digest(desc: dict[str, Any]) -> int:
-    return zlib.crc32(json.dumps(desc, sort_keys=True).encode())
 
 
 class Communicator:
@@ -127,47 +85,29 @@ class Communicator:
                  max_slices: int = 64, recovery_timeout: float = 300.0, epoch_timeout: float = 60.0,
                  ledger: bool = True, joining: bool | None = None, health_reporter: Any = None,
                  metrics: Any = None, hierarchical: bool = True) -> None:
-        self.view, self.transport = view, transport
+        self.view, self.transport, self.member_id = view, transport, view.member_id
         self.settings = CommSettings(policy, op_timeout, small_bytes, slice_bytes, max_slices, recovery_timeout,
                                      epoch_timeout, ledger, health_reporter, metrics, hierarchical)
-        self.hierarchical = hierarchical  # allreduce by host groups when the plan has them (algorithms/hierarchical.py)
+        self.policy = Policy.parse(policy)
+        self.op_timeout, self.epoch_timeout, self.ledger_enabled = op_timeout, epoch_timeout, ledger
         self.sizing = Sizing(small_bytes, slice_bytes, max_slices, hierarchical)
+        self.metrics = OpMetrics(metrics, health_reporter)
         # ops post through this: a failed link to a live member is retried (issue 5)
         self._op_transport = RetryingTransport(transport, give_up_s=op_timeout, on_suspect=self._suspect,
                                                is_member=lambda peer: peer in self._epochs.epoch.members,
                                                is_alive=view.peer_alive, dead_wait_s=epoch_timeout)
-        self.member_id = view.member_id
-        self.policy = Policy.parse(policy)
-        self.op_timeout, self.small_bytes, self.slice_bytes, self.max_slices = op_timeout, small_bytes, slice_bytes, max_slices
-        self.recovery_timeout, self.epoch_timeout, self.ledger_enabled = recovery_timeout, epoch_timeout, ledger
-        self.health_reporter = health_reporter
-        self._metrics = metrics
         self._epochs = EpochTracker(view, transport, self._op_transport, epoch_timeout, metrics)
         self._recovery = RecoveryPath(view, transport, self._op_transport, self._epochs, lambda: self.policy,
                                       op_timeout, recovery_timeout, self._suspect)
         self._epochs.start(joining)
-        self._p2p: dict[tuple[str, str], int] = {}
+        self._errors = OpErrors(self.member_id, transport, self._op_transport, self._epochs.members)
+        self._p2p = PointToPoint(self.member_id, transport, op_timeout, self._suspect)
         self._buffers = BufferPool()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"resilient-ops:{self.member_id}")
         self._unsub = view.subscribe(self._epochs.on_epoch)
         self.last_compression: dict[str, Any] | None = None  # scales/q of the last compressed op
         self.compression_switch: CompressionSwitch | None = None  # compression="auto" (compression_switch.py)
         self._closed = False
-
-    @property
-    def epoch(self) -> EpochLike:
-        """The epoch the next op starts in (until a newer one is adopted at its boundary)."""
-        return self._epochs.epoch
-
-    @property
-    def last_recovery(self) -> RecoveryReport | None:
-        """What the last op finished by recovery did (None before any)."""
-        return self._recovery.last_report
-
-    @property
-    def retained(self) -> Ledger | None:
-        """The completed ledger of this member's last op (kept for a slower survivor)."""
-        return self._recovery.retained
 
     # -- public API ---------------------------------------------------------------------
 
@@ -176,76 +116,51 @@ class Communicator:
         """``compression``: None (exact float sum), ``"q8"``/``"q4"``/``"q2"``, ``"auto"``
         or a :class:`~.compressed.Compression` (``auto=True``: the measured-link switch of
         :mod:`.compression_switch`): the exact quantized allreduce of ``docs/compression.md``."""
-        t = _as_tensor(tensor, "allreduce tensor")
+        t = as_tensor(tensor, "allreduce tensor")
         rop = ReduceOp.parse(op)
         nbytes = t.numel() * t.element_size()
-        if compression is not None:
-            from resilient.collectives.compressed import Compression, run_compressed
-            from resilient.collectives.compression_switch import run_auto
-
-            comp = Compression.parse(compression)
-            segs = comp.layout(t) if comp is not None else None
-            if comp is not None and segs is not None:
-                body = run_auto if comp.auto else run_compressed
-                return self._submit(lambda: body(self, t, rop, comp, segs, policy), async_op, "allreduce", nbytes)
+        comp = Compression.parse(compression) if compression is not None else None
+        segs = comp.layout(t) if comp is not None else None
+        if comp is not None and segs is not None:
+            body = run_auto if comp.auto else run_compressed
+            return self._submit(lambda: body(self, t, rop, comp, segs, policy), async_op, "allreduce", nbytes)
         desc = describe("allreduce", t, op=rop.value)
         return self._submit(lambda: self.reduce_now(t, rop, desc, policy), async_op, "allreduce", nbytes)
 
     def reduce_scatter(self, output: Any, inputs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM,
                        async_op: bool = False, policy: Policy | str | None = None) -> Work:
-        out = _as_tensor(output, "reduce_scatter output")
-        ins = [_as_tensor(x, f"reduce_scatter input {i}") for i, x in enumerate(inputs)]
+        out = as_tensor(output, "reduce_scatter output")
+        ins = [as_tensor(x, f"reduce_scatter input {i}") for i, x in enumerate(inputs)]
         rop = ReduceOp.parse(op)
         desc = describe("reduce_scatter", out, op=rop.value, n=len(ins))
-
-        def body() -> OpResult:
-            n0 = len(self.members)
-            if len(ins) != n0:
-                raise ConfigError(f"reduce_scatter needs one input per member ({n0}), got {len(ins)}")
-            for i, x in enumerate(ins):
-                if x.shape != out.shape or x.dtype != out.dtype:
-                    raise ConfigError(f"reduce_scatter input {i} is {tuple(x.shape)}/{x.dtype}, output is "
-                                      f"{tuple(out.shape)}/{out.dtype}")
-            spec = ReduceScatterOp(out, ins, rop, n0, self.sizing, self._require_group_of)
-            return spec.finish(self.run_op(desc, spec, policy=policy))
-        return self._submit(body, async_op, "reduce_scatter", sum(x.numel() * x.element_size() for x in ins))
+        return self._submit(lambda: self._collective(desc, lambda: ReduceScatterOp(
+            out, ins, rop, self.size, self.sizing, self._errors.require_group_of), policy), async_op,
+            "reduce_scatter", sum(x.numel() * x.element_size() for x in ins))
 
     def allgather(self, outputs: Sequence[Any], tensor: Any, async_op: bool = False) -> Work:
-        t = _as_tensor(tensor, "allgather tensor")
-        outs = [_as_tensor(x, f"allgather output {i}") for i, x in enumerate(outputs)]
+        t = as_tensor(tensor, "allgather tensor")
+        outs = [as_tensor(x, f"allgather output {i}") for i, x in enumerate(outputs)]
         desc = describe("allgather", t, n=len(outs))
-
-        def body() -> OpResult:
-            n0 = len(self.members)
-            if len(outs) != n0:
-                raise ConfigError(f"allgather needs one output per member ({n0}), got {len(outs)}")
-            spec = AllgatherOp(outs, t, n0, self.sizing, self._require_group_of)
-            return spec.finish(self.run_op(desc, spec))
-        return self._submit(body, async_op, "allgather", t.numel() * t.element_size() * len(outs))
+        return self._submit(lambda: self._collective(desc, lambda: AllgatherOp(
+            outs, t, self.size, self.sizing, self._errors.require_group_of)), async_op,
+            "allgather", t.numel() * t.element_size() * len(outs))
 
     def broadcast(self, tensor: Any, root: int = 0, async_op: bool = False) -> Work:
-        t = _as_tensor(tensor, "broadcast tensor")
-        root = int(root)
-        desc = describe("broadcast", t, root=root)
-
-        def body() -> OpResult:
-            members = self.members
-            if not 0 <= root < len(members):
-                raise ConfigError(f"broadcast root {root} is not a rank of this {len(members)}-member group")
-            spec = BroadcastOp(t, members[root], self.sizing)
-            return spec.finish(self.run_op(desc, spec))
-        return self._submit(body, async_op, "broadcast", t.numel() * t.element_size())
+        t = as_tensor(tensor, "broadcast tensor")
+        desc = describe("broadcast", t, root=int(root))
+        return self._submit(lambda: self._collective(desc, lambda: BroadcastOp(
+            t, int(root), self.members, self.sizing)), async_op, "broadcast", t.numel() * t.element_size())
 
     def barrier(self, async_op: bool = False) -> Work:
         t = torch.zeros(1, dtype=torch.int32)
         return self._submit(lambda: self.reduce_now(t, ReduceOp.SUM, {"k": "barrier"}, None), async_op, "barrier")
 
     def send(self, tensor: Any, dst: int, tag: int = 0, async_op: bool = False) -> Work:
-        t = _as_tensor(tensor, "send tensor")
+        t = as_tensor(tensor, "send tensor")
         return self._submit(lambda: self._p2p_op(t, dst, tag, True), async_op)
 
     def recv(self, tensor: Any, src: int, tag: int = 0, async_op: bool = False) -> Work:
-        t = _as_tensor(tensor, "recv tensor")
+        t = as_tensor(tensor, "recv tensor")
         return self._submit(lambda: self._p2p_op(t, src, tag, False), async_op)
 
     @property
@@ -265,6 +180,31 @@ class Communicator:
         """The sequence number the next collective will get (a joiner starts at the
         group's; all members call ops in the same order)."""
         return self._epochs.seq
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether ops run by host groups when the plan has them (settable between ops,
+        the same on every member)."""
+        return self.sizing.hierarchical
+
+    @hierarchical.setter
+    def hierarchical(self, on: bool) -> None:
+        self.sizing = replace(self.sizing, hierarchical=on)
+
+    @property
+    def epoch(self) -> EpochLike:
+        """The epoch the next op starts in (until a newer one is adopted at its boundary)."""
+        return self._epochs.epoch
+
+    @property
+    def last_recovery(self) -> RecoveryReport | None:
+        """What the last op finished by recovery did (None before any)."""
+        return self._recovery.last_report
+
+    @property
+    def retained(self) -> Ledger | None:
+        """The completed ledger of this member's last op (kept for a slower survivor)."""
+        return self._recovery.retained
 
     def rejoin(self, timeout: float | None = None) -> "Communicator":
         """After :class:`~resilient.errors.Evicted` (``--straggler-policy evict``): close
@@ -313,7 +253,12 @@ class Communicator:
             except Exception as exc:  # noqa: BLE001
                 log.info("close: leaving failed (the lease TTL removes this member): %s", exc)
 
-    # -- op bodies (op thread; also used by compressed.py / compression_switch.py) --------
+    # -- op bodies (op thread; reduce_now / run_op / take_buffer also serve compressed.py) ----
+
+    def _collective(self, desc: dict[str, Any], make: Callable[[], ReduceScatterOp | AllgatherOp | BroadcastOp],
+                    policy: Policy | str | None = None) -> OpResult:
+        spec = make()   # on the op thread: the group it checks against is the op's
+        return spec.finish(self.run_op(desc, spec, policy=policy))
 
     def reduce_now(self, t: torch.Tensor, op: ReduceOp, desc: dict[str, Any], policy: Policy | str | None,
                    reserve: int = 1, seq: int | None = None) -> OpResult:
@@ -325,7 +270,6 @@ class Communicator:
         """A pooled flat buffer for a ledger's output (released when the ledger is dropped)."""
         return self._buffers.take(numel, dtype)
 
-    finish_avg = staticmethod(finish_avg)
     result_of = staticmethod(result_of)
 
     def run_op(self, desc: dict[str, Any], spec: OpSpec, policy: Policy | str | None = None,
@@ -343,11 +287,10 @@ class Communicator:
 
     def _run(self, desc: dict[str, Any], spec: OpSpec, seq: int | None, reserve: int) -> Ledger:
         seq, need_status = self._epochs.reserve(seq, reserve)
-        digest = _digest(desc)
-        op = ReduceOp.parse(desc.get("op", "sum"))
+        op, d = ReduceOp.parse(desc.get("op", "sum")), digest(desc)
         while True:
             members = self.members
-            L, algo = spec.layout(members, members.index(self.member_id), seq, digest, self.epoch)
+            L, algo = spec.layout(members, members.index(self.member_id), seq, d, self.epoch)
             L.enabled = self.ledger_enabled
             ctx = OpContext(self._op_transport, L, op, self.op_timeout, self._suspect, self.epoch.number)
             try:
@@ -359,16 +302,15 @@ class Communicator:
                         algo.run(ctx)
                         outcome = "done"
                     except (OpMismatch, PeerReportedError) as exc:
-                        self._mismatch(seq, desc, exc)
+                        self._errors.mismatch(seq, desc, exc)
                     except TransportError as exc:
                         ctx.settle()
                         log.info("op #%d interrupted: %s", seq, exc)
                         outcome = self._recovery.recover(ctx, awaiting=True)
             except (OpMismatch, PeerReportedError) as exc:
-                self._mismatch(seq, desc, exc)
+                self._errors.mismatch(seq, desc, exc)
             except PeerUnreachable as exc:
-                # tell the members beyond the broken link (they would wait for us), then raise
-                self._post_error(seq, ErrorFrame(self.member_id, unreachable=exc.peer, reason=str(exc)))
+                self._errors.unreachable(seq, exc.peer, str(exc))
                 raise
             if outcome == "done":
                 break
@@ -384,52 +326,10 @@ class Communicator:
         if prev is not None:
             self._buffers.release(prev.out)  # nobody can need the op before the retained one
         self._buffers.release(L.inp)  # retained ledgers have no input (has_input=False)
-        self._record_recovery(L)
-        return L
-
-    def _record_recovery(self, L: Ledger) -> None:
-        """Metrics of a recovery that finished op ``L``: time, bytes resent and bytes saved
-        versus redoing the op from scratch (2(n-1)/n of the op's bytes each)."""
         rep = self.last_recovery
-        if self._metrics is None or rep is None or rep.seq != L.seq or rep.epoch != self.epoch.number:
-            return
-        n = max(1, len(self.members))
-        scratch = int(2 * (n - 1) / n * L.inp.numel() * L.inp.element_size())
-        try:
-            self._metrics.record_op_resumed(rep.seconds, rep.bytes_sent, max(0, scratch - rep.bytes_sent))
-        except Exception as exc:  # noqa: BLE001
-            log.debug("metrics: %s", exc)
-
-    # -- errors ---------------------------------------------------------------------------
-
-    def _post_error(self, seq: int, frame: ErrorFrame, raw: bytes | None = None,
-                    members: list[str] | None = None) -> None:
-        """Tell ``members`` (default: the op's) that this member gives up op ``seq``, and drop it."""
-        self.transport.post_error(self.members if members is None else members, seq,
-                                  frame.encode() if raw is None else raw)
-        self._op_transport.cancel_op(seq)
-
-    def _require_group_of(self, n0: int, members: list[str], seq: int, kind: str, what: str) -> None:
-        """Ops with one buffer per member cannot run over a changed group: every member is
-        told (so none waits) and the caller gets a CollectiveError saying what to do."""
-        n = len(members)
-        if n != n0:
-            self._post_error(seq, ErrorFrame(self.member_id, f"the group changed from {n0} to {n} members",
-                                             self.member_id, group_changed=(n0, n)), members=members)
-            raise GroupChanged(f"{kind} #{seq}: the group changed from {n0} to {n} members before it "
-                               f"started; call it again with one {what} per current member", n0, n)
-
-    def _mismatch(self, seq: int, desc: dict[str, Any], exc: OpMismatch | PeerReportedError) -> None:
-        mine = json.dumps(desc, sort_keys=True)
-        if isinstance(exc, OpMismatch):
-            self._post_error(seq, ErrorFrame(self.member_id, desc, exc.peer))
-            raise InputMismatch(
-                f"collective #{seq}: member {exc.peer} called a different collective/shape/dtype/op than this member "
-                f"({self.member_id}: {mine}); every member must call the same ops in the same order with matching "
-                "inputs") from None
-        frame = ErrorFrame.decode(exc.message, exc.peer)
-        self._post_error(seq, frame, raw=exc.message)  # relay: reaches members without a direct link
-        raise frame.error(seq, self.member_id, mine) from None
+        if rep is not None and rep.seq == L.seq:
+            self.metrics.op_resumed(rep, L, self.size)
+        return L
 
     # -- plumbing -----------------------------------------------------------------------
 
@@ -441,27 +341,13 @@ class Communicator:
             def body() -> Any:
                 t0 = time.monotonic()
                 res = fn()
-                self._op_finished(kind, time.monotonic() - t0, nbytes)
+                self.metrics.op_finished(kind, time.monotonic() - t0, nbytes, self.epoch.number)
                 return res
         fut: Future[Any] = self._pool.submit(body)
         work = Work(fut)
-        if async_op:
-            return work
-        fut.result()
+        if not async_op:
+            fut.result()
         return work
-
-    def _op_finished(self, kind: str, seconds: float, nbytes: int) -> None:
-        """Per op (never per slice): metrics and the health reporter; neither may fail an op."""
-        if self._metrics is not None:
-            try:
-                self._metrics.record_collective(kind, seconds, nbytes)
-            except Exception as exc:  # noqa: BLE001
-                log.debug("metrics: %s", exc)
-        if self.health_reporter is not None:
-            try:
-                self.health_reporter.op_done(self.epoch.number, seconds)
-            except Exception as exc:  # noqa: BLE001
-                log.debug("health reporter: %s", exc)
 
     def _suspect(self, peer: str, reason: str) -> None:
         try:
@@ -473,16 +359,5 @@ class Communicator:
         members = self.members
         if not 0 <= peer_rank < len(members):
             raise ConfigError(f"rank {peer_rank} is not in this {len(members)}-member group")
-        peer = members[peer_rank]
-        key = (self.member_id, peer) if is_send else (peer, self.member_id)
-        n = self._p2p.get(key, 0)
-        self._p2p[key] = n + 1
-        seq = tags.p2p_seq(n)
-        buf = t if t.is_contiguous() else t.contiguous()
-        d = _digest({"k": "p2p", "shape": list(t.shape), "dtype": str(t.dtype)})
-        req = self.transport.isend(peer, buf, seq, tag, d) if is_send else self.transport.irecv(peer, buf, seq, tag, d)
-        while not self.transport.wait([req], timeout=self.op_timeout):
-            self._suspect(peer, f"point-to-point with {peer} waited more than {self.op_timeout}s")
-        if not is_send and buf is not t:
-            t.copy_(buf)
-        return OpResult((peer,))
+        self._p2p.run(t, members[peer_rank], tag, is_send)
+        return OpResult((members[peer_rank],))

@@ -149,7 +149,7 @@ def run_compressed(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Comp
         leaf = LeafPath.for_epoch(members, comm.epoch)
         nr = leaf.ring_size if leaf else n
         algo: Any
-        if leaf is None and n > 1 and numel >= n and nbytes > comm.small_bytes:
+        if leaf is None and n > 1 and numel >= n and nbytes > comm.sizing.small_bytes:
             pieces, bits, per_chunk = ring_layout(segs, n, comm.sizing.slices)
             algo = QuantizedRing(bits, per_chunk, n_bound)
         elif comm.sizing.ring_or_rd(nbytes, nr) and numel >= nr:  # leaf path: exact int32 ring, full width

@@ -160,11 +160,7 @@ def run_auto(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Compressio
     assert comm.retained is not None   # the vote just finished
     k = comm.retained.seq
     choice = sw.decide(vote, comp.bits, nbytes)
-    if comm.settings.metrics is not None:
-        try:
-            comm.settings.metrics.record_compression_decision(choice)
-        except Exception as exc:  # noqa: BLE001 - metrics never fail an op
-            log.debug("metrics: %s", exc)
+    comm.metrics.compression_decision(choice)
     sent0, t0 = comm.transport.stats.bytes_sent, time.monotonic()
     if choice == "fp32":
         res = comm.reduce_now(t, op, desc, policy, seq=k + 1)

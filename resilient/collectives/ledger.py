@@ -55,6 +55,8 @@ class Ledger:
     done: bool = False
     need: list[int] | None = None   # final masks (after completion or recovery)
     enabled: bool = True
+    #: byte views of ``out`` / ``inp`` made once per op (see :meth:`buf`)
+    _views: dict[str, memoryview | bool] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.masks:
@@ -83,9 +85,9 @@ class Ledger:
     def _bytes(self, key: str, t: torch.Tensor, start: int, p: int) -> Any:
         """Elements ``[start, start + len(piece p))`` of ``t``: a slice of its byte view,
         made once per op and cached under ``key`` (the tensor slice where ``t`` has none)."""
-        mv: memoryview | bool | None = self.__dict__.get(key)
+        mv = self._views.get(key)
         if mv is None:
-            mv = self.__dict__[key] = _bytes_of(t)
+            mv = self._views[key] = _bytes_of(t)
         s, e = self.pieces[p]
         if not isinstance(mv, memoryview):
             return t[start:start + e - s]

@@ -1,15 +1,18 @@
-"""One op spec per collective: its ledger layout for the op's members (which algorithm,
-which pieces: :mod:`.algorithms.select`) and how the finished ledger becomes the result.
+"""One op spec per collective: its input checks, its ledger layout for the op's members
+(which algorithm, which pieces: :mod:`.algorithms.select`) and how the finished ledger
+becomes the result.
 
 Adding a collective: one spec class here (``layout`` and ``finish``) plus its public
 method in :mod:`.communicator`. Failure behaviour: ``layout`` raises
 :class:`~resilient.errors.GroupChanged` (through the ``check_group`` callback, which first
 tells every member) for an op with one buffer per member over a changed group, and
-:class:`~resilient.errors.DataLost` for a broadcast whose root is gone; ``finish`` does
-not fail.
+:class:`~resilient.errors.DataLost` for a broadcast whose root is gone; bad inputs raise
+:class:`~resilient.errors.ConfigError` naming the input; ``finish`` does not fail.
 """
 from __future__ import annotations
 
+import json
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -21,12 +24,41 @@ from resilient.collectives.buffers import BufferPool
 from resilient.collectives.group import EpochLike
 from resilient.collectives.ledger import Ledger
 from resilient.collectives.recovery import PieceKind, members_of
-from resilient.errors import DataLost
+from resilient.errors import ConfigError, DataLost
 from resilient.kernels import ReduceOp
 
 #: ``check_group(n0, members, seq, kind, what)``: raise GroupChanged (after telling every
 #: member) when ``members`` is not the ``n0`` members the op's buffers were made for
 GroupCheck = Callable[[int, list[str], int, str, str], None]
+
+
+DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64}
+
+
+def as_tensor(x: Any, what: str) -> torch.Tensor:
+    """``x`` (a CPU tensor or numpy array of a supported dtype) as a tensor; ConfigError otherwise."""
+    if isinstance(x, torch.Tensor):
+        t = x
+    else:
+        try:
+            import numpy as np
+
+            if isinstance(x, np.ndarray):
+                t = torch.from_numpy(x)
+            else:
+                raise TypeError
+        except TypeError:
+            raise ConfigError(f"{what} must be a torch CPU tensor or a numpy array, got {type(x).__name__}") from None
+    if t.device.type != "cpu":
+        raise ConfigError(f"{what} is on {t.device}; the TCP communicator needs CPU tensors (use the NCCL transport for GPUs)")
+    if t.dtype not in DTYPES:
+        raise ConfigError(f"{what} has dtype {t.dtype}; supported: float32, float64, float16, bfloat16, int32, int64")
+    return t
+
+
+def digest(desc: dict[str, Any]) -> int:
+    """The descriptor digest every frame of the op carries (members compare it)."""
+    return zlib.crc32(json.dumps(desc, sort_keys=True).encode())
 
 
 @dataclass(frozen=True)
@@ -99,6 +131,12 @@ class AllreduceOp:
 class ReduceScatterOp:
     def __init__(self, out: torch.Tensor, ins: list[torch.Tensor], op: ReduceOp, n0: int, sizing: select.Sizing,
                  check_group: GroupCheck) -> None:
+        if len(ins) != n0:
+            raise ConfigError(f"reduce_scatter needs one input per member ({n0}), got {len(ins)}")
+        for i, x in enumerate(ins):
+            if x.shape != out.shape or x.dtype != out.dtype:
+                raise ConfigError(f"reduce_scatter input {i} is {tuple(x.shape)}/{x.dtype}, output is "
+                                  f"{tuple(out.shape)}/{out.dtype}")
         self.out, self.op, self.n0, self.sizing, self.check_group = out, op, n0, sizing, check_group
         self.inp = torch.cat([x.detach().reshape(-1) for x in ins]) if ins else out.reshape(-1).clone()
         self.m = out.numel()
@@ -119,6 +157,8 @@ class ReduceScatterOp:
 class AllgatherOp:
     def __init__(self, outs: list[torch.Tensor], t: torch.Tensor, n0: int, sizing: select.Sizing,
                  check_group: GroupCheck) -> None:
+        if len(outs) != n0:
+            raise ConfigError(f"allgather needs one output per member ({n0}), got {len(outs)}")
         self.outs, self.t, self.n0, self.sizing, self.check_group = outs, t, n0, sizing, check_group
         self.m = t.numel()
         self.own = t.detach().reshape(-1).clone()
@@ -144,8 +184,10 @@ class AllgatherOp:
 
 
 class BroadcastOp:
-    def __init__(self, t: torch.Tensor, root_id: str, sizing: select.Sizing) -> None:
-        self.t, self.root_id, self.sizing = t, root_id, sizing
+    def __init__(self, t: torch.Tensor, root: int, members: list[str], sizing: select.Sizing) -> None:
+        if not 0 <= root < len(members):
+            raise ConfigError(f"broadcast root {root} is not a rank of this {len(members)}-member group")
+        self.t, self.root_id, self.sizing = t, members[root], sizing
         self.inp = t.detach().reshape(-1).clone()
 
     def layout(self, members: list[str], me: int, seq: int, digest: int, epoch: EpochLike) -> tuple[Ledger, Algorithm]:

@@ -49,6 +49,8 @@ from resilient.collectives import tags
 from resilient.collectives.algorithms.base import Algorithm, Capabilities, OpContext, index_order, tag
 from resilient.collectives.algorithms.leaf_common import ActiveLedger, LeafRoute, items_of
 from resilient.collectives.algorithms.leaf_deadline import run_deadline
+from resilient.collectives.group import EpochLike
+from resilient.coordinator.epoch import EpochPlan
 from resilient.kernels import reduce_into
 
 SPACE = tags.LEAF
@@ -97,17 +99,15 @@ class LeafPath(LeafRoute):
         super().__init__(inner, dict(leaves), list(actives), deadline_s)
 
     @classmethod
-    def for_epoch(cls, members: Sequence[str], epoch: Any) -> "LeafPlan | None":
+    def for_epoch(cls, members: Sequence[str], epoch: EpochLike) -> "LeafPlan | None":
         """The leaf plan for an op over ``members`` in ``epoch``, or None (no leaf). The
-        epoch's ``plan["leaf_deadline_ms"]`` (set by ``--straggler-policy deadline``)
+        epoch's ``plan.leaf_deadline_s`` (set by ``--straggler-policy deadline``)
         turns on the deadline mode (:mod:`.leaf_deadline`); every member reads the same
         epoch, so every member runs the same mode with the same value."""
-        roles = getattr(epoch, "roles", None) or {}
-        plan = getattr(epoch, "plan", None) or {}
-        leaves = leaf_assignment(members, list(epoch.members), roles, plan.get("tree_parent") or [])
+        leaves = leaf_assignment(members, list(epoch.members), epoch.roles, epoch.plan.tree_parent)
         if not leaves:
             return None
-        return LeafPlan(leaves, [m for m in members if m not in leaves], deadline_of(plan))
+        return LeafPlan(leaves, [m for m in members if m not in leaves], epoch.plan.leaf_deadline_s)
 
     def run(self, ctx: OpContext) -> None:
         L = ctx.ledger
@@ -235,7 +235,7 @@ class LeafPlan:
     def ring_size(self) -> int:
         return len(self.actives)
 
-    def wrap(self, inner: Any) -> LeafPath:
+    def wrap(self, inner: Algorithm) -> LeafPath:
         return LeafPath(inner, self.leaves, self.actives, self.deadline_s)
 
 
@@ -243,12 +243,5 @@ def deadline_of(plan: Mapping[str, Any]) -> float | None:
     """The deadline mode's grace in seconds from an epoch plan's ``leaf_deadline_ms``
     (None: the plan carries none, or a value that is not a finite number >= 0 — the
     coordinator validates it, so a bad value here means a foreign writer; the lossless
-    leaf path is the safe reading)."""
-    v = plan.get("leaf_deadline_ms") if isinstance(plan, Mapping) else None
-    if v is None or isinstance(v, bool):
-        return None
-    try:
-        ms = float(v)
-    except (TypeError, ValueError):
-        return None
-    return ms / 1000.0 if 0.0 <= ms < float("inf") else None
+    leaf path is the safe reading): :attr:`EpochPlan.leaf_deadline_s`."""
+    return EpochPlan.of(plan).leaf_deadline_s
