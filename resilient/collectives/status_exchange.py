@@ -33,9 +33,11 @@ import logging
 import struct
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
-from resilient.collectives.algorithms.base import tag
+from resilient.collectives.algorithms.base import OpTransport, tag
+from resilient.collectives.group import BlobView
+from resilient.coordinator.epoch import EpochChanged
 from resilient.errors import FrameError
 from resilient.collectives import tags
 from resilient.collectives.tags import control_seq
@@ -52,13 +54,19 @@ _LEN = struct.Struct("<Q")
 _POLL_S = 0.005
 
 
+class ControlTransport(OpTransport, Protocol):
+    """The op transport as the exchange uses it: post, wait, and drop what is left."""
+
+    def cancel_op(self, op_seq: int) -> None: ...
+
+
 class StatusExchange:
     """One exchange of this member's ``payload`` in epoch ``epoch`` among ``ring``.
 
     ``view``: the group view (``put_blob``/``wait_blobs``/``current``); ``transport``: the
     op transport (retries broken links); ``me``: this member's id, in ``ring``."""
 
-    def __init__(self, view: Any, transport: Any, epoch: int, ring: Sequence[str], me: str, payload: bytes) -> None:
+    def __init__(self, view: BlobView, transport: ControlTransport, epoch: int, ring: Sequence[str], me: str, payload: bytes) -> None:
         self.view, self.transport, self.epoch = view, transport, int(epoch)
         self.ring, self.me, self.payload = list(ring), me, bytes(payload)
         self._etcd: dict[str, bytes] | None = None
@@ -95,8 +103,6 @@ class StatusExchange:
         """Every survivor's summary, keyed by member id (see the module docstring for
         what it raises). ``newer_epoch()`` returns the number of an epoch newer than
         ``epoch`` when there is one."""
-        from resilient.coordinator.epoch import EpochChanged
-
         self._timeout = timeout
         threading.Thread(target=self._publish, name=f"ledger-status-{self.epoch}", daemon=True).start()
         deadline = time.monotonic() + timeout
