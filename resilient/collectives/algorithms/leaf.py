@@ -41,7 +41,7 @@ recovery. Nothing here blocks past the transport's abort.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
