@@ -59,7 +59,7 @@ def worker(args) -> None:
     t_done = time.time()
     op_s = time.perf_counter() - t0
     op_bytes = transport.stats.bytes_sent - sent0
-    rec = comm.last_recovery if comm.last_recovery and comm.last_recovery["seq"] == 2 else None
+    rec = comm.last_recovery.as_dict() if comm.last_recovery and comm.last_recovery.seq == 2 else None
     contributors = list(w.contributors)
     expect = float(sum(int(m.lstrip("m")) + 1 for m in contributors))
     exact = bool(torch.all(x == expect).item())

@@ -116,7 +116,7 @@ def worker(args: argparse.Namespace) -> int:
                 reporter = HealthReporter(store, args.job, args.id, session.lease_id, transport.stats,
                                           interval=args.report_s, min_ops=3)
                 events.write(json.dumps({"event": "rejoined", "seq": seq, "t": time.time(),
-                                         "epoch": comm._epoch.number}) + "\n")
+                                         "epoch": comm.epoch.number}) + "\n")
                 events.flush()
                 continue
             except ResilientError:
@@ -129,7 +129,7 @@ def worker(args: argparse.Namespace) -> int:
             ok = bool(torch.equal(x[:args.numel], want))
             e = watcher.current()
             reporter.op_done(e.number if e else 0, dt)
-            rec = (comm.last_recovery or {}).get("seq") == seq   # finished by recovery (a removal mid-op)
+            rec = comm.last_recovery is not None and comm.last_recovery.seq == seq   # finished by recovery (a removal mid-op)
             log.write(json.dumps({"seq": seq, "t": time.time(), "dt": round(dt, 6), "ok": ok,
                                   "contributors": list(contributors), "epoch": e.number if e else 0,
                                   "recovered": rec}) + "\n")

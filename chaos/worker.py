@@ -299,15 +299,15 @@ def _run_ops_resilient(args: argparse.Namespace, sc: Scenario, out: TextIO, sess
                 check = mismatch.reason
                 if mismatch.index is not None:
                     check += f"; first at [{mismatch.index}]: got {mismatch.got!r}, expected {mismatch.want!r}"
-        rec = comm.last_recovery if comm.last_recovery and comm.last_recovery.get("seq") == seq else None
+        rec = comm.last_recovery if comm.last_recovery and comm.last_recovery.seq == seq else None
         current = watcher.current()
         out.write(json.dumps({
             "seq": seq, "start": start, "end": end_t, "contributors": list(reported),
             "epoch": current.number if current else None, "check": check,
             "out_range": list(out_range) if out_range else None, "recovered": rec is not None,
-            "bytes_after_fault": int(rec["bytes_sent"]) if rec else None,
+            "bytes_after_fault": rec.bytes_sent if rec else None,
             "bytes_sent": transport.stats.bytes_sent - sent0,
-            "recovery_s": float(rec["seconds"]) if rec else None}) + "\n")
+            "recovery_s": rec.seconds if rec else None}) + "\n")
     out.close()
     (records / f"done-{args.member}").write_text("")
     stop_file = records / "stop"  # stay a member: peers may still need our retained ledger

@@ -208,7 +208,7 @@ class EpochState:
     def to_epoch(self, d: EpochDelta, key: str = "") -> "Epoch":
         """The full :class:`~.epoch.Epoch` for delta ``d`` (its metadata) on this state;
         runs the planner and checks the hash (:class:`RecordError` on a mismatch)."""
-        from resilient.coordinator.epoch import Epoch
+        from resilient.coordinator.epoch import Epoch, EpochPlan
 
         avoid = self.extras.get("avoid") or []
         p = plan(self.infos.values(), self.demoted(), avoid=[tuple(a) for a in avoid])
@@ -219,7 +219,7 @@ class EpochState:
         plan_dict = p.to_dict()
         plan_dict.update(self.extras)
         return Epoch(number=d.number, members=p.ring, infos=self.infos,
-                     roles={m: self.roles.get(m, "active") for m in p.ring}, plan=plan_dict, token=d.token,
+                     roles={m: self.roles.get(m, "active") for m in p.ring}, plan=EpochPlan.of(plan_dict), token=d.token,
                      cause=d.cause, trigger_at=d.trigger_at, published_at=d.published_at, leader=d.leader,
                      removed=d.removed, added=d.added)
 

@@ -27,8 +27,10 @@ import json
 import logging
 import threading
 import time
+import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from resilient.coordinator import keys, records
 from resilient.coordinator.membership import MemberInfo
@@ -43,15 +45,90 @@ CAUSES = ("initial", "member_lost", "lease_expired", "suspect_confirmed", "joine
           "readmitted", "repaired")
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True, eq=False)
+class EpochPlan(Mapping[str, Any]):
+    """The planner's output in an epoch, typed once when the epoch is built.
+
+    The data plane reads the typed fields: ``tree_parent`` (an index into the ring per
+    member, -1 for the root), ``host_groups`` (``(start, count)`` runs over the ring),
+    ``demoted``, ``avoid`` (slow-link pairs), ``leaf_deadline_s`` (the deadline
+    straggler policy's grace, None when off), ``shard_weights`` (None: uniform) and
+    ``evicted`` (member -> its eviction record). As a read-only mapping it is also the
+    validated JSON object (``plan["tree_parent"]``, ``plan.get("evicted")``), which
+    :meth:`to_dict` returns for writing back.
+
+    A record read from etcd was checked by :func:`check_plan` (a malformed one raises
+    :class:`~resilient.errors.RecordError` there); :meth:`of` builds one from a plan the
+    coordinator made in process and reads a field of the wrong shape as absent."""
+
+    raw: dict[str, Any] = field(default_factory=dict)
+    tree_parent: tuple[int, ...] = ()
+    host_groups: tuple[tuple[int, int], ...] = ()
+    demoted: tuple[str, ...] = ()
+    avoid: tuple[tuple[str, str], ...] = ()
+    leaf_deadline_s: float | None = None
+    shard_weights: tuple[float, ...] | None = None
+    evicted: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, plan: "Mapping[str, Any] | None") -> "EpochPlan":
+        """The typed plan of ``plan`` (an EpochPlan is returned as it is)."""
+        if isinstance(plan, EpochPlan):
+            return plan
+        d: dict[str, Any] = dict(plan or {})
+        tp = d.get("tree_parent")
+        tree = tuple(int(v) for v in tp) if isinstance(tp, (list, tuple)) and all(_is_int(v) for v in tp) else ()
+        hg = d.get("host_groups")
+        groups = (tuple((int(r[0]), int(r[1])) for r in hg)
+                  if isinstance(hg, (list, tuple)) and all(isinstance(r, (list, tuple)) and len(r) == 2
+                                                          and all(_is_int(v) for v in r) for r in hg) else ())
+        dm = d.get("demoted")
+        demoted = tuple(str(m) for m in dm) if isinstance(dm, (list, tuple)) else ()
+        av = d.get("avoid")
+        avoid = (tuple((str(r[0]), str(r[1])) for r in av)
+                 if isinstance(av, (list, tuple)) and all(isinstance(r, (list, tuple)) and len(r) == 2 for r in av)
+                 else ())
+        ms = d.get("leaf_deadline_ms")
+        grace = (float(ms) / 1000.0 if isinstance(ms, (int, float)) and not isinstance(ms, bool)
+                 and 0.0 <= float(ms) < math.inf else None)
+        sw = d.get("shard_weights")
+        weights: tuple[float, ...] | None = None
+        if isinstance(sw, list) and sw and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in sw):
+            vals = tuple(float(v) for v in sw)
+            weights = vals if all(0.0 < v < math.inf for v in vals) else None
+        ev = d.get("evicted")
+        evicted = ({str(m): dict(e) for m, e in ev.items() if isinstance(e, Mapping)}
+                   if isinstance(ev, Mapping) else {})
+        return cls(d, tree, groups, demoted, avoid, grace, weights, evicted)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.raw[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.raw)
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as the JSON object of the epoch record."""
+        return dict(self.raw)
+
+
 @dataclass(frozen=True)
 class Epoch:
-    """One published membership epoch. Frozen; compare by ``number``."""
+    """One published membership epoch. Frozen; compare by ``number``. ``plan`` may be
+    given as a plain mapping; it is held as an :class:`EpochPlan`."""
 
     number: int
     members: tuple[str, ...]
     infos: dict[str, MemberInfo] = field(default_factory=dict, compare=False)
     roles: dict[str, str] = field(default_factory=dict, compare=False)
-    plan: dict = field(default_factory=dict, compare=False)
+    plan: EpochPlan = field(default_factory=EpochPlan, compare=False)
     token: str = ""
     cause: str = "initial"
     #: wall-clock time of the event that caused it (revoke, suspect report, or the moment
@@ -62,6 +139,10 @@ class Epoch:
     leader: str = ""
     removed: tuple[str, ...] = ()
     added: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.plan, EpochPlan):
+            object.__setattr__(self, "plan", EpochPlan.of(self.plan))
 
     @property
     def size(self) -> int:
@@ -75,7 +156,7 @@ class Epoch:
         d = {
             "number": self.number, "members": list(self.members),
             "infos": {m: i.to_dict() for m, i in self.infos.items()},
-            "roles": self.roles, "plan": self.plan, "token": self.token, "cause": self.cause,
+            "roles": self.roles, "plan": self.plan.to_dict(), "token": self.token, "cause": self.cause,
             "trigger_at": self.trigger_at, "published_at": self.published_at, "leader": self.leader,
             "removed": list(self.removed), "added": list(self.added),
         }
@@ -106,14 +187,14 @@ class Epoch:
         members = f.names("members", unique=True)
         return cls(
             number=f.int("number"), members=members, infos=infos, roles=roles,
-            plan=check_plan(f.obj("plan", {}), len(members)), token=f.str("token", "", max_len=256),
+            plan=EpochPlan.of(check_plan(f.obj("plan", {}), len(members))), token=f.str("token", "", max_len=256),
             cause=f.str("cause", "", max_len=64), trigger_at=f.float("trigger_at", 0.0),
             published_at=f.float("published_at", 0.0), leader=f.str("leader", "", max_len=256),
             removed=f.names("removed", ()), added=f.names("added", ()),
         )
 
 
-def check_plan(f: "records.Fields | None", size: int) -> dict:
+def check_plan(f: "records.Fields | None", size: int) -> dict[str, Any]:
     """The epoch's ``plan`` with its known fields checked (``tree_parent``: one index in
     [-1, size) per member; ``host_groups``: [start, count] pairs; ``demoted``: ids;
     ``avoid``: [id, id] pairs; ``leaf_deadline_ms``: in [0, 600000]; ``evicted``: id ->
@@ -151,7 +232,7 @@ def check_plan(f: "records.Fields | None", size: int) -> dict:
 
 def parse_epoch_number(raw: bytes, key: str = "") -> int:
     """Only the ``number`` of an epoch record (cheap; :class:`~resilient.errors.RecordError`)."""
-    return records.fields("epoch", raw, key).int("number")
+    return int(records.fields("epoch", raw, key).int("number"))
 
 
 def parse_any(store: Store, job: str, raw: bytes, key: str, have: "object | None" = None) -> tuple[Epoch, object]:
@@ -245,7 +326,7 @@ class EpochWatcher:
         self._state: object = None    # the delta state of the current epoch (resilient.coordinator.delta)
         self._current: Epoch | None = None
         kv, revision = store.get_with_revision(self._key)
-        self._current: Epoch | None = self._parse(kv.value) if kv else None
+        self._current = self._parse(kv.value) if kv else None
         start = revision + 1
         self._watch = store.watch_key(self._key, start, self._on_events)
 

@@ -52,7 +52,7 @@ from resilient.coordinator.delta import (
 from resilient.coordinator.decide import Decision, Entry, EpochFacts, HealthOutcome, Snapshot, decide
 from resilient.coordinator.directory import Directory
 from resilient.coordinator.election import LeaderElection
-from resilient.coordinator.epoch import Epoch, latest_valid_history
+from resilient.coordinator.epoch import Epoch, EpochPlan, latest_valid_history
 from resilient.coordinator.eviction import read_requests
 from resilient.coordinator.health import no_demotion, read_health, write_scores
 from resilient.coordinator.liveness import LeaseLiveness
@@ -565,7 +565,7 @@ class Coordinator:
             new = Epoch(
                 number=number, members=p.ring, infos={m: alive[m][0] for m in p.ring},
                 roles={m: ("demoted" if m in demoted else "active") for m in p.ring},
-                plan=plan_dict, token=token, cause=d.cause, trigger_at=d.trigger,
+                plan=EpochPlan.of(plan_dict), token=token, cause=d.cause, trigger_at=d.trigger,
                 published_at=time.time(), leader=self.id, removed=removed, added=added,
             )
             body = new.to_json()

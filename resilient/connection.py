@@ -68,8 +68,11 @@ class ConnectedCommunicator(Communicator):
         self._torn_down = False
         self._handed_over = False  # rejoin(): the successor owns the transport, lease and store
         super().__init__(view, transport, **kwargs)
-        # rejoin() builds type(self)(view, transport, joining=True, **_init_kwargs): the same owner
-        self._init_kwargs.update(store=store, session=session, watcher=watcher, owns_store=owns_store)
+
+    def _successor(self) -> Communicator:
+        return ConnectedCommunicator(self.view, self.transport, store=self.store, session=self.session,
+                                     watcher=self.watcher, owns_store=self._owns_store, joining=True,
+                                     **self.settings.as_kwargs())
 
     def close(self, linger: float = 0.0, leave: bool = True) -> None:
         """Close the Communicator (``leave=True``: this member's lease is revoked now, so

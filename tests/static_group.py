@@ -21,7 +21,14 @@ class StaticEpoch:
     token: str
     infos: dict[str, Any]
     roles: dict[str, str] = field(default_factory=dict)
-    plan: dict[str, Any] = field(default_factory=dict)
+    plan: Any = field(default_factory=dict)   # held as an EpochPlan, like Epoch's
+    cause: str = "initial"
+    added: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        from resilient.coordinator.epoch import EpochPlan
+
+        self.plan = EpochPlan.of(self.plan)
 
 
 class StaticView:
@@ -61,6 +68,15 @@ class StaticView:
 
     def session_lost(self):
         return False
+
+    def peer_alive(self, member_id):
+        return True
+
+    def leave(self, reason="left"):
+        pass
+
+    def request_readmission(self, seen_epoch):
+        raise AssertionError("static view: no member is evicted here")
 
 
 def run_members(member: Callable[[Any], None], members: Iterable[Any], timeout: float,

@@ -64,10 +64,10 @@ WORKER = textwrap.dedent('''
             rec = {"seq": seq, "ok": False}
             try:
                 w = comm.allreduce(x)
-                rec.update(ok=True, contributors=list(w.contributors), epoch=comm._epoch.number)
+                rec.update(ok=True, contributors=list(w.contributors), epoch=comm.epoch.number)
                 np.save(os.path.join(out, f"{mid}.{seq}.npy"), x.numpy(), allow_pickle=False)
             except ResilientError as exc:
-                rec.update(error=f"{type(exc).__name__}: {exc}", epoch=comm._epoch.number)
+                rec.update(error=f"{type(exc).__name__}: {exc}", epoch=comm.epoch.number)
             log.write(json.dumps(rec) + "\\n"); log.flush()
             if not rec["ok"]:
                 break

@@ -258,7 +258,7 @@ def test_launcher_rendezvous_parsers_raise_only_record_error(raw):
 @FAST
 @given(RAW)
 def test_joinseq_blob_raises_record_error_only(raw):
-    from resilient.collectives.communicator import _joinseq
+    from resilient.collectives.epochs import joinseq as _joinseq
 
     try:
         seq = _joinseq(raw)

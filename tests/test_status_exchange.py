@@ -12,7 +12,7 @@ import pytest
 
 from resilient.collectives.status_exchange import MAX_STATUS_BYTES, StatusExchange
 from resilient.errors import FrameError
-from resilient.transport.base import control_seq
+from resilient.collectives.tags import STATUS_EXCHANGE, control_seq, tag
 from resilient.transport.tcp import TcpTransport
 
 
@@ -153,7 +153,7 @@ def test_a_corrupt_length_frame_is_rejected_without_decoding(trio):
     seq = control_seq(1)
     import struct
 
-    a.isend("b", struct.pack("<Q", MAX_STATUS_BYTES + 1), seq, (4 << 56))
+    a.isend("b", struct.pack("<Q", MAX_STATUS_BYTES + 1), seq, tag(0, 0, STATUS_EXCHANGE))
     x = StatusExchange(_MemberView(view, "b"), b, 1, ["a", "b"], "b", _status("b"))
     t0 = time.monotonic()
     with pytest.raises(FrameError, match="limit"):
@@ -168,8 +168,8 @@ def test_a_summary_naming_another_member_is_rejected(trio):
     import struct
 
     body = _status("c")
-    a.isend("b", struct.pack("<Q", len(body)), seq, (4 << 56))
-    a.isend("b", body, seq, (4 << 56) | 1)
+    a.isend("b", struct.pack("<Q", len(body)), seq, tag(0, 0, STATUS_EXCHANGE))
+    a.isend("b", body, seq, tag(0, 1, STATUS_EXCHANGE))
     x = StatusExchange(_MemberView(view, "b"), b, 1, ["a", "b"], "b", _status("b"))
     with pytest.raises(FrameError, match="where 'a'"):
         x.run(5.0, lambda: None)

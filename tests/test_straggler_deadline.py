@@ -26,7 +26,8 @@ import torch
 
 from resilient.collectives.algorithms.base import OpContext
 from resilient.collectives.algorithms.leaf import LeafPath, deadline_of
-from resilient.collectives.algorithms.leaf_deadline import SPACE, T_DECISION, T_INPUT, final_order
+from resilient.collectives.algorithms.leaf_deadline import SPACE, T_DECISION, T_INPUT
+from resilient.collectives.algorithms.recursive_doubling import RecursiveDoubling
 from resilient.collectives.algorithms.ring import RingReduceScatterAllgather
 from resilient.collectives.ledger import Ledger, split
 from resilient.errors import TransportAborted, TransportError
@@ -83,8 +84,8 @@ def test_final_order_is_the_order_the_ring_finalises_pieces():
         for t in trs:
             t.close()
     for i in range(n):
-        assert seen[i] == final_order(RingReduceScatterAllgather(S), n, i, len(pieces)), i
-    assert final_order(object(), 3, 1, 4) == [0, 1, 2, 3]
+        assert seen[i] == RingReduceScatterAllgather(S).final_order(n, i, len(pieces)), i
+    assert RecursiveDoubling().final_order(3, 1, 4) == [0, 1, 2, 3]
 
 
 # -- harness ------------------------------------------------------------------------------

@@ -7,10 +7,14 @@ __all__ = ["Communicator", "Work", "OpResult", "Policy"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Communicator", "OpResult"):
-        from resilient.collectives import communicator
+    if name == "Communicator":
+        from resilient.collectives.communicator import Communicator
 
-        return getattr(communicator, name)
+        return Communicator
+    if name == "OpResult":
+        from resilient.collectives.ops import OpResult
+
+        return OpResult
     if name == "Work":
         from resilient.collectives.work import Work
 

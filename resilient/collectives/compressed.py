@@ -25,12 +25,14 @@ from __future__ import annotations
 import json
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from resilient.collectives.algorithms import RecursiveDoubling, RingReduceScatterAllgather
+from resilient.collectives.algorithms.base import Algorithm
 from resilient.collectives.algorithms.leaf import LeafPath
+from resilient.collectives.group import EpochLike
 from resilient.collectives.algorithms.quantized_ring import QuantizedRing
 from resilient.collectives.ledger import Ledger, split
 from resilient.collectives.quantization import (
@@ -39,6 +41,9 @@ from resilient.collectives.quantization import (
 from resilient.collectives.recovery import Policy
 from resilient.errors import ConfigError
 from resilient.kernels import ReduceOp
+
+if TYPE_CHECKING:
+    from resilient.collectives.communicator import Communicator
 
 
 @dataclass(frozen=True)
@@ -111,7 +116,7 @@ def _layout_digest(comp: Compression, segs: list[Segment]) -> int:
     return zlib.crc32(json.dumps([comp.bucket, [(s.start, s.end, s.bits) for s in segs]]).encode())
 
 
-def run_compressed(comm: Any, t: torch.Tensor, op: ReduceOp, comp: Compression, segs: list[Segment],
+def run_compressed(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Compression, segs: list[Segment],
                    policy: Policy | str | None, seqs: tuple[int, int] | None = None) -> Any:
     """The op body (on the communicator's op thread); returns the ring's result as a
     :class:`CompressedResult`. ``seqs``: pre-reserved (scale, ring) sequence numbers
@@ -128,10 +133,11 @@ def run_compressed(comm: Any, t: torch.Tensor, op: ReduceOp, comp: Compression, 
     desc_s = {"k": "allreduce", "shape": [scale_in.numel()], "dtype": "torch.float32", "op": "max",
               "q": "scale", "layout": lay}
     if seqs is None:
-        res_s = comm._reduce(scale_in, ReduceOp.MAX, desc_s, policy, reserve=2)
-        ring_seq = comm._retained.seq + 1
+        res_s = comm.reduce_now(scale_in, ReduceOp.MAX, desc_s, policy, reserve=2)
+        assert comm.retained is not None   # the op just finished
+        ring_seq = comm.retained.seq + 1
     else:
-        res_s = comm._reduce(scale_in, ReduceOp.MAX, desc_s, policy, seq=seqs[0])
+        res_s = comm.reduce_now(scale_in, ReduceOp.MAX, desc_s, policy, seq=seqs[0])
         ring_seq = seqs[1]
     n_bound = max(1, int(scale_in[-1].item()))
     sc = scales(scale_in[:-1], segs, bucket, n_bound)
@@ -140,32 +146,26 @@ def run_compressed(comm: Any, t: torch.Tensor, op: ReduceOp, comp: Compression, 
 
     def build(members: list[str], me: int, seq: int, digest: int) -> tuple[Ledger, Any]:
         n = len(members)
-        leaf = LeafPath.for_epoch(members, comm._epoch)
+        leaf = LeafPath.for_epoch(members, comm.epoch)
         nr = leaf.ring_size if leaf else n
         algo: Any
-        if leaf is None and n > 1 and numel >= n and nbytes > comm.small_bytes:
-            pieces, bits, per_chunk = ring_layout(segs, n, comm._slices)
+        if leaf is None and n > 1 and numel >= n and nbytes > comm.sizing.small_bytes:
+            pieces, bits, per_chunk = ring_layout(segs, n, comm.sizing.slices)
             algo = QuantizedRing(bits, per_chunk, n_bound)
-        elif comm._ring_or_rd(nbytes, nr) and numel >= nr:  # leaf path: exact int32 ring, full width
-            S = comm._slices_for(nbytes, nr)
+        elif comm.sizing.ring_or_rd(nbytes, nr) and numel >= nr:  # leaf path: exact int32 ring, full width
+            S = comm.sizing.slices_for(nbytes, nr)
             pieces = [(s0 + a, s0 + b) for (s0, e0) in split(numel, nr) for (a, b) in split(e0 - s0, S)]
             algo = RingReduceScatterAllgather(S)
         else:
             pieces, algo = [(0, numel)], RecursiveDoubling()
         if leaf:
             algo = leaf.wrap(algo)
-        L = Ledger(seq, "allreduce", tuple(members), me, comm._epoch.number, digest, q,
-                   comm._buffer(numel, torch.int32), pieces)
+        L = Ledger(seq, "allreduce", tuple(members), me, comm.epoch.number, digest, q,
+                   comm.take_buffer(numel, torch.int32), pieces)
         return L, algo
 
     desc_r = {"k": "allreduce", "shape": [numel], "dtype": "torch.int32", "op": "sum", "q": "ring", "layout": lay}
-    old = comm.policy
-    if policy is not None:
-        comm.policy = Policy.parse(policy)
-    try:
-        L = comm._run(desc_r, build, seq=ring_seq)
-    finally:
-        comm.policy = old
+    L = comm.run_op(desc_r, _Layout(build), policy=policy, seq=ring_seq)
     res = dequantize(L.out, sc, segs, bucket)
     if op is ReduceOp.AVG:
         for p, m in enumerate(L.need or [L.full] * len(L.pieces)):
@@ -175,8 +175,18 @@ def run_compressed(comm: Any, t: torch.Tensor, op: ReduceOp, comp: Compression, 
     info = {"seq": L.seq, "scales": sc, "q": q, "scale_contributors": tuple(res_s.contributors),
             "members_bound": n_bound, "segments": segs, "bucket": bucket}
     comm.last_compression = info
-    r = comm._result(L)
+    r = comm.result_of(L)
     return CompressedResult(r.contributors, r.piece_contributors, r.recovered, info)
+
+
+class _Layout:
+    """An :class:`~.ops.OpSpec` over a layout function of the op's members."""
+
+    def __init__(self, build: Callable[[list[str], int, int, int], tuple[Ledger, Algorithm]]) -> None:
+        self.build = build
+
+    def layout(self, members: list[str], me: int, seq: int, digest: int, epoch: EpochLike) -> tuple[Ledger, Algorithm]:
+        return self.build(members, me, seq, digest)
 
 
 @dataclass(frozen=True)
@@ -188,9 +198,11 @@ class CompressedResult:
     contributors: tuple[str, ...]
     piece_contributors: list[tuple[str, ...]] | None = None
     recovered: bool = False
-    compression: dict | None = None
+    compression: dict[str, Any] | None = None
 
     def dequantized_input(self) -> torch.Tensor:
         """``s * q`` of this member (float32, flat)."""
         c = self.compression
+        if c is None:
+            raise ValueError("this result has no compression record (the op ran uncompressed)")
         return dequantize(c["q"], c["scales"], c["segments"], c["bucket"])

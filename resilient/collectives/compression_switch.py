@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from resilient.collectives.compressed import Compression, run_compressed
 from resilient.collectives.quantization import Segment, bucket_maxima, dequantize, pack, quantize, scales, unpack, wire_bits
 from resilient.kernels import ReduceOp
+
+if TYPE_CHECKING:
+    from resilient.collectives.communicator import Communicator
 
 log = logging.getLogger(__name__)
 
@@ -135,35 +138,32 @@ class CompressionSwitch:
             self.link_bytes_per_s = B if self.link_bytes_per_s is None else 0.5 * (self.link_bytes_per_s + B)
 
 
-def switch_for(comm: Any) -> CompressionSwitch:
+def switch_for(comm: Communicator) -> CompressionSwitch:
     """The communicator's switch (``comm.compression_switch``; created with defaults)."""
-    sw = comm.__dict__.get("compression_switch")
+    sw = comm.compression_switch
     if sw is None:
-        sw = comm.__dict__["compression_switch"] = CompressionSwitch()
+        sw = comm.compression_switch = CompressionSwitch()
     return sw
 
 
-def run_auto(comm: Any, t: torch.Tensor, op: ReduceOp, comp: Compression, segs: list[Segment], policy: Any) -> Any:
+def run_auto(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Compression, segs: list[Segment], policy: Any) -> Any:
     """The op body of ``allreduce(..., compression=Compression(auto=True))`` (op thread):
     vote, then ``comp`` or fp32."""
     sw = switch_for(comm)
     desc = {"k": "allreduce", "shape": list(t.shape), "dtype": str(t.dtype), "op": op.value}
     if not t.is_floating_point() or op not in (ReduceOp.SUM, ReduceOp.AVG):
-        return comm._reduce(t, op, desc, policy)  # never compressed: no vote
+        return comm.reduce_now(t, op, desc, policy)  # never compressed: no vote
     nbytes, n = t.numel() * t.element_size(), comm.size
     vote = sw.vote(nbytes, n, comp.bits)
-    comm._reduce(vote, ReduceOp.MAX, {"k": "allreduce", "shape": [3], "dtype": "torch.float32", "op": "max",
+    comm.reduce_now(vote, ReduceOp.MAX, {"k": "allreduce", "shape": [3], "dtype": "torch.float32", "op": "max",
                                       "q": "vote"}, policy, reserve=3)
-    k = comm._retained.seq
+    assert comm.retained is not None   # the vote just finished
+    k = comm.retained.seq
     choice = sw.decide(vote, comp.bits, nbytes)
-    if comm._metrics is not None:
-        try:
-            comm._metrics.record_compression_decision(choice)
-        except Exception as exc:  # noqa: BLE001 - metrics never fail an op
-            log.debug("metrics: %s", exc)
+    comm.metrics.compression_decision(choice)
     sent0, t0 = comm.transport.stats.bytes_sent, time.monotonic()
     if choice == "fp32":
-        res = comm._reduce(t, op, desc, policy, seq=k + 1)
+        res = comm.reduce_now(t, op, desc, policy, seq=k + 1)
     else:
         res = run_compressed(comm, t, op, comp, segs, policy, seqs=(k + 1, k + 2))
     sw.observe(choice, nbytes, n, comm.transport.stats.bytes_sent - sent0, time.monotonic() - t0)

@@ -12,20 +12,56 @@ missing members after ``timeout``; etcd unreachable surfaces as
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Protocol
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
+
+if TYPE_CHECKING:
+    from resilient.coordinator.epoch import EpochPlan
+
+
+class HasAddress(Protocol):
+    @property
+    def address(self) -> str: ...
 
 
 class EpochLike(Protocol):
-    number: int
-    members: tuple[str, ...]
-    token: str
-    infos: dict[str, Any]  # member id -> object with ``.address``
+    """What the data plane reads of an epoch (:class:`resilient.coordinator.epoch.Epoch`
+    is one): the plan is typed and validated when the epoch is parsed."""
+
+    @property
+    def number(self) -> int: ...
+    @property
+    def members(self) -> tuple[str, ...]: ...
+    @property
+    def token(self) -> str: ...
+    @property
+    def infos(self) -> Mapping[str, HasAddress]: ...
+    @property
+    def roles(self) -> Mapping[str, str]: ...
+    @property
+    def plan(self) -> EpochPlan: ...
+    @property
+    def cause(self) -> str: ...
+    @property
+    def added(self) -> tuple[str, ...]: ...
 
 
-class GroupView(Protocol):
-    member_id: str
+class BlobView(Protocol):
+    """The part of a :class:`GroupView` a ledger-status exchange uses."""
 
     def current(self) -> EpochLike | None: ...
+
+    def put_blob(self, epoch: int, name: str, payload: bytes) -> None: ...
+
+    def wait_blobs(self, epoch: int, name: str, members: Iterable[str], timeout: float) -> dict[str, bytes]: ...
+
+
+class GroupView(BlobView, Protocol):
+    """The whole contract between the data plane and the control plane. Every method
+    may raise :class:`~resilient.errors.StoreUnavailable` when etcd stays unreachable;
+    see the module docstring for the waits."""
+
+    member_id: str
 
     def wait_for(self, pred: Callable[[EpochLike], bool], timeout: float) -> EpochLike: ...
 
@@ -33,11 +69,20 @@ class GroupView(Protocol):
 
     def report_suspect(self, suspect_id: str, reason: str) -> None: ...
 
-    def put_blob(self, epoch: int, name: str, payload: bytes) -> None: ...
-
-    def wait_blobs(self, epoch: int, name: str, members: Iterable[str], timeout: float) -> dict[str, bytes]: ...
-
     def session_lost(self) -> bool: ...
+
+    def peer_alive(self, member_id: str) -> bool:
+        """Whether ``member_id`` still holds its lease (True when it cannot be told)."""
+        ...
+
+    def leave(self, reason: str = "left") -> None:
+        """End this member's membership now (peers see an epoch without it)."""
+        ...
+
+    def request_readmission(self, seen_epoch: int) -> None:
+        """Ask the coordinator to re-admit this (evicted) member; ``seen_epoch``: the
+        newest epoch without it."""
+        ...
 
 
 def addresses_of(epoch: EpochLike) -> dict[str, str]:
@@ -52,27 +97,30 @@ class EtcdGroupView:
         self.store, self.job, self.session, self.watcher = store, job, session, watcher
         self.member_id: str = session.member_id
 
-    def current(self) -> Any:
-        return self.watcher.current()
+    def current(self) -> EpochLike | None:
+        epoch: EpochLike | None = self.watcher.current()
+        return epoch
 
-    def wait_for(self, pred: Callable[[Any], bool], timeout: float) -> Any:
-        return self.watcher.wait_for(pred, timeout)
+    def wait_for(self, pred: Callable[[EpochLike], bool], timeout: float) -> EpochLike:
+        epoch: EpochLike = self.watcher.wait_for(pred, timeout)
+        return epoch
 
-    def subscribe(self, callback: Callable[[Any], None]) -> Callable[[], None]:
-        return self.watcher.subscribe(callback)
+    def subscribe(self, callback: Callable[[EpochLike], None]) -> Callable[[], None]:
+        unsubscribe: Callable[[], None] = self.watcher.subscribe(callback)
+        return unsubscribe
 
     def report_suspect(self, suspect_id: str, reason: str) -> None:
-        from resilient.coordinator import report_suspect
+        from resilient.coordinator.membership import report_suspect
 
         report_suspect(self.store, self.job, self.member_id, suspect_id, reason)
 
     def put_blob(self, epoch: int, name: str, payload: bytes) -> None:
-        from resilient.coordinator import EpochData
+        from resilient.coordinator.epoch import EpochData
 
         EpochData(self.store, self.job, epoch).put(self.member_id, name, payload)
 
     def wait_blobs(self, epoch: int, name: str, members: Iterable[str], timeout: float) -> dict[str, bytes]:
-        from resilient.coordinator import EpochData
+        from resilient.coordinator.epoch import EpochData
 
         return EpochData(self.store, self.job, epoch).wait_all(name, members, timeout)
 
@@ -93,3 +141,10 @@ class EtcdGroupView:
         """End this member's membership now (revoke its lease): peers see an epoch
         without it at once. Raises StoreUnavailable if etcd cannot be reached."""
         self.session.close(revoke=True, reason=reason)
+
+    def request_readmission(self, seen_epoch: int) -> None:
+        """``readmit/<member>`` on this member's lease (coordinator/eviction.py); raises
+        StoreUnavailable if etcd cannot be reached."""
+        from resilient.coordinator.eviction import request_readmission
+
+        request_readmission(self.store, self.job, self.member_id, seen_epoch, self.session.lease_id)

@@ -55,6 +55,8 @@ class Ledger:
     done: bool = False
     need: list[int] | None = None   # final masks (after completion or recovery)
     enabled: bool = True
+    #: byte views of ``out`` / ``inp`` made once per op (see :meth:`buf`)
+    _views: dict[str, memoryview | bool] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.masks:
@@ -83,11 +85,11 @@ class Ledger:
     def _bytes(self, key: str, t: torch.Tensor, start: int, p: int) -> Any:
         """Elements ``[start, start + len(piece p))`` of ``t``: a slice of its byte view,
         made once per op and cached under ``key`` (the tensor slice where ``t`` has none)."""
-        mv = self.__dict__.get(key)
+        mv = self._views.get(key)
         if mv is None:
-            mv = self.__dict__[key] = _bytes_of(t)
+            mv = self._views[key] = _bytes_of(t)
         s, e = self.pieces[p]
-        if mv is False:
+        if not isinstance(mv, memoryview):
             return t[start:start + e - s]
         es = t.element_size()
         return mv[start * es:(start + e - s) * es]
@@ -116,7 +118,7 @@ def _bytes_of(t: torch.Tensor) -> memoryview | bool:
     """A flat writable byte view of a contiguous CPU tensor, or False (use tensor views)."""
     if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
         return False
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def encode_status(member: str, inflight: Ledger | None, retained: Ledger | None) -> bytes:

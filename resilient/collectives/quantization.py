@@ -149,6 +149,7 @@ def quantize(x: torch.Tensor, sc: torch.Tensor, segments: list[Segment], bucket:
         for vv, ss, oo in ((vh, hs, oh), (vt, ts, ot)):
             if vv is None or vv.numel() == 0:
                 continue
+            assert ss is not None and oo is not None   # a head/tail row block has its scales and output
             inv = torch.where(ss > 0, 1.0 / ss, torch.zeros_like(ss))  # a zero bound: everything -> 0
             r = torch.mul(vv, inv)
             if not finite:
@@ -171,6 +172,7 @@ def dequantize(Q: torch.Tensor, sc: torch.Tensor, segments: list[Segment], bucke
         (qh, qt), (oh, ot) = _rows(Q[s.start:s.end], bucket), _rows(out[s.start:s.end], bucket)
         for qq, ss, oo in ((qh, hs, oh), (qt, ts, ot)):
             if qq is not None and qq.numel():
+                assert ss is not None and oo is not None   # a head/tail row block has its scales and output
                 if dt is torch.float32:
                     oo.copy_(qq)  # exact (|Q| < 2**24); then one same-dtype multiply
                     oo.mul_(ss)

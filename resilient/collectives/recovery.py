@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from resilient.errors import CollectiveAborted, ConfigError, DataLost
 
@@ -77,7 +77,7 @@ def bit(i: int) -> int:
     return 1 << i
 
 
-def mask_of(indices: Sequence[int]) -> int:
+def mask_of(indices: Iterable[int]) -> int:
     m = 0
     for i in indices:
         m |= 1 << i
@@ -197,7 +197,10 @@ def plan_recovery(
     if any(len(held[m]) != n_pieces for m in ring):
         raise ValueError("plan_recovery: ledger summaries disagree on the number of pieces")
     inputs = {m: (True if has_input is None else has_input.get(m, True)) for m in ring}
-    wants = [frozenset(ring) if want is None or want[p] is None else want[p] for p in range(n_pieces)]
+    wants: list[frozenset[str]] = []
+    for p in range(n_pieces):
+        w = None if want is None else want[p]
+        wants.append(frozenset(ring) if w is None else w)
     full = mask_of(range(len(members)))
     survivors = mask_of(index[m] for m in ring if inputs[m])
 
@@ -215,7 +218,7 @@ def plan_recovery(
     else:
         if decided is not None and len(decided) != n_pieces:
             raise ValueError("plan_recovery: decided masks disagree with the number of pieces")
-        fixed = [None] * n_pieces if decided is None else list(decided)
+        fixed: list[int | None] = [None] * n_pieces if decided is None else list(decided)
         open_ = [p for p in range(n_pieces) if fixed[p] is None]
         has_full = {p: any(held[m][p] == full for m in ring) for p in open_}
         if policy is Policy.PER_SEGMENT:
@@ -224,7 +227,7 @@ def plan_recovery(
             t = full if all(has_full.values()) else survivors
             need = [t] * len(open_)
         chosen = dict(zip(open_, need))
-        need = [chosen[p] if fixed[p] is None else int(fixed[p]) for p in range(n_pieces)]
+        need = [chosen[p] if (f := fixed[p]) is None else f for p in range(n_pieces)]
         if policy is Policy.STRICT and any(t != full for t in need):
             lost = members_of(full & ~next(t for t in need if t != full), members)
             raise CollectiveAborted(
@@ -237,7 +240,7 @@ def plan_recovery(
     load = _Load()
     open_starts: list[tuple[int, list[str]]] = []  # reduction pieces with a choice of start
 
-    cache: dict[tuple, tuple[list[Transfer], list[LocalStep], set[str]]] = {}
+    cache: dict[tuple[tuple[int, ...], int, frozenset[str], str | None], tuple[list[Transfer], list[LocalStep], set[str]]] = {}
 
     def option(p: int, start: str | None) -> tuple[list[Transfer], list[LocalStep], set[str]]:
         """Piece ``p``'s hops, local steps and final holders when its chain starts at
@@ -251,7 +254,9 @@ def plan_recovery(
         return tpl
 
     def _option(p: int, start: str | None) -> tuple[list[Transfer], list[LocalStep], set[str]]:
-        t, hops, prep = need[p], [], []
+        t = need[p]
+        hops: list[Transfer] = []
+        prep: list[LocalStep] = []
         finals = [m for m in ring if held[m][p] == t]
         if start is not None:
             finals = [_chain(p, t, start, ring, pos, index, held, inputs, prep, hops)]

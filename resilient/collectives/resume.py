@@ -20,18 +20,24 @@ the middle of an op after the transport was aborted, or at the start of the next
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
+from resilient.collectives import tags
 from resilient.collectives.algorithms.base import OpContext, tag
 from resilient.collectives.ledger import Ledger
-from resilient.collectives.recovery import PieceKind, Policy, RecoveryPlan, plan_recovery
+from resilient.collectives.recovery import PieceKind, Policy, RecoveryPlan, Transfer, plan_recovery
 from resilient.kernels import reduce_into
+from resilient.transport.base import Request
 
-SPACE = 3
+SPACE = tags.RECOVERY
+
+#: a posted receive: (request, staging buffer or None, transfer, its ctx.inflight entry or None)
+_Recv = tuple[Request, torch.Tensor | None, Transfer, tuple[Request, int, int] | None]
 
 
-def build_plan(ledger: Ledger, ring: list[str], statuses: dict[str, dict], policy: Policy) -> RecoveryPlan:
+def build_plan(ledger: Ledger, ring: list[str], statuses: dict[str, dict[str, Any]], policy: Policy) -> RecoveryPlan:
     """The same deterministic plan on every survivor, from the exchanged statuses."""
     seq = ledger.seq
     held: dict[str, list[int]] = {}
@@ -109,15 +115,15 @@ def _execute(ctx: OpContext, plan: RecoveryPlan) -> dict[str, float]:
     rounds = plan.rounds
     if not rounds:
         return stats
-    pool: dict[tuple, list] = {}
-    in_flight: dict[int, list] = {}  # piece -> its sends not yet known complete
-    all_sends: list = []
+    pool: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+    in_flight: dict[int, list[Request]] = {}  # piece -> its sends not yet known complete
+    all_sends: list[Request] = []
 
-    def stage_for(v):
+    def stage_for(v: torch.Tensor) -> torch.Tensor:
         free = pool.get((v.numel(), v.dtype))
         return free.pop() if free else torch.empty_like(v)
 
-    def post_recvs(r: int) -> list:
+    def post_recvs(r: int) -> list[_Recv]:
         """Round ``r``'s receives. A transfer that does not reduce into this member's
         accumulator (a final copy, or one that adds only this member's input) lands
         straight in the piece's region: nothing there is needed any more, and no send of
@@ -125,7 +131,7 @@ def _execute(ctx: OpContext, plan: RecoveryPlan) -> dict[str, float]:
         arrive after every send that went into it completed). It is tracked in
         ``ctx.inflight`` so :meth:`OpContext.settle` keeps the mask exact after an abort.
         One that adds this member's accumulator lands in a pooled staging buffer."""
-        out = []
+        out: list[_Recv] = []
         for t in rounds[r]:
             if t.dst != me:
                 continue
@@ -139,14 +145,14 @@ def _execute(ctx: OpContext, plan: RecoveryPlan) -> dict[str, float]:
                 out.append((req, None, t, entry))
         return out
 
-    def post_send(r: int, t) -> None:
+    def post_send(r: int, t: Transfer) -> None:
         req = tr.isend(t.dst, L.buf(t.piece), ctx.seq, tag(r, t.piece, SPACE), ctx.digest)
         in_flight.setdefault(t.piece, []).append(req)
         all_sends.append(req)
 
-    def my_sends(r: int) -> dict[str, list]:
+    def my_sends(r: int) -> dict[str, list[Transfer]]:
         """Round ``r``'s sends of this member, per destination, in plan order."""
-        out: dict[str, list] = {}
+        out: dict[str, list[Transfer]] = {}
         for t in rounds[r] if r < len(rounds) else ():
             if t.src == me:
                 out.setdefault(t.dst, []).append(t)
@@ -164,7 +170,7 @@ def _execute(ctx: OpContext, plan: RecoveryPlan) -> dict[str, float]:
                 post_send(r, t)
         recvs = posted[r]
         early = my_sends(r + 1)
-        pending = {}  # piece -> receives of this round still to reduce into it
+        pending: dict[int, int] = {}  # piece -> receives of this round still to reduce into it
         for _, _, t, _ in recvs:
             pending[t.piece] = pending.get(t.piece, 0) + 1
         for req, stage, t, entry in recvs:

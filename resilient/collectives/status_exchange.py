@@ -33,15 +33,17 @@ import logging
 import struct
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
-from resilient.collectives.algorithms.base import tag
+from resilient.collectives import tags
+from resilient.collectives.algorithms.base import OpTransport, tag
+from resilient.collectives.group import BlobView
+from resilient.collectives.tags import control_seq
 from resilient.errors import EpochChanged, FrameError, ResilientTimeout
-from resilient.transport.base import control_seq
 
 log = logging.getLogger(__name__)
 
-SPACE = 4
+SPACE = tags.STATUS_EXCHANGE
 MAX_STATUS_BYTES = 64 << 20
 #: up to this many survivors every one sends its summary straight to every other (one
 #: hop, n - 1 connections each); beyond it the summaries go around the ring (n - 1 hops
@@ -51,13 +53,19 @@ _LEN = struct.Struct("<Q")
 _POLL_S = 0.005
 
 
+class ControlTransport(OpTransport, Protocol):
+    """The op transport as the exchange uses it: post, wait, and drop what is left."""
+
+    def cancel_op(self, op_seq: int) -> None: ...
+
+
 class StatusExchange:
     """One exchange of this member's ``payload`` in epoch ``epoch`` among ``ring``.
 
     ``view``: the group view (``put_blob``/``wait_blobs``/``current``); ``transport``: the
     op transport (retries broken links); ``me``: this member's id, in ``ring``."""
 
-    def __init__(self, view: Any, transport: Any, epoch: int, ring: Sequence[str], me: str, payload: bytes) -> None:
+    def __init__(self, view: BlobView, transport: ControlTransport, epoch: int, ring: Sequence[str], me: str, payload: bytes) -> None:
         self.view, self.transport, self.epoch = view, transport, int(epoch)
         self.ring, self.me, self.payload = list(ring), me, bytes(payload)
         self._etcd: dict[str, bytes] | None = None

@@ -2,7 +2,17 @@
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
+
+
+class OpOutcome(Protocol):
+    """What an op's future holds (:class:`~.ops.OpResult`, :class:`~.compressed.CompressedResult`)."""
+
+    @property
+    def contributors(self) -> tuple[str, ...]: ...
+
+    @property
+    def piece_contributors(self) -> list[tuple[str, ...]] | None: ...
 
 
 class Work:
@@ -12,7 +22,7 @@ class Work:
     member ids the result is the exact reduction over (``AVG`` divided by its size);
     ``piece_contributors`` lists per-piece sets under the ``per_segment`` policy."""
 
-    def __init__(self, future: Future) -> None:
+    def __init__(self, future: Future[OpOutcome]) -> None:
         self._future = future
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -22,7 +32,7 @@ class Work:
     def is_completed(self) -> bool:
         return self._future.done()
 
-    def result(self) -> Any:
+    def result(self) -> OpOutcome:
         return self._future.result()
 
     @property

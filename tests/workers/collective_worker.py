@@ -116,7 +116,7 @@ def main() -> int:
                 else:
                     raise SystemExit(f"unknown op {k}")
                 rec.update(ok=True, contributors=list(w.contributors), members=comm.members,
-                           recovery=comm.last_recovery if comm.last_recovery and comm.last_recovery["seq"] == seq else None)
+                           recovery=comm.last_recovery.as_dict() if comm.last_recovery and comm.last_recovery.seq == seq else None)
                 arr = out.to(torch.float32) if out.dtype in (torch.float16, torch.bfloat16) else out
                 np.save(os.path.join(args.out, f"{args.id}.{seq}.npy"), arr.numpy(), allow_pickle=False)
             except RemovedFromGroup as exc:

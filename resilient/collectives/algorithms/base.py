@@ -1,13 +1,31 @@
-"""What every algorithm gets: :class:`OpContext`."""
+"""What every algorithm is and gets: the :class:`Algorithm` protocol (run, final order,
+capabilities; its tag space comes from :mod:`resilient.collectives.tags`) and the
+:class:`OpContext` it runs in.
+
+Failure behaviour: :meth:`OpContext.wait` never gives up by itself (it reports peers it
+waited on past ``op_timeout`` as suspects and keeps waiting; the transport's abort ends
+it with a :class:`~resilient.errors.TransportError`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 from resilient.collectives import failpoints
 from resilient.collectives.ledger import Ledger
+from resilient.collectives.tags import tag as tag   # re-exported: algorithms build their tags with it
 from resilient.kernels import ReduceOp
-from resilient.transport.base import Request, Transport
+from resilient.transport.base import Buffer, Request
+
+
+class OpTransport(Protocol):
+    """What an algorithm posts through (a :class:`~resilient.transport.base.Transport`
+    or the retrying layer over one): see the transport interface for the semantics."""
+
+    def isend(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request: ...
+
+    def irecv(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request: ...
+
+    def wait(self, requests: Sequence[Request], timeout: float | None = None) -> bool: ...
 
 
 @dataclass
@@ -19,7 +37,7 @@ class OpContext:
     ``inflight`` holds receives whose region is not final yet, as (request, piece,
     mask-if-complete): after an abort :meth:`settle` turns them into exact ledger state."""
 
-    transport: Transport
+    transport: OpTransport
     ledger: Ledger
     op: ReduceOp
     op_timeout: float | None
@@ -68,8 +86,35 @@ class OpContext:
         self.inflight.clear()
 
 
-def tag(step: int, sub: int, space: int = 0) -> int:
-    return (space << 56) | (step << 28) | sub
+@dataclass(frozen=True)
+class Capabilities:
+    """What a wrapper (the leaf path) may assume about an algorithm.
+
+    ``forward_ring_only``: with 3 or more members it sends only to the next member in ring
+    order, so the links in the other direction stay idle (a chain may use them at once)."""
+
+    forward_ring_only: bool = False
+
+
+class Algorithm(Protocol):
+    """One collective algorithm over an :class:`OpContext` (one file per algorithm).
+
+    ``run`` fills ``ctx.ledger`` (pieces and masks exact at every instant, so recovery can
+    finish the op after any failure) and lets transport errors propagate after
+    :meth:`OpContext.settle`; ``final_order`` is the order in which member ``index`` of
+    ``n_members`` makes the ledger's pieces final (a leaf's result stream follows it)."""
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    def run(self, ctx: OpContext) -> None: ...
+
+    def final_order(self, n_members: int, index: int, n_pieces: int) -> list[int]: ...
+
+
+def index_order(n_members: int, index: int, n_pieces: int) -> list[int]:
+    """The default :meth:`Algorithm.final_order`: pieces in index order."""
+    return list(range(n_pieces))
 
 
 def finish_alone(ledger: Ledger) -> None:

@@ -5,11 +5,19 @@ slice arrived. Followed by the caller's tiny barrier, so every member depends on
 other (input mismatches reach every rank; members stay at most one op apart)."""
 from __future__ import annotations
 
-from resilient.collectives.algorithms.base import OpContext, tag
+import torch
+
+from resilient.collectives import tags
+from resilient.collectives.algorithms.base import Capabilities, OpContext, index_order, tag
+from resilient.collectives.algorithms.recursive_doubling import RecursiveDoubling
+from resilient.collectives.ledger import Ledger
+from resilient.kernels import ReduceOp
 
 
 class ChainBroadcast:
-    SPACE = 2
+    SPACE = tags.CHAIN
+    capabilities = Capabilities()
+    final_order = staticmethod(index_order)
 
     def __init__(self, root: int, slices: int) -> None:
         self.root, self.slices = root, slices
@@ -44,3 +52,22 @@ class ChainBroadcast:
             if nxt is not None:
                 sends.append(tr.isend(nxt, L.view(q), ctx.seq, tag(0, q, self.SPACE), ctx.digest))
         ctx.wait(sends)
+
+
+class ChainBroadcastWithBarrier:
+    """Chain broadcast, then a one-element recursive-doubling barrier in the same op."""
+
+    SPACE = tags.CHAIN
+    capabilities = Capabilities()
+    final_order = staticmethod(index_order)
+
+    def __init__(self, root: int, slices: int) -> None:
+        self.chain = ChainBroadcast(root, slices)
+
+    def run(self, ctx: OpContext) -> None:
+        self.chain.run(ctx)
+        L = ctx.ledger
+        token = Ledger(ctx.seq, "barrier", L.members, L.me, L.epoch, L.digest, torch.zeros(1, dtype=torch.int32),
+                       torch.zeros(1, dtype=torch.int32), [(0, 1)])
+        sub = OpContext(ctx.transport, token, ReduceOp.SUM, ctx.op_timeout, ctx.on_suspect, ctx.epoch)
+        RecursiveDoubling().run(sub)

@@ -42,33 +42,29 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from resilient.collectives import failpoints
-from resilient.collectives.algorithms.base import OpContext
+from resilient.collectives.algorithms.base import Capabilities, OpContext, index_order
 from resilient.collectives.algorithms.ring import RingReduceScatterAllgather
+from resilient.collectives.group import EpochLike
 from resilient.collectives.ledger import Ledger
 
 #: failpoint phase names of the three levels
 PHASES = ("intra_rs", "cross_rs", "cross_ag", "intra_ag")
 
 
-def host_groups_of(members: Sequence[str], epoch: Any) -> list[list[str]] | None:
+def host_groups_of(members: Sequence[str], epoch: EpochLike) -> list[list[str]] | None:
     """The op's ``members`` grouped by host from ``epoch.plan["host_groups"]`` (runs of
     ``(start, count)`` over ``epoch.members``), in ring order; ``None`` when the plan has
     no usable grouping (missing or malformed runs, a member of the op in no run, fewer
     than 2 hosts, hosts of different sizes, a host of one member, demoted members: the
     caller then uses the flat ring). Deterministic: every member reads the same epoch."""
-    plan = getattr(epoch, "plan", None) or {}
-    runs = plan.get("host_groups")
-    ring = list(getattr(epoch, "members", ()) or ())
-    if not isinstance(runs, list) or not runs:
+    runs = epoch.plan.host_groups
+    ring = list(epoch.members)
+    if not runs:
         return None
-    roles = getattr(epoch, "roles", None) or {}
-    if any(roles.get(m) == "demoted" for m in members):
+    if any(epoch.roles.get(m) == "demoted" for m in members):
         return None
     gid: dict[str, int] = {}
-    for g, run in enumerate(runs):
-        if not (isinstance(run, (list, tuple)) and len(run) == 2 and all(isinstance(v, int) for v in run)):
-            return None
-        start, count = run
+    for g, (start, count) in enumerate(runs):
         if start < 0 or count < 1 or start + count > len(ring):
             return None
         for m in ring[start:start + count]:
@@ -85,20 +81,11 @@ def host_groups_of(members: Sequence[str], epoch: Any) -> list[list[str]] | None
     return out
 
 
-def shard_weights_of(epoch: Any, k: int) -> list[float] | None:
+def shard_weights_of(epoch: EpochLike, k: int) -> list[float] | None:
     """The plan's ``shard_weights`` when it has ``k`` positive finite numbers, else None
     (uniform shards)."""
-    plan = getattr(epoch, "plan", None) or {}
-    w = plan.get("shard_weights")
-    if not isinstance(w, list) or len(w) != k:
-        return None
-    try:
-        vals = [float(x) for x in w]
-    except (TypeError, ValueError):
-        return None
-    if not all(0.0 < v < float("inf") for v in vals):
-        return None
-    return vals
+    w = epoch.plan.shard_weights
+    return list(w) if w is not None and len(w) == k else None
 
 
 def weighted_split(n: int, weights: Sequence[float]) -> list[tuple[int, int]]:
@@ -169,6 +156,9 @@ class HierarchicalAllreduce:
     each host, every group of size ``k``); ``layout``: from :meth:`Layout.make` with the
     same ``k`` and ``H = len(groups)``."""
 
+    capabilities = Capabilities()
+    final_order = staticmethod(index_order)
+
     def __init__(self, groups: Sequence[Sequence[str]], layout: Layout) -> None:
         self.groups = [list(g) for g in groups]
         self.layout = layout
@@ -215,7 +205,7 @@ class HierarchicalAllreduce:
             raise
 
 
-def select(members: Sequence[str], epoch: Any, numel: int, elem_bytes: int,
+def select(members: Sequence[str], epoch: EpochLike, numel: int, elem_bytes: int,
            slices_for: Callable[[int], int]) -> "tuple[list[tuple[int, int]], HierarchicalAllreduce] | None":
     """The pieces and algorithm of a hierarchical allreduce over ``members`` in ``epoch``,
     or None when the epoch's plan does not group them into >= 2 equal hosts of >= 2 (or
@@ -268,6 +258,9 @@ class _PerMemberHierarchy:
     """Shared by :class:`HierarchicalReduceScatter` / :class:`HierarchicalAllgather`: the
     member's host, local index and the op's mask helpers."""
 
+    capabilities = Capabilities()
+    final_order = staticmethod(index_order)
+
     def __init__(self, layout: ChunkLayout) -> None:
         self.layout = layout
 
@@ -314,7 +307,9 @@ class HierarchicalAllgather(_PerMemberHierarchy):
         final = lambda mask: full if mask else 0   # noqa: E731
         _phase = HierarchicalAllreduce._phase
         mine = list(range(c * HS, (c + 1) * HS))
-        _phase(ctx, "cross", [g[c] for g in self.layout.groups], mine, final, L.inp, [L.inp_offset[q] for q in mine],
+        offs = L.inp_offset
+        assert offs is not None   # an allgather ledger carries its input offsets
+        _phase(ctx, "cross", [g[c] for g in self.layout.groups], mine, final, L.inp, [offs[q] for q in mine],
                RingReduceScatterAllgather(self.layout.S, shift=1, do_rs=False))
         _phase(ctx, "intra", host, list(range(len(L.pieces))), final, L.inp, L.inp_offset,
                RingReduceScatterAllgather(HS, shift=1, do_rs=False))
@@ -344,7 +339,7 @@ def _gather(L: Ledger, index: list[int]) -> tuple[Any, list[int]]:
     return stage, offs
 
 
-def select_per_member(kind: str, members: Sequence[str], epoch: Any, m: int,
+def select_per_member(kind: str, members: Sequence[str], epoch: EpochLike, m: int,
                       slices: int) -> "tuple[ChunkLayout, Any] | None":
     """Layout and algorithm of a hierarchical ``reduce_scatter`` / ``allgather`` with
     chunks of ``m`` elements, or None (no usable host grouping, see

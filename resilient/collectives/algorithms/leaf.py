@@ -41,16 +41,20 @@ recovery. Nothing here blocks past the transport's abort.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from resilient.collectives.algorithms.base import OpContext, tag
-from resilient.collectives.algorithms.ring import RingReduceScatterAllgather
-from resilient.collectives.ledger import Ledger
+from resilient.collectives import tags
+from resilient.collectives.algorithms.base import Algorithm, Capabilities, OpContext, index_order, tag
+from resilient.collectives.algorithms.leaf_common import ActiveLedger, LeafRoute, items_of
+from resilient.collectives.algorithms.leaf_deadline import run_deadline
+from resilient.collectives.group import EpochLike
+from resilient.coordinator.epoch import EpochPlan
 from resilient.kernels import reduce_into
 
-SPACE = 4   # tag space (ring 0, recursive doubling 1, chain 2, recovery 3)
+SPACE = tags.LEAF
+__all__ = ["LeafPath", "LeafPlan", "deadline_of", "items_of", "leaf_assignment"]
 
 
 def leaf_assignment(members: Sequence[str], ring: Sequence[str], roles: Mapping[str, str],
@@ -82,75 +86,33 @@ def leaf_assignment(members: Sequence[str], ring: Sequence[str], roles: Mapping[
     return out
 
 
-def items_of(pieces: Sequence[tuple[int, int]], elem_bytes: int, sub_bytes: int) -> list[tuple[int, int, int]]:
-    """The leaf stream's units: every ledger piece cut into sub-slices of about
-    ``sub_bytes`` (fine grain keeps the pipeline tail short), as ``(piece, start, end)``."""
-    out = []
-    per = max(1, sub_bytes // max(1, elem_bytes))
-    for q, (s, e) in enumerate(pieces):
-        k = max(1, -(-(e - s) // per))
-        base, extra = divmod(e - s, k)
-        a = s
-        for i in range(k):
-            b = a + base + (1 if i < extra else 0)
-            out.append((q, a, b))
-            a = b
-    return out
-
-
-class _ActiveLedger(Ledger):
-    """The ledger as the inner algorithm sees it: members = the active members; every
-    ``set`` is mirrored into the op's ledger (active ``k`` -> its bit in the op's member
-    order) and then runs ``pump`` (forwarding leaf data that arrived meanwhile)."""
-
-    outer: Ledger
-    bits: list[int]
-    pump: Callable[[], None]
-    final: Callable[[int], None] | None = None   # deadline mode: piece p holds the actives' result
-
-    def set(self, p: int, mask: int) -> None:
-        super().set(p, mask)
-        outer = 0
-        for k, b in enumerate(self.bits):
-            if mask >> k & 1:
-                outer |= b
-        self.outer.set(p, outer)
-        if self.final is not None and mask == self.full:
-            self.final(p)
-        self.pump()
-
-
-class LeafPath:
+class LeafPath(LeafRoute):
     """Runs ``inner`` (ring or recursive doubling, built for ``len(actives)`` members)
     over the active members' own inputs, and the leaf streams around it (see the module
     docstring)."""
 
-    SUB_BYTES = 32 << 10
+    capabilities = Capabilities()
+    final_order = staticmethod(index_order)
 
-    def __init__(self, inner: Any, leaves: Mapping[str, str], actives: Sequence[str],
+    def __init__(self, inner: Algorithm, leaves: Mapping[str, str], actives: Sequence[str],
                  deadline_s: float | None = None) -> None:
-        self.inner, self.leaves, self.actives = inner, dict(leaves), list(actives)
-        self.deadline_s = deadline_s
+        super().__init__(inner, dict(leaves), list(actives), deadline_s)
 
     @classmethod
-    def for_epoch(cls, members: Sequence[str], epoch: Any) -> "LeafPlan | None":
+    def for_epoch(cls, members: Sequence[str], epoch: EpochLike) -> "LeafPlan | None":
         """The leaf plan for an op over ``members`` in ``epoch``, or None (no leaf). The
-        epoch's ``plan["leaf_deadline_ms"]`` (set by ``--straggler-policy deadline``)
+        epoch's ``plan.leaf_deadline_s`` (set by ``--straggler-policy deadline``)
         turns on the deadline mode (:mod:`.leaf_deadline`); every member reads the same
         epoch, so every member runs the same mode with the same value."""
-        roles = getattr(epoch, "roles", None) or {}
-        plan = getattr(epoch, "plan", None) or {}
-        leaves = leaf_assignment(members, list(epoch.members), roles, plan.get("tree_parent") or [])
+        leaves = leaf_assignment(members, list(epoch.members), epoch.roles, epoch.plan.tree_parent)
         if not leaves:
             return None
-        return LeafPlan(leaves, [m for m in members if m not in leaves], deadline_of(plan))
+        return LeafPlan(leaves, [m for m in members if m not in leaves], epoch.plan.leaf_deadline_s)
 
     def run(self, ctx: OpContext) -> None:
         L = ctx.ledger
         items = items_of(L.pieces, L.inp.element_size(), self.SUB_BYTES)
         if self.deadline_s is not None:
-            from resilient.collectives.algorithms.leaf_deadline import run_deadline
-
             run_deadline(self, ctx, items)
         elif L.members[L.me] in self.leaves:
             self._run_leaf(ctx, items)
@@ -184,7 +146,7 @@ class LeafPath:
         # link with the inner algorithm while both run: with a ring of >= 3 it runs
         # against the ring's direction (links the ring leaves idle) *concurrently*;
         # otherwise (2 actives, recursive doubling) it runs after the inner algorithm.
-        concurrent = isinstance(self.inner, RingReduceScatterAllgather) and n_a >= 3
+        concurrent = self.inner.capabilities.forward_ring_only and n_a >= 3
         d = -1 if concurrent else 1
         nxt, prv = self.actives[(ia + d) % n_a], self.actives[(ia - d) % n_a]
         leaves = sorted(self.leaves, key=index.__getitem__)
@@ -193,7 +155,7 @@ class LeafPath:
         stage = {l: torch.empty_like(L.inp) for l in leaves}
         # Every leaf's input travels parent -> next -> ... around the actives (a chain),
         # in one canonical order per link: (item, leaf).
-        entries: list[list] = []   # [item, leaf, request or None, forward?, hop]
+        entries: list[list[Any]] = []   # [item, leaf, request or None, forward?, hop]
         for k, (q, s, e) in enumerate(items):
             for l in leaves:
                 hop = ((ia - self.actives.index(self.leaves[l])) * d) % n_a   # 0: the parent itself
@@ -223,7 +185,7 @@ class LeafPath:
 
         if concurrent:
             post_chain()
-        inner = _ActiveLedger(L.seq, L.kind, tuple(self.actives), ia, L.epoch, L.digest, L.inp, L.out, L.pieces)
+        inner = ActiveLedger(L.seq, L.kind, tuple(self.actives), ia, L.epoch, L.digest, L.inp, L.out, L.pieces)
         inner.enabled = L.enabled
         inner.outer = L
         inner.bits = [1 << index[a] for a in self.actives]
@@ -273,7 +235,7 @@ class LeafPlan:
     def ring_size(self) -> int:
         return len(self.actives)
 
-    def wrap(self, inner: Any) -> LeafPath:
+    def wrap(self, inner: Algorithm) -> LeafPath:
         return LeafPath(inner, self.leaves, self.actives, self.deadline_s)
 
 
@@ -281,12 +243,5 @@ def deadline_of(plan: Mapping[str, Any]) -> float | None:
     """The deadline mode's grace in seconds from an epoch plan's ``leaf_deadline_ms``
     (None: the plan carries none, or a value that is not a finite number >= 0 — the
     coordinator validates it, so a bad value here means a foreign writer; the lossless
-    leaf path is the safe reading)."""
-    v = plan.get("leaf_deadline_ms") if isinstance(plan, Mapping) else None
-    if v is None or isinstance(v, bool):
-        return None
-    try:
-        ms = float(v)
-    except (TypeError, ValueError):
-        return None
-    return ms / 1000.0 if 0.0 <= ms < float("inf") else None
+    leaf path is the safe reading): :attr:`EpochPlan.leaf_deadline_s`."""
+    return EpochPlan.of(plan).leaf_deadline_s

@@ -54,38 +54,27 @@ from typing import Any
 
 import torch
 
+from resilient.collectives import tags
 from resilient.collectives.algorithms.base import OpContext, tag
-from resilient.collectives.algorithms.ring import RingReduceScatterAllgather
+from resilient.collectives.algorithms.leaf_common import ActiveLedger, LeafRoute
 from resilient.errors import CollectiveError, TransportAborted
 from resilient.kernels import reduce_into
+from resilient.transport.base import Request
 
-SPACE = 4          # the leaf path's tag space (shared with leaf.py; the lossless path uses steps 0-2)
+SPACE = tags.LEAF  # shared with leaf.py (the lossless path uses steps 0-2)
 T_INPUT, T_RESULT, T_CHAIN, T_DECISION, T_FINAL, T_CTRL, T_ACK = 0, 1, 2, 3, 4, 5, 6
 POLL_S = 0.005     # wake-up granularity while waiting on several streams at once
 
 #: transport -> (epoch, a parent's receives still posted after its op: its leaves' late
 #: input sub-slices and their acks), awaited at its next deadline-mode op or by drain()
-_LAGGING: "weakref.WeakKeyDictionary[Any, tuple[int, list]]" = weakref.WeakKeyDictionary()
-
-
-def final_order(inner: Any, n_actives: int, index: int, n_pieces: int) -> list[int]:
-    """The order in which the active at ``index`` finalises the pieces of ``inner`` (a
-    ring: its last reduce-scatter chunk, then the all-gather chunks; slices in order);
-    index order for anything else. Parent and leaf compute it alike, so the result stream
-    needs no headers; a different actual order only delays the stream, never breaks it."""
-    if (isinstance(inner, RingReduceScatterAllgather) and n_actives >= 2 and inner.do_rs and inner.do_ag
-            and n_pieces % n_actives == 0):
-        S, sh = n_pieces // n_actives, inner.shift
-        chunks = [(index + 1 - sh) % n_actives] + [(index - sh - t) % n_actives for t in range(n_actives - 1)]
-        return [c * S + j for c in chunks for j in range(S)]
-    return list(range(n_pieces))
+_LAGGING: "weakref.WeakKeyDictionary[Any, tuple[int, list[Request]]]" = weakref.WeakKeyDictionary()
 
 
 def _mask_bytes(n_members: int) -> int:
     return max(1, (n_members + 7) // 8)
 
 
-def run_deadline(path: Any, ctx: OpContext, items: list[tuple[int, int, int]]) -> None:
+def run_deadline(path: LeafRoute, ctx: OpContext, items: list[tuple[int, int, int]]) -> None:
     """Run one op of ``path`` (a :class:`~.leaf.LeafPath` with ``deadline_s`` set)."""
     L = ctx.ledger
     if L.members[L.me] in path.leaves:
@@ -95,7 +84,7 @@ def run_deadline(path: Any, ctx: OpContext, items: list[tuple[int, int, int]]) -
 
 
 class _Leaf:
-    def __init__(self, path: Any, ctx: OpContext, items: list[tuple[int, int, int]]) -> None:
+    def __init__(self, path: LeafRoute, ctx: OpContext, items: list[tuple[int, int, int]]) -> None:
         self.path, self.ctx, self.items = path, ctx, items
 
     def run(self) -> None:
@@ -109,7 +98,7 @@ class _Leaf:
         by_piece: dict[int, list[int]] = {}
         for k, (q, _s, _e) in enumerate(items):
             by_piece.setdefault(q, []).append(k)
-        order = final_order(path.inner, len(path.actives), path.actives.index(parent), len(L.pieces))
+        order = path.inner.final_order(len(path.actives), path.actives.index(parent), len(L.pieces))
         # the actives' result R lands in ``out`` piece by piece (mask 0 until a piece is whole)
         results = [(q, [tr.irecv(parent, L.out[items[k][1]:items[k][2]], ctx.seq, tag(T_RESULT, k, SPACE), ctx.digest)
                         for k in by_piece.get(q, [])]) for q in order]
@@ -157,7 +146,7 @@ class _Leaf:
 class _Active:
     """An active member's side: inner algorithm, chain, decisions for its own leaves."""
 
-    def __init__(self, path: Any, ctx: OpContext, items: list[tuple[int, int, int]]) -> None:
+    def __init__(self, path: LeafRoute, ctx: OpContext, items: list[tuple[int, int, int]]) -> None:
         self.path, self.ctx, self.items = path, ctx, items
         L = ctx.ledger
         self.L, self.tr = L, ctx.transport
@@ -166,7 +155,7 @@ class _Active:
         self.actives = list(path.actives)
         self.n_a = len(self.actives)
         self.ia = self.actives.index(self.me)
-        self.concurrent = isinstance(path.inner, RingReduceScatterAllgather) and self.n_a >= 3
+        self.concurrent = path.inner.capabilities.forward_ring_only and self.n_a >= 3
         d = -1 if self.concurrent else 1
         self.nxt, self.prv = self.actives[(self.ia + d) % self.n_a], self.actives[(self.ia - d) % self.n_a]
         self.leaves = sorted(path.leaves, key=self.index.__getitem__)
@@ -183,9 +172,9 @@ class _Active:
         self.ctrl_in = self.ctrl_out = 0
         self.ctrl_req: Any = None
         self.ctrl_buf: torch.Tensor | None = None
-        self.groups: list[tuple[str, int, int, int, list]] = []   # announced, not yet complete
+        self.groups: list[tuple[str, int, int, int, list[Request]]] = []   # announced, not yet complete
         self.live = self.concurrent
-        self.leaf_reqs: dict[str, list] = {}
+        self.leaf_reqs: dict[str, list[Request]] = {}
 
     # -- chain ----------------------------------------------------------------------------
 
@@ -286,8 +275,6 @@ class _Active:
     # -- the op ---------------------------------------------------------------------------
 
     def run(self) -> None:
-        from resilient.collectives.algorithms.leaf import _ActiveLedger
-
         ctx, L, tr = self.ctx, self.L, self.tr
         lag = _LAGGING.pop(tr, None)
         if lag is not None and lag[0] == ctx.epoch:
@@ -299,7 +286,7 @@ class _Active:
             self.leaf_reqs[l] = [tr.irecv(l, self._item(l, k), ctx.seq, tag(T_INPUT, k, SPACE), ctx.digest)
                                  for k in range(self.K)]
         # the actives' result, streamed to my leaves in the order the ring finalises pieces
-        order = final_order(self.path.inner, self.n_a, self.ia, len(L.pieces))
+        order = self.path.inner.final_order(self.n_a, self.ia, len(L.pieces))
         is_final = [False] * len(L.pieces)
         cursor = [0]
         rbuf = torch.empty_like(L.out) if self.mine else None
@@ -320,7 +307,7 @@ class _Active:
                     for l in self.mine:
                         self.sends.append(tr.isend(l, rbuf[a:b], ctx.seq, tag(T_RESULT, k, SPACE), ctx.digest))
 
-        inner = _ActiveLedger(L.seq, L.kind, tuple(self.actives), self.ia, L.epoch, L.digest, L.inp, L.out, L.pieces)
+        inner = ActiveLedger(L.seq, L.kind, tuple(self.actives), self.ia, L.epoch, L.digest, L.inp, L.out, L.pieces)
         inner.enabled = L.enabled
         inner.outer = L
         inner.bits = [1 << self.index[a] for a in self.actives]
@@ -344,6 +331,7 @@ class _Active:
         """Wait until every leaf is decided: own leaves by the deadline, others by their
         parents' control frames (which come: every parent decides by its deadline)."""
         ctx = self.ctx
+        assert self.path.deadline_s is not None   # run_deadline runs only in the deadline mode
         t_dead = time.monotonic() + self.path.deadline_s
         quiet_since, reported = time.monotonic(), set()
         while True:

@@ -25,11 +25,20 @@ from __future__ import annotations
 
 import torch
 
-from resilient.collectives.algorithms.base import OpContext, finish_alone, tag
+from resilient.collectives import tags
+from resilient.collectives.algorithms.base import Capabilities, OpContext, finish_alone, index_order, tag
 from resilient.collectives.quantization import pack, unpack, wire_bits, wire_nbytes
+from resilient.transport.base import Request
+
+#: a posted receive: (request, piece, wire buffer, wire bits, phase, mask once unpacked)
+_Posted = tuple[Request, int, torch.Tensor, int, str, int]
 
 
 class QuantizedRing:
+    SPACE = tags.QUANTIZED_RING
+    capabilities = Capabilities()
+    final_order = staticmethod(index_order)
+
     def __init__(self, piece_bits: list[int], per_chunk: int, members_bound: int) -> None:
         self.piece_bits, self.per_chunk, self.members_bound = piece_bits, per_chunk, members_bound
 
@@ -47,7 +56,7 @@ class QuantizedRing:
         # (phase, chunk sent, chunk received, step, contributors in what is sent)
         steps = [("rs", (p - s) % n, (p - s - 1) % n, s, s + 1) for s in range(n - 1)]
         steps += [("ag", (p + 1 - t) % n, (p - t) % n, t, n) for t in range(n - 1)]
-        posted: list[list] = []
+        posted: list[list[_Posted]] = []
         for idx, (phase, _sc, rc, s, k) in enumerate(steps):
             if phase == "rs":
                 arc = 0
@@ -56,18 +65,18 @@ class QuantizedRing:
                 done_mask = full if s == n - 2 else arc
             else:
                 done_mask = full
-            cur = []
+            cur: list[_Posted] = []
             for j in range(S):
                 pc = rc * S + j
                 a, b = L.pieces[pc]
                 w = self._width(pc, k)
                 wire = torch.empty(wire_nbytes(b - a, w), dtype=torch.uint8)
-                req = tr.irecv(prv, wire, ctx.seq, tag(idx, j), ctx.digest)
+                req = tr.irecv(prv, wire, ctx.seq, tag(idx, j, self.SPACE), ctx.digest)
                 cur.append((req, pc, wire, w, phase, done_mask))
             posted.append(cur)
         keep: list[torch.Tensor] = []  # wire buffers of sends in flight
-        sends = []
-        prev: list | None = None
+        sends: list[Request] = []
+        prev: list[_Posted] | None = None
         for idx, (phase, sc, _rc, _s, k) in enumerate(steps):
             for j in range(S):
                 ps = sc * S + j
@@ -79,8 +88,9 @@ class QuantizedRing:
                 if L.enabled:
                     ctx.failpoint(phase, self._frac(idx, j, S, n))
                 keep.append(wire)
-                sends.append(tr.isend(nxt, wire, ctx.seq, tag(idx, j), ctx.digest))
+                sends.append(tr.isend(nxt, wire, ctx.seq, tag(idx, j, self.SPACE), ctx.digest))
             prev = posted[idx]
+        assert prev is not None   # n >= 2: at least one step
         for j in range(S):
             self._complete(ctx, prev[j])
         ctx.wait(sends)
@@ -91,7 +101,7 @@ class QuantizedRing:
         return ((idx * S + j) % per_phase) / per_phase
 
     @staticmethod
-    def _complete(ctx: OpContext, entry: tuple) -> torch.Tensor:
+    def _complete(ctx: OpContext, entry: _Posted) -> torch.Tensor:
         """Wait for one receive, unpack it into ``out`` (adding this member's input in
         reduce-scatter), set the piece's mask; returns the wire buffer."""
         req, piece, wire, w, phase, done_mask = entry

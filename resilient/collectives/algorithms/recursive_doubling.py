@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from resilient.collectives.algorithms.base import OpContext, tag
+from resilient.collectives import tags
+from resilient.collectives.algorithms.base import Capabilities, OpContext, index_order, tag
 from resilient.kernels import reduce_into
 
 
@@ -26,7 +27,9 @@ def _block(q: int, k: int, pof2: int, n: int) -> int:
 
 
 class RecursiveDoubling:
-    SPACE = 1
+    SPACE = tags.RECURSIVE_DOUBLING
+    capabilities = Capabilities()
+    final_order = staticmethod(index_order)
 
     def run(self, ctx: OpContext) -> None:
         L, tr = ctx.ledger, ctx.transport

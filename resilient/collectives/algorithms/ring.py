@@ -15,13 +15,31 @@ makes its region final. Failure behaviour: any transport error propagates after
 """
 from __future__ import annotations
 
-from resilient.collectives.algorithms.base import OpContext, finish_alone, tag
+from resilient.collectives import tags
+from resilient.collectives.algorithms.base import Capabilities, OpContext, finish_alone, tag
+from resilient.transport.base import Request
 from resilient.kernels import reduce_into
 
 
+#: a posted receive: ((request, piece, sender's mask), phase, mask once reduced)
+_Posted = tuple[tuple[Request, int, int], str, int]
+
+
 class RingReduceScatterAllgather:
+    SPACE = tags.RING
+    capabilities = Capabilities(forward_ring_only=True)
+
     def __init__(self, slices: int, shift: int = 0, do_rs: bool = True, do_ag: bool = True) -> None:
         self.slices, self.shift, self.do_rs, self.do_ag = slices, shift, do_rs, do_ag
+
+    def final_order(self, n_members: int, index: int, n_pieces: int) -> list[int]:
+        """Its last reduce-scatter chunk, then the all-gather chunks (slices in order);
+        index order for a one-phase ring or a layout that is not ``n_members`` chunks."""
+        if not (n_members >= 2 and self.do_rs and self.do_ag and n_pieces % n_members == 0):
+            return list(range(n_pieces))
+        S, sh = n_pieces // n_members, self.shift
+        chunks = [(index + 1 - sh) % n_members] + [(index - sh - t) % n_members for t in range(n_members - 1)]
+        return [c * S + j for c in chunks for j in range(S)]
 
     def run(self, ctx: OpContext) -> None:
         L, tr = ctx.ledger, ctx.transport
@@ -44,7 +62,7 @@ class RingReduceScatterAllgather:
         # reduce-scatter, and its bytes can only arrive after that send completed (the
         # final value includes what it carried), so posting early never overwrites a
         # buffer in flight.
-        posted: list[list] = []
+        posted: list[list[_Posted]] = []
         for idx, (phase, sc, rc, s) in enumerate(steps):
             if phase == "rs":
                 arc = 0
@@ -54,16 +72,16 @@ class RingReduceScatterAllgather:
                 sender_mask = arc & ~(1 << p)
             else:
                 done_mask = sender_mask = full
-            cur = []
+            cur: list[_Posted] = []
             for j in range(S):
                 pc = rc * S + j
-                req = tr.irecv(prv, L.buf(pc), ctx.seq, tag(idx, j), ctx.digest)
+                req = tr.irecv(prv, L.buf(pc), ctx.seq, tag(idx, j, self.SPACE), ctx.digest)
                 entry = (req, pc, sender_mask)
                 ctx.inflight.append(entry)
                 cur.append((entry, phase, done_mask))
             posted.append(cur)
-        prev: list | None = None
-        sends = []
+        prev: list[_Posted] | None = None
+        sends: list[Request] = []
         for idx, (phase, sc, rc, s) in enumerate(steps):
             for j in range(S):
                 ps = sc * S + j
@@ -74,8 +92,9 @@ class RingReduceScatterAllgather:
                     buf = L.buf(ps)
                 if ctx.ledger.enabled:
                     ctx.failpoint(phase, self._frac(idx, j, S, n))
-                sends.append(tr.isend(nxt, buf, ctx.seq, tag(idx, j), ctx.digest))
+                sends.append(tr.isend(nxt, buf, ctx.seq, tag(idx, j, self.SPACE), ctx.digest))
             prev = posted[idx]
+        assert prev is not None   # n >= 2: at least one step
         for j in range(S):
             self._complete(ctx, *prev[j])
         ctx.wait(sends)
@@ -86,7 +105,7 @@ class RingReduceScatterAllgather:
         return (k % per_phase) / per_phase
 
     @staticmethod
-    def _complete(ctx: OpContext, entry, phase: str, done_mask: int) -> None:
+    def _complete(ctx: OpContext, entry: tuple[Request, int, int], phase: str, done_mask: int) -> None:
         req, piece, _ = entry
         ctx.wait([req])
         L = ctx.ledger

@@ -1,0 +1,104 @@
+"""Which algorithm runs an op, and its ledger layout (pieces): the one place that chooses.
+
+* allreduce: the leaf path when the epoch demoted members (:mod:`.leaf`, wrapping what
+  the active members run); else hierarchical by hosts when the plan groups them
+  (:mod:`.hierarchical`, ``Sizing.hierarchical``); else the pipelined ring above
+  ``small_bytes`` (:mod:`.ring`), recursive doubling below (:mod:`.recursive_doubling`);
+* reduce_scatter / allgather: hierarchical when the plan groups by hosts, else the ring
+  with one chunk per member;
+* broadcast: the pipelined chain plus a one-element barrier (:mod:`.chain`).
+
+Deterministic: every member reads the same epoch and sizes, so every member picks the
+same algorithm and layout. Pure: nothing here blocks or fails.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from resilient.collectives.algorithms.base import Algorithm
+from resilient.collectives.algorithms.chain import ChainBroadcastWithBarrier
+from resilient.collectives.algorithms.hierarchical import select as select_hierarchical, select_per_member
+from resilient.collectives.algorithms.leaf import LeafPath
+from resilient.collectives.algorithms.recursive_doubling import RecursiveDoubling
+from resilient.collectives.algorithms.ring import RingReduceScatterAllgather
+from resilient.collectives.group import EpochLike
+from resilient.collectives.ledger import split
+
+Pieces = list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """The communicator's size settings: ring above ``small_bytes``, slices of about
+    ``slice_bytes`` (at most ``max_slices`` per chunk), hierarchical when allowed."""
+
+    small_bytes: int = 64 << 10
+    slice_bytes: int = 2 << 20
+    max_slices: int = 64
+    hierarchical: bool = True
+
+    def slices(self, chunk_bytes: int) -> int:
+        """Pipelining slices for one chunk of ``chunk_bytes`` (1 for an empty chunk)."""
+        return max(1, min(self.max_slices, -(-chunk_bytes // self.slice_bytes)))
+
+    def slices_for(self, nbytes: int, n: int) -> int:
+        return self.slices(max(1, nbytes // max(1, n)))
+
+    def ring_or_rd(self, nbytes: int, n: int) -> bool:
+        """Whether ``nbytes`` over ``n`` members is a large message (a ring, not recursive doubling)."""
+        return nbytes > self.small_bytes and n > 1
+
+
+def allreduce(members: list[str], epoch: EpochLike, numel: int, elem_bytes: int,
+              sizing: Sizing) -> tuple[Pieces, Algorithm]:
+    """Pieces and algorithm of an allreduce of ``numel`` elements over ``members``."""
+    n = len(members)
+    nbytes = numel * elem_bytes
+    leaf = LeafPath.for_epoch(members, epoch)   # demoted members: leaf path (algorithms/leaf.py)
+    nr = leaf.ring_size if leaf else n
+    hier = (select_hierarchical(members, epoch, numel, elem_bytes, sizing.slices)
+            if sizing.hierarchical and not leaf and sizing.ring_or_rd(nbytes, n) else None)
+    algo: Algorithm
+    if hier is not None:
+        pieces, algo = hier
+    elif sizing.ring_or_rd(nbytes, nr) and numel >= nr:
+        S = sizing.slices_for(nbytes, nr)
+        pieces = [(s0 + a, s0 + b) for (s0, e0) in split(numel, nr) for (a, b) in split(e0 - s0, S)]
+        algo = RingReduceScatterAllgather(S)
+    else:
+        pieces = [(0, numel)]
+        algo = RecursiveDoubling()
+    if leaf:
+        algo = leaf.wrap(algo)
+    return pieces, algo
+
+
+@dataclass(frozen=True)
+class PerMember:
+    """Layout of an op with one chunk of ``m`` elements per member: pieces, the chunk
+    (member index) of each piece and each piece's offset in its member's chunk."""
+
+    pieces: Pieces
+    owner: list[int]
+    offset: list[int]
+    algorithm: Algorithm
+
+
+def per_member(kind: str, members: list[str], epoch: EpochLike, n: int, m: int, elem_bytes: int,
+               sizing: Sizing) -> PerMember:
+    """``kind``: ``"reduce_scatter"`` or ``"allgather"`` over ``n`` members."""
+    S = sizing.slices(m * elem_bytes)
+    hier = select_per_member(kind, members, epoch, m, S) if sizing.hierarchical else None
+    if hier is not None:
+        return PerMember(list(hier[0].pieces), list(hier[0].owner), list(hier[0].offset), hier[1])
+    pieces = [(c * m + a, c * m + b) for c in range(n) for (a, b) in split(m, S)]
+    owners = [c for c in range(n) for _ in range(S)]
+    offs = [a for c in range(n) for (a, b) in split(m, S)]
+    algo = (RingReduceScatterAllgather(S, shift=1, do_ag=False) if kind == "reduce_scatter"
+            else RingReduceScatterAllgather(S, shift=1, do_rs=False))
+    return PerMember(pieces, owners, offs, algo)
+
+
+def broadcast(numel: int, elem_bytes: int, root: int, sizing: Sizing) -> tuple[Pieces, Algorithm]:
+    S = sizing.slices(numel * elem_bytes)
+    return split(numel, S), ChainBroadcastWithBarrier(root, S)

@@ -1,0 +1,250 @@
+"""``EpochTracker``: which epoch a Communicator's ops run in, and when it adopts a newer one.
+
+* An epoch that **removes** a member of ours aborts the transport at once (watch thread,
+  :meth:`EpochTracker.on_epoch`); the op thread then recovers the op in it.
+* An epoch that only **grows** the group (joiners, role changes) is adopted at an op
+  boundary the whole group agrees on: every member announces under ``epochs/<n>/`` the
+  first op seq it has not started (``joinseq``), and all adopt it at the largest one.
+
+Failure behaviour: a member not in the newest epoch gets
+:class:`~resilient.errors.RemovedFromGroup` (``Evicted`` when the plan says so); a growing
+epoch whose members do not all announce within ``epoch_timeout`` raises
+:class:`~resilient.errors.CollectiveError` (the silent member's lease then expires and the
+next epoch removes it); no newer epoch within ``epoch_timeout`` after a failed op raises
+``CollectiveError`` asking whether the coordinator runs.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Callable, Protocol
+
+from resilient.collectives.eviction import removed_error
+from resilient.collectives.group import EpochLike, GroupView, addresses_of
+from resilient.coordinator import records
+from resilient.coordinator.epoch import EpochChanged
+from resilient.errors import CollectiveError, RemovedFromGroup
+from resilient.transport.base import Transport
+
+log = logging.getLogger(__name__)
+
+#: epoch cause -> the ``resilient_recoveries_total`` cause label
+_CAUSE_LABELS = {"member_lost": "member_lost", "lease_expired": "lease_expired",
+                 "suspect_confirmed": "suspect_confirmed", "health": "demoted", "demoted": "demoted",
+                 "evicted": "demoted"}
+
+
+class EpochMetrics(Protocol):
+    def set_epoch(self, number: int, size: int) -> None: ...
+
+    def record_membership_recovery(self, cause: str) -> None: ...
+
+
+class Configurable(Protocol):
+    """The op transport's epoch switch (``RetryingTransport.configure``)."""
+
+    def configure(self, epoch: int, token: str, addresses: dict[str, str]) -> None: ...
+
+
+def cause_label(e: EpochLike) -> str:
+    """The ``resilient_recoveries_total`` cause label of an epoch that removed members."""
+    return _CAUSE_LABELS.get(e.cause, "member_lost")
+
+
+def joinseq(raw: bytes) -> int:
+    """The op sequence number in a member's ``joinseq`` blob (``{"seq": n}``), validated
+    like every etcd record: a malformed blob raises :class:`~resilient.errors.RecordError`
+    naming the rule (a joiner never starts at a guessed sequence number)."""
+    return int(records.fields("rendezvous", raw, "joinseq").int("seq"))
+
+
+class EpochTracker:
+    """The epoch, group and op sequence counter of one Communicator (see the module
+    docstring). ``transport``: aborted on a removal; ``op_transport``: configured on
+    every adopted epoch."""
+
+    def __init__(self, view: GroupView, transport: Transport, op_transport: Configurable, epoch_timeout: float,
+                 metrics: EpochMetrics | None) -> None:
+        self.view, self.transport, self.op_transport = view, transport, op_transport
+        self.member_id = view.member_id
+        self.epoch_timeout = epoch_timeout
+        self.metrics = metrics
+        self.lock = threading.Lock()
+        self.published: dict[int, int] = {}  # epoch -> the next op seq this member announced there
+        self.aborted_at: float | None = None  # wall time the watch thread last aborted the transport
+        self.switch: tuple[int, EpochLike] | None = None  # (op seq, epoch) at which to adopt a growing epoch
+        self.seq = 0
+        epoch = view.current()
+        if epoch is None or self.member_id not in epoch.members:
+            epoch = view.wait_for(lambda e: self.member_id in e.members, epoch_timeout)
+        self.group = set(epoch.members)
+        self.epoch = epoch
+        self.enter(epoch, first=True)
+
+    def start(self, joining: bool | None) -> None:
+        """Announce this member's first op seq, or (a joiner: ``joining``, default: the
+        epoch added us) start at the group's."""
+        epoch = self.epoch
+        if joining is None:
+            joining = epoch.cause != "initial" and self.member_id in epoch.added
+        if joining:
+            # Admitted at an op boundary: the group's members announce under epochs/<n>/
+            # the op seq at which they adopt this epoch; we start there.
+            olds = [m for m in epoch.members if m not in epoch.added]
+            raw = self.view.wait_blobs(epoch.number, "joinseq", olds, self.epoch_timeout) if olds else {}
+            self.seq = max((joinseq(v) for v in raw.values()), default=0)
+            log.info("member %s joins epoch %d at op #%d", self.member_id, epoch.number, self.seq)
+        else:
+            self.announce(epoch.number)
+        self.set_metrics()
+
+    # -- membership -------------------------------------------------------------------
+
+    def members(self) -> list[str]:
+        return [m for m in self.epoch.members if m in self.group]
+
+    def removes(self, e: EpochLike) -> bool:
+        return self.member_id not in e.members or any(m not in e.members for m in self.members())
+
+    def on_epoch(self, e: EpochLike) -> None:
+        """Watch thread: abort the transport at once when an epoch removes a member."""
+        if e.number > self.epoch.number and self.removes(e):
+            self.aborted_at = time.time()
+            self.transport.abort(f"epoch {e.number} removed {sorted(set(self.members()) - set(e.members))}")
+        elif e.number > self.epoch.number:
+            try:
+                self.announce(e.number)
+            except Exception as exc:  # noqa: BLE001 - the op thread announces at its next boundary
+                log.warning("could not announce op seq for epoch %d: %s", e.number, exc)
+
+    def announce(self, number: int) -> int:
+        """Publish (once per epoch) the first op seq this member has not started yet; from
+        then on it starts no op of that seq or later in an older epoch."""
+        with self.lock:
+            if number in self.published:
+                return self.published[number]
+            self.published[number] = seq = self.seq
+        self.view.put_blob(number, "joinseq", json.dumps({"seq": seq}).encode())
+        return seq
+
+    def adopt_growing(self, e: EpochLike) -> None:
+        """At an op boundary: agree with the group on the op seq at which the epoch ``e``
+        (which removes no member of ours) takes effect — the largest seq any member
+        announced — and adopt it there. Raises ``EpochChanged`` when a newer epoch
+        supersedes ``e`` meanwhile, TimeoutError after ``epoch_timeout``."""
+        self.announce(e.number)
+        olds = [m for m in self.members() if m in e.members]
+        raw = self.view.wait_blobs(e.number, "joinseq", olds, self.epoch_timeout)
+        at = max(joinseq(v) for v in raw.values())
+        self.switch = (at, e)
+
+    def enter(self, e: EpochLike, first: bool = False) -> None:
+        """Adopt epoch ``e``: transport configured, epoch/world-size gauges set, and one
+        membership recovery counted (cause from the epoch) when it removed members of ours."""
+        removed = set() if first else self.group - set(e.members)
+        self.epoch = e
+        self.group &= set(e.members)
+        self.op_transport.configure(e.number, e.token, addresses_of(e))  # also forgets broken links of the old epoch
+        self.set_metrics()
+        if removed and self.member_id in e.members and self.metrics is not None:
+            try:
+                self.metrics.record_membership_recovery(cause_label(e))
+            except Exception as exc:  # noqa: BLE001
+                log.debug("metrics: %s", exc)
+        newest = self.view.current()
+        if newest is not None and newest.number > e.number and self.removes(newest):
+            self.transport.abort(f"epoch {newest.number} superseded {e.number}")
+
+    def set_metrics(self) -> None:
+        if self.metrics is not None:
+            try:
+                self.metrics.set_epoch(self.epoch.number, len(self.members()))
+            except Exception as exc:  # noqa: BLE001
+                log.debug("metrics: %s", exc)
+
+    def newer_than(self, number: int) -> Callable[[], int | None]:
+        """For :class:`~.status_exchange.StatusExchange`: the number of an epoch newer than ``number``, if any."""
+        def newer() -> int | None:
+            cur = self.view.current()
+            return cur.number if cur is not None and cur.number > number else None
+        return newer
+
+    def await_newer_epoch(self) -> EpochLike:
+        """After a failed op: the next epoch (see the module docstring for the errors)."""
+        deadline = time.monotonic() + self.epoch_timeout
+        cur = self.epoch.number
+        while True:
+            e = self.view.current()
+            if e is not None and e.number > cur:
+                if self.member_id not in e.members:
+                    raise removed_error(self.member_id, e,
+                        f"member {self.member_id} was removed from the job in epoch {e.number} (its lease expired or it "
+                        f"was evicted, e.g. after being stopped); it must not contribute to later ops — restart it as a joiner")
+                return e
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if self.view.session_lost():
+                    raise RemovedFromGroup(f"member {self.member_id} lost its lease and sees no newer epoch than {cur}")
+                raise CollectiveError(f"a peer failed during an op but no new epoch was published within "
+                                      f"{self.epoch_timeout}s (epoch {cur}); is the coordinator running?")
+            try:
+                self.view.wait_for(lambda e: e.number > cur, min(left, 1.0))
+            except TimeoutError:
+                pass
+
+    # -- op boundaries ------------------------------------------------------------------
+
+    def boundary(self, next_seq: int | None = None) -> bool:
+        """Before an op (``next_seq``: its pre-reserved number): adopt newer epochs.
+        Returns whether the op must start with a ledger-status exchange (an epoch removed
+        a member)."""
+        if self.view.session_lost() and self.member_id not in (self.view.current() or self.epoch).members:
+            raise RemovedFromGroup(f"member {self.member_id} lost its lease; it is no longer in the job")
+        while True:
+            newest = self.view.current()
+            if newest is None or newest.number <= self.epoch.number:
+                break
+            if self.member_id not in newest.members:
+                raise removed_error(self.member_id, newest, f"member {self.member_id} is not in epoch {newest.number}: it was removed "
+                                       "from the job (lease expired or evicted); restart it as a joiner")
+            if self.removes(newest):
+                self.switch = None
+                return True
+            if self.switch is not None and self.switch[1].number == newest.number:
+                break
+            try:
+                self.adopt_growing(newest)
+            except EpochChanged:
+                continue
+            except TimeoutError as exc:
+                raise CollectiveError(f"epoch {newest.number} adds members but not every member announced its op "
+                                      f"sequence number within {self.epoch_timeout}s: {exc}") from None
+            break
+        if self.switch is not None and (self.seq if next_seq is None else next_seq) >= self.switch[0]:
+            e = self.switch[1]
+            self.switch = None
+            self.group |= set(e.members)
+            self.enter(e)
+            self.set_metrics()
+            log.info("member %s adopted epoch %d at op #%d (members %s)", self.member_id, e.number, self.seq,
+                     list(e.members))
+        return False
+
+    def reserve(self, seq: int | None, count: int) -> tuple[int, bool]:
+        """The op's sequence number (``seq`` when pre-reserved, else the next ``count``
+        taken at once) and whether it starts with a status exchange."""
+        if seq is not None:
+            return seq, self.boundary(next_seq=seq)
+        while True:
+            need_status = self.boundary()
+            with self.lock:
+                # an epoch announced (by the watch thread) after boundary looked: resolve it
+                # first, this op must not start in the older epoch
+                late = [n for n, v in self.published.items() if n > self.epoch.number and v <= self.seq
+                        and not (self.switch is not None and self.switch[1].number >= n)]
+                if need_status or not late:
+                    seq = self.seq
+                    self.seq += count
+                    return seq, need_status

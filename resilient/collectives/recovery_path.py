@@ -1,0 +1,184 @@
+"""``RecoveryPath``: finish an op after an epoch removed members — the one recovery loop,
+for the op a member is in (:meth:`RecoveryPath.recover`) and for the retained result of
+its last op when it closes (:meth:`RecoveryPath.serve_retained`).
+
+Each round: adopt the newest epoch, exchange ledger statuses with the survivors
+(:mod:`.status_exchange`), then the lowest op any survivor is still in is finished from
+the ledgers (:mod:`.resume`); a member already past it serves its retained ledger and
+reruns its own op. A newer epoch or a transport abort during a round starts the next
+round on the newer epoch.
+
+Failure behaviour: a survivor whose status does not arrive within ``recovery_timeout``
+raises :class:`~resilient.errors.CollectiveError` (``recover``) or ends the service
+(``serve_retained``: best effort on the way out); a member the epoch removed gets
+:class:`~resilient.errors.RemovedFromGroup`; mismatch errors propagate to the op loop.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+from resilient.collectives.algorithms.base import OpContext
+from resilient.collectives.epochs import EpochTracker
+from resilient.collectives.eviction import removed_error
+from resilient.collectives.group import EpochLike, GroupView
+from resilient.collectives.ledger import Ledger, decode_status, encode_status
+from resilient.collectives.recovery import Policy, members_of
+from resilient.collectives.recovery_report import RecoveryReport, Timeline
+from resilient.collectives.resume import build_plan, execute_plan
+from resilient.collectives.retry import RetryingTransport
+from resilient.collectives.status_exchange import StatusExchange
+
+from resilient.errors import CollectiveError, EpochChanged, TransportAborted, TransportError
+from resilient.kernels import ReduceOp
+from resilient.errors import OpMismatch, PeerReportedError
+from resilient.transport.base import Transport
+
+log = logging.getLogger(__name__)
+
+Outcome = Literal["done", "rerun"]
+
+
+@dataclass
+class _Round:
+    epoch: EpochLike
+    survivors: list[str]
+    xchg: StatusExchange
+    statuses: dict[str, dict[str, Any]]  # decode_status: validated JSON
+    lowest: int | None   # the lowest op seq a survivor is still in (None: none is)
+    wall_epoch: float
+    t_status: float
+
+
+class RecoveryPath:
+    def __init__(self, view: GroupView, transport: Transport, op_transport: RetryingTransport,
+                 epochs: EpochTracker, policy: Callable[[], Policy], op_timeout: float | None,
+                 recovery_timeout: float, on_suspect: Callable[[str, str], None]) -> None:
+        self.view, self.transport, self.op_transport, self.epochs = view, transport, op_transport, epochs
+        self.policy, self.op_timeout, self.recovery_timeout = policy, op_timeout, recovery_timeout
+        self.on_suspect = on_suspect
+        self.member_id = view.member_id
+        self.status_epoch = epochs.epoch.number   # the newest epoch whose status exchange this member finished
+        self.retained: Ledger | None = None       # the completed ledger of this member's last op
+        self.last_report: RecoveryReport | None = None
+
+    # -- one round ------------------------------------------------------------------------
+
+    def _round(self, e: EpochLike, ledger: Ledger | None, members: tuple[str, ...], timeout: float) -> _Round | None:
+        """Adopt ``e`` and exchange statuses; None when a newer epoch or an abort
+        interrupted the exchange (start again). TimeoutError propagates."""
+        self.epochs.enter(e)
+        survivors = [m for m in e.members if m in members]
+        wall_epoch = time.time()
+        xchg = StatusExchange(self.view, self.op_transport, e.number, survivors, self.member_id,
+                              encode_status(self.member_id, ledger, self.retained))
+        try:
+            raw = xchg.run(timeout, self.epochs.newer_than(e.number))
+        except EpochChanged:
+            return None
+        except TransportAborted as exc:  # an epoch removed another member meanwhile
+            log.info("ledger-status exchange in epoch %d interrupted: %s", e.number, exc)
+            return None
+        self.status_epoch = e.number
+        statuses = {m: decode_status(v) for m, v in raw.items()}
+        inflight = [s["inflight"]["seq"] for s in statuses.values() if s.get("inflight")]
+        return _Round(e, survivors, xchg, statuses, min(inflight) if inflight else None, wall_epoch,
+                      time.monotonic())
+
+    def _finish(self, ledger: Ledger, r: _Round, op: ReduceOp) -> dict[str, float]:
+        ctx = OpContext(self.op_transport, ledger, op, self.op_timeout, self.on_suspect, r.epoch.number)
+        return execute_plan(ctx, build_plan(ledger, r.survivors, r.statuses, self.policy()))
+
+    # -- the op this member is in -----------------------------------------------------------
+
+    def recover(self, ctx: OpContext, awaiting: bool) -> Outcome:
+        """Finish (``"done"``) or ask to rerun (``"rerun"``) ``ctx``'s op; see :mod:`.resume`."""
+        L = ctx.ledger
+        t0 = time.monotonic()
+        wall0 = time.time()
+        sent0, retries0 = self.transport.stats.bytes_sent, self.op_transport.retries
+        while True:
+            newest = self.view.current()
+            if awaiting or newest is None or newest.number <= self.epochs.epoch.number:
+                e = self.epochs.await_newer_epoch()
+            else:
+                e = newest
+            awaiting = True
+            if self.member_id not in e.members:
+                raise removed_error(self.member_id, e, f"member {self.member_id} is not in epoch {e.number}: removed from the job")
+            try:
+                r = self._round(e, L, L.members, self.recovery_timeout)
+            except TimeoutError as exc:
+                raise CollectiveError(f"op #{L.seq}: recovery in epoch {e.number} did not get every survivor's "
+                                      f"ledger: {exc}") from None
+            if r is None:
+                continue
+            ctx.epoch = e.number
+            k = L.seq if r.lowest is None else r.lowest
+            try:
+                if L.seq > k:
+                    R = self.retained
+                    if R is not None and R.seq == k:
+                        self._finish(R, r, ctx.op)
+                    r.xchg.wait_published()
+                    return "rerun"
+                progress = any(
+                    (s.get(key) or {}).get("seq") == L.seq and any((s.get(key) or {}).get("masks", []))
+                    for s in r.statuses.values() for key in ("inflight", "retained"))
+                if not progress:
+                    r.xchg.wait_published()
+                    return "rerun"
+                plan = build_plan(L, r.survivors, r.statuses, self.policy())
+                t_plan = time.monotonic()
+                exec_stats = execute_plan(ctx, plan)
+            except (OpMismatch, PeerReportedError):
+                raise
+            except (TransportError, TransportAborted) as exc:   # an abort is a cancellation signal
+                ctx.settle()
+                log.info("recovery of op #%d interrupted: %s", L.seq, exc)
+                continue
+            L.need = plan.need
+            t_end = time.monotonic()
+            stats = dict(exec_stats)
+            self.last_report = RecoveryReport(
+                seq=L.seq, epoch=e.number, seconds=t_end - t0, status_s=r.t_status - t0, plan_s=t_plan - r.t_status,
+                execute_s=t_end - t_plan, rounds=len(plan.rounds), transfers=len(plan.transfers()),
+                bytes_sent=self.transport.stats.bytes_sent - sent0, link_retries=self.op_transport.retries - retries0,
+                contributors=members_of(plan.need[0], L.members) if plan.need else [],
+                timeline=Timeline(aborted=self.epochs.aborted_at, entered=wall0, epoch=r.wall_epoch,
+                                  statuses=wall0 + (r.t_status - t0), done=time.time()),
+                wait_recv_s=stats.pop("wait_recv_s", 0.0), wait_send_s=stats.pop("wait_send_s", 0.0),
+                reduce_s=stats.pop("reduce_s", 0.0), extra=stats)
+            r.xchg.wait_published()   # observers (resilient status, chaos verifier) read it from etcd
+            return "done"
+
+    # -- the retained result, on the way out --------------------------------------------------
+
+    def serve_retained(self, linger: float) -> None:
+        """Join a recovery of our last op from its retained result (``Communicator.close``)."""
+        R = self.retained
+        if R is None:
+            return
+        end = time.monotonic() + linger
+        while True:
+            e = self.view.current()
+            if e is None or e.number <= self.status_epoch or self.member_id not in e.members or not self.epochs.removes(e):
+                if time.monotonic() >= end:
+                    return
+                try:
+                    self.view.wait_for(lambda x: x.number > max(self.status_epoch, self.epochs.epoch.number),
+                                       max(0.01, end - time.monotonic()))
+                except TimeoutError:
+                    return
+                continue
+            try:
+                r = self._round(e, None, R.members, max(1.0, end - time.monotonic()))
+            except TimeoutError:
+                return
+            if r is None:
+                continue
+            if r.lowest == R.seq:
+                self._finish(R, r, ReduceOp.SUM)
+            return
