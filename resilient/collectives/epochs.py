@@ -24,8 +24,7 @@ from typing import Callable, Protocol
 from resilient.collectives.eviction import removed_error
 from resilient.collectives.group import EpochLike, GroupView, addresses_of
 from resilient.coordinator import records
-from resilient.coordinator.epoch import EpochChanged
-from resilient.errors import CollectiveError, RemovedFromGroup
+from resilient.errors import CollectiveError, EpochChanged, RemovedFromGroup
 from resilient.transport.base import Transport
 
 log = logging.getLogger(__name__)

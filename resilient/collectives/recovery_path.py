@@ -30,7 +30,6 @@ from resilient.collectives.recovery_report import RecoveryReport, Timeline
 from resilient.collectives.resume import build_plan, execute_plan
 from resilient.collectives.retry import RetryingTransport
 from resilient.collectives.status_exchange import StatusExchange
-
 from resilient.errors import CollectiveError, EpochChanged, TransportAborted, TransportError
 from resilient.kernels import ReduceOp
 from resilient.errors import OpMismatch, PeerReportedError
