@@ -141,16 +141,27 @@ class CommunicatorEngine:
 
     def wait_admitted(self, timeout: float = 120.0) -> None:
         """Joiner side: wait until every other member of our Communicator has rebuilt its
-        own over our epoch (before that their transports refuse our connections). Polls
-        etcd every 20 ms. Failure behaviour: TimeoutError naming the members that did not
-        rebuild; a member that dies meanwhile is dropped from the wait when an epoch
-        removes it."""
+        own over our epoch (before that their transports refuse our connections). Re-reads
+        ``sync-rebuilt/`` at every change to it (an etcd watch,
+        :class:`resilient.coordinator.wake.PrefixWake`; else every 0.1 s). Failure behaviour:
+        TimeoutError naming the members that did not rebuild; a member that dies meanwhile
+        is dropped from the wait when an epoch removes it."""
+        import time
+
+        from resilient.coordinator.wake import PrefixWake
+
+        wake = PrefixWake(self.store, self._rebuilt_prefix())
+        try:
+            self._wait_admitted(wake, time.monotonic() + timeout, timeout)
+        finally:
+            wake.close()
+
+    def _wait_admitted(self, wake: Any, deadline: float, timeout: float) -> None:
         import time
 
         from resilient.coordinator import keys
 
         mine = self._comm_epoch()
-        deadline = time.monotonic() + timeout
         while True:
             others = [m for m in self._comm_members() if m != self.member_id]
             current = self.watcher.current()
@@ -177,7 +188,7 @@ class CommunicatorEngine:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"joiner {self.member_id}: members {missing} did not admit it (rebuild their "
                                    f"communicator over epoch {mine}) within {timeout:.0f}s")
-            time.sleep(0.02)
+            wake.wait(min(0.1, max(0.0, deadline - time.monotonic())))
 
     def _open_gate(self) -> None:
         """Admitted: from now on ops run on the Communicator itself."""
