@@ -736,6 +736,16 @@ class Communicator:
         self.__dict__.setdefault("_owned", set()).add(buf.data_ptr())
         return buf
 
+    def adopt_buffer_pool(self, old: "Communicator") -> None:
+        """Take over the free pooled buffers of ``old`` (the closed Communicator this one
+        replaces when joiners are admitted: ``CommunicatorEngine.rebuild``), so the first
+        ops after an admission reuse memory already faulted in instead of allocating it
+        again (resilient/elastic admission cost). ``old`` keeps none; never raises."""
+        for bufs in old.__dict__.pop("_pool_bufs", {}).values():
+            for buf in bufs:
+                self.__dict__.setdefault("_owned", set()).add(buf.data_ptr())
+                self._release(buf)
+
     def _release(self, buf: torch.Tensor) -> None:
         """Return a buffer that :meth:`_buffer` handed out (never a user tensor)."""
         if buf.data_ptr() in self.__dict__.get("_owned", ()) and buf.numel() * buf.element_size() >= (1 << 20):

@@ -121,12 +121,14 @@ class CommunicatorEngine:
         a joiner's fresh Communicator. Called by every member at the same point
         (``State.sync()`` agrees on it). Failure behaviour: no such epoch within
         ``timeout`` -> TimeoutError; the old Communicator is closed either way only after
-        the new one exists."""
+        the new one exists. The new one takes over the old one's free pooled buffers (its
+        first ops after an admission then allocate nothing)."""
         self.watcher.wait_for(lambda e: e.number >= min_epoch and self.member_id in e.members, timeout)
         old = self.comm
         self.comm = _make_communicator(self.store, self.job, self.session, self.watcher, self.transport)
         self.admitted = True  # (a joiner rebuilds only inside wait_admitted, i.e. while being admitted)
         old.close()
+        self.comm.adopt_buffer_pool(old.inner if isinstance(old, NotAdmittedGate) else old)
         # tell the joiners our transport now accepts them (see wait_admitted)
         self.store.put(self._rebuilt_prefix() + self.member_id, str(self._comm_epoch()).encode(),
                        lease=self.session.lease_id)
