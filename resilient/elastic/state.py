@@ -85,7 +85,8 @@ def _live_world(group: Any = None) -> World | None:
 
     engine = getattr(group, "engine", None)
     if engine is not None:
-        return engine.world()
+        live: World = engine.world()
+        return live
     try:
         return world()
     except ConfigError:  # not on the resilient backend: a static world
@@ -154,7 +155,7 @@ class State:
 
     # -- snapshot -----------------------------------------------------------------------
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Everything the state holds, as nested dicts/lists/tensors/values. On a joiner
         whose optimizer state is still arriving it waits for it (DataLost if it broke)."""
         self._settle()
@@ -167,7 +168,7 @@ class State:
             out["fields"][k] = {"sd": v.state_dict()} if hasattr(v, "state_dict") else {"v": v}
         return out
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Adopt ``sd`` (what :meth:`state_dict` returned, possibly on another member)."""
         self._settle()  # a joiner's optimizer state still arriving must not overwrite this
         if self.optimizer is not None:
@@ -188,7 +189,7 @@ class State:
 
     @property
     def commits(self) -> int:
-        return self._commits
+        return int(self._commits)
 
     # -- restore points -------------------------------------------------------------------
     #
@@ -468,7 +469,10 @@ class State:
         if int(info[2]):
             if receiver is not None:
                 receiver.close()
-            self._transfer(_live_world(self.group), max_commits)
+            world = _live_world(self.group)
+            if world is None:
+                raise ConfigError("State.sync(): torch.distributed is no longer initialised")
+            self._transfer(world, max_commits)
             return
         if int(info[0]) == 0:
             if receiver is not None:

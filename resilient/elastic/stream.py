@@ -70,14 +70,14 @@ class Snapshot:
         """Write the tensor area to ``conn`` (from the copy, or tensor by tensor)."""
         if self.area is not None:
             if self._nbytes:
-                conn.sendall(memoryview(self.area.numpy()))
+                conn.sendall(_view(self.area))
             return
         pos = 0
         for t, (_, _, off, n) in zip(self.tensors, self._table):
             if off > pos:
                 conn.sendall(bytes(off - pos))  # alignment padding
             if n:
-                conn.sendall(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                conn.sendall(_view(t.reshape(-1).view(torch.uint8)))
             pos = off + n
         if self._nbytes > pos:
             conn.sendall(bytes(self._nbytes - pos))
@@ -199,7 +199,7 @@ def _read_frame(conn: socket.socket, hlen: int, nbytes: int,
     if not targets:
         area = torch.empty(nbytes, dtype=torch.uint8)
         if nbytes:
-            _recv_into(conn, memoryview(area.numpy()))
+            _recv_into(conn, _view(area))
         return assemble(header, area)
     # the rest into one buffer, each target straight into its own memory
     area = torch.empty(nbytes, dtype=torch.uint8)
@@ -209,12 +209,12 @@ def _read_frame(conn: socket.socket, hlen: int, nbytes: int,
         if off < pos or off + n > nbytes:
             raise FrameError(f"state stream tensor at offset {off} (+{n}) overlaps or runs past the end")
         if off > pos:
-            _recv_into(conn, memoryview(area.numpy())[pos:off])
+            _recv_into(conn, _view(area)[pos:off])
         if n:
-            _recv_into(conn, memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()))
+            _recv_into(conn, _view(t.detach().reshape(-1).view(torch.uint8)))
         pos = off + n
     if nbytes > pos:
-        _recv_into(conn, memoryview(area.numpy())[pos:nbytes])
+        _recv_into(conn, _view(area)[pos:nbytes])
     obj = assemble(header, area)
     return _substitute(obj, parsed["s"], targets)
 
@@ -257,6 +257,11 @@ def serve(parts: Snapshot | Sequence[Snapshot], host: str, port: int, token: int
         part.threads.append(t)
     t.start()
     return t
+
+
+def _view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU uint8 tensor, writable, without a copy."""
+    return t.numpy().data
 
 
 def _recv_into(conn: socket.socket, view: memoryview) -> None:
