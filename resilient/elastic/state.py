@@ -42,11 +42,16 @@ joiner's stream endpoint (a listening socket on ``RESILIENT_HOST`` and a random 
 The source streams its state at that step boundary from a background thread
 (:mod:`resilient.elastic.stream`): parameters and optimizer state straight from the live
 tensors (no copy; its next ``optimizer.step()`` waits for the stream to end, which a
-one-shot step pre-hook enforces), the small rest from a copy. The source and every
-other survivor return to training at once. The joiner receives the snapshot,
-loads it and only then takes part in its first op, so its state equals the survivors'
-at admission exactly; the survivors wait for it only inside their next gradient
-allreduce, for as long as the stream took longer than their step's compute. If a joiner
+one-shot step pre-hook enforces), the small rest from a copy, in two parts: first the
+model, the user fields and the optimizer's hyper-parameters, then the optimizer state.
+The source and every other survivor return to training at once. The joiner loads the
+first part (parameters received straight into its own) and returns from ``sync()``;
+the optimizer state arrives on a background thread during its first forward/backward
+and is loaded before its first ``optimizer.step()`` (a one-shot step pre-hook; also
+before ``commit()``, ``restore()``, ``state_dict()``: :mod:`resilient.elastic.catchup`),
+so its state equals the survivors' at admission exactly when it is first used; the
+survivors wait for it only inside their next gradient allreduce, for as long as the
+first part took longer than their step's compute. If a joiner
 cannot open an IPv4 receiver, everyone falls back to the broadcast transfer. On the
 in-process test engine (no ``rebuild``) a joiner takes part in the exchange and gets
 the broadcast.
@@ -56,8 +61,9 @@ chosen source dies before the broadcast payload arrives the broadcast fails with
 :class:`~resilient.errors.DataLost` and ``sync()`` starts over once on the new world
 before re-raising. If the source dies while it streams to a joiner (or no stream
 arrives within ``State.stream_timeout``, 120 s), the joiner's ``sync()`` raises DataLost
-(the others are training already; the launcher restarts the joiner, which is synced
-again). A payload that does not parse raises
+— or, when the cut falls in the optimizer-state part, its first ``optimizer.step()``
+(and every later ``commit``/``restore``/``state_dict``) does — (the others are training
+already; the launcher restarts the joiner, which is synced again). A payload that does not parse raises
 :class:`~resilient.errors.FrameError`; data that came over the network is never unpickled.
 """
 from __future__ import annotations
