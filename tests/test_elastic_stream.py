@@ -17,11 +17,11 @@ from resilient.elastic.stream import MAGIC, _PREFIX, Snapshot, StateReceiver, se
 from resilient.errors import DataLost
 
 
-def _training_state(seed: int) -> State:
+def _training_state(seed: int, wide: int = 8192) -> State:
     torch.manual_seed(seed)
-    # ~24 MiB of parameters + Adam state: more than the loopback socket buffers hold
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.BatchNorm1d(256), torch.nn.Linear(256, 8192),
-                                torch.nn.Linear(8192, 8))
+    # ~24 MiB of parameters + Adam state (wide=8192): more than the loopback socket buffers hold
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.BatchNorm1d(256), torch.nn.Linear(256, wide),
+                                torch.nn.Linear(wide, 8))
     opt = torch.optim.Adam(model.parameters())
     state = State(model=model, optimizer=opt, sampler=ElasticSampler(1000, 10, seed=3), step=0,
                   extra=torch.arange(5, dtype=torch.float16), name="run", joiner=False)
@@ -178,7 +178,7 @@ def test_joiner_trains_on_while_its_optimizer_state_arrives_and_steps_exactly_li
     optimizer.step() waits for that part, and its state is then bitwise a survivor's."""
     from resilient.torch_backend.codec import assemble
 
-    source, joiner, twin = _training_state(1), _training_state(2), _training_state(3)
+    source, joiner, twin = _training_state(1, 1024), _training_state(2, 1024), _training_state(3, 1024)
     for _ in range(2):
         _train_step(source)
     expected = Snapshot(source.state_dict())
@@ -206,7 +206,7 @@ def test_joiner_trains_on_while_its_optimizer_state_arrives_and_steps_exactly_li
 
 
 def test_optimizer_state_cut_short_is_data_lost_at_the_joiners_first_step():
-    source, joiner = _training_state(1), _training_state(2)
+    source, joiner = _training_state(1, 1024), _training_state(2, 1024)
     _train_step(source)
     parts = source._snapshot_for_stream()  # noqa: SLF001
     receiver, release = StateReceiver("127.0.0.1"), threading.Event()
