@@ -30,8 +30,10 @@ gradients, 128 MiB of state, 0.5 s compute), or ``--size layers:dim:compute``.
 Lost seconds, each system from its own step logs (every replica logs each committed
 step's end time), on the replica launched as rank 0 (a survivor):
 ``lost = (t[last step] - t[kill_step - 3]) - (last - (kill_step - 3)) * m``, ``m`` being the
-failing run's own median step interval (steps after the third: its fault-free step
-time, robust to steps getting faster or slower while the world is smaller), the extra time
+failing run's own mean step interval over the steps the failure and the admission did not
+touch (steps after the third, less the 3 from the kill on and the 3 from the joiner's
+return: its fault-free step time; ``steady_step``; ``*_lost_median_s`` uses the median of
+all its steps instead, as earlier versions did), the extra time
 of the steps around the failure, the joiner's admission included (a run goes on past
 ``--steps`` committed steps until the restarted replica has trained 3 steps in the full
 world, at most 400 steps more; a discarded torchft step is not a committed one).
@@ -389,6 +391,23 @@ def median_step(recs: list[dict], skip: int = 3) -> float | None:
     return statistics.median(iv) if iv else None
 
 
+def steady_step(recs: list[dict], kill_step: int, skip: int = 3, window: int = 3) -> float | None:
+    """Mean interval of the committed steps (after the ``skip`` first) that neither failure
+    nor admission touched: the ``window`` steps from the kill on, and the ``window`` steps
+    from the first one after the kill with the full world back. A mean, not a median:
+    step times are right-skewed, and ``lost_seconds`` subtracts ``m`` once per step of a
+    span of 40-60 steps, so a median's bias (a few ms) would add up to more than the
+    loss measured, and differently for runs of different lengths."""
+    iv = step_intervals(recs)
+    worlds = {r["step"]: r.get("world") for r in recs if "step" in r and "event" not in r}
+    back = min((st for st, w in worlds.items() if st > kill_step + 1 and w == REPLICAS), default=None)
+    hit = set(range(kill_step + 1, kill_step + 1 + window))
+    if back is not None:
+        hit |= set(range(back, back + window))
+    vals = [v for st, v in iv.items() if st > skip and st not in hit]
+    return statistics.fmean(vals) if vals else None
+
+
 def lost_seconds(recs: list[dict], m: float, s_from: int) -> float | None:
     """(t[last] - t[s_from]) - (last - s_from) * m over one replica's committed steps."""
     first: dict[int, float] = {}
@@ -431,11 +450,13 @@ def bench_case(a: argparse.Namespace, size_name: str, size: tuple, case: str, tm
             run = measure(a, system, "none", size, tmp)
             ff[system] = median_step(run["rank0"]) if run["ok"] else None
         run = measure(a, system, case, size, tmp)
-        m, own = ff[system], median_step(run["rank0"])
+        m, med = ff[system], median_step(run["rank0"])
+        own = steady_step(run["rank0"], a.kill_step) if case != "none" else med
         out[f"{key}_step_s"] = None if m is None else round(m, 4)
         out[f"{key}_failing_run_step_s"] = None if own is None else round(own, 4)
         ok = run["ok"] and own is not None
         out[f"{key}_lost_s"] = _r(lost_seconds(run["rank0"], own, s_from)) if ok else None
+        out[f"{key}_lost_median_s"] = _r(lost_seconds(run["rank0"], med, s_from)) if ok and med else None
         out[f"{key}_lost_vs_fault_free_s"] = _r(lost_seconds(run["rank0"], m, s_from)) if m else None
         if not ok and m:  # did not finish: what it had lost when it was stopped (a lower bound)
             out[f"{key}_lost_s"] = out[f"{key}_lost_vs_fault_free_s"]

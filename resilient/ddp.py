@@ -56,10 +56,14 @@ future, and DDP raises the :class:`~resilient.errors.CollectiveError` from ``bac
 import functools
 import inspect
 import threading
-from typing import Any
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, cast, runtime_checkable
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket  # what DDP passes a comm hook (dist.GradBucket)
+from torch._C._distributed_c10d import Reducer
 
 
 class ContributorTracker:
@@ -92,11 +96,20 @@ class ContributorTracker:
             return out
 
 
+@runtime_checkable
+class _Contributed(Protocol):
+    """A Work that names its op's contributors (the resilient backend's; other backends'
+    Works do not, and their hooks fall back to DDP's mean over the group size)."""
+
+    @property
+    def contributors(self) -> tuple[str, ...]: ...
+
+
 #: the tracker the hook uses when registered with ``state=None``
 tracker = ContributorTracker()
 
 
-def ddp_comm_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def ddp_comm_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Allreduce-SUM the bucket, divide by the contributor count (see the module docstring).
     ``state``: ``None`` (default group, module :data:`tracker`), a
     :class:`ContributorTracker`, or a ``(process_group, tracker)`` pair."""
@@ -108,13 +121,12 @@ def ddp_comm_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[t
     pg = group if group is not None else dist.distributed_c10d._get_default_group()  # noqa: SLF001
     buf = bucket.buffer()
     opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.SUM
+    opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
     work = pg.allreduce([buf], opts)
-    contributors_of = getattr(work, "contributors", None)
 
-    def divide(fut: torch.futures.Future) -> torch.Tensor:
-        out = fut.value()[0]
-        if contributors_of is not None:
+    def divide(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        out: torch.Tensor = fut.value()[0]
+        if isinstance(work, _Contributed):
             members = tuple(work.contributors)
             n = len(members)
         else:  # another backend: no contributor set; DDP's default mean
@@ -159,12 +171,12 @@ class ErrorFeedback:
         self.bucket_bits: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         with self._lock:
             return {"member": self.member_id or "", "bits": dict(self.bucket_bits),
                     "residuals": {k: v.clone() for k, v in self.residuals.items()}}
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
         with self._lock:
             self.bucket_bits = {str(k): int(v) for k, v in sd.get("bits", {}).items()}
             mine = bool(self.member_id) and sd.get("member") == self.member_id
@@ -178,7 +190,7 @@ class ErrorFeedback:
     def bits_for(self, key: str) -> int:
         return self.bucket_bits.get(key, self.bits) if self.adaptive else self.bits
 
-    def segments(self, bucket: dist.GradBucket, bits: int) -> tuple[tuple[int, int, int], ...]:
+    def segments(self, bucket: GradBucket, bits: int) -> tuple[tuple[int, int, int], ...]:
         """(start, end, bits) over the bucket's flat buffer: small or 1-D parameters at 32."""
         segs: list[list[int]] = []
         pos = 0
@@ -190,7 +202,7 @@ class ErrorFeedback:
             elif n:
                 segs.append([pos, pos + n, b])
             pos += n
-        return tuple(tuple(x) for x in segs)
+        return tuple((x[0], x[1], x[2]) for x in segs)
 
     def update(self, key: str, x: torch.Tensor, own: torch.Tensor | None, agg: torch.Tensor,
                contributed: bool, res: Any) -> None:
@@ -220,7 +232,7 @@ class ErrorFeedback:
                 self.bucket_bits[key] = nxt
 
 
-def compression_hook(state: ErrorFeedback, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def compression_hook(state: ErrorFeedback, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the exact compressed allreduce with error feedback (see
     :class:`ErrorFeedback`). The bucket becomes the exact mean over the op's contributors
     of their dequantized ``grad + residual``; every member gets the same bits. Register with
@@ -248,7 +260,7 @@ def compression_hook(state: ErrorFeedback, bucket: dist.GradBucket) -> torch.fut
     compression = Compression(bits=state.bits_for(key), bucket=state.bucket, segments=segs,
                               auto=state.switch == "auto")
     work = comm.allreduce(inp, op="avg", async_op=True, compression=compression)
-    fut: torch.futures.Future = torch.futures.Future()
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
     def done(w: Any) -> None:
         try:
@@ -263,7 +275,7 @@ def compression_hook(state: ErrorFeedback, bucket: dist.GradBucket) -> torch.fut
             buf.copy_(inp)
             fut.set_result(buf)
         except BaseException as exc:  # noqa: BLE001 - delivered to DDP through the future
-            fut.set_exception(exc)
+            fut.set_exception(exc)  # type: ignore[arg-type]  # torch's stub types it as the result type T
 
     work.add_done_callback(done)
     return fut
@@ -288,7 +300,7 @@ class SampleCount:
         self.samples = samples
 
 
-def weighted_ddp_comm_hook(state: SampleCount, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def weighted_ddp_comm_hook(state: SampleCount, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Exact per-sample mean over the contributors when members process different numbers
     of samples (speed-weighted shares): member ``i`` sends ``n_i * g_i`` (``g_i`` its
     local mean gradient) with ``n_i`` appended as one extra element of the *same* SUM
@@ -321,12 +333,12 @@ def weighted_ddp_comm_hook(state: SampleCount, bucket: dist.GradBucket) -> torch
         flat[:-1].zero_()
     flat[-1] = n
     opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.SUM
+    opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
     work = pg.allreduce([flat], opts)
 
-    def divide(fut: torch.futures.Future) -> torch.Tensor:
-        out = fut.value()[0]
-        members = tuple(work.contributors) if hasattr(work, "contributors") else ()
+    def divide(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        out: torch.Tensor = fut.value()[0]
+        members = tuple(work.contributors) if isinstance(work, _Contributed) else ()
         state.tracker.add(members)
         total = float(out[-1].item())
         state.last_total = total
@@ -341,7 +353,7 @@ def make_weighted(ddp: torch.nn.parallel.DistributedDataParallel, state: SampleC
     """:func:`make_elastic` with :func:`weighted_ddp_comm_hook` (register before the
     first forward, so the automatic hook stays out). Returns ``ddp``."""
     ddp.register_comm_hook(state, weighted_ddp_comm_hook)
-    ddp.reducer = _NoRebuildReducer(ddp.reducer)
+    ddp.reducer = _no_rebuild(ddp.reducer)
     return ddp
 
 
@@ -361,6 +373,12 @@ class _NoRebuildReducer:
         return getattr(self._reducer, name)
 
 
+def _no_rebuild(reducer: Reducer) -> Reducer:
+    """``reducer`` behind :class:`_NoRebuildReducer`, typed as what it stands in for (DDP
+    only calls the reducer's methods; the C++ class cannot be subclassed from Python)."""
+    return cast(Reducer, _NoRebuildReducer(reducer))
+
+
 def make_elastic(ddp: torch.nn.parallel.DistributedDataParallel, state: Any = None,
                  hook: Any = None) -> torch.nn.parallel.DistributedDataParallel:
     """Make a DDP model safe for members that come and go: register :func:`ddp_comm_hook`
@@ -369,7 +387,7 @@ def make_elastic(ddp: torch.nn.parallel.DistributedDataParallel, state: Any = No
     ``forward_sync_buffers=False``: :meth:`resilient.elastic.State.sync` does the initial
     sync, and from a healthy member. Returns ``ddp``."""
     ddp.register_comm_hook(state, hook if hook is not None else ddp_comm_hook)
-    ddp.reducer = _NoRebuildReducer(ddp.reducer)
+    ddp.reducer = _no_rebuild(ddp.reducer)
     return ddp
 
 
@@ -377,6 +395,22 @@ def make_elastic(ddp: torch.nn.parallel.DistributedDataParallel, state: Any = No
 
 _auto_lock = threading.Lock()
 _auto_installed = False
+
+
+@dataclass
+class _Auto:
+    """Automatic mode of one DDP model over a resilient group: its contributor tracker and
+    whether our hook is registered (kept beside the model, not on it)."""
+
+    tracker: ContributorTracker
+    hooked: bool = False
+
+
+_autos: "weakref.WeakKeyDictionary[torch.nn.Module, _Auto]" = weakref.WeakKeyDictionary()
+
+
+def _auto_of(ddp: torch.nn.Module) -> _Auto | None:
+    return _autos.get(ddp)
 
 
 def _is_resilient(pg: Any) -> bool:
@@ -396,8 +430,8 @@ def _group_of(bound: inspect.BoundArguments) -> Any:
 def contributors(ddp: torch.nn.parallel.DistributedDataParallel) -> frozenset[str]:
     """Members whose gradients are in every bucket of the model's last synchronised step
     (automatic mode; empty before the first backward or on another backend)."""
-    track = getattr(ddp, "_resilient_tracker", None)
-    return track.step_contributors() if track is not None else frozenset()
+    auto = _autos.get(ddp)
+    return auto.tracker.step_contributors() if auto is not None else frozenset()
 
 
 def install_auto_hook() -> None:
@@ -411,7 +445,8 @@ def install_auto_hook() -> None:
             return
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        original_init, original_pre_forward = DDP.__init__, DDP._pre_forward
+        original_init = DDP.__init__
+        original_pre_forward = cast(Callable[..., Any], DDP._pre_forward)  # untyped in torch
         sig = inspect.signature(original_init)
 
         @functools.wraps(original_init)
@@ -425,21 +460,21 @@ def install_auto_hook() -> None:
                 bound.arguments["init_sync"] = False
             original_init(*bound.args, **bound.kwargs)
             if resilient:
-                self._resilient_auto = True
-                self._resilient_tracker = ContributorTracker()
+                _autos[self] = _Auto(ContributorTracker())
 
         @functools.wraps(original_pre_forward)
         def _pre_forward(self: DDP, *inputs: Any, **kwargs: Any) -> Any:
-            if not getattr(self, "_resilient_auto", False):
+            auto = _autos.get(self)
+            if auto is None:
                 return original_pre_forward(self, *inputs, **kwargs)
-            if not self._comm_hooks and not getattr(self, "_resilient_hooked", False):
+            if not self._comm_hooks and not auto.hooked:
                 # no user hook by the first forward: ours (the reducer allows one hook)
-                self.register_comm_hook((self.process_group, self._resilient_tracker), ddp_comm_hook)
-                self._resilient_hooked = True
+                self.register_comm_hook((self.process_group, auto.tracker), ddp_comm_hook)
+                auto.hooked = True
             if torch.is_grad_enabled() and self.require_backward_grad_sync:
-                self._resilient_tracker.reset()
+                auto.tracker.reset()
             real = self.reducer
-            self.reducer = _NoRebuildReducer(real)
+            self.reducer = _no_rebuild(real)
             try:
                 return original_pre_forward(self, *inputs, **kwargs)
             finally:

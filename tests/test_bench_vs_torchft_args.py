@@ -42,3 +42,23 @@ def test_lost_seconds_counts_only_the_extra_time_of_committed_steps():
     assert b.median_step(recs) == 0.5
     assert b.lost_seconds(recs, 0.5, 3) == pytest.approx(1.5)
     assert b.lost_seconds(recs, 0.5, 40) is None
+
+
+def test_steady_step_is_the_mean_of_the_steps_neither_the_kill_nor_the_admission_touched():
+    b = _bench()
+    # right-skewed step times (every 4th step slow), the kill at step 10 (3 slow steps in a
+    # world of 2), the joiner back at step 20 (its first 3 steps slow)
+    t, recs = 0.0, []
+    for s in range(1, 31):
+        dt = 1.0 if s in (11, 12, 13, 20, 21, 22) else (0.7 if s % 4 == 0 else 0.5)
+        t += dt
+        recs.append({"step": s, "t": t, "world": 2 if 11 <= s < 20 else 3})
+    recs.append({"event": "admit", "step": 19, "t": 0.0})
+    kept = [0.7 if s % 4 == 0 else 0.5 for s in range(4, 31) if s not in (11, 12, 13, 20, 21, 22)]
+    assert b.steady_step(recs, 10) == pytest.approx(sum(kept) / len(kept))
+    assert b.median_step(recs) == 0.5  # the median misses the slow quarter: x27 steps it adds up
+    # what the failure cost: 6 steps of 1.0 s instead of the steady mean
+    m = b.steady_step(recs, 10)
+    expected = sum(1.0 - m for s in range(11, 31) if s in (11, 12, 13, 20, 21, 22)) + sum(
+        (0.7 if s % 4 == 0 else 0.5) - m for s in range(8, 31) if s not in (11, 12, 13, 20, 21, 22))
+    assert b.lost_seconds(recs, m, 7) == pytest.approx(expected)

@@ -113,7 +113,9 @@ def test_unadmitted_joiners_ddp_constructor_runs_no_collective():
     w = InProcWorld(["a"])
     pg = ResilientProcessGroup(_RefusingEngine(w.engine("a")), 0, 1)
     ddp = DDP(_linear(), process_group=pg)  # default init_sync=True would broadcast
-    assert ddp._resilient_auto
+    from resilient.ddp import _auto_of
+
+    assert _auto_of(ddp) is not None  # automatic mode, and no collective ran
 
 
 def test_gate_forwards_attributes_and_close_but_turns_ops_into_the_exit_call():

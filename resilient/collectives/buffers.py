@@ -25,6 +25,19 @@ class BufferPool:
         self._owned.add(buf.data_ptr())
         return buf
 
+    def free_buffers(self) -> list[torch.Tensor]:
+        """The buffers kept for reuse now (for logs and tests)."""
+        return [b for bufs in self._free.values() for b in bufs]
+
+    def adopt(self, other: "BufferPool") -> None:
+        """Take over ``other``'s free buffers (``other`` keeps none): the Communicator that
+        replaces a closed one (joiners admitted) reuses memory already faulted in."""
+        for buf in other.free_buffers():
+            self._owned.add(buf.data_ptr())
+            self.release(buf)
+        other._free.clear()
+        other._owned.clear()
+
     def release(self, buf: torch.Tensor) -> None:
         """Return a buffer :meth:`take` handed out; anything else is ignored."""
         if buf.data_ptr() in self._owned and buf.numel() * buf.element_size() >= MIN_POOLED_BYTES:

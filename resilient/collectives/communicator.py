@@ -228,6 +228,13 @@ class Communicator:
         ``joining=True``); a subclass that owns more (``resilient.connect``'s) hands it on."""
         return Communicator(self.view, self.transport, joining=True, **self.settings.as_kwargs())
 
+    def adopt_buffer_pool(self, old: "Communicator") -> None:
+        """Take over the free pooled buffers of ``old`` (the closed Communicator this one
+        replaces when joiners are admitted: ``CommunicatorEngine.rebuild``), so the first
+        ops after an admission reuse memory already faulted in instead of allocating it
+        again (resilient/elastic admission cost). ``old`` keeps none; never raises."""
+        self._buffers.adopt(old._buffers)
+
     def run_on_op_thread(self, fn: Callable[[], OpResult], async_op: bool = True) -> Any:
         """Run ``fn`` on the op thread, after the ops queued before it, as an op of its own
         (a :class:`Work`; ``fn``'s exception fails it). The transport has one user at a

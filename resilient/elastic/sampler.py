@@ -39,7 +39,7 @@ argument raises :class:`~resilient.errors.ConfigError` naming it.
 from __future__ import annotations
 
 import random
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from resilient.errors import ConfigError
 
@@ -187,13 +187,13 @@ class ElasticSampler:
 
     # -- state ----------------------------------------------------------------------------
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """JSON-able progress: epoch, seed, settings and the processed indices."""
         return {"num_samples": self.num_samples, "batch_size": self.batch_size, "shuffle": self.shuffle,
                 "seed": self.seed, "drop_last": self.drop_last, "epoch": self.epoch,
                 "processed": sorted(self._processed), "batch_sizes": self._sizes}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Adopt a healthy member's progress (keeps our rank/world; call :meth:`set_world`
         after it if the world changed)."""
         try:

@@ -42,11 +42,16 @@ joiner's stream endpoint (a listening socket on ``RESILIENT_HOST`` and a random 
 The source streams its state at that step boundary from a background thread
 (:mod:`resilient.elastic.stream`): parameters and optimizer state straight from the live
 tensors (no copy; its next ``optimizer.step()`` waits for the stream to end, which a
-one-shot step pre-hook enforces), the small rest from a copy. The source and every
-other survivor return to training at once. The joiner receives the snapshot,
-loads it and only then takes part in its first op, so its state equals the survivors'
-at admission exactly; the survivors wait for it only inside their next gradient
-allreduce, for as long as the stream took longer than their step's compute. If a joiner
+one-shot step pre-hook enforces), the small rest from a copy, in two parts: first the
+model, the user fields and the optimizer's hyper-parameters, then the optimizer state.
+The source and every other survivor return to training at once. The joiner loads the
+first part (parameters received straight into its own) and returns from ``sync()``;
+the optimizer state arrives on a background thread during its first forward/backward
+and is loaded before its first ``optimizer.step()`` (a one-shot step pre-hook; also
+before ``commit()``, ``restore()``, ``state_dict()``: :mod:`resilient.elastic.catchup`),
+so its state equals the survivors' at admission exactly when it is first used; the
+survivors wait for it only inside their next gradient allreduce, for as long as the
+first part took longer than their step's compute. If a joiner
 cannot open an IPv4 receiver, everyone falls back to the broadcast transfer. On the
 in-process test engine (no ``rebuild``) a joiner takes part in the exchange and gets
 the broadcast.
@@ -56,8 +61,9 @@ chosen source dies before the broadcast payload arrives the broadcast fails with
 :class:`~resilient.errors.DataLost` and ``sync()`` starts over once on the new world
 before re-raising. If the source dies while it streams to a joiner (or no stream
 arrives within ``State.stream_timeout``, 120 s), the joiner's ``sync()`` raises DataLost
-(the others are training already; the launcher restarts the joiner, which is synced
-again). A payload that does not parse raises
+— or, when the cut falls in the optimizer-state part, its first ``optimizer.step()``
+(and every later ``commit``/``restore``/``state_dict``) does — (the others are training
+already; the launcher restarts the joiner, which is synced again). A payload that does not parse raises
 :class:`~resilient.errors.FrameError`; data that came over the network is never unpickled.
 """
 from __future__ import annotations
@@ -70,7 +76,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from resilient.elastic.stream import Snapshot, StateReceiver, endpoint_words, serve
+from resilient.elastic.catchup import PendingOptimizerState
+from resilient.elastic.stream import NextPart, Snapshot, StateReceiver, endpoint_words, serve
 from resilient.errors import CollectiveError, ConfigError, DataLost, ResilientError, TrainingFinished
 from resilient.settings import Settings
 from resilient.torch_backend.codec import decode, encode
@@ -84,7 +91,8 @@ def _live_world(group: Any = None) -> World | None:
 
     engine = getattr(group, "engine", None)
     if engine is not None:
-        return engine.world()
+        live: World = engine.world()
+        return live
     try:
         return world()
     except ConfigError:  # not on the resilient backend: a static world
@@ -123,7 +131,8 @@ class State:
         object.__setattr__(self, "_commits", 0)
         object.__setattr__(self, "_snapshot", None)
         object.__setattr__(self, "full_snapshots", bool(full_snapshots))
-        object.__setattr__(self, "_serving", None)  # the Snapshot being streamed to joiners (source only)
+        object.__setattr__(self, "_serving", None)  # the Snapshot parts being streamed to joiners (source only)
+        object.__setattr__(self, "_pending", None)  # joiner: optimizer state still arriving (catchup.py)
         object.__setattr__(self, "_epoch_seen", None)
         object.__setattr__(self, "_callbacks", [])
         object.__setattr__(self, "syncs_received", 0)
@@ -147,8 +156,10 @@ class State:
 
     # -- snapshot -----------------------------------------------------------------------
 
-    def state_dict(self) -> dict:
-        """Everything the state holds, as nested dicts/lists/tensors/values."""
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the state holds, as nested dicts/lists/tensors/values. On a joiner
+        whose optimizer state is still arriving it waits for it (DataLost if it broke)."""
+        self._settle()
         out: dict[str, Any] = {"fields": {}}
         if self.model is not None:
             out["model"] = self.model.state_dict()
@@ -158,12 +169,16 @@ class State:
             out["fields"][k] = {"sd": v.state_dict()} if hasattr(v, "state_dict") else {"v": v}
         return out
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Adopt ``sd`` (what :meth:`state_dict` returned, possibly on another member)."""
-        if self.model is not None:
-            self.model.load_state_dict(sd["model"])
+        self._settle()  # a joiner's optimizer state still arriving must not overwrite this
         if self.optimizer is not None:
             self.optimizer.load_state_dict(sd["optimizer"])
+        self._load_model_and_fields(sd)
+
+    def _load_model_and_fields(self, sd: dict[str, Any]) -> None:
+        if self.model is not None:
+            self.model.load_state_dict(sd["model"])
         for k, entry in sd.get("fields", {}).items():
             if k not in self._fields:
                 raise ConfigError(f"synced state has field {k!r} that this State lacks; build State with the "
@@ -175,7 +190,7 @@ class State:
 
     @property
     def commits(self) -> int:
-        return self._commits
+        return int(self._commits)
 
     # -- restore points -------------------------------------------------------------------
     #
@@ -218,10 +233,11 @@ class State:
         """Mark a restore point (what :meth:`restore` returns to). Cheap by default: no
         copy of parameters or optimizer state (see :meth:`restore`); with
         ``State(full_snapshots=True)`` a full in-memory copy, as Horovod's commit."""
+        self._settle()
         self._mark()
         object.__setattr__(self, "_commits", self._commits + 1)
         serving = self._serving
-        if serving is not None and not any(t.is_alive() for t in serving.threads):
+        if serving is not None and not any(t.is_alive() for part in serving for t in part.threads):
             object.__setattr__(self, "_serving", None)
 
     def restore(self) -> None:
@@ -231,6 +247,7 @@ class State:
         parameters or optimizer state changed since the commit (``optimizer.step()`` ran),
         ConfigError says so: build the State with ``full_snapshots=True`` to roll back
         across an optimizer step. ConfigError too if there was no commit."""
+        self._settle()
         snap = self._snapshot
         if snap is None:
             raise ConfigError("State.restore() before any commit(); call commit() after each good step")
@@ -329,30 +346,79 @@ class State:
         return ConfigError("State.sync(): every live member is a joiner with no state; restart the job "
                            "(at least one member must hold the training state)")
 
-    def _snapshot_for_stream(self) -> Snapshot:
-        """The state at this step boundary for the joiners' stream. Parameters and optimizer
+    def _snapshot_for_stream(self) -> list[Snapshot]:
+        """The state at this step boundary for the joiners' stream, in the order a joiner
+        needs it: first the model, the user fields and the optimizer's hyper-parameters,
+        then (a second part, :mod:`resilient.elastic.catchup`) the optimizer state, which
+        a joiner reads only at its first ``optimizer.step()``. Parameters and optimizer
         state are sent from the live tensors (no copy): they change only in
-        ``optimizer.step()``, which a one-shot step pre-hook holds back until the stream is
-        done (the joiner is behind anyway: the next gradient allreduce waits for it). The
-        small rest (buffers, which a forward pass may change, hyper-parameters, fields) is
-        copied. Without an optimizer everything is copied."""
+        ``optimizer.step()``, which a one-shot step pre-hook holds back until the stream
+        is done (the joiner is behind anyway: the next gradient allreduce waits for it).
+        The small rest (buffers, which a forward pass may change, hyper-parameters,
+        fields) is copied. Without an optimizer everything is copied, in one part."""
         sd = self.state_dict()
         if self.optimizer is None:
-            return Snapshot(sd)
+            return [Snapshot(sd)]
         params = {p.data_ptr() for p in self.model.parameters()} if self.model is not None else set()
+        first: dict[str, Any] = {"fields": copy.deepcopy(sd["fields"]), "rest": 1,
+                                 "groups": copy.deepcopy([{k: v for k, v in g.items() if k != "params"}
+                                                          for g in self.optimizer.param_groups])}
         if "model" in sd:
-            sd["model"] = {k: v if isinstance(v, torch.Tensor) and v.data_ptr() in params else copy.deepcopy(v)
-                           for k, v in sd["model"].items()}
-        sd["fields"] = copy.deepcopy(sd["fields"])
-        snap = Snapshot(sd, copy=False)
+            first["model"] = {k: v if isinstance(v, torch.Tensor) and v.data_ptr() in params else copy.deepcopy(v)
+                              for k, v in sd["model"].items()}
+        parts = [Snapshot(first, copy=False), Snapshot({"optimizer": sd["optimizer"]}, copy=False)]
         handle: list[Any] = []
 
         def hold_step(*_: Any) -> None:
-            snap.join()
+            for part in parts:
+                part.join()
             handle[0].remove()
 
         handle.append(self.optimizer.register_step_pre_hook(hold_step))
-        return snap
+        return parts
+
+    def _load_first_part(self, obj: Any, rest: NextPart) -> None:
+        """Joiner: adopt the stream's first part; the optimizer state that follows is
+        received in the background and settled before the first optimizer step (or at
+        once with ``full_snapshots``, whose markers copy the whole state)."""
+        if not isinstance(obj, dict) or "fields" not in obj:
+            rest.close()
+            raise _StreamFailed("the state stream's first part is not a State snapshot")
+        if "rest" not in obj:  # one part: the whole state_dict
+            rest.close()
+            self.load_state_dict(obj)
+            return
+        if self.optimizer is None:
+            rest.close()
+            raise ConfigError("the synced state has optimizer state but this State has no optimizer; build State "
+                              "with the same model/optimizer/fields on every member")
+        self._load_model_and_fields(obj)
+        for g, hyper in zip(self.optimizer.param_groups, obj["groups"]):
+            g.update(hyper)
+        pending = PendingOptimizerState(rest, self.stream_timeout)
+        object.__setattr__(self, "_pending", pending)
+        handle: list[Any] = []
+
+        def settle_first(*_: Any) -> None:
+            handle[0].remove()
+            self._settle()
+
+        handle.append(self.optimizer.register_step_pre_hook(settle_first))
+        if self.full_snapshots:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Joiner: wait for the optimizer state still arriving (see :meth:`_load_first_part`)
+        and load it; the admission marker then covers it too. DataLost if it broke."""
+        pending = self._pending
+        if pending is None:
+            return
+        assert self.optimizer is not None
+        pending.settle(self.optimizer)
+        object.__setattr__(self, "_pending", None)
+        snap = self._snapshot
+        if isinstance(snap, dict) and "bulk" in snap:
+            snap["bulk"] = self._bulk()
 
     def _param_targets(self, structure: Any) -> dict[int, torch.Tensor]:
         """Tensor index -> this model's parameter, for the stream's ``model`` entries that are
@@ -404,7 +470,10 @@ class State:
         if int(info[2]):
             if receiver is not None:
                 receiver.close()
-            self._transfer(_live_world(self.group), max_commits)
+            world = _live_world(self.group)
+            if world is None:
+                raise ConfigError("State.sync(): torch.distributed is no longer initialised")
+            self._transfer(world, max_commits)
             return
         if int(info[0]) == 0:
             if receiver is not None:
@@ -421,10 +490,10 @@ class State:
             timing["snapshot_s"] = time.monotonic() - t0
         if receiver is not None:
             try:
-                obj = receiver.receive(self.stream_timeout, into=self._param_targets)
+                obj, rest = receiver.receive_first(self.stream_timeout, into=self._param_targets)
             except (DataLost, TimeoutError) as exc:
                 raise _StreamFailed(str(exc)) from exc
-            self.load_state_dict(obj)
+            self._load_first_part(obj, rest)
             object.__setattr__(self, "syncs_received", self.syncs_received + 1)
             timing["stream_s"] = time.monotonic() - t0
         object.__setattr__(self, "_commits", max_commits)

@@ -31,7 +31,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -70,14 +70,14 @@ class Snapshot:
         """Write the tensor area to ``conn`` (from the copy, or tensor by tensor)."""
         if self.area is not None:
             if self._nbytes:
-                conn.sendall(memoryview(self.area.numpy()))
+                conn.sendall(_view(self.area))
             return
         pos = 0
         for t, (_, _, off, n) in zip(self.tensors, self._table):
             if off > pos:
                 conn.sendall(bytes(off - pos))  # alignment padding
             if n:
-                conn.sendall(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                conn.sendall(_view(t.reshape(-1).view(torch.uint8)))
             pos = off + n
         if self._nbytes > pos:
             conn.sendall(bytes(self._nbytes - pos))
@@ -107,11 +107,19 @@ class StateReceiver:
         self._sock.close()
 
     def receive(self, timeout: float, into: Callable[[Any], dict[int, torch.Tensor]] | None = None) -> Any:
-        """Accept the source's stream and return the state object (its tensors are views of
-        one freshly allocated buffer). ``into(structure)`` may name, by tensor index,
-        existing tensors to receive straight into (no copy; e.g. the model's parameters);
-        each must match its entry's dtype and shape and be contiguous, else it is ignored.
-        See the module docstring for failures."""
+        """Accept the source's stream and return the state object of its first frame (its
+        tensors are views of one freshly allocated buffer). ``into(structure)`` may name,
+        by tensor index, existing tensors to receive straight into (no copy; e.g. the
+        model's parameters); each must match its entry's dtype and shape and be
+        contiguous, else it is ignored. See the module docstring for failures."""
+        obj, rest = self.receive_first(timeout, into)
+        rest.close()
+        return obj
+
+    def receive_first(self, timeout: float, into: Callable[[Any], dict[int, torch.Tensor]] | None = None
+                      ) -> tuple[Any, "NextPart"]:
+        """As :meth:`receive`, and the connection kept open for the frames that follow
+        (:class:`NextPart`; close it when done)."""
         deadline = time.monotonic() + timeout
         try:
             while True:
@@ -124,57 +132,91 @@ class StateReceiver:
                     conn, _ = self._sock.accept()
                 except socket.timeout:
                     continue
-                with conn:
+                try:
                     conn.settimeout(max(1.0, deadline - time.monotonic()))
                     got = self._read_one(conn, into)
-                    if got is not None:
-                        return got
+                except BaseException:
+                    conn.close()
+                    raise
+                if got is not None:
+                    return got[0], NextPart(conn, self.token)
+                conn.close()
         finally:
             self.close()
 
-    def _read_one(self, conn: socket.socket, into: Callable[[Any], dict[int, torch.Tensor]] | None) -> Any:
+    def _read_one(self, conn: socket.socket, into: Callable[[Any], dict[int, torch.Tensor]] | None
+                  ) -> tuple[Any] | None:
         try:
             magic, token, hlen, nbytes = _PREFIX.unpack(_recv_exact(conn, _PREFIX.size))
         except DataLost:
             return None  # a stray connection that closed early: keep waiting for the source
         if magic != MAGIC or token != self.token:
             return None
-        if hlen > _MAX_HEADER:
-            raise FrameError(f"state stream header of {hlen} bytes exceeds {_MAX_HEADER}")
-        header = bytes(_recv_exact(conn, hlen))
-        targets: dict[int, torch.Tensor] = {}
-        if into is not None:
-            try:
-                parsed = json.loads(header)
-                table = parsed["t"]
-                for i, t in into(parsed["s"]).items():
-                    dtype_name, shape, _, n = table[i]
-                    if (str(t.dtype).replace("torch.", "") == dtype_name and list(t.shape) == list(shape)
-                            and t.is_contiguous() and t.device.type == "cpu" and t.numel() * t.element_size() == n):
-                        targets[i] = t
-            except (ValueError, KeyError, TypeError, IndexError) as exc:
-                raise FrameError(f"state stream header is not valid: {exc}") from None
-        if not targets:
-            area = torch.empty(nbytes, dtype=torch.uint8)
-            if nbytes:
-                _recv_into(conn, memoryview(area.numpy()))
-            return assemble(header, area)
-        # the rest into one buffer, each target straight into its own memory
+        return (_read_frame(conn, hlen, nbytes, into),)
+
+
+class NextPart:
+    """The open stream after its first frame: :meth:`read` returns the next frame's state
+    object (then closes). Failure behaviour: the stream cut short -> DataLost; no next
+    frame within ``timeout`` -> DataLost (as a cut stream); a frame with a foreign magic or token, or a bad
+    header -> FrameError."""
+
+    def __init__(self, conn: socket.socket, token: int) -> None:
+        self._conn, self._token = conn, token
+
+    def read(self, timeout: float) -> Any:
+        try:
+            self._conn.settimeout(timeout)
+            magic, token, hlen, nbytes = _PREFIX.unpack(_recv_exact(self._conn, _PREFIX.size))
+            if magic != MAGIC or token != self._token:
+                raise FrameError("the state stream's next part has a foreign magic or token")
+            return _read_frame(self._conn, hlen, nbytes, None)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def _read_frame(conn: socket.socket, hlen: int, nbytes: int,
+                into: Callable[[Any], dict[int, torch.Tensor]] | None) -> Any:
+    """One frame's header and tensor area (after its prefix), see StateReceiver.receive."""
+    if hlen > _MAX_HEADER:
+        raise FrameError(f"state stream header of {hlen} bytes exceeds {_MAX_HEADER}")
+    header = bytes(_recv_exact(conn, hlen))
+    targets: dict[int, torch.Tensor] = {}
+    if into is not None:
+        try:
+            parsed = json.loads(header)
+            table = parsed["t"]
+            for i, t in into(parsed["s"]).items():
+                dtype_name, shape, _, n = table[i]
+                if (str(t.dtype).replace("torch.", "") == dtype_name and list(t.shape) == list(shape)
+                        and t.is_contiguous() and t.device.type == "cpu" and t.numel() * t.element_size() == n):
+                    targets[i] = t
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise FrameError(f"state stream header is not valid: {exc}") from None
+    if not targets:
         area = torch.empty(nbytes, dtype=torch.uint8)
-        spans = sorted((table[i][2], table[i][3], t) for i, t in targets.items())
-        pos = 0
-        for off, n, t in spans:
-            if off < pos or off + n > nbytes:
-                raise FrameError(f"state stream tensor at offset {off} (+{n}) overlaps or runs past the end")
-            if off > pos:
-                _recv_into(conn, memoryview(area.numpy())[pos:off])
-            if n:
-                _recv_into(conn, memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()))
-            pos = off + n
-        if nbytes > pos:
-            _recv_into(conn, memoryview(area.numpy())[pos:nbytes])
-        obj = assemble(header, area)
-        return _substitute(obj, parsed["s"], targets)
+        if nbytes:
+            _recv_into(conn, _view(area))
+        return assemble(header, area)
+    # the rest into one buffer, each target straight into its own memory
+    area = torch.empty(nbytes, dtype=torch.uint8)
+    spans = sorted((table[i][2], table[i][3], t) for i, t in targets.items())
+    pos = 0
+    for off, n, t in spans:
+        if off < pos or off + n > nbytes:
+            raise FrameError(f"state stream tensor at offset {off} (+{n}) overlaps or runs past the end")
+        if off > pos:
+            _recv_into(conn, _view(area)[pos:off])
+        if n:
+            _recv_into(conn, _view(t.detach().reshape(-1).view(torch.uint8)))
+        pos = off + n
+    if nbytes > pos:
+        _recv_into(conn, _view(area)[pos:nbytes])
+    obj = assemble(header, area)
+    return _substitute(obj, parsed["s"], targets)
 
 
 def _substitute(obj: Any, structure: Any, targets: dict[int, torch.Tensor]) -> Any:
@@ -191,24 +233,35 @@ def _substitute(obj: Any, structure: Any, targets: dict[int, torch.Tensor]) -> A
     return obj
 
 
-def serve(snapshot: Snapshot, host: str, port: int, token: int, timeout: float = 120.0) -> threading.Thread:
-    """Stream ``snapshot`` to the receiver at ``host:port`` from a daemon thread (started,
-    returned, and kept in ``snapshot.threads``). Never raises into the caller; errors go to
-    ``snapshot.errors``."""
+def serve(parts: Snapshot | Sequence[Snapshot], host: str, port: int, token: int,
+          timeout: float = 120.0) -> threading.Thread:
+    """Stream ``parts`` (one snapshot, or several sent in order over one connection, each a
+    frame of its own) to the receiver at ``host:port`` from a daemon thread (started,
+    returned, and kept in every part's ``threads``). Never raises into the caller; errors
+    go to every part's ``errors``."""
+    seq = [parts] if isinstance(parts, Snapshot) else list(parts)
 
     def run() -> None:
         try:
             with socket.create_connection((host, port), timeout=timeout) as conn:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                conn.sendall(_PREFIX.pack(MAGIC, token, len(snapshot.header), snapshot.nbytes) + snapshot.header)
-                snapshot.send_to(conn)
+                for part in seq:
+                    conn.sendall(_PREFIX.pack(MAGIC, token, len(part.header), part.nbytes) + part.header)
+                    part.send_to(conn)
         except OSError as exc:
-            snapshot.errors.append(f"{host}:{port}: {exc}")
+            for part in seq:
+                part.errors.append(f"{host}:{port}: {exc}")
 
     t = threading.Thread(target=run, name=f"state-stream-{port}", daemon=True)
-    snapshot.threads.append(t)
+    for part in seq:
+        part.threads.append(t)
     t.start()
     return t
+
+
+def _view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU uint8 tensor, writable, without a copy."""
+    return t.numpy().data
 
 
 def _recv_into(conn: socket.socket, view: memoryview) -> None:

@@ -124,12 +124,14 @@ class CommunicatorEngine:
         a joiner's fresh Communicator. Called by every member at the same point
         (``State.sync()`` agrees on it). Failure behaviour: no such epoch within
         ``timeout`` -> TimeoutError; the old Communicator is closed either way only after
-        the new one exists."""
+        the new one exists. The new one takes over the old one's free pooled buffers (its
+        first ops after an admission then allocate nothing)."""
         self.watcher.wait_for(lambda e: e.number >= min_epoch and self.member_id in e.members, timeout)
         old = self.comm
         self.comm = _make_communicator(self.store, self.job, self.session, self.watcher, self.transport)
         self.admitted = True  # (a joiner rebuilds only inside wait_admitted, i.e. while being admitted)
         old.close()
+        self.comm.adopt_buffer_pool(old.inner if isinstance(old, NotAdmittedGate) else old)
         # tell the joiners our transport now accepts them (see wait_admitted)
         self.store.put(self._rebuilt_prefix() + self.member_id, str(self._comm_epoch()).encode(),
                        lease=self.session.lease_id)
@@ -144,16 +146,27 @@ class CommunicatorEngine:
 
     def wait_admitted(self, timeout: float = 120.0) -> None:
         """Joiner side: wait until every other member of our Communicator has rebuilt its
-        own over our epoch (before that their transports refuse our connections). Polls
-        etcd every 20 ms. Failure behaviour: TimeoutError naming the members that did not
-        rebuild; a member that dies meanwhile is dropped from the wait when an epoch
-        removes it."""
+        own over our epoch (before that their transports refuse our connections). Re-reads
+        ``sync-rebuilt/`` at every change to it (an etcd watch,
+        :class:`resilient.coordinator.wake.PrefixWake`; else every 0.1 s). Failure behaviour:
+        TimeoutError naming the members that did not rebuild; a member that dies meanwhile
+        is dropped from the wait when an epoch removes it."""
+        import time
+
+        from resilient.coordinator.wake import PrefixWake
+
+        wake = PrefixWake(self.store, self._rebuilt_prefix())
+        try:
+            self._wait_admitted(wake, time.monotonic() + timeout, timeout)
+        finally:
+            wake.close()
+
+    def _wait_admitted(self, wake: Any, deadline: float, timeout: float) -> None:
         import time
 
         from resilient.coordinator import keys
 
         mine = self._comm_epoch()
-        deadline = time.monotonic() + timeout
         while True:
             others = [m for m in self._comm_members() if m != self.member_id]
             current = self.watcher.current()
@@ -180,7 +193,7 @@ class CommunicatorEngine:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"joiner {self.member_id}: members {missing} did not admit it (rebuild their "
                                    f"communicator over epoch {mine}) within {timeout:.0f}s")
-            time.sleep(0.02)
+            wake.wait(min(0.1, max(0.0, deadline - time.monotonic())))
 
     def _open_gate(self) -> None:
         """Admitted: from now on ops run on the Communicator itself."""
