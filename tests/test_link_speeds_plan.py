@@ -7,21 +7,12 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
-
 from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession, Store
 from resilient.health_reporter import HealthReporter
 from resilient.transport.base import TransportStats
 from cp_helpers import CoordinatorThread
 
 HOSTS = {"a0": "A", "a1": "A", "b0": "B", "b1": "B"}
-
-
-@pytest.fixture
-def store(etcd_session):
-    s = Store(etcd_session.endpoints)
-    yield s
-    s.close()
 
 
 class Reporters:
@@ -45,7 +36,8 @@ class Reporters:
             assert self.reps[r].op_done(1, 0.01)
 
 
-def test_published_plan_follows_measured_speeds_without_flapping(etcd_session, store, job_name):
+def test_published_plan_follows_measured_speeds_without_flapping(etcd_session, job_name):
+    store = Store(etcd_session.endpoints)
     coord = CoordinatorThread(etcd_session.endpoints, job_name, join_debounce=0.05, resync_interval=0.1)
     sessions = {m: MemberSession.register(store, job_name, MemberInfo(
         member_id=m, host=h, local_rank=int(m[1]), address=f"127.0.0.1:{21000 + i}"), ttl=5.0)
@@ -81,3 +73,4 @@ def test_published_plan_follows_measured_speeds_without_flapping(etcd_session, s
         coord.close()
         for s in sessions.values():
             s.close()
+        store.close()
