@@ -46,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--evict-hold-s", type=float, default=None,
                         help="with --straggler-policy evict: seconds an evicted member stays out before it may "
                              "rejoin (default 30; doubled on a relapse, capped at 600)")
+    parser.add_argument("--link-band", type=float, default=0.25,
+                        help="hysteresis of measured link speeds: a member's speed in the plan changes only when a "
+                             "measurement differs from it by more than this fraction (default 0.25)")
+    parser.add_argument("--no-measure-links", action="store_true",
+                        help="plan with declared link_bps labels only, not the health reporters' measurements")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
 
 
@@ -112,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     config = CoordinatorConfig(ttl=args.ttl, debounce=args.debounce_ms / 1000.0,
-                               join_debounce=args.join_debounce_ms / 1000.0, min_members=args.min_members)
+                               join_debounce=args.join_debounce_ms / 1000.0, min_members=args.min_members,
+                               measure_links=not args.no_measure_links, link_band=args.link_band)
     config.validate()
     store = store_from_args(args)
     from resilient.coordinator import keys
