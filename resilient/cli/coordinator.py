@@ -13,7 +13,12 @@ import signal
 import sys
 import threading
 
+from typing import TYPE_CHECKING
+
 from resilient.cli.status import add_etcd_arguments, store_from_args
+
+if TYPE_CHECKING:  # pragma: no cover - the coordinator package is imported when the command runs
+    from resilient.coordinator.policy import HealthPolicy
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 DEFAULT_LEAF_DEADLINE_MS = 10.0
 
 
-def health_policy_from_args(args: argparse.Namespace):
+def health_policy_from_args(args: argparse.Namespace) -> HealthPolicy:
     """``--straggler-policy``: ``demote`` -> a :class:`StragglerPolicy` with the default
     :class:`StragglerConfig` (sustained >= 10 % shift for 3 windows to suspect, 5 clear
     windows to promote back); ``off`` -> :func:`no_demotion`.
@@ -140,7 +145,10 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    url = f"http://{server.host}:{server.port}" if server else "off"
+    url = "off"
+    if server is not None:   # socketserver types the address str | bytes; AF_INET gives str
+        host = server.host
+        url = f"http://{host.decode() if isinstance(host, bytes) else host}:{server.port}"
     print(f"coordinator {coordinator.id} job {args.job} etcd {args.etcd} metrics {url}", flush=True)
     failure: list[BaseException] = []
 
