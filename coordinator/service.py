@@ -10,7 +10,8 @@ wait to take over. The leader:
    suspicions; ``join_debounce`` for joins, so 8 workers starting together yield one
    epoch) and then **reconciles**: reads members, the current epoch, suspect reports
    (judged by the :class:`~.policy.LivenessPolicy`), ``departed/`` markers and the
-   :class:`~.policy.HealthPolicy`'s verdict into a :class:`~.decide.Snapshot`, lets the
+   :class:`~.policy.HealthPolicy`'s verdict and the link speeds the health reporters
+   measured (:func:`.link_classes.speeds_from_health`) into a :class:`~.decide.Snapshot`, lets the
    pure :func:`.decide.decide` say what to publish — deterministic given the member set
    and health: the ring and tree come from :func:`.planner.plan` — and
 3. publishes it with one transaction that compares the ``epoch`` key's mod revision
