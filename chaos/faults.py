@@ -39,11 +39,18 @@ class Phase(str, enum.Enum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_GATHER = "all_gather"
     RECOVERY = "recovery"
+    #: the levels of the hierarchical allreduce (members on two or more hosts, scenario
+    #: ``hosts:``): reduce-scatter inside a host, across hosts, all-gather across, inside
+    INTRA_RS = "intra_rs"
+    CROSS_RS = "cross_rs"
+    CROSS_AG = "cross_ag"
+    INTRA_AG = "intra_ag"
 
     @property
     def failpoint_name(self) -> str:
-        """The short name used in ``RESILIENT_FAILPOINTS`` (``rs``, ``ag``, ``recovery``)."""
-        return {"reduce_scatter": "rs", "all_gather": "ag", "recovery": "recovery"}[self.value]
+        """The short name used in ``RESILIENT_FAILPOINTS`` (``rs``, ``ag``, ``recovery``,
+        and the hierarchical levels under their own names)."""
+        return {"reduce_scatter": "rs", "all_gather": "ag"}.get(self.value, self.value)
 
 
 #: Phase spellings accepted in scenario files -> Phase.
@@ -51,6 +58,7 @@ PHASE_ALIASES: dict[str, Phase] = {
     "reduce_scatter": Phase.REDUCE_SCATTER, "rs": Phase.REDUCE_SCATTER,
     "all_gather": Phase.ALL_GATHER, "ag": Phase.ALL_GATHER,
     "recovery": Phase.RECOVERY,
+    **{p.value: p for p in (Phase.INTRA_RS, Phase.CROSS_RS, Phase.CROSS_AG, Phase.INTRA_AG)},
 }
 
 

@@ -31,6 +31,10 @@ egress, i.e. ``delay_ms`` one way (the round trip gains ``2 * delay_ms``) and
 touched. (Verified on a kernel without netem by using a ``pfifo`` leaf and the class
 counters: see tests/test_chaos_netns.py.)
 
+Link caps (:meth:`NetnsLab.cap_link`, the two-host chaos layout's ``host_link_mbit``):
+the same tree, the peer's ``htb`` class at the cap (rate and ceiling) with a ``pfifo``
+leaf — htb only, so it works where netem is missing.
+
 Failure behaviour: the probes never raise; they return ``None`` or a sentence naming the
 cause and the fix. :class:`NetnsLab` raises :class:`NetnsUnavailable` (a
 :class:`~resilient.errors.ConfigError`) on enter when namespaces cannot be made here, and
@@ -311,6 +315,7 @@ class NetnsLab:
         self.host_ip = ""
         self.ips: list[str] = []
         self._links: dict[int, dict[int, list[str]]] = {}  # namespace -> {shaped peer: leaf qdisc spec}
+        self._rates: dict[int, dict[int, str]] = {}  # namespace -> {capped peer: htb rate}
         self._open = False
 
     # -- lifecycle
@@ -451,12 +456,40 @@ class NetnsLab:
                     pass
             raise
 
+    def cap_link(self, a: int, b: int, mbit: float) -> None:
+        """Cap the traffic between namespaces ``a`` and ``b`` at ``mbit`` Mbit/s each way
+        (the peer's ``htb`` class rate and ceiling; a ``pfifo`` leaf), and nothing else —
+        e.g. the link between two emulated hosts (a kernel without netem still has htb).
+        Raises :class:`NetnsError` when ``tc`` fails (the link is then left uncapped),
+        :class:`ConfigError` on bad indices or a rate that is not a positive number."""
+        if not isinstance(mbit, (int, float)) or not 0 < mbit < 1e6:
+            raise ConfigError(f"a link cap is a positive number of Mbit/s below 1e6, got {mbit!r}")
+        self._check_link(a, b)
+        rate = f"{float(mbit):g}mbit"
+        for x, y in ((a, b), (b, a)):
+            self._rates.setdefault(x, {})[y] = rate
+            self._links.setdefault(x, {}).setdefault(y, ["pfifo", "limit", "1000"])
+        try:
+            self._rebuild(a)
+            self._rebuild(b)
+        except NetnsError:
+            for x, y in ((a, b), (b, a)):
+                self._rates[x].pop(y, None)
+                self._links[x].pop(y, None)
+                try:
+                    self._rebuild(x)
+                except NetnsError:
+                    pass
+            raise
+
     def clear_link(self, a: int, b: int) -> None:
         """Remove what :meth:`shape_link` put on the link ``a``-``b`` (no-op if nothing).
         Raises :class:`NetnsError` when ``tc`` fails."""
         self._check_link(a, b)
         self._links.get(a, {}).pop(b, None)
         self._links.get(b, {}).pop(a, None)
+        self._rates.get(a, {}).pop(b, None)
+        self._rates.get(b, {}).pop(a, None)
         self._rebuild(a)
         self._rebuild(b)
 
@@ -479,7 +512,9 @@ class NetnsLab:
         _run((*tc, "class", "add", "dev", nv, "parent", "1:", "classid", "1:1", "htb", "rate", "100gbit"))
         for peer, leaf in sorted(peers.items()):
             cls = f"1:{peer + 2:x}"
-            _run((*tc, "class", "add", "dev", nv, "parent", "1:", "classid", cls, "htb", "rate", "100gbit"))
+            rate = self._rates.get(i, {}).get(peer, "100gbit")
+            _run((*tc, "class", "add", "dev", nv, "parent", "1:", "classid", cls, "htb", "rate", rate, "ceil", rate))
+
             _run((*tc, "qdisc", "add", "dev", nv, "parent", cls, "handle", f"{peer + 10:x}:", *leaf))
             _run((*tc, "filter", "add", "dev", nv, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
                   "match", "ip", "dst", f"{self.ips[peer]}/32", "flowid", cls))

@@ -29,7 +29,12 @@ How faults are injected (every signal goes to a PID this runner started):
   :func:`~resilient.chaos.netns.netem_unavailable_reason`) the members still run in their
   namespaces and the fault is recorded as skipped with the probed reason; where
   namespaces cannot be made (not root, no ``ip``, ``ip netns add`` refused)
-  :func:`skip_reason` skips the whole scenario with the probed reason.
+  :func:`skip_reason` skips the whole scenario with the probed reason;
+- a scenario with ``hosts: H`` runs its members on ``H`` emulated hosts: one namespace
+  per host, members :meth:`~resilient.chaos.scenario.Scenario.host_of` it share it (so
+  their links are shared memory) and its ``host`` label (``RESILIENT_HOST_LABEL``), and
+  ``host_link_mbit`` caps every host-to-host link with htb
+  (:meth:`~resilient.chaos.netns.NetnsLab.cap_link`).
 
 Like a node agent, the runner revokes the lease of a member whose process died, so the
 coordinator publishes the next epoch at once — unless the scenario says
@@ -114,7 +119,15 @@ def skip_reason(scenario: Scenario) -> str | None:
 
         reason = netns_unavailable_reason()
         if reason is not None:
-            return f"scenario {scenario.name!r} places its members in network namespaces for tc netem: {reason}"
+            why = "as emulated hosts" if scenario.hosts else "for tc netem"
+            return f"scenario {scenario.name!r} places its members in network namespaces {why}: {reason}"
+    if scenario.host_link_mbit is not None:
+        from resilient.chaos.netns import u32_unavailable_reason
+
+        reason = u32_unavailable_reason()
+        if reason is not None:
+            return f"scenario {scenario.name!r} caps its host links with htb: {reason}"
+
     return None
 
 
@@ -201,8 +214,11 @@ class ChaosRunner:
         env = {"RESILIENT_FAILPOINTS": ";".join(fps), "RESILIENT_SHAPING_FILE": str(shaping_file(self.records, i))}
         prefix: list[str] = []
         if self.lab is not None:
-            env["RESILIENT_HOST"] = self.lab.ips[i]
-            prefix = self.lab.exec_prefix(i)
+            ns = self.sc.host_of(i) if self.sc.hosts else i
+            env["RESILIENT_HOST"] = self.lab.ips[ns]
+            prefix = self.lab.exec_prefix(ns)
+            if self.sc.hosts:
+                env["RESILIENT_HOST_LABEL"] = f"host{ns}"
         extra: list[str] = []
         if self.metrics:
             from resilient.metrics import prepare_multiprocess_dir, serve_node_metrics, worker_env
@@ -240,8 +256,12 @@ class ChaosRunner:
                 from resilient.chaos.netns import NetnsLab, netem_unavailable_reason
 
                 self._netem_reason = netem_unavailable_reason()
-                self.lab = NetnsLab(self.sc.world_size).open()  # NetnsUnavailable: see skip_reason
+                self.lab = NetnsLab(self.sc.hosts or self.sc.world_size).open()  # NetnsUnavailable: skip_reason
                 host = self.lab.host_ip
+                if self.sc.host_link_mbit is not None:
+                    for a in range(self.sc.hosts):
+                        for b in range(a + 1, self.sc.hosts):
+                            self.lab.cap_link(a, b, self.sc.host_link_mbit)
             etcd = self.etcd = LocalEtcd(size=self.sc.etcd_members, host=host).start()
             store = self.store = etcd.access.open_store(etcd.endpoints)
             for c in range(self.sc.coordinators):

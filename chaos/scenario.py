@@ -11,7 +11,9 @@ and the timeline of faults::
     seeds: 2                 # seeds a plain `chaos run` uses (0..seeds-1)
     op_timeout_s: 30         # an op not finished within this is a hang
     lease_ttl_s: 2
-    requires: []             # [root] for netem
+    requires: []             # [root] for netem and hosts
+    hosts: 2                 # optional: members in 2 network namespaces ("hosts"), contiguous
+    host_link_mbit: 200      # optional, with hosts: htb cap on the link between every two hosts
     workload:
       ops: 12                # or duration_s: 60
       mix:
@@ -80,13 +82,23 @@ class Scenario:
     #: its lease the moment it sees the exit, as the node agent does) or ``ttl`` (nobody
     #: revokes; the lease expires after ``lease_ttl_s`` — the hang/node-loss path).
     detection: str = "revoke"
+    #: emulated hosts (network namespaces; 0: none): member ``i`` is on host
+    #: :meth:`host_of` ``(i)``, its members share the namespace (shared-memory links) and
+    #: the ``host`` label; ``host_link_mbit`` caps the link between every two hosts (htb)
+    hosts: int = 0
+    host_link_mbit: float | None = None
+
+    def host_of(self, member: int) -> int:
+        """The emulated host of member index ``member`` (contiguous blocks; 0 without hosts)."""
+        return member * self.hosts // self.world_size if self.hosts else 0
 
     def fault_kinds(self) -> set[FaultKind]:
         return {f.kind for f in self.faults}
 
     def needs_netns(self) -> bool:
-        """Some fault kind of it runs the members in network namespaces (netem)."""
-        return any(k.needs_netns for k in self.fault_kinds())
+        """Its members run in network namespaces: emulated ``hosts``, or a fault kind that
+        needs one namespace per member (netem)."""
+        return self.hosts > 1 or any(k.needs_netns for k in self.fault_kinds())
 
 
 # ---------------------------------------------------------------------------------------
@@ -207,7 +219,7 @@ def _show(v: Any) -> str:
 # ---------------------------------------------------------------------------------------
 
 _TOP = ("name", "description", "world_size", "etcd_members", "coordinators", "seeds", "op_timeout_s",
-        "lease_ttl_s", "detection", "requires", "workload", "faults")
+        "lease_ttl_s", "detection", "requires", "workload", "faults", "hosts", "host_link_mbit")
 _WORKLOAD = ("ops", "duration_s", "mix", "script", "args")
 _OPSPEC = ("collective", "op", "dtype", "numel", "root", "weight")
 _TRIGGER = ("time_s", "op", "phase", "progress")
@@ -247,15 +259,37 @@ def parse_scenario(text: str, source: str = "<string>") -> Scenario:
             requires.append(p.string(n, f"requires[{i}]", REQUIREMENTS))
 
     workload = _parse_workload(p, p.required(top, "workload", root, "", "{ops: 10, mix: [...]}"), world)
+    hosts, cap = _parse_hosts(p, top, world, requires)
 
     faults: list[Fault] = []
     if "faults" in top:
         for i, n in enumerate(p.sequence(top["faults"][1], "faults")):
             faults.append(_parse_fault(p, n, f"faults[{i}]", world, etcd_members, coordinators, requires))
+    if hosts:
+        for f in faults:
+            if f.kind.needs_netns:
+                raise p.error(top["hosts"][1], "hosts", f"{f.kind.name} (line {f.line}) needs one namespace per "
+                              "member; remove `hosts:` or that fault")
     return Scenario(name=name, description=description, world_size=world, workload=workload,
                     faults=tuple(faults), etcd_members=etcd_members, coordinators=coordinators, seeds=seeds,
                     op_timeout_s=op_timeout, lease_ttl_s=ttl, requires=tuple(requires), source=source,
-                    detection=detection)
+                    detection=detection, hosts=hosts, host_link_mbit=cap)
+
+
+def _parse_hosts(p: _Parser, top: Mapping[str, tuple[yaml.Node, yaml.Node]], world: int,
+                 requires: list[str]) -> tuple[int, float | None]:
+    """``hosts`` (2..world_size; needs ``requires: [root]``) and ``host_link_mbit`` (needs
+    ``hosts``)."""
+    hosts = p.integer(top["hosts"][1], "hosts", 2, world) if "hosts" in top else 0
+    if hosts and "root" not in requires:
+        raise p.error(top["hosts"][1], "hosts", "emulated hosts are network namespaces: add `requires: [root]` "
+                      "so runs without root skip the scenario with a clear message")
+    cap = None
+    if "host_link_mbit" in top:
+        if not hosts:
+            raise p.error(top["host_link_mbit"][0], "host_link_mbit", "caps the links between hosts; add `hosts: N`")
+        cap = p.number(top["host_link_mbit"][1], "host_link_mbit", 0, 1e6, exclusive_min=True)
+    return hosts, cap
 
 
 def _parse_workload(p: _Parser, node: yaml.Node, world: int) -> Workload:

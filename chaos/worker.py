@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -134,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         transport = shaped_from_env(make_transport(mid, args.job, host=os.environ.get("RESILIENT_HOST", "127.0.0.1")))
         import resilient.collectives  # noqa: F401  (torch: paid before READY, not inside the timed run)
     store = open_store_from_env(args.etcd)  # RESILIENT_ETCD_* TLS/credentials from the runner
-    info = MemberInfo(member_id=mid, address=transport.address if transport is not None else "")
+    # RESILIENT_HOST_LABEL: the runner's emulated host (scenario `hosts:`), else this machine's name
+    info = MemberInfo(member_id=mid, address=transport.address if transport is not None else "",
+                      host=os.environ.get("RESILIENT_HOST_LABEL") or socket.gethostname())
     session = MemberSession.register(store, args.job, info, ttl=sc.lease_ttl_s)
     watcher = EpochWatcher(store, args.job)
     print(f"READY {mid} {session.lease_id} {os.getpid()}", flush=True)

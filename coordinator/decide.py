@@ -4,15 +4,18 @@
 randomness — so every rule of a pass is testable without etcd: who is removed and added
 (a member that restarted under the same id counts as both), the join debounce (joins
 alone wait for ``joins_due``), re-admissions held back from an epoch that also removes
-members, evictions, the repair of a malformed ``epoch`` record, and the cause and trigger
-of the epoch (what ``resilient status`` and the detection-latency metric show). The
+members, evictions, the repair of a malformed ``epoch`` record, the measured link speeds
+the plan uses (:func:`.link_classes.settle_speeds`: hysteresis against the speeds the
+current epoch was planned with, so measurement noise publishes nothing), and the cause
+and trigger of the epoch (what ``resilient status`` and the detection-latency metric show). The
 service (:mod:`.service`) reads the snapshot, confirms suspects, asks the health policy
 (:mod:`.policy`) and then writes what the :class:`Decision` says.
 
 Cost: proportional to the members changed since the last pass (``Snapshot.dirty``), except
 on a full pass, which compares the whole directory with the epoch. ``Snapshot.alive`` may
 be the coordinator's live directory on a partial pass: it is only looked up then, never
-iterated or copied.
+iterated or copied (a snapshot with ``measured_speeds`` must hold a copy: the speeds'
+coverage is checked over every live member).
 
 Failure behaviour: none of its own; it trusts the snapshot (every record in it was
 validated when read) and never raises on well-typed input.
@@ -23,6 +26,7 @@ from collections.abc import Collection, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
+from resilient.coordinator.link_classes import SPEED_BAND, declared_speeds, settle_speeds
 from resilient.coordinator.membership import MemberInfo
 from resilient.coordinator.policy import EvictionEntry
 
@@ -44,7 +48,8 @@ class Gauges(NamedTuple):
 class EpochFacts:
     """What a pass compares against: the current epoch's ``number``, ``members``,
     ``demoted`` members, ``infos``, avoided links (``avoid``, sorted [a, b] pairs) and
-    ``evicted`` member ids (its ``plan["evicted"]``). References, not copies."""
+    ``evicted`` member ids (its ``plan["evicted"]``), the measured ``link_speeds`` it was
+    planned with (its ``plan["link_bps"]``). References, not copies."""
 
     number: int
     members: Set[str]
@@ -52,6 +57,7 @@ class EpochFacts:
     infos: Mapping[str, MemberInfo]
     avoid: Sequence[Sequence[str]] = ()
     evicted: Collection[str] = ()
+    link_speeds: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,10 @@ class Snapshot:
     of the revoke); ``node_of``: member -> its node record's id; ``bad_markers`` and
     ``consumed`` (suspect reports): keys to delete; ``lost_seen``/``join_seen``: member
     -> wall time the watch saw it go/come; ``joins_due``: the join debounce ran out;
-    ``min_members``: needed before the first epoch; ``now``: wall time of the pass."""
+    ``min_members``: needed before the first epoch; ``now``: wall time of the pass;
+    ``measured_speeds``: member -> cross-host bytes/s from the health windows
+    (:func:`.link_classes.speeds_from_health`; None: not measured, the plan uses declared
+    labels only), settled with hysteresis ``speed_band``."""
 
     published: EpochFacts | None
     alive: Mapping[str, Entry]
@@ -99,6 +108,8 @@ class Snapshot:
     joins_due: bool = True
     min_members: int = 1
     now: float = 0.0
+    measured_speeds: Mapping[str, float] | None = None
+    speed_band: float = SPEED_BAND
 
 
 @dataclass(frozen=True)
@@ -106,7 +117,8 @@ class Decision:
     """What to write. ``outcome`` ``publish``: epoch ``number`` of ``members`` (the
     directory entries in it), ``demoted`` ones as leaves, ``avoid`` links, ``removed`` /
     ``added`` ids, ``cause``, detection ``path`` (metric label; None: not a detection),
-    ``trigger`` (wall time of the event), plan ``extras``; ``held_back``: members left
+    ``trigger`` (wall time of the event), plan ``extras``, the measured ``link_speeds``
+    to plan with (also in ``extras["link_bps"]``); ``held_back``: members left
     out this time that must stay due (a re-admission waits for the next epoch).
     ``cleanup``: keys to delete whatever the outcome (stale ``departed/`` markers,
     malformed ones, consumed suspect reports). ``gauges``: member counts before the
@@ -126,6 +138,7 @@ class Decision:
     extras: dict[str, object] = field(default_factory=dict)
     held_back: Set[str] = frozenset()
     gauges: Gauges = Gauges()
+    link_speeds: Mapping[str, float] = field(default_factory=dict)
 
 
 def repair_number(history_top: int, corrupt_revision: int) -> int:
@@ -153,8 +166,8 @@ def classify(s: Snapshot, removed: tuple[str, ...], added: tuple[str, ...],
     """(cause, detection path, trigger wall time) of an epoch that removes ``removed``
     and adds ``added``, first match wins: a confirmed suspect; a revoke (a ``departed/``
     marker of the member or its node); an eviction; a lease expiry; a re-admission; a
-    join (``initial`` for the first epoch); a repair; else a health change (roles or
-    avoided links only)."""
+    join (``initial`` for the first epoch); a repair; else a health change (roles,
+    avoided links or link speeds only)."""
     now, pub = s.now, s.published
     lost_by_revoke = [d for d in (departed_at(s, m) for m in removed) if d]
     if s.confirmed.keys() & set(removed):
@@ -214,10 +227,11 @@ def decide(s: Snapshot) -> Decision:
     cleanup = tuple([k for m, (k, _) in s.departed.items() if m not in alive] + list(s.bad_markers)
                     + list(s.consumed))
     gauges = Gauges(len(alive), len(added_set), len(demoted & current))
+    speeds, speeds_changed = _link_speeds(s, alive)
 
     if (pub is None and len(alive) < s.min_members) or (
             not s.corrupt and pub is not None and not removed_set and not added_set and not replaced
-            and not demoted_changed and avoid == old_avoid):
+            and not demoted_changed and avoid == old_avoid and not speeds_changed):
         return Decision("unchanged", cleanup, gauges=gauges)
 
     removed = tuple(sorted(removed_set | replaced))
@@ -239,7 +253,30 @@ def decide(s: Snapshot) -> Decision:
         extras["leaf_deadline_ms"] = h.leaf_deadline_ms
     if evicted:   # read by the evicted member (Evicted message), status and a new leader
         extras["evicted"] = {m: ev.to_dict() for m, ev in sorted(evicted.items())}
+    speeds = {m: v for m, v in speeds.items() if m in alive}   # a held-back member is not planned
+    if speeds:   # what the plan was made with: the next pass's hysteresis reference
+        extras["link_bps"] = speeds
     number = (pub.number if pub else 0) + 1 if not s.corrupt else repair_number(s.history_top, s.epoch_revision)
     return Decision("publish", cleanup, number=number, members=alive, demoted=demoted, avoid=avoid,
                     removed=removed, added=added, cause=cause, path=path, trigger=trigger, extras=extras,
-                    held_back=frozenset(added_set | back), gauges=gauges)
+                    held_back=frozenset(added_set | back), gauges=gauges, link_speeds=speeds)
+
+
+def _link_speeds(s: Snapshot, alive: Mapping[str, Entry]) -> tuple[dict[str, float], bool]:
+    """(the link speeds to plan with, whether they change the plan's inputs). Settled
+    against the published ones (:func:`.link_classes.settle_speeds`); a change counts only
+    when the new or the old speeds (with declared labels) cover every live member: the
+    planner ignores incomplete speeds, so publishing for them would change nothing."""
+    if s.measured_speeds is None:
+        return {}, False
+    old = s.published.link_speeds if s.published is not None else {}
+    new = settle_speeds(old, s.measured_speeds, alive, s.speed_band)
+    if new == {m: v for m, v in old.items() if m in alive}:
+        return new, False
+    declared = declared_speeds(info for info, _ in alive.values())
+
+    def covers(x: Mapping[str, float]) -> bool:
+        return all(m in x or m in declared for m in alive)
+
+    return new, covers(new) or covers(old)
+

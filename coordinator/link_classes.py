@@ -13,6 +13,12 @@ members with local index ``c``, whose speed is its slowest member's class speed,
 shard ``c`` gets a share proportional to it (``None``: uniform shards — speeds unknown
 for some member, or every index equally fast).
 
+Measured speeds reach the plan through :func:`settle_speeds` (hysteresis): the speeds a
+plan was made with are published in the epoch (``plan["link_bps"]``); a member's speed
+changes only when a new measurement leaves the band ``[old / (1 + band), old * (1 +
+band)]``, so noise inside the band never republishes an epoch, and a new coordinator
+leader starts from the published speeds (:func:`parse_speeds`).
+
 Failure behaviour: malformed labels or health fields (not a finite positive number,
 not a mapping) are ignored — that member's speed is unknown — never an error: the plan
 then falls back to uniform shards.
@@ -20,7 +26,9 @@ then falls back to uniform shards.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Collection, Iterable, Mapping, Sequence
+
+from resilient.coordinator.host_slots import slot_weights
 
 #: the label (bytes/s, a decimal number) declaring a member's cross-host link speed
 LINK_LABEL = "link_bps"
@@ -73,6 +81,48 @@ def speeds_from_health(health: Mapping[str, Mapping[str, Any]], host_of: Mapping
     return out
 
 
+#: default hysteresis band of :func:`settle_speeds`: a change under 25 % is noise
+SPEED_BAND = 0.25
+
+
+def _sig(x: float, digits: int = 3) -> float:
+    """``x`` rounded to ``digits`` significant digits (short epoch records)."""
+    return float(f"{x:.{digits - 1}e}")
+
+
+def settle_speeds(current: Mapping[str, float], measured: Mapping[str, float], alive: Collection[str],
+                  band: float = SPEED_BAND) -> dict[str, float]:
+    """The link speeds a plan should use now, for the ``alive`` members: each keeps its
+    ``current`` (published) speed unless a valid ``measured`` one lies outside
+    ``[current / (1 + band), current * (1 + band)]`` (then the measurement, rounded to 3
+    significant digits, wins); a member without a current speed takes its measurement;
+    one without either has none. Pure and deterministic; invalid values are ignored."""
+    out: dict[str, float] = {}
+    for m in sorted(set(current) | set(measured)):
+        if m not in alive:
+            continue
+        old, new = _speed(current.get(m)), _speed(measured.get(m))
+        if new is not None and (old is None or not old / (1 + band) <= new <= old * (1 + band)):
+            out[m] = _sig(new)
+        elif old is not None:
+            out[m] = old
+    return out
+
+
+def parse_speeds(raw: object) -> dict[str, float]:
+    """The ``plan["link_bps"]`` of a published epoch as ``{member: bytes/s}``: entries
+    that are not a string key with a finite positive number are dropped (a malformed
+    record costs only those members' speeds, which the next measurement restores)."""
+    if not isinstance(raw, Mapping):
+        return {}
+    out: dict[str, float] = {}
+    for m, v in raw.items():
+        s = _speed(v) if isinstance(m, str) and not isinstance(v, bool) else None
+        if s is not None:
+            out[m] = s
+    return out
+
+
 def link_classes(speeds: Mapping[str, float], ratio: float = 0.8) -> list[tuple[float, list[str]]]:
     """Members grouped into classes, fastest first, as ``(class speed, member ids)``;
     deterministic (ties broken by member id)."""
@@ -95,12 +145,13 @@ def class_rank(classes: Sequence[tuple[float, Sequence[str]]]) -> dict[str, int]
 def shard_weights(groups: Sequence[Sequence[str]], classes: Sequence[tuple[float, Sequence[str]]]) -> list[float] | None:
     """One weight per local index for hosts ``groups`` (equal sizes): the slowest class
     speed among the members with that index, normalised to sum 1 (rounded, so the
-    epoch record stays short); None when a member has no class or all weights are equal."""
-    speed = {m: s for s, ids in classes for m in ids}
-    if not groups or len({len(g) for g in groups}) != 1 or any(m not in speed for g in groups for m in g):
+    epoch record stays short); None when a member has no class, the hosts are unequal
+    (:mod:`.host_slots` weighs those) or all weights are equal."""
+    if not groups or len({len(g) for g in groups}) != 1:
         return None
-    per = [min(speed[g[c]] for g in groups) for c in range(len(groups[0]))]
-    if len(set(per)) <= 1:
-        return None
-    total = sum(per)
-    return [round(x / total, 6) for x in per]
+    return slot_weights(groups, [list(range(len(g))) for g in groups], class_speeds(classes))
+
+
+def class_speeds(classes: Sequence[tuple[float, Sequence[str]]]) -> dict[str, float]:
+    """``{member: its class's speed}``."""
+    return {m: s for s, ids in classes for m in ids}

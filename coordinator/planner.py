@@ -10,7 +10,12 @@
   (declared ``link_bps`` labels, or measured ones passed as ``link_speed``), members of
   one host are ordered by class (fastest first) so local index ``c`` pairs like links
   across hosts, and ``shard_weights`` sizes the hierarchical allreduce's shards in
-  proportion to each local index's slowest class (only when hosts are equal-sized).
+  proportion to each local index's slowest class.
+* **Unequal hosts** (:mod:`.host_slots`; e.g. 4 + 3, or 2 x 4 after a death): the plan
+  carries ``host_slots`` (per host, the local index owning each of the largest host's
+  ``K`` cross-host slots) and ``shard_weights`` per slot (owner speed over its slot
+  count; unknown speeds count as equal), so a data plane can run the hierarchical
+  allreduce over them; equal hosts carry no ``host_slots`` (slot = local index).
 * **Tree**: a binary heap over the healthy part of the ring (``parent[i] = (i-1)//2``) so
   tree neighbours are mostly ring-close; each demoted member hangs as a leaf under a
   healthy member (round-robin), never as an inner node.
@@ -22,7 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Collection, Iterable, Mapping, Protocol
 
-from resilient.coordinator.link_classes import class_rank, link_classes, member_speeds, shard_weights
+from resilient.coordinator.host_slots import host_slots, slot_weights
+from resilient.coordinator.link_classes import class_rank, class_speeds, link_classes, member_speeds, shard_weights
 
 #: Label names, outermost first, that group members topologically.
 TOPOLOGY_LABELS: tuple[str, ...] = ("zone", "rack", "switch")
@@ -48,7 +54,10 @@ class PlanMember(Protocol):
 class Plan:
     """``ring``: member ids in ring order; ``parent``: tree parent index into ``ring`` for
     each position (-1 for the root); ``host_groups``: ``(start, count)`` runs of one host in
-    the ring; ``demoted``: demoted ids (they are the ring's tail)."""
+    the ring; ``demoted``: demoted ids (they are the ring's tail); ``shard_weights``: one
+    per cross-host shard (None: uniform); ``link_classes``: (speed, ids), fastest first;
+    ``host_slots``: for unequal hosts, per host group the local index owning each slot
+    (None: equal hosts, or no hierarchy)."""
 
     ring: tuple[str, ...]
     parent: tuple[int, ...]
@@ -56,6 +65,7 @@ class Plan:
     demoted: tuple[str, ...]
     shard_weights: tuple[float, ...] | None = None
     link_classes: tuple[tuple[float, tuple[str, ...]], ...] = ()
+    host_slots: tuple[tuple[int, ...], ...] | None = None
 
     def to_dict(self) -> dict[str, object]:
         """JSON form stored in the epoch's ``plan`` (the ring itself is ``Epoch.members``)."""
@@ -69,6 +79,8 @@ class Plan:
             d["shard_weights"] = list(self.shard_weights)
         if self.link_classes:
             d["link_classes"] = [[s, list(ids)] for s, ids in self.link_classes]
+        if self.host_slots:
+            d["host_slots"] = [list(s) for s in self.host_slots]
         return d
 
 
@@ -117,10 +129,17 @@ def plan(members: Iterable[PlanMember], demoted: Collection[str] = (),
     starts = [0] + [i for i in range(1, n) if keyed[i][0] != keyed[i - 1][0]] if n else []
     ends = starts[1:] + [n]
     groups = tuple(zip(starts, [e - b for b, e in zip(starts, ends)]))
-    weights = shard_weights([ring[b:b + c] for b, c in groups], classes) if classes and not d & set(ring) else None
+    hosts = [ring[b:b + c] for b, c in groups]
+    slots = None if d & set(ring) else host_slots(hosts)
+    if slots is not None:   # unequal hosts: unknown speeds count as equal
+        weights = slot_weights(hosts, slots, class_speeds(classes) if classes else dict.fromkeys(ring, 1.0))
+    else:
+        weights = shard_weights(hosts, classes) if classes and not d & set(ring) else None
     return Plan(ring=ring, parent=tuple(parent), host_groups=groups, demoted=ring[healthy:],
                 shard_weights=tuple(weights) if weights else None,
-                link_classes=tuple((s, tuple(ids)) for s, ids in classes))
+                link_classes=tuple((s, tuple(ids)) for s, ids in classes),
+                host_slots=tuple(tuple(s) for s in slots) if slots else None)
+
 
 
 #: a member's sort key in :func:`plan`: (demoted+zone+rack+switch+host, (class rank, local rank), id)

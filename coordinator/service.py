@@ -10,7 +10,8 @@ wait to take over. The leader:
    suspicions; ``join_debounce`` for joins, so 8 workers starting together yield one
    epoch) and then **reconciles**: reads members, the current epoch, suspect reports
    (judged by the :class:`~.policy.LivenessPolicy`), ``departed/`` markers and the
-   :class:`~.policy.HealthPolicy`'s verdict into a :class:`~.decide.Snapshot`, lets the
+   :class:`~.policy.HealthPolicy`'s verdict and the link speeds the health reporters
+   measured (:func:`.link_classes.speeds_from_health`) into a :class:`~.decide.Snapshot`, lets the
    pure :func:`.decide.decide` say what to publish — deterministic given the member set
    and health: the ring and tree come from :func:`.planner.plan` — and
 3. publishes it with one transaction that compares the ``epoch`` key's mod revision
@@ -55,12 +56,14 @@ from resilient.coordinator.election import LeaderElection
 from resilient.coordinator.epoch import Epoch, EpochPlan, latest_valid_history
 from resilient.coordinator.eviction import read_requests
 from resilient.coordinator.health import no_demotion, read_health, write_scores
+from resilient.coordinator.link_classes import SPEED_BAND, parse_speeds, speeds_from_health
 from resilient.coordinator.liveness import LeaseLiveness
 from resilient.coordinator.metrics import CoordinatorMetrics
 from resilient.coordinator.planner import plan
 from resilient.coordinator.policy import HealthPolicy, LivenessPolicy, SuspectCase
 from resilient.coordinator.shares import SharePublisher
 from resilient.coordinator.store import Compare, Delete, Put, Store, WatchEvent, WatchHandle
+from resilient.coordinator.straggler import HealthRecord
 from resilient.errors import ConfigError, RecordError, StoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -76,7 +79,10 @@ class CoordinatorConfig:
     member directory is kept from the watch); ``reload_interval``: period of a full, paged
     re-read of ``members/`` and ``nodes/`` (a safety net); ``delta_min_members``: from this
     many members on, epochs are published as deltas with chunked snapshots
-    (:mod:`.delta`; below it, as one full record)."""
+    (:mod:`.delta`; below it, as one full record); ``measure_links``: plan with the
+    cross-host link speeds the health reporters measure (``link_bps`` in the ``health/``
+    records, full-record epochs only), changed only when a measurement leaves the band
+    ``link_band`` around the published speed (:func:`.link_classes.settle_speeds`)."""
 
     ttl: float = 5.0
     debounce: float = 0.02
@@ -86,6 +92,8 @@ class CoordinatorConfig:
     suspect_interval: float = 0.25
     reload_interval: float = 30.0
     delta_min_members: int = 1024
+    measure_links: bool = True
+    link_band: float = SPEED_BAND
 
     def validate(self) -> None:
         for name, value in (("ttl", self.ttl), ("resync_interval", self.resync_interval),
@@ -95,6 +103,8 @@ class CoordinatorConfig:
         for name, value in (("debounce", self.debounce), ("join_debounce", self.join_debounce)):
             if value < 0:
                 raise ConfigError(f"coordinator {name} must be >= 0, got {value}")
+        if not 0 < self.link_band <= 10:
+            raise ConfigError(f"coordinator link_band must be in (0, 10] (0.25: a 25 % change), got {self.link_band}")
         if self.min_members < 1:
             raise ConfigError(f"--min-members must be >= 1, got {self.min_members}")
 
@@ -519,18 +529,27 @@ class Coordinator:
         # only a policy that asks for it reads the epoch (ring, tree, roles): the full plan, once per epoch
         epoch_view = pub.full_epoch() if pub is not None and needs.epoch else None
         departed, bad_markers = self._read_departed()
-        health = self._health_verdict(epoch_view, alive.keys())
+        # measured link speeds: full-record epochs only (a delta epoch's plan is derived by
+        # every reader without them), and ``members`` is then a stable copy
+        measure = self.config.measure_links and len(members) < self.config.delta_min_members
+        records = read_health(self.store, self.job) if needs.health or measure else {}
+        health = self._health_verdict(epoch_view, alive.keys(), records if needs.health else {})
+        measured = (speeds_from_health(records, {m: info.host for m, (info, _) in dict(alive).items()})
+                    if measure else None)
         facts = None
         if pub is not None:
             self.metrics.epoch.set(pub.number)
             extras = pub.state.extras
+            speeds = parse_speeds(pub.full_epoch().plan.get("link_bps")) if pub.form == "full" else {}
             facts = EpochFacts(pub.number, pub.members, pub.state.demoted(), pub.state.infos,
-                               [list(p) for p in (extras.get("avoid") or [])], set(extras.get("evicted") or {}))
+                               [list(p) for p in (extras.get("avoid") or [])], set(extras.get("evicted") or {}),
+                               speeds)
         snapshot = Snapshot(
             published=facts, alive=alive, full=full, dirty=marks.keys(), corrupt=corrupt is not None,
             epoch_revision=erev, history_top=history_top, confirmed=confirmed, departed=departed,
             node_of=node_of, bad_markers=bad_markers, consumed=consumed, health=health, lost_seen=lost_seen,
-            join_seen=join_seen, joins_due=joins_due, min_members=self.config.min_members, now=time.time())
+            join_seen=join_seen, joins_due=joins_due, min_members=self.config.min_members, now=time.time(),
+            measured_speeds=measured, speed_band=self.config.link_band)
         return _PassRead(snapshot, pub, erev, corrupt, marks, full, suspects_pending)
 
     def _write_pass(self, read: _PassRead, d: Decision) -> tuple[str, bool]:
@@ -559,7 +578,8 @@ class Coordinator:
             published = self._delta_epoch(pub, corrupt, alive, removed, added, demoted, d.extras, number, token,
                                           d.cause, d.trigger, ops)
         else:
-            p = plan([info for info, _ in alive.values()], demoted, avoid=[(a[0], a[1]) for a in d.avoid])
+            p = plan([info for info, _ in alive.values()], demoted, avoid=[(a[0], a[1]) for a in d.avoid],
+                     link_speed=d.link_speeds)
             plan_dict = p.to_dict()
             plan_dict.update(d.extras)
             new = Epoch(
@@ -671,11 +691,13 @@ class Coordinator:
             members.update(added)
         return _Published(number, members, state, "delta", d.snapshot, d.to_json(), 0, None, d)
 
-    def _health_verdict(self, epoch: Epoch | None, alive: Collection[str]) -> HealthOutcome:
+    def _health_verdict(self, epoch: Epoch | None, alive: Collection[str],
+                        health: Mapping[str, HealthRecord]) -> HealthOutcome:
         """The health policy's answer for this pass (:class:`~.decide.HealthOutcome`),
         filtered to ``alive``: demoted members and links to avoid as sorted [a, b] pairs,
-        plus its evictions, re-admissions and leaf deadline. It reads what the policy
-        :attr:`~.policy.HealthPolicy.needs`; a policy whose ``needs.scores`` is set has its
+        plus its evictions, re-admissions and leaf deadline. It is given the ``health``
+        records (read by the caller when :attr:`~.policy.HealthPolicy.needs` says so, else
+        empty) and reads the re-admission requests it needs; a policy whose ``needs.scores`` is set has its
         scores published to ``straggler`` when they change state, or every 5 s. A failing
         policy demotes nobody (logged) rather than stopping the coordinator; store errors
         propagate."""
@@ -684,7 +706,6 @@ class Coordinator:
         demoted: set[str] = set()
         avoid: list[list[str]] = []
         try:
-            health = read_health(self.store, self.job) if needs.health else {}
             requests = read_requests(self.store, self.job) if needs.readmit_requests else {}
             verdict = policy.verdict(health, epoch, alive, requests)
             if needs.scores:

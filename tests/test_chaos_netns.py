@@ -280,3 +280,46 @@ def test_netem_scenario_runs_members_in_namespaces(tmp_path):
         assert event.skipped == reason and verdict.faults == 0
         if netns.qdisc_unavailable_reason("netem") is not None:
             assert reason.startswith("this kernel has no netem qdisc (tc: "), reason
+
+
+# -- the two-host scenario through the runner ----------------------------------------------
+
+
+@needs_netns
+@pytest.mark.timeout(120)
+def test_two_host_scenario_kills_a_member_mid_hierarchical_allreduce_and_stays_exact(tmp_path):
+    """``two-host-kill``: 2 emulated hosts of 2 members (shared namespaces, htb-capped host
+    link); member 3 is SIGKILLed at the start of op 2's cross-host reduce-scatter. Every
+    output is exact, the first plan is hierarchical, the survivors' plan carries the
+    unequal hosts' slots, and the host-to-host traffic went through the capped class."""
+    reason = netns.u32_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    from resilient.chaos.runner import ChaosRunner
+    from resilient.chaos.scenario import find_scenario
+    from resilient.chaos.verifier import verify
+    from resilient.coordinator import keys
+    from resilient.coordinator.epoch import Epoch
+
+    seen: dict = {}
+
+    def on_finished(r: ChaosRunner) -> None:  # members, etcd and the lab are still up here
+        seen["namespaces"], seen["links"] = _lab_names(r.lab)
+        seen["epochs"] = [Epoch.from_json(kv.value) for kv in r.store.get_prefix(keys.root(r.job) + "epochs/")
+                          if kv.key.endswith("/epoch")]
+        seen["packets"] = (r.lab.class_packets(0, 1), r.lab.class_packets(1, 0))
+        seen["classes"] = subprocess.run([*r.lab.exec_prefix(0), "tc", "class", "show", "dev", r.lab.ns_veths[0]],
+                                         capture_output=True, text=True, check=True).stdout
+
+    sc = find_scenario("two-host-kill")
+    log = ChaosRunner(sc, 0, tmp_path / "wd", on_finished=on_finished).run()
+    verdict = verify(log)
+    assert verdict.wrong == [] and verdict.hangs == [] and verdict.lost == [], verdict
+    assert verdict.passed and verdict.faults == 1 and verdict.ops == sc.workload.ops
+    epochs = sorted(seen["epochs"], key=lambda e: e.number)
+    first, last = epochs[0], epochs[-1]
+    assert {m: i.host for m, i in first.infos.items()} == {"m0": "host0", "m1": "host0", "m2": "host1", "m3": "host1"}
+    assert first.plan["host_groups"] == [[0, 2], [2, 2]] and "host_slots" not in first.plan
+    assert last.members == ("m0", "m1", "m2") and last.plan["host_slots"] == [[0, 1], [0, 0]]
+    assert min(seen["packets"]) > 0 and "rate 200Mbit ceil 200Mbit" in seen["classes"], seen
+    _assert_gone(seen["namespaces"], seen["links"])

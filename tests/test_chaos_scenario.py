@@ -201,3 +201,19 @@ def test_phase_triggers_land_on_an_op_that_has_that_phase():
             assert op <= f.trigger.op < op + 50
             moved += f.trigger.op != op
     assert moved > 0  # the mix really does put phase-less ops at the declared numbers
+
+
+def test_hosts_place_members_in_contiguous_blocks_and_need_root():
+    sc = parse_scenario("hosts: 2\nhost_link_mbit: 50\nrequires: [root]\n" + GOOD.replace("phase: rs", "phase: cross_rs"))
+    assert sc.hosts == 2 and sc.host_link_mbit == 50.0 and sc.needs_netns()
+    assert [sc.host_of(i) for i in range(4)] == [0, 0, 1, 1]
+    assert sc.faults[0].failpoint_spec().startswith("kill@op=2,phase=cross_rs,")
+    assert not parse_scenario(GOOD).needs_netns() and parse_scenario(GOOD).host_of(3) == 0
+    msg = _error("hosts: 2\n" + GOOD)
+    assert _line_and_field(msg) == (1, "hosts") and "requires: [root]" in msg
+    msg = _error("host_link_mbit: 50\n" + GOOD)
+    assert _line_and_field(msg) == (1, "host_link_mbit") and "hosts: N" in msg
+    assert _line_and_field(_error("hosts: 5\nrequires: [root]\n" + GOOD)) == (1, "hosts")   # > world_size
+    netem = "  - {kind: netem, link: [0, 1], delay_ms: 5, at: {time_s: 1}}\n"
+    msg = _error("hosts: 2\nrequires: [root]\n" + GOOD + netem)
+    assert _line_and_field(msg) == (1, "hosts") and "one namespace per member" in msg

@@ -182,3 +182,28 @@ def test_the_snapshot_is_not_changed_by_deciding():
     before = replace(s)
     decide(s)
     assert s == before and set(alive) == {"m0", "m1", "m3"}
+
+
+# -- measured link speeds ------------------------------------------------------------------
+
+
+def test_measured_link_speeds_publish_once_then_noise_inside_the_band_publishes_nothing():
+    alive = directory("m0", "m1")
+    first = decide(snap(epoch(3, "m0", "m1"), alive, measured_speeds={"m0": 2e8, "m1": 1e8}))
+    assert first.outcome == "publish" and first.cause == "health" and first.removed == first.added == ()
+    assert first.extras["link_bps"] == {"m0": 2e8, "m1": 1e8} and first.link_speeds == {"m0": 2e8, "m1": 1e8}
+    planned = replace(epoch(4, "m0", "m1"), link_speeds={"m0": 2e8, "m1": 1e8})
+    noisy = decide(snap(planned, alive, measured_speeds={"m0": 2.3e8, "m1": 0.85e8}))
+    assert noisy.outcome == "unchanged"
+    moved = decide(snap(planned, alive, measured_speeds={"m0": 2.3e8, "m1": 3e8}))
+    assert moved.outcome == "publish" and moved.link_speeds == {"m0": 2e8, "m1": 3e8}
+    # a tighter band lets the same noise through
+    assert decide(snap(planned, alive, measured_speeds={"m0": 2.3e8}, speed_band=0.1)).outcome == "publish"
+
+
+def test_incomplete_or_unmeasured_speeds_publish_nothing_but_ride_along_with_a_change():
+    alive = directory("m0", "m1")
+    assert decide(snap(epoch(3, "m0", "m1"), alive, measured_speeds={"m0": 2e8})).outcome == "unchanged"
+    assert decide(snap(epoch(3, "m0", "m1"), alive)).outcome == "unchanged"      # not measured
+    lost = decide(snap(epoch(3, "m0", "m1", "m2"), alive, measured_speeds={"m0": 2e8}))
+    assert lost.outcome == "publish" and lost.removed == ("m2",) and lost.extras["link_bps"] == {"m0": 2e8}

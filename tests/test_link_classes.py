@@ -119,3 +119,58 @@ def test_reporter_windows_measure_a_slow_link_slower(etcd_session, job_name):
         for t in ts.values():
             t.close()
         store.close()
+
+
+def test_settled_speeds_move_only_outside_the_band_and_only_for_live_members():
+    from resilient.coordinator.link_classes import settle_speeds
+
+    cur = {"a": 100.0, "b": 100.0, "gone": 5.0}
+    # inside the 25 % band: the published speeds stay; outside: the measurement (3 digits)
+    assert settle_speeds(cur, {"a": 124.0, "b": 81.0}, {"a", "b"}) == {"a": 100.0, "b": 100.0}
+    assert settle_speeds(cur, {"a": 126.0, "b": 79.0}, {"a", "b"}) == {"a": 126.0, "b": 79.0}
+    assert settle_speeds(cur, {"c": 1234567.0, "a": "bad"}, {"a", "c"}) == {"a": 100.0, "c": 1230000.0}
+    assert settle_speeds(cur, {}, {"a", "b"}, band=0.01) == {"a": 100.0, "b": 100.0}
+
+
+def test_published_speeds_drop_malformed_entries():
+    from resilient.coordinator.link_classes import parse_speeds
+
+    assert parse_speeds({"a": 1.5, "b": "x", "c": -1, "d": True, "e": float("nan")}) == {"a": 1.5}
+    assert parse_speeds(["a", 1.0]) == {} and parse_speeds(None) == {}
+
+
+def test_unequal_hosts_deal_the_largest_hosts_slots_round_robin_and_weigh_them_by_load():
+    from resilient.coordinator.host_slots import host_slots, slot_weights
+
+    groups = [["a0", "a1", "a2", "a3"], ["b0", "b1", "b2"]]
+    slots = host_slots(groups)
+    assert slots == [[0, 1, 2, 3], [0, 1, 2, 0]]
+    # equal speeds: b0 carries slots 0 and 3, so each gets half a link
+    assert slot_weights(groups, slots, dict.fromkeys(groups[0] + groups[1], 1.0)) == \
+        [round(1 / 6, 6), round(1 / 3, 6), round(1 / 3, 6), round(1 / 6, 6)]
+    # b0 twice as fast as the rest: its two slots are as fast as the others
+    speed = dict.fromkeys(groups[0] + groups[1], 1.0) | {"b0": 2.0}
+    assert slot_weights(groups, slots, speed) is None
+    assert slot_weights(groups, slots, {"a0": 1.0}) is None                 # unknown speeds
+    assert host_slots([["a0", "a1"], ["b0", "b1"]]) is None                 # equal hosts: slot = index
+    assert host_slots([["a0", "a1"]]) is None and host_slots([["a0"], ["b0"]]) is None
+    assert host_slots([["a0", "a1"], ["b0"]]) == [[0, 1], [0, 0]]
+
+
+def test_planner_gives_unequal_hosts_slots_and_weights_also_after_a_death():
+    ms = [M(f"a{i}", "A", i) for i in range(4)] + [M(f"b{i}", "B", i) for i in range(4)]
+    full = plan(ms)
+    assert full.host_slots is None and "host_slots" not in full.to_dict()
+    after = plan([m for m in ms if m.member_id != "b2"])          # 2 x 4 less one: 4 + 3
+    assert after.host_groups == ((0, 4), (4, 3))
+    assert after.host_slots == ((0, 1, 2, 3), (0, 1, 2, 0))
+    d = after.to_dict()
+    assert d["host_slots"] == [[0, 1, 2, 3], [0, 1, 2, 0]]
+    assert d["shard_weights"] == [round(1 / 6, 6), round(1 / 3, 6), round(1 / 3, 6), round(1 / 6, 6)]
+    # with link speeds the fastest member of the small host takes the extra slot
+    speeds = {m.member_id: 1.0 for m in ms} | {"b3": 2.0}
+    p = plan([m for m in ms if m.member_id != "b2"], link_speed=speeds)
+    assert p.ring[4:] == ("b3", "b0", "b1") and p.host_slots == ((0, 1, 2, 3), (0, 1, 2, 0))
+    assert p.shard_weights is None   # b3's two slots at half of 2.0 = every other slot's 1.0
+    # demoted members: no hierarchy, so no slots
+    assert plan(ms[:7], demoted={"a1"}).host_slots is None

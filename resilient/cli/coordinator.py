@@ -12,12 +12,12 @@ import logging
 import signal
 import sys
 import threading
+
 from typing import TYPE_CHECKING
 
 from resilient.cli.status import add_etcd_arguments, store_from_args
 
-if TYPE_CHECKING:  # pragma: no cover
-    from resilient.coordinator.health import StragglerPolicy
+if TYPE_CHECKING:  # pragma: no cover - the coordinator package is imported when the command runs
     from resilient.coordinator.policy import HealthPolicy
 
 
@@ -51,6 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--evict-hold-s", type=float, default=None,
                         help="with --straggler-policy evict: seconds an evicted member stays out before it may "
                              "rejoin (default 30; doubled on a relapse, capped at 600)")
+    parser.add_argument("--link-band", type=float, default=0.25,
+                        help="hysteresis of measured link speeds: a member's speed in the plan changes only when a "
+                             "measurement differs from it by more than this fraction (default 0.25)")
+    parser.add_argument("--no-measure-links", action="store_true",
+                        help="plan with declared link_bps labels only, not the health reporters' measurements")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
 
 
@@ -58,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 DEFAULT_LEAF_DEADLINE_MS = 10.0
 
 
-def health_policy_from_args(args: argparse.Namespace) -> HealthPolicy | StragglerPolicy:
+def health_policy_from_args(args: argparse.Namespace) -> HealthPolicy:
     """``--straggler-policy``: ``demote`` -> a :class:`StragglerPolicy` with the default
     :class:`StragglerConfig` (sustained >= 10 % shift for 3 windows to suspect, 5 clear
     windows to promote back); ``off`` -> :func:`no_demotion`.
@@ -117,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     config = CoordinatorConfig(ttl=args.ttl, debounce=args.debounce_ms / 1000.0,
-                               join_debounce=args.join_debounce_ms / 1000.0, min_members=args.min_members)
+                               join_debounce=args.join_debounce_ms / 1000.0, min_members=args.min_members,
+                               measure_links=not args.no_measure_links, link_band=args.link_band)
     config.validate()
     store = store_from_args(args)
     from resilient.coordinator import keys
@@ -139,7 +145,10 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    url = f"http://{server.host!s}:{server.port}" if server else "off"
+    url = "off"
+    if server is not None:   # socketserver types the address str | bytes; AF_INET gives str
+        host = server.host
+        url = f"http://{host.decode() if isinstance(host, bytes) else host}:{server.port}"
     print(f"coordinator {coordinator.id} job {args.job} etcd {args.etcd} metrics {url}", flush=True)
     failure: list[BaseException] = []
 
