@@ -78,6 +78,14 @@ class IncrementalRing:
         del self._keys[i]
         self._demoted -= k[0][0] == "1"
 
+    def position(self, member_id: str) -> int:
+        """The member's index in :meth:`ring` (O(log N)); :class:`KeyError` if absent."""
+        return bisect.bisect_left(self._keys, self._key_of[member_id])
+
+    def at(self, index: int) -> str:
+        """The member id at ring ``index`` (negative counts from the end)."""
+        return self._keys[index][2]
+
     def ring(self) -> tuple[str, ...]:
         return tuple([k[2] for k in self._keys])
 

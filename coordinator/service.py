@@ -53,6 +53,7 @@ from resilient.coordinator.decide import Decision, Entry, EpochFacts, HealthOutc
 from resilient.coordinator.directory import Directory
 from resilient.coordinator.election import LeaderElection
 from resilient.coordinator.epoch import Epoch, latest_valid_history
+from resilient.coordinator.epoch_view import EpochIndex, EpochView, StateView
 from resilient.coordinator.eviction import read_requests
 from resilient.coordinator.health import no_demotion, read_health, write_scores
 from resilient.coordinator.liveness import LeaseLiveness
@@ -121,6 +122,7 @@ class _Published:
     revision: int = 0              # mod revision of the epoch key, once read back
     epoch: Epoch | None = None     # the full Epoch when known (full form, or derived)
     delta: EpochDelta | None = None
+    _view: EpochIndex | None = None
 
     def full_epoch(self) -> Epoch:
         """The full :class:`~.epoch.Epoch` (derived from the delta once, when needed); a
@@ -130,6 +132,16 @@ class _Published:
                 raise RecordError(f"epoch {self.number} is held without its record", "epoch")
             self.epoch = self.state.to_epoch(self.delta)
         return self.epoch
+
+    def view(self) -> EpochView:
+        """The epoch as a health policy reads it (:mod:`.epoch_view`): the incremental
+        ring of a delta epoch (O(1) to build); a full record, or a plan that avoids
+        links, indexed from the full epoch once (cached)."""
+        if self._view is None:
+            if self.form == "delta" and not self.state.extras.get("avoid"):
+                return StateView(self.state, self.number)   # the state changes in place: never cached
+            self._view = EpochIndex(self.full_epoch())
+        return self._view
 
 
 @dataclass(frozen=True)
@@ -507,8 +519,9 @@ class Coordinator:
             marks = self._dirty.snapshot()
             full = self._full_pass or pub is None or corrupt is not None
             members: Mapping[str, Entry] = self._dir.members
-            # a policy fed the epoch scores every member: it gets a stable copy too
-            if full or len(members) < self.config.delta_min_members or needs.epoch:
+            # the evict policy iterates the live members: it gets a stable copy (the
+            # straggler policy only looks members up, and reads the epoch by lookup)
+            if full or len(members) < self.config.delta_min_members or needs.readmit_requests:
                 if self._members_copy[0] != self._dir.version:   # copied once per change, not per pass
                     self._members_copy = (self._dir.version, dict(members))
                 members = self._members_copy[1]
@@ -516,8 +529,8 @@ class Coordinator:
             node_of = self._dir.node_of
         confirmed, consumed, suspects_pending = self._check_suspects(members)
         alive = members if not confirmed else {m: v for m, v in dict(members).items() if m not in confirmed}
-        # only a policy that asks for it reads the epoch (ring, tree, roles): the full plan, once per epoch
-        epoch_view = pub.full_epoch() if pub is not None and needs.epoch else None
+        # only a policy that asks for it reads the epoch: by lookup (epoch_view.py), no planner run
+        epoch_view = pub.view() if pub is not None and needs.epoch else None
         departed, bad_markers = self._read_departed()
         health = self._health_verdict(epoch_view, alive.keys())
         facts = None
@@ -671,7 +684,7 @@ class Coordinator:
             members.update(added)
         return _Published(number, members, state, "delta", d.snapshot, d.to_json(), 0, None, d)
 
-    def _health_verdict(self, epoch: Epoch | None, alive: Collection[str]) -> HealthOutcome:
+    def _health_verdict(self, epoch: EpochView | None, alive: Collection[str]) -> HealthOutcome:
         """The health policy's answer for this pass (:class:`~.decide.HealthOutcome`),
         filtered to ``alive``: demoted members and links to avoid as sorted [a, b] pairs,
         plus its evictions, re-admissions and leaf deadline. It reads what the policy

@@ -1,0 +1,156 @@
+"""The current epoch as a health policy reads it, by lookup: ring neighbours and
+positions, the demoted members and their tree parents, the plan extras.
+
+A straggler policy runs on every reconcile pass; handing it a full :class:`~.epoch.Epoch`
+at 100,000 members means running the planner once per epoch (O(N log N)) and walking
+every member per pass. :class:`EpochView` is what it needs instead, in two forms:
+
+* :class:`StateView` over the coordinator's :class:`~.delta.EpochState` (delta epochs):
+  the ring is the state's :class:`~.ring.IncrementalRing`, kept by bisection as deltas
+  apply, so each lookup is O(log N) and building the view is O(1). The planner's tree
+  hangs the ``j``-th demoted member under the ``j mod healthy``-th ring member, which
+  :meth:`StateView.leaf_parent` computes from the ring position. When the plan avoids
+  links (``extras["avoid"]``: the planner's swaps reorder the ring) the coordinator
+  indexes the full plan instead (:class:`EpochIndex`), once per epoch.
+* :class:`EpochIndex` over a full :class:`~.epoch.Epoch` (small jobs, tests): one O(N)
+  index, then the same lookups.
+
+Property-tested against the planner (``tests/test_scale_straggler.py``). Pure: no I/O.
+Failure behaviour: lookups of an id not in the ring return ``None`` (``position``
+raises :class:`KeyError`); nothing else raises.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Set
+from typing import Protocol
+
+from resilient.coordinator.delta import EpochState
+from resilient.coordinator.epoch import Epoch
+from resilient.coordinator.ring import IncrementalRing
+from resilient.coordinator.straggler import RingNeighbours
+
+
+class EpochView(RingNeighbours, Protocol):
+    """The current epoch for a health policy (see the module docstring)."""
+
+    @property
+    def number(self) -> int:
+        """The epoch's number."""
+        ...
+
+    @property
+    def extras(self) -> Mapping[str, object]:
+        """The plan extras (``avoid``, ``evicted``, ``leaf_deadline_ms``)."""
+        ...
+
+    def demoted(self) -> Set[str]:
+        """The members with role ``demoted`` (the ring's tail)."""
+        ...
+
+    def leaf_parent(self, member: str) -> str | None:
+        """The tree parent of a demoted member (None: not demoted, or not in the ring)."""
+        ...
+
+
+class EpochIndex:
+    """:class:`EpochView` of a full :class:`~.epoch.Epoch` (indexed once: O(N))."""
+
+    def __init__(self, epoch: Epoch) -> None:
+        self._epoch = epoch
+        self._ring: tuple[str, ...] = tuple(epoch.members)
+        self._pos = {m: i for i, m in enumerate(self._ring)}
+        self._demoted = frozenset(m for m, r in epoch.roles.items() if r == "demoted" and m in self._pos)
+        tree = epoch.plan.get("tree_parent") or []
+        self._tree: list[int] = [int(p) for p in tree] if isinstance(tree, list) else []
+
+    @property
+    def number(self) -> int:
+        return self._epoch.number
+
+    @property
+    def extras(self) -> Mapping[str, object]:
+        return self._epoch.plan
+
+    def __len__(self) -> int:
+        return len(self._ring)
+
+    def __contains__(self, member: object) -> bool:
+        return member in self._pos
+
+    def position(self, member: str) -> int:
+        return self._pos[member]
+
+    def successor(self, member: str) -> str | None:
+        i = self._pos.get(member)
+        return None if i is None else self._ring[(i + 1) % len(self._ring)]
+
+    def predecessor(self, member: str) -> str | None:
+        i = self._pos.get(member)
+        return None if i is None else self._ring[i - 1]
+
+    def demoted(self) -> Set[str]:
+        return self._demoted
+
+    def leaf_parent(self, member: str) -> str | None:
+        i = self._pos.get(member)
+        if member not in self._demoted or i is None or i >= len(self._tree):
+            return None
+        p = self._tree[i]
+        return self._ring[p] if 0 <= p < len(self._ring) else None
+
+
+class StateView:
+    """:class:`EpochView` of the coordinator's delta :class:`~.delta.EpochState` and its
+    incremental ring (O(log N) per lookup; see the module docstring). Only valid for a
+    plan without avoided links (the caller indexes the full epoch then)."""
+
+    def __init__(self, state: EpochState, number: int) -> None:
+        self._state = state
+        self._number = number
+        self._ring: IncrementalRing = state.ring_index()
+
+    @property
+    def number(self) -> int:
+        return self._number
+
+    @property
+    def extras(self) -> Mapping[str, object]:
+        return self._state.extras
+
+    def __len__(self) -> int:
+        return len(self._ring)
+
+    def __contains__(self, member: object) -> bool:
+        return member in self._ring
+
+    def position(self, member: str) -> int:
+        return self._ring.position(member)
+
+    def successor(self, member: str) -> str | None:
+        if member not in self._ring:
+            return None
+        return self._ring.at((self._ring.position(member) + 1) % len(self._ring))
+
+    def predecessor(self, member: str) -> str | None:
+        if member not in self._ring:
+            return None
+        return self._ring.at(self._ring.position(member) - 1)
+
+    def demoted(self) -> Set[str]:
+        return self._state.demoted()
+
+    def leaf_parent(self, member: str) -> str | None:
+        if self._state.roles.get(member) != "demoted" or member not in self._ring:
+            return None
+        n = len(self._ring)
+        healthy = n - self._ring.demoted_count
+        i = self._ring.position(member)
+        if healthy == 0:   # everyone demoted: the planner's plain heap over all
+            return None if i == 0 else self._ring.at((i - 1) >> 1)
+        return self._ring.at((i - healthy) % healthy)
+
+
+def view_of(epoch: Epoch | EpochView) -> EpochView:
+    """``epoch`` as an :class:`EpochView` (a full :class:`~.epoch.Epoch` is indexed)."""
+    return EpochIndex(epoch) if isinstance(epoch, Epoch) else epoch
+

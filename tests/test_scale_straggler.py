@@ -1,0 +1,82 @@
+"""The straggler policy at scale (coordinator/epoch_view.py): the incremental view of a
+delta epoch answers every lookup the detector makes exactly as the full planner's epoch
+does, and the policy's verdicts over either are the same."""
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from resilient.coordinator.delta import EpochDelta, EpochState
+from resilient.coordinator.epoch_view import EpochIndex, StateView
+from resilient.coordinator.health import StragglerPolicy, make_record
+from resilient.coordinator.membership import MemberInfo
+from resilient.coordinator.straggler import StragglerConfig
+
+#: one step: member index, remove it (else insert / re-role), demote it
+Step = tuple[int, bool, bool]
+
+
+def _info(i: int) -> MemberInfo:
+    return MemberInfo(member_id=f"r{i:02d}", host=f"h{i // 4}", local_rank=i % 4, address=f"10.0.0.{i}:1",
+                      labels={"rack": f"k{(i // 4) % 3}"}, pid=1)
+
+
+def _step(state: EpochState, i: int, remove: bool, demote: bool) -> EpochState:
+    """Apply one delta in place, as the coordinator does (the ring carried over)."""
+    m = f"r{i:02d}"
+    n = state.number + 1
+    if remove and m in state.infos:
+        d = EpochDelta(number=n, base=state.number, snapshot=0, removed=(m,))
+    elif m in state.infos:
+        d = EpochDelta(number=n, base=state.number, snapshot=0, roles={m: "demoted" if demote else "active"})
+    else:
+        d = EpochDelta(number=n, base=state.number, snapshot=0, added=(m,), infos={m: _info(i)},
+                       roles={m: "demoted"} if demote else {})
+    return state.apply(d, in_place=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.booleans(), st.booleans()), min_size=1, max_size=60))
+def test_state_view_answers_like_the_full_planner(steps: list[Step]) -> None:
+    """After any sequence of delta epochs, StateView (incremental ring, no planner run)
+    gives the positions, neighbours, demoted set and leaf parents of the full epoch."""
+    state = EpochState(0, {}, {}, {}, "t")
+    state.ring_index()
+    for i, remove, demote in steps:
+        state = _step(state, i, remove, demote)
+        view = StateView(state, state.number)
+        full = EpochIndex(state.to_epoch(EpochDelta(number=state.number, base=state.number - 1, snapshot=0)))
+        assert len(view) == len(full)
+        assert view.demoted() == full.demoted()
+        for m in sorted(state.infos):
+            assert m in view
+            assert view.position(m) == full.position(m), m
+            assert view.successor(m) == full.successor(m), m
+            assert view.predecessor(m) == full.predecessor(m), m
+            assert view.leaf_parent(m) == full.leaf_parent(m), m
+        assert "absent" not in view and view.successor("absent") is None and view.leaf_parent("absent") is None
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.booleans(), st.booleans()), min_size=6, max_size=40),
+       st.sets(st.integers(0, 30), max_size=3))
+def test_policy_verdicts_agree_on_the_view_and_the_full_epoch(steps: list[Step], slow: set[int]) -> None:
+    """The straggler policy fed the incremental view reaches the same states, demotions,
+    avoided links and scores as one fed the planner's full epoch, window after window."""
+    state = EpochState(0, {}, {}, {}, "t")
+    state.ring_index()
+    for i, remove, demote in steps:
+        state = _step(state, i, remove, demote)
+    cfg = StragglerConfig(confirm_windows=2, release_windows=2)
+    on_view, on_full = StragglerPolicy(cfg), StragglerPolicy(cfg)
+    members = sorted(state.infos)
+    slow_ids = {f"r{i:02d}" for i in slow}
+    for w in range(8):
+        now = 100.0 + w
+        recs = {m: make_record(m, state.number, w, ops=10, window_s=1.0,
+                               wait_s={} if m in slow_ids else {"x": 0.5}, at=now) for m in members}
+        full = state.to_epoch(EpochDelta(number=state.number, base=state.number - 1, snapshot=0))
+        a = on_view.evaluate(recs, StateView(state, state.number), now)
+        b = on_full.evaluate(recs, full, now)
+        assert (a.demoted, a.avoid, a.scores) == (b.demoted, b.avoid, b.scores)
+    assert on_view.detector.events == on_full.detector.events
