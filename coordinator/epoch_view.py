@@ -9,9 +9,9 @@ every member per pass. :class:`EpochView` is what it needs instead, in two forms
   the ring is the state's :class:`~.ring.IncrementalRing`, kept by bisection as deltas
   apply, so each lookup is O(log N) and building the view is O(1). The planner's tree
   hangs the ``j``-th demoted member under the ``j mod healthy``-th ring member, which
-  :meth:`StateView.leaf_parent` computes from the ring position. When the plan avoids
-  links (``extras["avoid"]``: the planner's swaps reorder the ring) the coordinator
-  indexes the full plan instead (:class:`EpochIndex`), once per epoch.
+  :meth:`StateView.leaf_parent` computes from the ring position. Avoided links
+  (``extras["avoid"]``) reorder the ring by the planner's greedy swaps, which
+  :func:`.ring.separate` computes on the incremental ring as a few sparse moves.
 * :class:`EpochIndex` over a full :class:`~.epoch.Epoch` (small jobs, tests): one O(N)
   index, then the same lookups.
 
@@ -100,14 +100,17 @@ class EpochIndex:
 
 
 class StateView:
-    """:class:`EpochView` of the coordinator's delta :class:`~.delta.EpochState` and its
-    incremental ring (O(log N) per lookup; see the module docstring). Only valid for a
-    plan without avoided links (the caller indexes the full epoch then)."""
+    """:class:`EpochView` of the coordinator's delta :class:`~.delta.EpochState`: its
+    incremental ring with the planner's link separation applied as sparse moves
+    (:meth:`~.delta.EpochState.avoid_moves`), O(log N) per lookup (see the module
+    docstring)."""
 
     def __init__(self, state: EpochState, number: int) -> None:
         self._state = state
         self._number = number
         self._ring: IncrementalRing = state.ring_index()
+        self._src = state.avoid_moves()                     # final position -> sorted position
+        self._dst = {b: f for f, b in self._src.items()}    # sorted position -> final position
 
     @property
     def number(self) -> int:
@@ -123,18 +126,22 @@ class StateView:
     def __contains__(self, member: object) -> bool:
         return member in self._ring
 
+    def _at(self, i: int) -> str:
+        return self._ring.at(self._src.get(i, i))
+
     def position(self, member: str) -> int:
-        return self._ring.position(member)
+        p = self._ring.position(member)
+        return self._dst.get(p, p)
 
     def successor(self, member: str) -> str | None:
         if member not in self._ring:
             return None
-        return self._ring.at((self._ring.position(member) + 1) % len(self._ring))
+        return self._at((self.position(member) + 1) % len(self._ring))
 
     def predecessor(self, member: str) -> str | None:
         if member not in self._ring:
             return None
-        return self._ring.at(self._ring.position(member) - 1)
+        return self._at((self.position(member) - 1) % len(self._ring))
 
     def demoted(self) -> Set[str]:
         return self._state.demoted()
@@ -144,10 +151,10 @@ class StateView:
             return None
         n = len(self._ring)
         healthy = n - self._ring.demoted_count
-        i = self._ring.position(member)
+        i = self.position(member)
         if healthy == 0:   # everyone demoted: the planner's plain heap over all
-            return None if i == 0 else self._ring.at((i - 1) >> 1)
-        return self._ring.at((i - healthy) % healthy)
+            return None if i == 0 else self._at((i - 1) >> 1)
+        return self._at((i - healthy) % healthy)
 
 
 def view_of(epoch: Epoch | EpochView) -> EpochView:

@@ -135,11 +135,11 @@ class _Published:
 
     def view(self) -> EpochView:
         """The epoch as a health policy reads it (:mod:`.epoch_view`): the incremental
-        ring of a delta epoch (O(1) to build); a full record, or a plan that avoids
-        links, indexed from the full epoch once (cached)."""
+        ring of a delta epoch (O(avoided links · log N) to build); a full record indexed
+        once (cached)."""
+        if self.form == "delta":
+            return StateView(self.state, self.number)   # the state changes in place: never cached
         if self._view is None:
-            if self.form == "delta" and not self.state.extras.get("avoid"):
-                return StateView(self.state, self.number)   # the state changes in place: never cached
             self._view = EpochIndex(self.full_epoch())
         return self._view
 
