@@ -371,7 +371,7 @@ class Coordinator:
                     self._last_ok = time.monotonic()
                     self._last_error = None
                     self.reconciles += 1
-                    self.shares.after_pass()
+                    self.shares.after_pass(self._pub.members if self._pub is not None else None)
                 except Exception as exc:   # never die on one pass: etcd down, or a record we did not foresee
                     if isinstance(exc, StoreUnavailable):
                         self._last_error = None
