@@ -30,6 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.calibrate_sim import DEFAULT_OUT as DEFAULT_PARAMS, load_params  # noqa: E402
 from bench.sim_store import Clock, Latency, SimStore  # noqa: E402
 from resilient.coordinator import keys  # noqa: E402
 from resilient.coordinator.delta import EpochState, is_delta, parse_delta, resolve  # noqa: E402
@@ -89,7 +90,9 @@ class Sim:
         self.args = args
         self.rng = random.Random(args.seed)
         self.clock = Clock()
-        self.store = SimStore(self.clock)
+        self.latency_source = args.sim_params or (DEFAULT_PARAMS if os.path.exists(DEFAULT_PARAMS) else "defaults")
+        self.store = SimStore(self.clock, None if self.latency_source == "defaults" else load_params(
+            self.latency_source))
         n = args.gpus // args.gpus_per_node
         self.agents = [Agent(self, i) for i in range(n)]
         self.last_keepalive: dict[int, float] = {}
@@ -236,7 +239,7 @@ class Sim:
 def run_sim(args: argparse.Namespace) -> dict:
     sim = Sim(args)
     t_setup = time.monotonic()
-    lat, sim.store.lat = sim.store.lat, Latency(0, 0, 0, 0, 0, 0)   # agents register in parallel
+    lat, sim.store.lat = sim.store.lat, Latency(0, 0, 0, 0, 0, 0, 0)   # agents register in parallel
     for a in sim.agents:
         a.register()
     sim.store.lat = lat
@@ -418,6 +421,8 @@ def run_sim(args: argparse.Namespace) -> dict:
     out["agents_checked_per_epoch"] = min(ep["agents_checked"] for ep in scenario)
     out["distinct_agent_inputs_max"] = max(ep["distinct_agent_inputs"] for ep in scenario)
     out["epochs"] = [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in ep.items()} for ep in scenario]
+    out["sim_latency"] = {"source": os.path.relpath(sim.latency_source) if sim.latency_source != "defaults"
+                          else "defaults", **{k: round(v * 1000, 3) for k, v in vars(sim.store.lat).items()}}
     out["sim_wall_s"] = round(time.monotonic() - t_setup, 1)
     out["loadavg"] = open("/proc/loadavg").read().split()[:3]
     return out
@@ -435,6 +440,8 @@ def main() -> None:
     ap.add_argument("--reload-interval", type=float, default=300.0, help="coordinator's paged full re-read, s")
     ap.add_argument("--derive-sample", type=int, default=8, help="agents that derive every plan themselves")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--sim-params", default=None,
+                    help="latency file from bench/calibrate_sim.py (default: bench/sim_params.json when present)")
     ap.add_argument("--straggler-policy", action="store_true",
                     help="run the coordinator with the straggler policy (the real detector) throughout")
     ap.add_argument("--real-etcd", action="store_true")

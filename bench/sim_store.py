@@ -7,10 +7,11 @@ etcd's limits and counting what a real etcd would do.
   :data:`MAX_RESPONSE` (the client's 4 MiB gRPC receive limit) fails with gRPC's
   ``received message larger than max``; expired leases are revoked at most
   :data:`REVOKES_PER_S` per second, checked every :data:`EXPIRY_TICK` s (etcd's lessor).
-* Latencies (:class:`Latency`) are added to the virtual clock by each call. Their
-  defaults are estimates for a local etcd 3.4, not yet calibrated by a script: they are
-  consistent with ``bench/control_plane.py`` (an epoch 27-38 ms after a revoke, 20 ms of
-  it debounce) but no calibration mode exists yet (docs/scale.md).
+* Latencies (:class:`Latency`) are added to the virtual clock by each call.
+  ``bench/calibrate_sim.py`` fits them to the real etcd here (medians of get, range
+  read per MB, put, put per MB, txn, lease calls and watch delivery) and writes
+  ``bench/sim_params.json``, which bench/scale.py loads when present; the defaults are
+  estimates for a local etcd 3.4, consistent with ``bench/control_plane.py``.
 * Counters: raft writes (puts, successful txns, deletes, revokes, grants, expiries), key
   writes (ops inside txns), keep-alives, bytes written, watch events delivered; a model of
   the DB size (live bytes plus the history kept since the last compaction).
@@ -70,7 +71,8 @@ class Clock:
 
 @dataclass
 class Latency:
-    """Seconds per call (virtual); estimates for a local etcd 3.4 (see the module docstring)."""
+    """Seconds per call (virtual). The defaults are estimates for a local etcd 3.4;
+    ``bench/calibrate_sim.py`` measures them here and bench/scale.py loads its file."""
 
     read: float = 0.0004          # a small range
     read_per_mb: float = 0.012    # plus, per MB returned
@@ -78,6 +80,7 @@ class Latency:
     write_per_mb: float = 0.010
     lease: float = 0.0006         # grant / revoke / ttl
     watch: float = 0.0008         # etcd -> watcher, one event
+    txn: float = 0.0020           # a transaction (compares + ops), plus write_per_mb of its ops
 
 
 @dataclass
@@ -269,7 +272,7 @@ class SimStore:
         self._check_request(size)
         ok = all(self._holds(c) for c in compare)
         ops = success if ok else failure
-        self._cost(self.lat.write, self.lat.write_per_mb, size)
+        self._cost(self.lat.txn, self.lat.write_per_mb, size)
         if not ops:
             return ok
         self._rev += 1

@@ -9,7 +9,7 @@ import pytest
 from bench.scale import run_sim
 from bench.sim_store import MAX_REQUEST, Clock, SimStore
 from resilient.coordinator.store import Put
-from resilient.errors import LeaseExpired, StoreError
+from resilient.errors import ConfigError, LeaseExpired, StoreError
 
 KEYS = ("epoch_bytes_node_loss", "writes_per_epoch", "coordinator_cpu_ms_per_epoch", "coordinator_idle_core_fraction",
         "publish_ms_after_crash", "publish_ms_after_silent_loss", "deliver_p99_ms", "keepalives_per_s",
@@ -61,3 +61,29 @@ def test_sim_store_enforces_etcds_limits():
     assert st.get("/l") is None
     with pytest.raises(LeaseExpired):
         st.keepalive(lease)
+
+
+def test_calibration_measures_a_real_etcd_and_the_sim_loads_its_file(etcd_session, tmp_path):
+    """bench/calibrate_sim.py against the real etcd (few samples): every Latency field
+    fitted, non-negative; the file round-trips into the SimStore's latencies; a
+    malformed file is refused naming the field and the fix."""
+    import json
+
+    from bench.calibrate_sim import FIELDS, load_params, measure
+    from resilient.coordinator import Store
+
+    store = Store(etcd_session.endpoints)
+    try:
+        got = measure(store, members=50, samples=5, big_kb=64)
+    finally:
+        store.close()
+    fitted = got["fitted"]
+    assert set(fitted) == set(FIELDS) and all(v >= 0 for v in fitted.values())
+    assert fitted["read"] > 0 and fitted["write"] > 0 and fitted["txn"] > 0 and fitted["lease"] > 0
+    path = tmp_path / "params.json"
+    path.write_text(json.dumps({"v": 1, "fitted": fitted}))
+    lat = load_params(str(path))
+    assert SimStore(Clock(), lat).lat.txn == fitted["txn"]
+    path.write_text(json.dumps({"v": 1, "fitted": {**fitted, "watch": -1}}))
+    with pytest.raises(ConfigError, match="fitted.watch .*rerun bench/calibrate_sim.py"):
+        load_params(str(path))
