@@ -27,7 +27,7 @@ from typing import Protocol
 from resilient.coordinator.delta import EpochState
 from resilient.coordinator.epoch import Epoch
 from resilient.coordinator.ring import IncrementalRing
-from resilient.coordinator.straggler import RingNeighbours
+from resilient.coordinator.straggler import ListRing, RingNeighbours
 
 
 class EpochView(RingNeighbours, Protocol):
@@ -52,14 +52,13 @@ class EpochView(RingNeighbours, Protocol):
         ...
 
 
-class EpochIndex:
+class EpochIndex(ListRing):
     """:class:`EpochView` of a full :class:`~.epoch.Epoch` (indexed once: O(N))."""
 
     def __init__(self, epoch: Epoch) -> None:
+        super().__init__(epoch.members)
         self._epoch = epoch
-        self._ring: tuple[str, ...] = tuple(epoch.members)
-        self._pos = {m: i for i, m in enumerate(self._ring)}
-        self._demoted = frozenset(m for m, r in epoch.roles.items() if r == "demoted" and m in self._pos)
+        self._demoted = frozenset(m for m, r in epoch.roles.items() if r == "demoted" and m in self)
         tree = epoch.plan.get("tree_parent") or []
         self._tree: list[int] = [int(p) for p in tree] if isinstance(tree, list) else []
 
@@ -71,32 +70,15 @@ class EpochIndex:
     def extras(self) -> Mapping[str, object]:
         return self._epoch.plan
 
-    def __len__(self) -> int:
-        return len(self._ring)
-
-    def __contains__(self, member: object) -> bool:
-        return member in self._pos
-
-    def position(self, member: str) -> int:
-        return self._pos[member]
-
-    def successor(self, member: str) -> str | None:
-        i = self._pos.get(member)
-        return None if i is None else self._ring[(i + 1) % len(self._ring)]
-
-    def predecessor(self, member: str) -> str | None:
-        i = self._pos.get(member)
-        return None if i is None else self._ring[i - 1]
-
     def demoted(self) -> Set[str]:
         return self._demoted
 
     def leaf_parent(self, member: str) -> str | None:
-        i = self._pos.get(member)
-        if member not in self._demoted or i is None or i >= len(self._tree):
+        if member not in self._demoted:
             return None
-        p = self._tree[i]
-        return self._ring[p] if 0 <= p < len(self._ring) else None
+        i = self.position(member)
+        p = self._tree[i] if i < len(self._tree) else -1
+        return self.at(p) if 0 <= p < len(self) else None
 
 
 class StateView:

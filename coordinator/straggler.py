@@ -190,6 +190,10 @@ class ListRing:
         i = self._pos.get(member)
         return None if i is None else self._ring[i - 1]
 
+    def at(self, index: int) -> str:
+        """The id at ring ``index``."""
+        return self._ring[index]
+
 
 def window_features(record: HealthRecord) -> tuple[float, float, int] | None:
     """``(busy_s, op_s, ops)`` of one health record's window, or None if unusable."""
