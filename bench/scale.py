@@ -152,15 +152,20 @@ class Sim:
         return outcome, self.coord_cpu - cpu0, self.store.c.main_key_writes - w0
 
     def publish_after(self, t_event: float, what: str, debounce: float | None = None,
-                      late_reader: bool = False, must_publish: bool = True) -> dict | None:
-        """Run the clock to the debounce, reconcile, and record the epoch (virtual ms);
-        None when the pass published nothing and ``must_publish`` is off."""
+                      late_reader: bool = False) -> dict:
+        """Run the clock to the debounce, reconcile, and record the epoch (virtual ms)."""
+        rec = self.maybe_publish(t_event, what, debounce, late_reader)
+        assert rec is not None, f"{what}: the coordinator published nothing"
+        return rec
+
+    def maybe_publish(self, t_event: float, what: str, debounce: float | None = None,
+                      late_reader: bool = False) -> dict | None:
+        """:meth:`publish_after`, or None when the pass published nothing."""
         debounce = self.coord.config.debounce if debounce is None else debounce
         self.clock.run_until(self.clock.now + debounce)
         outcome, cpu, writes = self.reconcile()
-        if outcome != "published" and not must_publish:
+        if outcome != "published":
             return None
-        assert outcome == "published", f"{what}: the coordinator said {outcome}"
         t_commit = self.clock.now
         raw = self.store.get(keys.epoch(JOB)).value
         d = parse_delta(raw)
@@ -200,13 +205,13 @@ class Sim:
         for a in self.agents:
             if not a.alive:
                 continue
-            got = derived.get(a.held)
-            if got is None:
+            res = derived.get(a.held)
+            if res is None:
                 nxt = hashlib.sha256(f"{a.held}:{rec_digest}".encode()).hexdigest()
                 state = resolve(self.store, JOB, d, self.held_states.get(a.held))
-                got = derived[a.held] = (nxt, state, state.derive_hash())
-            assert got[2] == d.plan_hash, f"agent {a.node} derived {got[2]}, the epoch says {d.plan_hash}"
-            a.held = got[0]
+                res = derived[a.held] = (nxt, state, state.derive_hash())
+            assert res[2] == d.plan_hash, f"agent {a.node} derived {res[2]}, the epoch says {d.plan_hash}"
+            a.held = res[0]
             checked += 1
         self.held_states = {nxt: state for nxt, state, _ in derived.values()}
         derive = statistics.median(cpu) if cpu else 0.0
@@ -346,6 +351,7 @@ def run_sim(args: argparse.Namespace) -> dict:
     t_slow = sim.clock.now
     if args.straggler_policy:   # the real detector, fed health windows of the node's 8 ranks
         for w in range(4 * StragglerConfig().confirm_windows + 4):
+            assert coord._pub is not None
             number = coord._pub.number
             for r in s.ranks:
                 m = f"{s.node}-g{r}"
@@ -353,8 +359,9 @@ def run_sim(args: argparse.Namespace) -> dict:
                                                             wait_s={} if m == slow_id else {"x": 0.5}),
                              s.lease)
             sim.clock.advance(1.0)
-            got = sim.publish_after(t_slow, "straggler probe/demote", must_publish=False)
+            got = sim.maybe_publish(t_slow, "straggler probe/demote")
             assert got is None or got["cause"] == "health", got
+            assert coord._pub is not None
             if coord._pub.state.roles.get(slow_id) == "demoted":
                 break
         else:

@@ -41,7 +41,7 @@ class Clock:
 
     def __init__(self) -> None:
         self.now = 1_000_000.0
-        self._heap: list = []
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._running = False
 
@@ -95,7 +95,7 @@ class Counters:
     expiries: int = 0
     history_bytes: int = 0        # since the last compaction
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, int]:
         return dict(self.__dict__)
 
 
@@ -103,11 +103,12 @@ class Counters:
 class _Lease:
     ttl: float
     expires: float
-    keys: set = field(default_factory=set)
+    keys: set[str] = field(default_factory=set)
 
 
 class _Watch:
-    def __init__(self, store: "SimStore", prefix: str, is_prefix: bool, cb: Callable) -> None:
+    def __init__(self, store: "SimStore", prefix: str, is_prefix: bool,
+                 cb: Callable[[list[WatchEvent]], None]) -> None:
         self.store, self.prefix, self.is_prefix, self.cb = store, prefix, is_prefix, cb
 
     def matches(self, key: str) -> bool:
@@ -219,7 +220,7 @@ class SimStore:
 
     def snapshot_page(self, prefix: str, start: str, limit: int, revision: int = 0) -> tuple[list[KV], int, bool]:
         i = bisect.bisect_left(self._sorted, start)
-        out = []
+        out: list[KV] = []
         while i < len(self._sorted) and self._sorted[i].startswith(prefix) and len(out) < limit:
             out.append(self._kv[self._sorted[i]])
             i += 1
@@ -263,7 +264,7 @@ class SimStore:
         if c.target == "value":
             actual = kv.value if kv else b""
         want = c.operand
-        return {"==": actual == want, "!=": actual != want, ">": actual > want, "<": actual < want}[c.op]
+        return bool({"==": actual == want, "!=": actual != want, ">": actual > want, "<": actual < want}[c.op])
 
     def txn(self, compare: Iterable[Compare], success: Iterable[Put | Delete],
             failure: Iterable[Put | Delete] = ()) -> bool:
@@ -361,13 +362,14 @@ class SimStore:
 
     # -- watches -------------------------------------------------------------------------
 
-    def watch_prefix(self, prefix: str, start_revision: int | None, callback: Callable,
+    def watch_prefix(self, prefix: str, start_revision: int | None, callback: Callable[[list[WatchEvent]], None],
                      prev_kv: bool = False, is_prefix: bool = True) -> _Watch:
         w = _Watch(self, prefix, is_prefix, callback)
         self._watches.add(w)
         return w
 
-    def watch_key(self, key: str, start_revision: int | None, callback: Callable) -> _Watch:
+    def watch_key(self, key: str, start_revision: int | None,
+                  callback: Callable[[list[WatchEvent]], None]) -> _Watch:
         return self.watch_prefix(key, start_revision, callback, is_prefix=False)
 
     def revision(self, within: str = "/resilient/") -> int:
