@@ -20,6 +20,7 @@ stops refreshing one node and measures the epoch that removes it. One JSON line.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -29,13 +30,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.calibrate_sim import DEFAULT_OUT as DEFAULT_PARAMS, load_params  # noqa: E402
 from bench.sim_store import Clock, Latency, SimStore  # noqa: E402
 from resilient.coordinator import keys  # noqa: E402
 from resilient.coordinator.delta import EpochState, is_delta, parse_delta, resolve  # noqa: E402
 from resilient.coordinator.directory import NodeRecord  # noqa: E402
-from resilient.coordinator.health import DemotionRule  # noqa: E402
+from resilient.coordinator.health import DemotionRule, StragglerPolicy, make_record, write_health  # noqa: E402
 from resilient.coordinator.membership import MemberInfo  # noqa: E402
 from resilient.coordinator.service import Coordinator, CoordinatorConfig  # noqa: E402
+from resilient.coordinator.straggler import StragglerConfig  # noqa: E402
 
 JOB = "scale"
 #: proxy -> agent send cost per watcher and event (grpc-proxy fan-out), seconds
@@ -54,7 +57,10 @@ class Agent:
         self.alive = True
         self.ranks = list(range(sim.args.gpus_per_node))
         self.lease = 0
-        self.state: EpochState | None = None   # sample agents only
+        self.state: EpochState | None = None   # sample agents only: their own copy
+        #: the agent's input so far: a digest chaining the state it loaded and every
+        #: record it was delivered since (equal digests: equal states, see Sim.deliver)
+        self.held = ""
 
     def record(self) -> bytes:
         infos = tuple(MemberInfo(member_id=f"{self.node}-g{r}", host=self.node, local_rank=r,
@@ -84,13 +90,17 @@ class Sim:
         self.args = args
         self.rng = random.Random(args.seed)
         self.clock = Clock()
-        self.store = SimStore(self.clock)
+        self.latency_source = args.sim_params or (DEFAULT_PARAMS if os.path.exists(DEFAULT_PARAMS) else "defaults")
+        self.store = SimStore(self.clock, None if self.latency_source == "defaults" else load_params(
+            self.latency_source))
         n = args.gpus // args.gpus_per_node
         self.agents = [Agent(self, i) for i in range(n)]
         self.last_keepalive: dict[int, float] = {}
         self.coord_cpu = 0.0
         self.epochs: list[dict] = []
         self.samples: list[Agent] = []
+        #: the state every agent whose input digest (Agent.held) is the key holds
+        self.held_states: dict[str, EpochState] = {}
         self.coord: Coordinator | None = None
         self.leader_lease = 0
 
@@ -144,16 +154,25 @@ class Sim:
     def publish_after(self, t_event: float, what: str, debounce: float | None = None,
                       late_reader: bool = False) -> dict:
         """Run the clock to the debounce, reconcile, and record the epoch (virtual ms)."""
+        rec = self.maybe_publish(t_event, what, debounce, late_reader)
+        assert rec is not None, f"{what}: the coordinator published nothing"
+        return rec
+
+    def maybe_publish(self, t_event: float, what: str, debounce: float | None = None,
+                      late_reader: bool = False) -> dict | None:
+        """:meth:`publish_after`, or None when the pass published nothing."""
         debounce = self.coord.config.debounce if debounce is None else debounce
         self.clock.run_until(self.clock.now + debounce)
         outcome, cpu, writes = self.reconcile()
-        assert outcome == "published", f"{what}: the coordinator said {outcome}"
+        if outcome != "published":
+            return None
         t_commit = self.clock.now
         raw = self.store.get(keys.epoch(JOB)).value
         d = parse_delta(raw)
         rec = {"what": what, "number": d.number, "bytes": len(raw), "cpu_ms": cpu * 1000, "writes": writes,
                "publish_ms": (t_commit - t_event) * 1000, "removed": len(d.removed), "added": len(d.added),
-               "cause": d.cause, "snapshot_epoch": d.snapshot == d.number}
+               "cause": d.cause, "snapshot_epoch": d.snapshot == d.number,
+               "avoid_links": len(d.extras.get("avoid") or [])}
         rec.update(self.deliver(raw, d, t_commit, late_reader))
         self.epochs.append(rec)
         return rec
@@ -161,8 +180,15 @@ class Sim:
     # -- agents ----------------------------------------------------------------------------
 
     def deliver(self, raw: bytes, d, t_commit: float, late_reader: bool = False) -> dict:
-        """Every agent gets ``raw`` through a grpc-proxy; sample agents derive the plan
-        from their own state and check the hash; one late reader resolves from scratch."""
+        """Every agent gets ``raw`` through a grpc-proxy and checks the plan hash it
+        derives. Sample agents derive from their own copy of the state. Every other live
+        agent's derivation is shared with the agents of equal input: its state is a pure,
+        deterministic function of the state it loaded and the records delivered since
+        (``resolve`` + ``derive_hash``: no clock, no randomness, no I/O but the same
+        store), so agents whose digest of that input (:attr:`Agent.held`) is equal hold
+        equal states and derive equal hashes; it is derived once per distinct digest and
+        checked for every agent. 12,500 separate copies of a 100k-member state would not
+        fit this machine's memory. One late reader resolves from scratch."""
         cpu = []
         for a in self.samples:
             t0 = time.process_time()
@@ -173,6 +199,21 @@ class Sim:
         if late_reader:
             late = resolve(self.store, JOB, d, None)
             assert late.derive_hash() == d.plan_hash, "a late reader (snapshot + history) derived another plan"
+        rec_digest = hashlib.sha256(raw).hexdigest()
+        derived: dict[str, tuple[str, EpochState, str]] = {}
+        checked = 0
+        for a in self.agents:
+            if not a.alive:
+                continue
+            res = derived.get(a.held)
+            if res is None:
+                nxt = hashlib.sha256(f"{a.held}:{rec_digest}".encode()).hexdigest()
+                state = resolve(self.store, JOB, d, self.held_states.get(a.held))
+                res = derived[a.held] = (nxt, state, state.derive_hash())
+            assert res[2] == d.plan_hash, f"agent {a.node} derived {res[2]}, the epoch says {d.plan_hash}"
+            a.held = res[0]
+            checked += 1
+        self.held_states = {nxt: state for nxt, state, _ in derived.values()}
         derive = statistics.median(cpu) if cpu else 0.0
         per_proxy = -(-len(self.agents) // self.args.proxies)
         times = []
@@ -183,7 +224,8 @@ class Sim:
             times.append(self.store.lat.watch + NET + (pos + 1) * PROXY_SEND + NET + derive + LOCAL_FANOUT)
         times.sort()
         return {"deliver_p99_ms": times[int(0.99 * (len(times) - 1))] * 1000, "agent_derive_ms": derive * 1000,
-                "agents_deriving": len(self.samples) + late_reader}
+                "agents_deriving": len(self.samples) + late_reader, "agents_checked": checked,
+                "distinct_agent_inputs": len(derived)}
 
     def kill_node_silently(self, a: Agent) -> float:
         a.alive = False
@@ -202,11 +244,11 @@ class Sim:
 def run_sim(args: argparse.Namespace) -> dict:
     sim = Sim(args)
     t_setup = time.monotonic()
-    lat, sim.store.lat = sim.store.lat, Latency(0, 0, 0, 0, 0, 0)   # agents register in parallel
+    lat, sim.store.lat = sim.store.lat, Latency(0, 0, 0, 0, 0, 0, 0)   # agents register in parallel
     for a in sim.agents:
         a.register()
     sim.store.lat = lat
-    coord, _ = sim.become_leader("coord-a")
+    coord, _ = sim.become_leader("coord-a", StragglerPolicy() if args.straggler_policy else None)
     outcome, init_cpu, init_writes = sim.reconcile()
     assert outcome == "published", outcome
     raw = sim.store.get(keys.epoch(JOB)).value
@@ -217,6 +259,10 @@ def run_sim(args: argparse.Namespace) -> dict:
     for a in sim.samples:                         # its own copy and builds its own ring
         a.state = EpochState(first.number, first.infos, first.roles, first.extras, first.token)
         assert a.state.derive_hash() == d0.plan_hash
+    loaded = hashlib.sha256(raw).hexdigest()      # every agent loaded the first epoch
+    for a in sim.agents:
+        a.held = loaded
+    sim.held_states = {loaded: first}
     out: dict = {"gpus": args.gpus, "nodes": len(sim.agents), "initial_epoch_cpu_ms": round(init_cpu * 1000, 1),
                  "initial_epoch_writes": init_writes}
 
@@ -299,12 +345,31 @@ def run_sim(args: argparse.Namespace) -> dict:
             break
         rack_ep = sim.publish_after(sim.clock.now, "rack loss")
 
-    # -- a straggler: the detector (fed the rack summaries) demotes one rank: a role change
+    # -- a straggler: one rank is demoted: a role change
     s = sim.agents[11]
-    coord.health_policy = DemotionRule(lambda records, m=f"{s.node}-g5": {m})
+    slow_id = f"{s.node}-g5"
     t_slow = sim.clock.now
-    slow = sim.publish_after(t_slow, "straggler demoted")
-    assert slow["cause"] == "health", slow
+    if args.straggler_policy:   # the real detector, fed health windows of the node's 8 ranks
+        for w in range(4 * StragglerConfig().confirm_windows + 4):
+            assert coord._pub is not None
+            number = coord._pub.number
+            for r in s.ranks:
+                m = f"{s.node}-g{r}"
+                write_health(sim.store, JOB, m, make_record(m, number, w, ops=10, window_s=1.0,
+                                                            wait_s={} if m == slow_id else {"x": 0.5}),
+                             s.lease)
+            sim.clock.advance(1.0)
+            got = sim.maybe_publish(t_slow, "straggler probe/demote")
+            assert got is None or got["cause"] == "health", got
+            assert coord._pub is not None
+            if coord._pub.state.roles.get(slow_id) == "demoted":
+                break
+        else:
+            raise AssertionError("the straggler policy did not demote the slow rank")
+    else:
+        coord.health_policy = DemotionRule(lambda records, m=slow_id: {m})
+        slow = sim.publish_after(t_slow, "straggler demoted")
+        assert slow["cause"] == "health", slow
 
     # -- the crashed rank restarts: the node record with 8 ranks again (a join epoch)
     a.ranks = list(range(args.gpus_per_node))
@@ -324,7 +389,7 @@ def run_sim(args: argparse.Namespace) -> dict:
     t_fail = sim.clock.now
     while sim.store.get(keys.leader(JOB)) is not None:
         sim.clock.run_until(sim.clock.now + 0.05)
-    c2, load_cpu = sim.become_leader("coord-b", coord.health_policy)
+    c2, load_cpu = sim.become_leader("coord-b", StragglerPolicy() if args.straggler_policy else coord.health_policy)
     outcome, resolve_cpu, _ = sim.reconcile()
     assert outcome == "unchanged", outcome
     out["failover_takeover_ms"] = round((sim.clock.now - t_fail) * 1000, 1)
@@ -344,6 +409,12 @@ def run_sim(args: argparse.Namespace) -> dict:
     scenario = [ep for ep in sim.epochs]
     out["writes_per_epoch"] = max(ep["writes"] for ep in scenario)
     out["coordinator_cpu_ms_per_epoch"] = round(max(ep["cpu_ms"] for ep in scenario), 2)
+    out["straggler_policy"] = bool(args.straggler_policy)
+    # epochs whose plan avoids links (the detector's probe): the planner's swaps need the full plan
+    avoiding = [ep["cpu_ms"] for ep in scenario if ep["avoid_links"]]
+    out["cpu_ms_per_epoch_without_avoided_links"] = round(
+        max(ep["cpu_ms"] for ep in scenario if not ep["avoid_links"]), 2)
+    out["cpu_ms_per_epoch_avoiding_links"] = round(max(avoiding), 2) if avoiding else None
     out["publish_ms_after_crash"] = round(crash["publish_ms"], 1)
     out["publish_ms_after_silent_loss"] = round(loss["publish_ms"], 1)
     out["deliver_p99_ms"] = round(max(ep["deliver_p99_ms"] for ep in scenario), 1)
@@ -354,7 +425,11 @@ def run_sim(args: argparse.Namespace) -> dict:
     out["etcd_db_mb_after_hour"] = round(2 * (sim.store.live_bytes + hour_history) / 1e6, 1)
     out["plan_hash_agree"] = True
     out["agents_deriving_per_epoch"] = len(sim.samples)
+    out["agents_checked_per_epoch"] = min(ep["agents_checked"] for ep in scenario)
+    out["distinct_agent_inputs_max"] = max(ep["distinct_agent_inputs"] for ep in scenario)
     out["epochs"] = [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in ep.items()} for ep in scenario]
+    out["sim_latency"] = {"source": os.path.relpath(sim.latency_source) if sim.latency_source != "defaults"
+                          else "defaults", **{k: round(v * 1000, 3) for k, v in vars(sim.store.lat).items()}}
     out["sim_wall_s"] = round(time.monotonic() - t_setup, 1)
     out["loadavg"] = open("/proc/loadavg").read().split()[:3]
     return out
@@ -372,6 +447,10 @@ def main() -> None:
     ap.add_argument("--reload-interval", type=float, default=300.0, help="coordinator's paged full re-read, s")
     ap.add_argument("--derive-sample", type=int, default=8, help="agents that derive every plan themselves")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--sim-params", default=None,
+                    help="latency file from bench/calibrate_sim.py (default: bench/sim_params.json when present)")
+    ap.add_argument("--straggler-policy", action="store_true",
+                    help="run the coordinator with the straggler policy (the real detector) throughout")
     ap.add_argument("--real-etcd", action="store_true")
     ap.add_argument("--nodes", type=int, default=12_500)
     ap.add_argument("--client-processes", type=int, default=4)

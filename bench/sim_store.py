@@ -7,10 +7,11 @@ etcd's limits and counting what a real etcd would do.
   :data:`MAX_RESPONSE` (the client's 4 MiB gRPC receive limit) fails with gRPC's
   ``received message larger than max``; expired leases are revoked at most
   :data:`REVOKES_PER_S` per second, checked every :data:`EXPIRY_TICK` s (etcd's lessor).
-* Latencies (:class:`Latency`) are added to the virtual clock by each call. Their
-  defaults are estimates for a local etcd 3.4, not yet calibrated by a script: they are
-  consistent with ``bench/control_plane.py`` (an epoch 27-38 ms after a revoke, 20 ms of
-  it debounce) but no calibration mode exists yet (docs/scale.md).
+* Latencies (:class:`Latency`) are added to the virtual clock by each call.
+  ``bench/calibrate_sim.py`` fits them to the real etcd here (medians of get, range
+  read per MB, put, put per MB, txn, lease calls and watch delivery) and writes
+  ``bench/sim_params.json``, which bench/scale.py loads when present; the defaults are
+  estimates for a local etcd 3.4, consistent with ``bench/control_plane.py``.
 * Counters: raft writes (puts, successful txns, deletes, revokes, grants, expiries), key
   writes (ops inside txns), keep-alives, bytes written, watch events delivered; a model of
   the DB size (live bytes plus the history kept since the last compaction).
@@ -40,7 +41,7 @@ class Clock:
 
     def __init__(self) -> None:
         self.now = 1_000_000.0
-        self._heap: list = []
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._running = False
 
@@ -70,7 +71,8 @@ class Clock:
 
 @dataclass
 class Latency:
-    """Seconds per call (virtual); estimates for a local etcd 3.4 (see the module docstring)."""
+    """Seconds per call (virtual). The defaults are estimates for a local etcd 3.4;
+    ``bench/calibrate_sim.py`` measures them here and bench/scale.py loads its file."""
 
     read: float = 0.0004          # a small range
     read_per_mb: float = 0.012    # plus, per MB returned
@@ -78,6 +80,7 @@ class Latency:
     write_per_mb: float = 0.010
     lease: float = 0.0006         # grant / revoke / ttl
     watch: float = 0.0008         # etcd -> watcher, one event
+    txn: float = 0.0020           # a transaction (compares + ops), plus write_per_mb of its ops
 
 
 @dataclass
@@ -92,7 +95,7 @@ class Counters:
     expiries: int = 0
     history_bytes: int = 0        # since the last compaction
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, int]:
         return dict(self.__dict__)
 
 
@@ -100,11 +103,12 @@ class Counters:
 class _Lease:
     ttl: float
     expires: float
-    keys: set = field(default_factory=set)
+    keys: set[str] = field(default_factory=set)
 
 
 class _Watch:
-    def __init__(self, store: "SimStore", prefix: str, is_prefix: bool, cb: Callable) -> None:
+    def __init__(self, store: "SimStore", prefix: str, is_prefix: bool,
+                 cb: Callable[[list[WatchEvent]], None]) -> None:
         self.store, self.prefix, self.is_prefix, self.cb = store, prefix, is_prefix, cb
 
     def matches(self, key: str) -> bool:
@@ -216,7 +220,7 @@ class SimStore:
 
     def snapshot_page(self, prefix: str, start: str, limit: int, revision: int = 0) -> tuple[list[KV], int, bool]:
         i = bisect.bisect_left(self._sorted, start)
-        out = []
+        out: list[KV] = []
         while i < len(self._sorted) and self._sorted[i].startswith(prefix) and len(out) < limit:
             out.append(self._kv[self._sorted[i]])
             i += 1
@@ -260,7 +264,7 @@ class SimStore:
         if c.target == "value":
             actual = kv.value if kv else b""
         want = c.operand
-        return {"==": actual == want, "!=": actual != want, ">": actual > want, "<": actual < want}[c.op]
+        return bool({"==": actual == want, "!=": actual != want, ">": actual > want, "<": actual < want}[c.op])
 
     def txn(self, compare: Iterable[Compare], success: Iterable[Put | Delete],
             failure: Iterable[Put | Delete] = ()) -> bool:
@@ -269,7 +273,7 @@ class SimStore:
         self._check_request(size)
         ok = all(self._holds(c) for c in compare)
         ops = success if ok else failure
-        self._cost(self.lat.write, self.lat.write_per_mb, size)
+        self._cost(self.lat.txn, self.lat.write_per_mb, size)
         if not ops:
             return ok
         self._rev += 1
@@ -358,13 +362,14 @@ class SimStore:
 
     # -- watches -------------------------------------------------------------------------
 
-    def watch_prefix(self, prefix: str, start_revision: int | None, callback: Callable,
+    def watch_prefix(self, prefix: str, start_revision: int | None, callback: Callable[[list[WatchEvent]], None],
                      prev_kv: bool = False, is_prefix: bool = True) -> _Watch:
         w = _Watch(self, prefix, is_prefix, callback)
         self._watches.add(w)
         return w
 
-    def watch_key(self, key: str, start_revision: int | None, callback: Callable) -> _Watch:
+    def watch_key(self, key: str, start_revision: int | None,
+                  callback: Callable[[list[WatchEvent]], None]) -> _Watch:
         return self.watch_prefix(key, start_revision, callback, is_prefix=False)
 
     def revision(self, within: str = "/resilient/") -> int:

@@ -36,7 +36,7 @@ import logging
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Collection, Iterable, Mapping
+from typing import TYPE_CHECKING, Collection, Container, Iterable, Mapping
 
 from resilient.coordinator import keys, records
 from resilient.coordinator.health import StragglerPolicy
@@ -46,6 +46,7 @@ from resilient.errors import ConfigError, RecordError
 
 if TYPE_CHECKING:  # pragma: no cover
     from resilient.coordinator.epoch import Epoch
+    from resilient.coordinator.epoch_view import EpochView
     from resilient.coordinator.store import Store
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,7 @@ class EvictionBook:
         self.events: list[tuple[float, str, str]] = []
 
     def update(self, confirmed: Iterable[str], alive: Collection[str], requests: Mapping[str, int],
-               ring: Collection[str], epoch: int, now: float) -> tuple[set[str], set[str], set[str]]:
+               ring: Container[str], epoch: int, now: float) -> tuple[set[str], set[str], set[str]]:
         """``confirmed``: members of the ring the detector confirms slow; ``alive``: every
         live member (lease held: ring, evicted, joiners); ``requests``: member -> epoch
         its re-admission request answers; ``ring``/``epoch``: the current epoch's members
@@ -244,16 +245,20 @@ class EvictPolicy(StragglerPolicy):
     def needs(self) -> PolicyNeeds:
         return PolicyNeeds(health=True, epoch=True, readmit_requests=True, scores=True)
 
-    def verdict(self, records: Mapping[str, HealthRecord], epoch: Epoch | None, alive: Collection[str],
+    def verdict(self, records: Mapping[str, HealthRecord], epoch: EpochView | None, alive: Collection[str],
                 requests: Mapping[str, int]) -> Verdict:
         return self.evaluate_alive(records, epoch, alive, requests)
 
-    def evaluate_alive(self, records: Mapping[str, HealthRecord], epoch: Epoch | None, alive: Collection[str],
-                       requests: Mapping[str, int], now: float | None = None) -> Verdict:
+    def evaluate_alive(self, records: Mapping[str, HealthRecord], epoch: Epoch | EpochView | None,
+                       alive: Collection[str], requests: Mapping[str, int], now: float | None = None) -> Verdict:
+        from resilient.coordinator.epoch_view import view_of   # epoch.py reaches this module lazily
+
         now = time.time() if now is None else now
-        if epoch is not None and not self._seeded:
+        view = None if epoch is None else view_of(epoch)
+        if view is not None and not self._seeded:
             self._seeded = True
-            self.book.seed(epoch.plan.get("evicted") or {}, alive)
+            seen = view.extras.get("evicted") or {}
+            self.book.seed(seen if isinstance(seen, dict) else {}, alive)
         recs: dict[str, HealthRecord] = {}
         for m, r in records.items():   # probation: only windows of the re-admission epoch on
             since = self.book.probation_epoch(m)
@@ -263,9 +268,9 @@ class EvictPolicy(StragglerPolicy):
             except (TypeError, ValueError, AttributeError):
                 continue
             recs[m] = r
-        v = super().evaluate(recs, epoch, now)
-        ring = list(epoch.members) if epoch is not None else []
-        _, _, refused = self.book.update(v.demoted, alive, requests, ring, epoch.number if epoch else 0, now)
+        v = super().evaluate(recs, view, now)
+        ring: Container[str] = view if view is not None else ()
+        _, _, refused = self.book.update(v.demoted, alive, requests, ring, view.number if view else 0, now)
         for m in refused:   # over the cap: not a leaf either, back to ok (like the detector's own cap)
             st = self.detector.members.get(m)
             if st is not None:

@@ -44,6 +44,7 @@ from resilient.errors import ConfigError, RecordError
 
 if TYPE_CHECKING:  # pragma: no cover - epoch.py reaches eviction.py (and so this module) lazily
     from resilient.coordinator.epoch import Epoch
+    from resilient.coordinator.epoch_view import EpochView
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class DemotionRule(NoEvictions):
     def leaf_deadline_ms(self) -> float | None:
         return None
 
-    def verdict(self, records: Mapping[str, HealthRecord], epoch: Epoch | None, alive: Collection[str],
+    def verdict(self, records: Mapping[str, HealthRecord], epoch: EpochView | None, alive: Collection[str],
                 requests: Mapping[str, int]) -> Verdict:
         return Verdict(demoted=frozenset(self.fn(records)), avoid=frozenset())
 
@@ -315,27 +316,29 @@ class StragglerPolicy(NoEvictions):
     def needs(self) -> PolicyNeeds:
         return PolicyNeeds(health=True, epoch=True, scores=True)
 
-    def verdict(self, records: Mapping[str, HealthRecord], epoch: Epoch | None, alive: Collection[str],
+    def verdict(self, records: Mapping[str, HealthRecord], epoch: EpochView | None, alive: Collection[str],
                 requests: Mapping[str, int]) -> Verdict:
         return self.evaluate(records, epoch)
 
-    def evaluate(self, records: Mapping[str, HealthRecord], epoch: Epoch | None,
+    def evaluate(self, records: Mapping[str, HealthRecord], epoch: Epoch | EpochView | None,
                  now: float | None = None) -> Verdict:
+        """One pass of the detector over ``records`` on ``epoch``'s ring. Cost: the
+        records and the demoted members, each looked up in the view (O(log N) on the
+        coordinator's :class:`~.epoch_view.StateView`); a full :class:`~.epoch.Epoch`
+        is indexed first (O(N))."""
+        from resilient.coordinator.epoch_view import view_of   # epoch.py reaches this module lazily
+
         now = time.time() if now is None else now
         if epoch is None:
             return self.detector.update({}, (), 0, now)
+        view = view_of(epoch)
+        demoted = view.demoted()
         if self._seeded_from is None:   # a fresh leader: keep the demotions already published
-            self._seeded_from = epoch.number
-            for m, role in epoch.roles.items():
-                if role == "demoted" and m in epoch.members:
-                    self.detector.members[m] = MemberState(state=DEMOTED, since=now)
-        ring = list(epoch.members)
-        parents: set[str] = set()
-        tree = epoch.plan.get("tree_parent") or []
-        for i, m in enumerate(ring):
-            if epoch.roles.get(m) == "demoted" and i < len(tree) and 0 <= int(tree[i]) < len(ring):
-                parents.add(ring[int(tree[i])])
-        return self.detector.update(records, ring, epoch.number, now, exempt=parents)
+            self._seeded_from = view.number
+            for m in demoted:
+                self.detector.members[m] = MemberState(state=DEMOTED, since=now)
+        parents = {p for p in (view.leaf_parent(m) for m in demoted) if p is not None}
+        return self.detector.update(records, view, view.number, now, exempt=parents)
 
 
 if TYPE_CHECKING:  # pragma: no cover - static checks that both implement the protocol

@@ -148,39 +148,14 @@ _Keyed = tuple[str, tuple[int, int], str]
 
 def _separate(keyed: list[_Keyed], healthy: int, avoid: set[frozenset[str]]) -> list[_Keyed]:
     """Swap members so that no pair in ``avoid`` is adjacent in the ring (cyclically),
-    keeping swaps inside [0, healthy) or [healthy, n). Greedy and deterministic: for the
-    first bad edge, swap its second member with the nearest position that lowers the
-    number of bad edges; stop when none is left or no swap helps."""
-    ids = [k[2] for k in keyed]
-    n = len(ids)
+    keeping swaps inside [0, healthy) or [healthy, n) (:func:`.ring.separate`: greedy,
+    deterministic, the fewest swaps it finds)."""
+    from resilient.coordinator.ring import separate   # ring.py builds on this module
 
-    def bad_edges(order: list[str]) -> list[int]:
-        return [i for i in range(n) if frozenset((order[i], order[(i + 1) % n])) in avoid]
-
-    order = list(range(n))
-    cur = [ids[i] for i in order]
-    bad = bad_edges(cur)
-    for _ in range(2 * n):
-        if not bad:
-            break
-        improved = False
-        for i in bad:
-            j = (i + 1) % n
-            lo, hi = (0, healthy) if j < healthy else (healthy, n)
-            for dist in range(1, n):
-                for k in (j + dist, j - dist):
-                    if not lo <= k < hi or k == i:
-                        continue
-                    trial = list(order)
-                    trial[j], trial[k] = trial[k], trial[j]
-                    tb = bad_edges([ids[x] for x in trial])
-                    if len(tb) < len(bad):
-                        order, bad, improved = trial, tb, True
-                        break
-                if improved:
-                    break
-            if improved:
-                break
-        if not improved:
-            break
-    return [keyed[x] for x in order]
+    wanted = set().union(*avoid) if avoid else set()
+    pos = {k[2]: i for i, k in enumerate(keyed) if k[2] in wanted}
+    moves = separate(len(keyed), healthy, avoid, lambda i: keyed[i][2], pos.__getitem__)
+    out = list(keyed)
+    for final, base in moves.items():
+        out[final] = keyed[base]
+    return out

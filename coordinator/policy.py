@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 from resilient.coordinator.straggler import HealthRecord, Verdict
 
 if TYPE_CHECKING:  # pragma: no cover - epoch.py reaches eviction.py (and so health.py) lazily
-    from resilient.coordinator.epoch import Epoch
+    from resilient.coordinator.epoch_view import EpochView
 
 #: a liveness policy's ruling on one suspect: revoke its lease, drop the reports, or ask again later
 SuspectRuling = Literal["confirm", "dismiss", "wait"]
@@ -55,8 +55,9 @@ class LivenessPolicy(Protocol):
 @dataclass(frozen=True)
 class PolicyNeeds:
     """What the coordinator reads for a health policy each pass: ``health`` — the
-    ``health/`` records; ``epoch`` — the current epoch in full (ring, tree, roles; it also
-    makes the pass work on a stable copy of the directory); ``readmit_requests`` — the
+    ``health/`` records; ``epoch`` — the current epoch as an
+    :class:`~.epoch_view.EpochView` (ring neighbours, roles, leaf parents and plan extras
+    by lookup: O(log N) each on delta epochs, no planner run); ``readmit_requests`` — the
     ``readmit/`` requests; ``scores`` — publish the verdict's scores (``straggler`` key,
     metrics)."""
 
@@ -109,7 +110,7 @@ class HealthPolicy(Protocol):
         """Put into the plan of every epoch with a demoted member (None: lossless leaves)."""
         ...
 
-    def verdict(self, records: Mapping[str, HealthRecord], epoch: Epoch | None, alive: Collection[str],
+    def verdict(self, records: Mapping[str, HealthRecord], epoch: EpochView | None, alive: Collection[str],
                 requests: Mapping[str, int]) -> Verdict:
         """One pass: ``records`` (empty unless ``needs.health``), the current ``epoch``
         (None unless ``needs.epoch``, or before the first), the ``alive`` member ids, the

@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-from typing import Iterable, Sequence
+from typing import Callable, Collection, Iterable, Sequence
 
 from resilient.coordinator.planner import TOPOLOGY_LABELS, PlanMember
 
@@ -78,6 +78,14 @@ class IncrementalRing:
         del self._keys[i]
         self._demoted -= k[0][0] == "1"
 
+    def position(self, member_id: str) -> int:
+        """The member's index in :meth:`ring` (O(log N)); :class:`KeyError` if absent."""
+        return bisect.bisect_left(self._keys, self._key_of[member_id])
+
+    def at(self, index: int) -> str:
+        """The member id at ring ``index`` (negative counts from the end)."""
+        return self._keys[index][2]
+
     def ring(self) -> tuple[str, ...]:
         return tuple([k[2] for k in self._keys])
 
@@ -87,3 +95,71 @@ class IncrementalRing:
 
     def hash(self, avoid: Iterable[Sequence[str]] = ()) -> str:
         return plan_hash([k[2] for k in self._keys], self._demoted, avoid)
+
+
+def separate(n: int, healthy: int, avoid: Collection[frozenset[str]], at: Callable[[int], str],
+             position: Callable[[str], int]) -> dict[int, int]:
+    """The planner's link separation (:func:`.planner.plan` with ``avoid``) as sparse
+    moves: ``{final position: position in the sorted ring}`` for the positions it
+    changes, on a ring of ``n`` ids read through ``at`` (``position`` of an id: only
+    asked for ids in ``avoid`` pairs; :class:`KeyError` means not in the ring).
+
+    Greedy and deterministic: for the first bad edge (a pair in ``avoid`` adjacent,
+    cyclically), swap its second member with the nearest position inside the same part
+    ([0, ``healthy``) or [``healthy``, n)) that lowers the number of bad edges; stop when
+    none is left or no swap helps. A swap only changes the four edges at its two
+    positions, so each trial costs O(1), not O(n): the cost is O(|avoid| + trials)
+    lookups. The planner needs ``n >= 4``; smaller rings are returned unmoved."""
+    if n < 4 or not avoid:
+        return {}
+    src: dict[int, int] = {}
+
+    def get(p: int) -> str:
+        return at(src.get(p, p))
+
+    def is_bad(e: int) -> bool:
+        a, b = get(e), get((e + 1) % n)
+        return a != b and frozenset((a, b)) in avoid
+
+    bad: set[int] = set()
+    for pair in avoid:
+        for m in pair:
+            try:
+                p = position(m)
+            except KeyError:
+                continue
+            bad.update(e for e in ((p - 1) % n, p) if is_bad(e))
+
+    def swap(j: int, k: int) -> None:
+        sj, sk = src.get(j, j), src.get(k, k)
+        for pos, val in ((j, sk), (k, sj)):
+            if val == pos:
+                src.pop(pos, None)
+            else:
+                src[pos] = val
+
+    for _ in range(2 * n):
+        if not bad:
+            break
+        improved = False
+        for i in sorted(bad):
+            j = (i + 1) % n
+            lo, hi = (0, healthy) if j < healthy else (healthy, n)
+            for dist in range(1, max(j - lo, hi - 1 - j) + 1):
+                for k in (j + dist, j - dist):
+                    if not lo <= k < hi or k == i:
+                        continue
+                    touched = {(j - 1) % n, j, (k - 1) % n, k}
+                    swap(j, k)
+                    trial = (bad - touched) | {e for e in touched if is_bad(e)}
+                    if len(trial) < len(bad):
+                        bad, improved = trial, True
+                        break
+                    swap(j, k)   # undo
+                if improved:
+                    break
+            if improved:
+                break
+        if not improved:
+            break
+    return src

@@ -54,6 +54,7 @@ from resilient.coordinator.decide import Decision, Entry, EpochFacts, HealthOutc
 from resilient.coordinator.directory import Directory
 from resilient.coordinator.election import LeaderElection
 from resilient.coordinator.epoch import Epoch, EpochPlan, latest_valid_history
+from resilient.coordinator.epoch_view import EpochIndex, EpochView, StateView
 from resilient.coordinator.eviction import read_requests
 from resilient.coordinator.health import no_demotion, read_health, write_scores
 from resilient.coordinator.link_classes import SPEED_BAND, parse_speeds, speeds_from_health
@@ -131,6 +132,7 @@ class _Published:
     revision: int = 0              # mod revision of the epoch key, once read back
     epoch: Epoch | None = None     # the full Epoch when known (full form, or derived)
     delta: EpochDelta | None = None
+    _view: EpochIndex | None = None
 
     def full_epoch(self) -> Epoch:
         """The full :class:`~.epoch.Epoch` (derived from the delta once, when needed); a
@@ -140,6 +142,16 @@ class _Published:
                 raise RecordError(f"epoch {self.number} is held without its record", "epoch")
             self.epoch = self.state.to_epoch(self.delta)
         return self.epoch
+
+    def view(self) -> EpochView:
+        """The epoch as a health policy reads it (:mod:`.epoch_view`): the incremental
+        ring of a delta epoch (O(avoided links · log N) to build); a full record indexed
+        once (cached)."""
+        if self.form == "delta":
+            return StateView(self.state, self.number)   # the state changes in place: never cached
+        if self._view is None:
+            self._view = EpochIndex(self.full_epoch())
+        return self._view
 
 
 @dataclass(frozen=True)
@@ -369,7 +381,7 @@ class Coordinator:
                     self._last_ok = time.monotonic()
                     self._last_error = None
                     self.reconciles += 1
-                    self.shares.after_pass()
+                    self.shares.after_pass(self._pub.members if self._pub is not None else None)
                 except Exception as exc:   # never die on one pass: etcd down, or a record we did not foresee
                     if isinstance(exc, StoreUnavailable):
                         self._last_error = None
@@ -517,8 +529,9 @@ class Coordinator:
             marks = self._dirty.snapshot()
             full = self._full_pass or pub is None or corrupt is not None
             members: Mapping[str, Entry] = self._dir.members
-            # a policy fed the epoch scores every member: it gets a stable copy too
-            if full or len(members) < self.config.delta_min_members or needs.epoch:
+            # the evict policy iterates the live members: it gets a stable copy (the
+            # straggler policy only looks members up, and reads the epoch by lookup)
+            if full or len(members) < self.config.delta_min_members or needs.readmit_requests:
                 if self._members_copy[0] != self._dir.version:   # copied once per change, not per pass
                     self._members_copy = (self._dir.version, dict(members))
                 members = self._members_copy[1]
@@ -526,8 +539,8 @@ class Coordinator:
             node_of = self._dir.node_of
         confirmed, consumed, suspects_pending = self._check_suspects(members)
         alive = members if not confirmed else {m: v for m, v in dict(members).items() if m not in confirmed}
-        # only a policy that asks for it reads the epoch (ring, tree, roles): the full plan, once per epoch
-        epoch_view = pub.full_epoch() if pub is not None and needs.epoch else None
+        # only a policy that asks for it reads the epoch: by lookup (epoch_view.py), no planner run
+        epoch_view = pub.view() if pub is not None and needs.epoch else None
         departed, bad_markers = self._read_departed()
         # measured link speeds: full-record epochs only (a delta epoch's plan is derived by
         # every reader without them), and ``members`` is then a stable copy
@@ -691,7 +704,7 @@ class Coordinator:
             members.update(added)
         return _Published(number, members, state, "delta", d.snapshot, d.to_json(), 0, None, d)
 
-    def _health_verdict(self, epoch: Epoch | None, alive: Collection[str],
+    def _health_verdict(self, epoch: EpochView | None, alive: Collection[str],
                         health: Mapping[str, HealthRecord]) -> HealthOutcome:
         """The health policy's answer for this pass (:class:`~.decide.HealthOutcome`),
         filtered to ``alive``: demoted members and links to avoid as sorted [a, b] pairs,

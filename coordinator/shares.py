@@ -16,7 +16,8 @@ key                         value                                            lea
 
 Members write their rate (:func:`write_rate`, e.g. samples of their last steps / the
 steps' compute seconds) at a low rate; the coordinator leader (:class:`SharePublisher`,
-called after every reconcile pass) turns the rates of the members of the current epoch
+called after every reconcile pass with the current epoch's members from its in-memory
+state, so the epoch is never re-read for it) turns the rates of those members
 into shares (:func:`compute_shares`: proportional to speed, with *hysteresis*: the
 published shares are kept until some member's share would move by more than
 ``hysteresis`` of its value, or the member set changed), and publishes them with a
@@ -36,7 +37,7 @@ import json
 import logging
 import math
 import time
-from typing import Iterable, Mapping, Sequence, TypedDict
+from typing import Collection, Iterable, Mapping, Sequence, TypedDict
 
 from resilient.coordinator import keys, records
 from resilient.coordinator.store import Store
@@ -186,18 +187,19 @@ class SharePublisher:
         self._last: SharesRecord | None = None
         self._loaded = False
 
-    def after_pass(self) -> bool:
-        """The coordinator's hook, after each reconcile pass: :meth:`publish` for the
-        members of the current epoch. Never raises (a failure is logged and the shares are
+    def after_pass(self, members: Collection[str] | None) -> bool:
+        """The coordinator's hook, after each reconcile pass: :meth:`publish` for
+        ``members``, the current epoch's members as the coordinator holds them in memory
+        (None: no epoch yet, nothing to do). It reads the rates (one range read per
+        pass) and never the epoch. Never raises (a failure is logged and the shares are
         retried next pass; batches stay as last published). Returns whether it wrote."""
-        from resilient.coordinator.epoch import read_epoch_lenient
-
+        if members is None:
+            return False
         try:
             rates = read_rates(self.store, self.job)
-            if not rates:   # nobody measures: nothing to do (one range read per pass)
+            if not rates:   # nobody measures: nothing to do
                 return False
-            epoch, _, _ = read_epoch_lenient(self.store, self.job)
-            return epoch is not None and self.publish(epoch.members, rates)
+            return self.publish(members, rates)
         except Exception as exc:  # noqa: BLE001 - shares are advisory; the pass itself succeeded
             log.warning("shares not published this pass, retrying next pass: %s: %s", type(exc).__name__, exc)
             return False

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Collection, Mapping, Sequence, TypedDict
+from typing import Collection, Mapping, Protocol, Sequence, TypedDict
 
 from resilient.errors import ConfigError
 
@@ -151,6 +151,50 @@ class Verdict:
     scores: dict[str, ScoreRow] = field(default_factory=dict, compare=False)
 
 
+class RingNeighbours(Protocol):
+    """The ring order as the detector looks it up: membership, positions, neighbours
+    (``None`` for an id not in the ring; ``position`` raises :class:`KeyError`)."""
+
+    def __len__(self) -> int: ...
+
+    def __contains__(self, member: object) -> bool: ...
+
+    def position(self, member: str) -> int: ...
+
+    def successor(self, member: str) -> str | None: ...
+
+    def predecessor(self, member: str) -> str | None: ...
+
+
+class ListRing:
+    """:class:`RingNeighbours` of a plain sequence of ids (indexed once: O(N))."""
+
+    def __init__(self, ring: Sequence[str]) -> None:
+        self._ring = tuple(ring)
+        self._pos = {m: i for i, m in enumerate(self._ring)}
+
+    def __len__(self) -> int:
+        return len(self._ring)
+
+    def __contains__(self, member: object) -> bool:
+        return member in self._pos
+
+    def position(self, member: str) -> int:
+        return self._pos[member]
+
+    def successor(self, member: str) -> str | None:
+        i = self._pos.get(member)
+        return None if i is None else self._ring[(i + 1) % len(self._ring)]
+
+    def predecessor(self, member: str) -> str | None:
+        i = self._pos.get(member)
+        return None if i is None else self._ring[i - 1]
+
+    def at(self, index: int) -> str:
+        """The id at ring ``index``."""
+        return self._ring[index]
+
+
 def window_features(record: HealthRecord) -> tuple[float, float, int] | None:
     """``(busy_s, op_s, ops)`` of one health record's window, or None if unusable."""
     try:
@@ -189,28 +233,29 @@ class StragglerDetector:
 
     # -- public -----------------------------------------------------------------------
 
-    def update(self, records: Mapping[str, HealthRecord], ring: Sequence[str], epoch: int, now: float,
-               exempt: Collection[str] = ()) -> Verdict:
+    def update(self, records: Mapping[str, HealthRecord], ring: Sequence[str] | RingNeighbours, epoch: int,
+               now: float, exempt: Collection[str] = ()) -> Verdict:
         """Consume new windows of the members in ``ring`` (the current epoch's ring
-        order, ``epoch`` its number) and return the verdict. ``now``: wall seconds,
-        compared with records' ``at``. ``exempt``: members serving demoted leaves (their
-        tree parents): their extra busy time is the leaf duty, so they are scored but never
-        newly suspected while it lasts."""
+        order as a sequence, or looked up through :class:`RingNeighbours`; ``epoch`` its
+        number) and return the verdict. ``now``: wall seconds, compared with records'
+        ``at``. ``exempt``: members serving demoted leaves (their tree parents): their
+        extra busy time is the leaf duty, so they are scored but never newly suspected
+        while it lasts. Cost: O((records + tracked members) · log N) with a
+        :class:`RingNeighbours` ring, independent of the ring's size otherwise."""
         c = self.config
-        members = list(ring)
-        for gone in set(self.members) - set(members):
+        view: RingNeighbours = ListRing(ring) if isinstance(ring, Sequence) else ring
+        n = len(view)
+        for gone in [m for m in self.members if m not in view]:
             del self.members[gone]
-        for link in [l for l in self.links if l[0] not in members or l[1] not in members]:
+        for link in [l for l in self.links if l[0] not in view or l[1] not in view]:
             del self.links[link]
         for link, since in list(self.links.items()):
             if now - since >= c.link_hold_s:
                 del self.links[link]
                 self.events.append((now, f"{link[0]}-{link[1]}", "link retried"))
         feats: dict[str, tuple[float, float, int]] = {}
-        for m in members:
-            rec = records.get(m)
-            if rec is None:
-                continue
+        for m in sorted((m for m in records if m in view), key=view.position):   # ring order
+            rec = records[m]
             try:
                 at = float(rec.get("at", 0.0))
             except (TypeError, ValueError):
@@ -224,8 +269,6 @@ class StragglerDetector:
             med_op = _median([f[1] for f in feats.values()])
             mad = 1.4826 * _median([abs(f[0] - med_busy) for f in feats.values()])
             slow_bar = max(c.mad_k * mad, c.shift * med_op)
-            succ = {m: members[(i + 1) % len(members)] for i, m in enumerate(members)}
-            pred = {m: members[i - 1] for i, m in enumerate(members)}
             for m, (busy, _op, _ops) in feats.items():
                 st = self.members.setdefault(m, MemberState(since=now))
                 rec = records[m]
@@ -237,7 +280,7 @@ class StragglerDetector:
                 st.score = excess / med_op if med_op > 0 else 0.0
                 if st.state == PROBE:
                     # Only windows measured on a ring without the probed edge say anything.
-                    if self._has_edge(st.probe_edge, succ, pred):
+                    if self._has_edge(st.probe_edge, view):
                         continue
                     st.probe_epoch = st.probe_epoch or epoch
                     try:
@@ -246,8 +289,8 @@ class StragglerDetector:
                     except (TypeError, ValueError):
                         continue
                 slow = excess > slow_bar and not (m in exempt and st.state == OK)
-                self._step(m, st, slow, st.score < c.release_shift, succ, len(members), epoch, now)
-        self._enforce_cap(len(members), now)
+                self._step(m, st, slow, st.score < c.release_shift, view, n, epoch, now)
+        self._enforce_cap(n, now)
         return self.verdict()
 
     def verdict(self) -> Verdict:
@@ -263,19 +306,19 @@ class StragglerDetector:
     # -- internals --------------------------------------------------------------------
 
     @staticmethod
-    def _has_edge(edge: tuple[str, str] | None, succ: Mapping[str, str], pred: Mapping[str, str]) -> bool:
+    def _has_edge(edge: tuple[str, str] | None, ring: RingNeighbours) -> bool:
         if edge is None:
             return False
         a, b = edge
-        return succ.get(a) == b or pred.get(a) == b
+        return ring.successor(a) == b or ring.predecessor(a) == b
 
-    def _step(self, m: str, st: MemberState, slow: bool, clear: bool, succ: Mapping[str, str],
+    def _step(self, m: str, st: MemberState, slow: bool, clear: bool, ring: RingNeighbours,
               n: int, epoch: int, now: float) -> None:
         c = self.config
         st.slow_run = st.slow_run + 1 if slow else 0
         st.clear_run = st.clear_run + 1 if clear else 0
         if st.state == OK and st.slow_run >= c.confirm_windows:
-            nxt = succ.get(m)
+            nxt = ring.successor(m)
             if c.link_probe and n >= c.min_members_for_links and nxt and nxt != m:
                 st.state, st.probe_edge, st.probe_epoch = PROBE, (m, nxt), 0
                 self.events.append((now, m, f"probe: slow; avoiding link {m}-{nxt}"))

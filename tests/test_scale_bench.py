@@ -9,22 +9,39 @@ import pytest
 from bench.scale import run_sim
 from bench.sim_store import MAX_REQUEST, Clock, SimStore
 from resilient.coordinator.store import Put
-from resilient.errors import LeaseExpired, StoreError
+from resilient.errors import ConfigError, LeaseExpired, StoreError
 
 KEYS = ("epoch_bytes_node_loss", "writes_per_epoch", "coordinator_cpu_ms_per_epoch", "coordinator_idle_core_fraction",
         "publish_ms_after_crash", "publish_ms_after_silent_loss", "deliver_p99_ms", "keepalives_per_s",
         "steady_writes_per_s", "etcd_db_mb_after_hour")
 
 
+def _args(**kw: object) -> argparse.Namespace:
+    base: dict[str, object] = dict(gpus=512, gpus_per_node=8, nodes_per_rack=8, ttl=5.0, proxies=4, steady=3.0,
+                                   summary_interval=15.0, reload_interval=300.0, derive_sample=4, seed=3,
+                                   straggler_policy=False, sim_params=None)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
 def test_small_simulation_runs_every_scenario_and_agrees_on_the_plan():
-    args = argparse.Namespace(gpus=512, gpus_per_node=8, nodes_per_rack=8, ttl=5.0, proxies=4, steady=3.0,
-                              summary_interval=15.0, reload_interval=300.0, derive_sample=4, seed=3)
-    out = run_sim(args)
+    out = run_sim(_args())
     assert set(KEYS) <= out.keys() and out["plan_hash_agree"] is True
     causes = [e["cause"] for e in out["epochs"]]
     assert causes == ["member_lost", "lease_expired", "lease_expired", "health", "joined", "member_lost"]
+    # every live agent checked every epoch's hash: 64 nodes less the silent loss, a rack, the last loss
+    assert [e["agents_checked"] for e in out["epochs"]] == [64, 63, 55, 55, 55, 54]
     assert out["epoch_bytes_node_loss"] < 2048 and out["writes_per_epoch"] <= 4
     assert out["keepalives_per_s"] == pytest.approx(64 / (5.0 / 3), rel=0.05)   # one lease per node
+
+
+def test_small_simulation_with_the_straggler_policy_probes_then_demotes():
+    """The real detector, fed one node's health windows, first avoids the slow rank's
+    link (an epoch with avoided links), then demotes it; every agent agrees on both."""
+    out = run_sim(_args(straggler_policy=True))
+    health = [e for e in out["epochs"] if e["cause"] == "health"]
+    assert [e["avoid_links"] for e in health] == [1, 0] and out["straggler_policy"] is True
+    assert out["plan_hash_agree"] is True and out["cpu_ms_per_epoch_avoiding_links"] is not None
 
 
 def test_sim_store_enforces_etcds_limits():
@@ -44,3 +61,29 @@ def test_sim_store_enforces_etcds_limits():
     assert st.get("/l") is None
     with pytest.raises(LeaseExpired):
         st.keepalive(lease)
+
+
+def test_calibration_measures_a_real_etcd_and_the_sim_loads_its_file(etcd_session, tmp_path):
+    """bench/calibrate_sim.py against the real etcd (few samples): every Latency field
+    fitted, non-negative; the file round-trips into the SimStore's latencies; a
+    malformed file is refused naming the field and the fix."""
+    import json
+
+    from bench.calibrate_sim import FIELDS, load_params, measure
+    from resilient.coordinator import Store
+
+    store = Store(etcd_session.endpoints)
+    try:
+        got = measure(store, members=50, samples=5, big_kb=64)
+    finally:
+        store.close()
+    fitted = got["fitted"]
+    assert set(fitted) == set(FIELDS) and all(v >= 0 for v in fitted.values())
+    assert fitted["read"] > 0 and fitted["write"] > 0 and fitted["txn"] > 0 and fitted["lease"] > 0
+    path = tmp_path / "params.json"
+    path.write_text(json.dumps({"v": 1, "fitted": fitted}))
+    lat = load_params(str(path))
+    assert SimStore(Clock(), lat).lat.txn == fitted["txn"]
+    path.write_text(json.dumps({"v": 1, "fitted": {**fitted, "watch": -1}}))
+    with pytest.raises(ConfigError, match="fitted.watch .*rerun bench/calibrate_sim.py"):
+        load_params(str(path))

@@ -101,3 +101,48 @@ def test_the_leader_publishes_shares_from_real_rates(etcd_session, job_name):
     finally:
         coord.close()
         store.close()
+
+
+class _CountingStore(Store):
+    """A real etcd Store that records the keys and prefixes it is asked to read."""
+
+    def __init__(self, endpoints) -> None:
+        super().__init__(endpoints)
+        self.reads: list[str] = []
+
+    def get(self, key, *a, **kw):
+        self.reads.append(key)
+        return super().get(key, *a, **kw)
+
+    def get_prefix(self, prefix, *a, **kw):
+        self.reads.append(prefix)
+        return super().get_prefix(prefix, *a, **kw)
+
+
+def test_the_publisher_reads_rates_not_the_epoch_each_pass(etcd_session, job_name):
+    """Real etcd, a real coordinator leader, members reporting rates: over several passes
+    the share publisher reads only ``rates/`` (plus the ``shares`` record once), never
+    the epoch: it takes the members from the coordinator's in-memory state."""
+    from resilient.coordinator import keys
+
+    store = Store(etcd_session.endpoints)
+    coord = CoordinatorThread(etcd_session.endpoints, job_name, join_debounce=0.05, resync_interval=0.1)
+    counting = _CountingStore(etcd_session.endpoints)
+    coord.coordinator.shares.store = counting
+    try:
+        a, b = (MemberSession.register(store, job_name, MemberInfo(member_id=m), ttl=5) for m in ("a", "b"))
+        EpochWatcher(store, job_name).wait_for(lambda e: set(e.members) == {"a", "b"}, 20)
+        sh.write_rate(store, job_name, "a", 200.0, a.lease_id)
+        sh.write_rate(store, job_name, "b", 100.0, b.lease_id)
+        wait_until(lambda: sh.read_shares(store, job_name) is not None, 20, "shares from both rates")
+        counting.reads.clear()
+        coord.wait_reconciles(5)
+        reads = list(counting.reads)
+        assert len(reads) >= 4 and set(reads) == {sh.rates_prefix(job_name)}, reads
+        assert not any(r.startswith(keys.epoch(job_name)) for r in reads)
+        a.close(revoke=True, reason="test")
+        b.close(revoke=True, reason="test")
+    finally:
+        coord.close()
+        counting.close()
+        store.close()
