@@ -26,6 +26,7 @@ swallow them; catch them by name where the recovery path handles them.
     │   ├── PeerUnreachable         a link to a live member stayed down past the op timeout
     │   └── RemovedFromGroup        this member was removed from the epoch (e.g. after SIGSTOP)
     │       └── Evicted             removed as a straggler (--straggler-policy evict); may rejoin
+    ├── UnsupportedOperation        a torch.distributed op the resilient backend lacks (also a NotImplementedError)
     ├── TrainingFinished            a joiner arrived after the job called State.finish()
     └── TransportError              a peer connection failed (also a built-in ConnectionError)
         ├── FrameError              a corrupt or unexpected frame arrived
