@@ -37,7 +37,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from resilient.chaos.members import member_id, member_index
 from resilient.chaos.scenario import Scenario, load_scenario
@@ -47,10 +47,9 @@ if TYPE_CHECKING:  # types only: torch is imported by the resilient backend itse
     import numpy as np
 
     from resilient.collectives import Communicator
+    from resilient.connection import ConnectedCommunicator
     from resilient.coordinator.epoch import EpochWatcher
     from resilient.coordinator.membership import MemberSession
-    from resilient.coordinator.store import Store
-    from resilient.transport.base import Transport
 
 #: What one op delivered: the result (None for a barrier), contributor member ids, and
 #: the ``[start, stop)`` slice a reduce_scatter result holds.
@@ -116,39 +115,84 @@ def main(argv: list[str] | None = None) -> int:
                    help="resilient: record rank metrics (PROMETHEUS_MULTIPROC_DIR names where) via the Communicator")
     args = p.parse_args(argv)
 
-    from resilient.coordinator.epoch import EpochWatcher
-    from resilient.coordinator.membership import MemberInfo, MemberSession
-    from resilient.coordinator.etcd_access import open_store_from_env
-
     sc = load_scenario(args.scenario)
     records = Path(args.records)
     out = open(records / f"member-{args.member}.jsonl", "a", buffering=1)
-    mid = member_id(args.member)
-    transport = None
-    op_start: dict[int, str] = {}
-    if args.backend == "resilient":
-        op_start = _take_op_start_failpoints()  # before resilient.collectives parses the rest
-        from resilient.transport.shaping import shaped_from_env
-        from resilient.transport.hybrid import make_transport
+    progress = {"seq": 0}
+    if args.backend == "oracle":
+        return _main_oracle(args, sc, out, records, progress)
+    op_start = _take_op_start_failpoints()  # before resilient.collectives parses the rest
+    from resilient.connection import connect
+    from resilient.errors import Cancelled
+    from resilient.transport.shaping import shaped_from_env
 
-        # RESILIENT_HOST: the runner places a member in a network namespace and names its address there
-        transport = shaped_from_env(make_transport(mid, args.job, host=os.environ.get("RESILIENT_HOST", "127.0.0.1")))
-        import resilient.collectives  # noqa: F401  (torch: paid before READY, not inside the timed run)
+    started = []
+
+    def registered(session: MemberSession) -> None:  # READY, then the runner's go (before the epoch wait)
+        print(f"READY {session.member_id} {session.lease_id} {os.getpid()}", flush=True)
+        if not _await_go(records):
+            raise SystemExit(2)
+        _fail_start_once(args)
+        started.append(True)
+
+    kwargs: dict[str, Any] = {}
+    if args.metrics:
+        from resilient.metrics import rank_metrics
+
+        kwargs["metrics"] = rank_metrics()
+    # RESILIENT_HOST, RESILIENT_HOST_LABEL (connect reads them): the runner places a member in a network namespace
+    # (and, for a scenario with `hosts:`, on an emulated host)
+    # and names its address there; RESILIENT_ETCD_* TLS/credentials come from the runner too
+    epoch_timeout = max(60.0, sc.op_timeout_s)
+    try:
+        comm = connect(args.etcd, args.job, member_id(args.member), timeout=epoch_timeout, ttl=sc.lease_ttl_s,
+                       wrap_transport=shaped_from_env, on_registered=registered,
+                       op_timeout=args.comm_op_timeout, epoch_timeout=epoch_timeout, **kwargs)
+        return _run_ops_resilient(args, sc, out, comm, records, progress, op_start)
+    except (Exception, Cancelled) as exc:  # record why, and exit now: lingering threads must not keep us alive
+        if not started:  # failed before the go (etcd unreachable, ...): not a run, nothing to record
+            raise
+        _record_crash(out, progress, exc)
+        os._exit(1)
+
+
+def _main_oracle(args: argparse.Namespace, sc: Scenario, out: TextIO, records: Path,
+                 progress: dict[str, int]) -> int:
+    """The ``oracle`` backend's member: a session and an epoch watcher, no data plane."""
+    from resilient.coordinator.epoch import EpochWatcher
+    from resilient.coordinator.etcd_access import open_store_from_env
+    from resilient.coordinator.membership import MemberInfo, MemberSession
+
     store = open_store_from_env(args.etcd)  # RESILIENT_ETCD_* TLS/credentials from the runner
-    # RESILIENT_HOST_LABEL: the runner's emulated host (scenario `hosts:`), else this machine's name
-    info = MemberInfo(member_id=mid, address=transport.address if transport is not None else "",
-                      host=os.environ.get("RESILIENT_HOST_LABEL") or socket.gethostname())
-    session = MemberSession.register(store, args.job, info, ttl=sc.lease_ttl_s)
+    session = MemberSession.register(store, args.job, MemberInfo(member_id=member_id(args.member), address=""),
+                                     ttl=sc.lease_ttl_s)
     watcher = EpochWatcher(store, args.job)
-    print(f"READY {mid} {session.lease_id} {os.getpid()}", flush=True)
+    print(f"READY {session.member_id} {session.lease_id} {os.getpid()}", flush=True)
+    if not _await_go(records):
+        return 2
+    _fail_start_once(args)
+    try:
+        return _run_ops(args, sc, out, session, watcher, records, progress)
+    except Exception as exc:  # record why, and exit now: lingering threads must not keep us alive
+        _record_crash(out, progress, exc)
+        os._exit(1)
+
+
+def _await_go(records: Path) -> bool:
+    """Wait (at most 120 s) for the runner's ``go`` file; False (said on stderr) when it
+    does not come or the runner died."""
     go = records / "go"
     deadline = time.monotonic() + 120
     while not go.exists():
         if time.monotonic() > deadline or _orphaned():
             print("no go file from the runner within 120 s (or the runner died)", file=sys.stderr)
-            return 2
+            return False
         time.sleep(0.01)
+    return True
 
+
+def _fail_start_once(args: argparse.Namespace) -> None:
+    """The ``--fail-start-once PATH`` test hook: the first member to create PATH exits 3."""
     if args.fail_start_once:
         try:
             os.close(os.open(args.fail_start_once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
@@ -156,21 +200,16 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(3)
         except FileExistsError:
             pass
-    progress = {"seq": 0}
-    try:
-        if args.backend == "oracle":
-            return _run_ops(args, sc, out, session, watcher, records, progress)
-        assert transport is not None  # the resilient backend made one above
-        return _run_ops_resilient(args, sc, out, session, watcher, store, transport, records, progress, op_start)
-    except Exception as exc:  # record why, and exit now: lingering threads must not keep us alive
-        out.write(json.dumps({"seq": progress["seq"], "start": time.time(), "end": None,
-                              "error": f"{type(exc).__name__}: {exc}"}) + "\n")
-        out.flush()
-        import traceback
 
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
+
+def _record_crash(out: TextIO, progress: dict[str, int], exc: BaseException) -> None:
+    out.write(json.dumps({"seq": progress["seq"], "start": time.time(), "end": None,
+                          "error": f"{type(exc).__name__}: {exc}"}) + "\n")
+    out.flush()
+    import traceback
+
+    traceback.print_exc()
+    sys.stderr.flush()
 
 
 def _run_one(comm: Communicator, spec: OpSpec, x: np.ndarray, member: int) -> OpResult:
@@ -239,22 +278,14 @@ def _run_one_retrying(comm: Communicator, spec: OpSpec, x: np.ndarray, member: i
     raise AssertionError("unreachable")
 
 
-def _run_ops_resilient(args: argparse.Namespace, sc: Scenario, out: TextIO, session: MemberSession,
-                       watcher: EpochWatcher, store: Store, transport: Transport, records: Path,
-                       progress: dict[str, int], op_start: dict[int, str]) -> int:
+def _run_ops_resilient(args: argparse.Namespace, sc: Scenario, out: TextIO, comm: ConnectedCommunicator,
+                       records: Path, progress: dict[str, int], op_start: dict[int, str]) -> int:
     """The ``resilient`` backend: every op through a real
-    :class:`~resilient.collectives.Communicator` over etcd + TCP (+ shaping)."""
-    from resilient.collectives import Communicator
-    from resilient.collectives.group import EtcdGroupView
-    from resilient.errors import RemovedFromGroup
+    :class:`~resilient.collectives.Communicator` over etcd + TCP (+ shaping), built by
+    :func:`resilient.connect`."""
+    from resilient.errors import Cancelled, RemovedFromGroup
 
-    kwargs = {}
-    if args.metrics:
-        from resilient.metrics import rank_metrics
-
-        kwargs["metrics"] = rank_metrics()
-    comm = Communicator(EtcdGroupView(store, args.job, session, watcher), transport,
-                        op_timeout=args.comm_op_timeout, epoch_timeout=max(60.0, sc.op_timeout_s), **kwargs)
+    transport, session, watcher = comm.transport, comm.session, comm.watcher
     end_file, end = records / "end", sc.workload.ops
     seq, rc = -1, 0
     while True:
@@ -283,7 +314,7 @@ def _run_ops_resilient(args: argparse.Namespace, sc: Scenario, out: TextIO, sess
                                   "error": f"RemovedFromGroup: {exc}"}) + "\n")
             rc = 3
             break
-        except Exception as exc:  # an op that raised is a lost op: record it, go on with the next
+        except (Exception, Cancelled) as exc:  # an op that raised is a lost op: record it, go on with the next
             out.write(json.dumps({"seq": seq, "start": start, "end": None,
                                   "error": f"{type(exc).__name__}: {exc}"}) + "\n")
             continue
@@ -317,10 +348,7 @@ def _run_ops_resilient(args: argparse.Namespace, sc: Scenario, out: TextIO, sess
     while rc == 0 and not stop_file.exists() and not session.lost.is_set() and not _orphaned():
         time.sleep(0.02)
     try:
-        comm.close()
-        watcher.close()
-        session.close(revoke=True, reason="finished")
-        transport.close()
+        comm.close()  # leaves the group (revokes the lease), then transport, watcher, session, store
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -8,7 +8,7 @@ from resilient.errors import (
     Cancelled, ClosedError, CollectiveAborted, CollectiveError, ConfigError, DataLost, EpochChanged, Evicted, FrameError,
     GroupChanged, InputMismatch, LeaseExpired, MetricLabelError, OpMismatch, PeerReportedError, PeerUnreachable,
     RecordError, RemovedFromGroup, RendezvousTimeout, ResilientError, ResilientTimeout, ScenarioError, StoreError,
-    StoreUnavailable, TrainingFinished, TransportAborted, TransportError,
+    StoreUnavailable, TrainingFinished, TransportAborted, TransportError, UnsupportedOperation,
 )
 
 # The "resilient" torch.distributed backend: registered now if torch.distributed is loaded,

@@ -70,9 +70,26 @@ class ConnectedCommunicator(Communicator):
         super().__init__(view, transport, **kwargs)
 
     def _successor(self) -> Communicator:
-        return ConnectedCommunicator(self.view, self.transport, store=self.store, session=self.session,
-                                     watcher=self.watcher, owns_store=self._owns_store, joining=True,
-                                     **self.settings.as_kwargs())
+        return self._over(self.view, joining=True)
+
+    def _over(self, view: GroupView, **overrides: Any) -> ConnectedCommunicator:
+        kwargs = {**self.settings.as_kwargs(), **overrides}
+        return ConnectedCommunicator(view, self.transport, store=self.store, session=self.session,
+                                     watcher=self.watcher, owns_store=self._owns_store, **kwargs)
+
+    def hand_over(self, view: GroupView, **overrides: Any) -> ConnectedCommunicator:
+        """A new Communicator (op seq 0) over ``view`` with this one's settings
+        (``overrides``: Communicator keyword arguments to change, e.g. ``joining=False``)
+        that takes over this one's transport, session, watcher and store; close this one
+        afterwards (its close then leaves them alone and keeps the lease). Used where every
+        member rebuilds its Communicator at the same point (the torch backend admitting
+        joiners). If building the new one fails, this one still owns them (raised unchanged)."""
+        self._handed_over = True
+        try:
+            return self._over(view, **overrides)
+        except BaseException:
+            self._handed_over = False
+            raise
 
     def close(self, linger: float = 0.0, leave: bool = True) -> None:
         """Close the Communicator (``leave=True``: this member's lease is revoked now, so
@@ -127,6 +144,7 @@ def connect(etcd: str | Sequence[str] | None = None, job: str | None = None, mem
             store: Store | None = None, transport: Transport | None = None,
             wrap_transport: Callable[[Transport], Transport] | None = None,
             wrap_view: Callable[[EtcdGroupView], GroupView] | None = None,
+            on_registered: Callable[[MemberSession], None] | None = None, health_reports: bool = False,
             **communicator_kwargs: Any) -> ConnectedCommunicator:
     """Join job ``job`` on etcd ``etcd`` as ``member_id`` and return a ready Communicator.
 
@@ -142,7 +160,12 @@ def connect(etcd: str | Sequence[str] | None = None, job: str | None = None, mem
     is); ``wrap_transport``: applied to the new transport (e.g.
     :func:`resilient.transport.shaping.shaped_from_env`); ``wrap_view``: applied to the
     group view before the Communicator is built (e.g. the torch backend's admission
-    gate). Other keyword arguments go to
+    gate); ``on_registered``: called with the member session once the member is registered
+    (its lease exists), before the wait for the epoch (e.g. to tell a supervisor the lease
+    id and wait for its go; what it raises is handled as any failure while connecting);
+    ``health_reports``: the Communicator reports per-op health windows to the
+    coordinator's straggler detector (:class:`~resilient.health_reporter.HealthReporter`
+    on this member's lease). Other keyword arguments go to
     :class:`~resilient.Communicator` (``op_timeout``, ``policy``, ``joining``, ...).
     See the module docstring for the failure behaviour."""
     from resilient.coordinator.epoch import EpochWatcher
@@ -171,6 +194,7 @@ def connect(etcd: str | Sequence[str] | None = None, job: str | None = None, mem
                 transport = wrap_transport(transport)
         built.append(transport)
         info = MemberInfo(member_id=mid, address=transport.address, labels=dict(labels or {}), local_rank=local_rank)
+        host_label = host_label or settings.host_label   # RESILIENT_HOST_LABEL
         if host_label:
             info = dataclasses.replace(info, host=host_label)
         session = MemberSession.register(store, job, info, ttl=ttl or settings.lease_ttl,
@@ -178,6 +202,12 @@ def connect(etcd: str | Sequence[str] | None = None, job: str | None = None, mem
         built.append(_SessionCloser(session))
         watcher = EpochWatcher(store, job)
         built.append(watcher)
+        if on_registered is not None:
+            on_registered(session)
+        if health_reports:
+            from resilient.health_reporter import HealthReporter
+
+            communicator_kwargs["health_reporter"] = HealthReporter(store, job, mid, session.lease_id, transport.stats)
 
         def ready(e: Epoch) -> bool:
             return mid in e.members and (world is None or len(e.members) == world)

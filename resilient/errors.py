@@ -26,6 +26,7 @@ swallow them; catch them by name where the recovery path handles them.
     │   ├── PeerUnreachable         a link to a live member stayed down past the op timeout
     │   └── RemovedFromGroup        this member was removed from the epoch (e.g. after SIGSTOP)
     │       └── Evicted             removed as a straggler (--straggler-policy evict); may rejoin
+    ├── UnsupportedOperation        a torch.distributed op the resilient backend lacks (also a NotImplementedError)
     ├── TrainingFinished            a joiner arrived after the job called State.finish()
     └── TransportError              a peer connection failed (also a built-in ConnectionError)
         ├── FrameError              a corrupt or unexpected frame arrived
@@ -172,6 +173,16 @@ class Evicted(RemovedFromGroup):
         self.epoch, self.readmit_at, self.hold_s = epoch, readmit_at, hold_s
 
 
+class UnsupportedOperation(ResilientError, NotImplementedError):
+    """A ``torch.distributed`` op or argument the resilient backend does not implement
+    (``op``: what was asked; the message says what to use instead)."""
+
+    def __init__(self, op: str, hint: str = "") -> None:
+        msg = f"the 'resilient' torch.distributed backend does not support {op}"
+        super().__init__(msg + (f"; {hint}" if hint else ""))
+        self.op = op
+
+
 class TrainingFinished(ResilientError):
     """A joiner arrived after the other members called
     :meth:`resilient.elastic.State.finish`: there is no training left to take part in
@@ -212,6 +223,6 @@ __all__ = [
     "ResilientError", "Cancelled", "ConfigError", "ScenarioError", "MetricLabelError", "ClosedError",
     "ResilientTimeout", "RendezvousTimeout", "StoreError", "StoreUnavailable", "LeaseExpired", "RecordError",
     "EpochChanged", "CollectiveError", "CollectiveAborted", "InputMismatch", "DataLost", "GroupChanged",
-    "PeerUnreachable", "RemovedFromGroup", "Evicted", "TrainingFinished", "TransportError", "FrameError",
+    "PeerUnreachable", "RemovedFromGroup", "Evicted", "UnsupportedOperation", "TrainingFinished", "TransportError", "FrameError",
     "OpMismatch", "PeerReportedError", "TransportAborted",
 ]

@@ -53,6 +53,9 @@ class Settings:
         "RESILIENT_JOINER", "0", "`1`: this worker joins a running group (a restarted worker)"))
     host: str = field(default="127.0.0.1", metadata=_var(
         "RESILIENT_HOST", "127.0.0.1", "address the data-plane listener binds and advertises"))
+    host_label: str | None = field(default=None, metadata=_var(
+        "RESILIENT_HOST_LABEL", "unset (the host name)", "the host this member counts as in hierarchical plans "
+        "(the chaos runner's emulated hosts)"))
     transport: TransportMode = field(default="auto", metadata=_var(
         "RESILIENT_TRANSPORT", "auto", "`auto` (shared memory on one host, TCP across hosts) or `tcp`"))
     shm: bool = field(default=True, metadata=_var(
@@ -91,6 +94,7 @@ class Settings:
             lease_ttl=get("RESILIENT_LEASE_TTL", _positive_float, d.lease_ttl),
             joiner=get("RESILIENT_JOINER", _flag, d.joiner),
             host=get("RESILIENT_HOST", _nonempty, d.host),
+            host_label=get("RESILIENT_HOST_LABEL", _text, d.host_label),
             transport=get("RESILIENT_TRANSPORT", _transport, d.transport),
             shm=get("RESILIENT_SHM", _flag, d.shm),
             shm_ring=get("RESILIENT_SHM_RING", _ring_bytes, d.shm_ring),

@@ -23,7 +23,12 @@ MEMBER = textwrap.dedent('''
     t = torch.full((4,), float(int(mid[1:]) + 1))
     comm.allreduce(t)
     print("SUM", t.tolist(), comm.size, flush=True)
-    comm.close()
+    fresh = comm.hand_over(comm.view, joining=False)   # both members, at the same point
+    comm.close()                                       # handed over: keeps lease, transport, watcher
+    t2 = torch.ones(2)
+    fresh.allreduce(t2)
+    print("AFTER", t2.tolist(), fresh.next_seq, flush=True)
+    fresh.close()
     try:
         comm.allreduce(t)
     except resilient.ClosedError as exc:
@@ -32,7 +37,11 @@ MEMBER = textwrap.dedent('''
 
 
 @pytest.mark.slow
-def test_connect_in_two_processes_allreduces_and_close_revokes_every_lease(etcd_session, job_name, tmp_path):
+def test_connect_in_two_processes_allreduces_hands_over_and_close_revokes_every_lease(etcd_session, job_name,
+                                                                                      tmp_path):
+    """Two members connect and allreduce; each hands its transport/session/watcher over to
+    a fresh Communicator (op seq restarts at 0) and closes the old one, which must keep the
+    lease: the fresh ones still allreduce. Closing them leaves no member record."""
     from resilient.coordinator import Store, keys
 
     script = tmp_path / "member.py"
@@ -52,6 +61,7 @@ def test_connect_in_two_processes_allreduces_and_close_revokes_every_lease(etcd_
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
         assert "SUM [3.0, 3.0, 3.0, 3.0] 2" in out, (out, err[-3000:])
+        assert "AFTER [2.0, 2.0] 1" in out, (out, err[-3000:])
         assert "CLOSED True" in out, (out, err[-3000:])
     with Store(etcd_session.endpoint_arg) as store:   # close() left the group: no member record is left
         assert [kv.key for kv in store.get_prefix(keys.members(job_name))] == []
@@ -81,3 +91,24 @@ def test_a_connect_that_times_out_revokes_its_lease_and_raises_resilient_timeout
         th.join(35)
         assert seen.is_set(), "connect() never registered the member"
         assert store.get(key) is None   # revoked at once, not after the 30 s TTL
+
+
+def test_connect_calls_on_registered_with_the_live_session_before_waiting_for_the_epoch(etcd_session, job_name):
+    """``on_registered`` runs once the lease exists (the member record is in etcd) and
+    before the epoch wait: with no coordinator the wait then times out, and the lease is
+    revoked as for any failed connect."""
+    import resilient
+    from resilient.coordinator import Store, keys
+
+    with Store(etcd_session.endpoint_arg) as store:
+        key = keys.member(job_name, "m0")
+        calls = []
+
+        def registered(session) -> None:
+            calls.append((session.member_id, session.lease_id, store.get(key) is not None))
+
+        with pytest.raises(resilient.ResilientTimeout, match="no epoch"):
+            resilient.connect(etcd_session.endpoint_arg, job_name, "m0", timeout=0.5, ttl=30.0,
+                              on_registered=registered)
+        assert len(calls) == 1 and calls[0][0] == "m0" and calls[0][1] and calls[0][2], calls
+        assert store.get(key) is None

@@ -11,7 +11,7 @@ and installs the live view behind :func:`resilient.world`. Creating the group al
 ``DistributedDataParallel`` over it exact without user code
 (:func:`resilient.ddp.install_auto_hook`; ``docs/ddp.md``), and with
 ``RESILIENT_OP_LOG=path`` every op is logged as a JSON line (:mod:`.op_log`). It is registered for the
-``cpu`` device only; CUDA tensors get a clear :class:`~.process_group.UnsupportedOperation`.
+``cpu`` device only; CUDA tensors get a clear :class:`~resilient.errors.UnsupportedOperation`.
 
 Failure behaviour of ``init_process_group``: missing ``RESILIENT_ETCD``/``RESILIENT_JOB``
 -> :class:`~resilient.errors.ConfigError` naming the variables and that ``resilient-run``
@@ -55,7 +55,11 @@ def current_engine() -> Any:
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("ResilientProcessGroup", "UnsupportedOperation"):
+    if name == "UnsupportedOperation":  # lives in resilient.errors; this path kept for importers
+        from resilient.errors import UnsupportedOperation
+
+        return UnsupportedOperation
+    if name == "ResilientProcessGroup":
         from resilient.torch_backend import process_group
 
         return getattr(process_group, name)

@@ -5,18 +5,21 @@ the job's control plane, built from the environment ``resilient-run`` gives a wo
 ``dist.init_process_group("resilient")``):
 
 1. reads ``RESILIENT_ETCD``, ``RESILIENT_JOB``, ``RESILIENT_MEMBER_ID`` (default: a fresh
-   id), ``RESILIENT_LEASE_ID`` (the agent's lease; default: our own), ``RESILIENT_LEASE_TTL``
-   and the etcd TLS/credential variables ``RESILIENT_ETCD_{CA_CERT,CERT,KEY,USER,
+   id), ``RESILIENT_LEASE_ID`` (the agent's lease; default: our own), ``RESILIENT_LEASE_TTL``,
+   ``RESILIENT_HOST``, ``RESILIENT_JOINER`` (:class:`~resilient.settings.Settings`) and the
+   etcd TLS/credential variables ``RESILIENT_ETCD_{CA_CERT,CERT,KEY,USER,
    PASSWORD_FILE,PASSWORD}`` (:mod:`resilient.coordinator.etcd_access`);
-2. opens a TCP transport listener, registers a :class:`MemberSession` whose
-   ``MemberInfo.address`` is that listener;
-3. waits (up to the ``timeout`` given to ``init_process_group``) for an epoch that
+2. connects with :func:`resilient.connect` (the data-plane transport listener, a
+   :class:`MemberSession` whose ``MemberInfo.address`` is that listener, the epoch watcher);
+3. ``connect`` waits (up to the ``timeout`` given to ``init_process_group``) for an epoch that
    contains this member (a joiner is admitted by the coordinator in the next epoch).
    Outside ``resilient-run`` (no ``RESILIENT_MEMBER_ID``: mp.spawn, torchrun, torch's test
    suite) the member registers with ``local_rank`` = the ``rank`` given to
    ``init_process_group`` (the planner orders a host's members by it), waits for an epoch
    of exactly ``world_size`` members, and checks that it sits at that rank;
-4. builds the Communicator on the etcd-backed group view. ``send``/``recv`` run through
+4. the Communicator is built on the etcd-backed group view behind an
+   :class:`AdmittedView`, with per-op health reports (and rank metrics where the node
+   agent serves them). ``send``/``recv`` run through
    :mod:`.p2p` on that Communicator's op thread (ops of a batch posted together).
 
 The torch ``store`` (the launcher's TCPStore) is not used: etcd is the rendezvous.
@@ -36,7 +39,7 @@ Failure behaviour: missing variables -> :class:`~resilient.errors.ConfigError` n
 them and that ``resilient-run`` sets them; the ring putting this member at another rank
 than the one asked for -> ConfigError (two processes asked for one rank, or host names that
 do not sort in rank order); etcd down -> StoreUnavailable; no epoch with
-us in time -> TimeoutError naming the last epoch; the Communicator not importable ->
+us in time -> :class:`~resilient.errors.ResilientTimeout` naming the last epoch; the Communicator not importable ->
 ConfigError saying so. Once running, a member removed from the job (lease expired) gets
 RemovedFromGroup from :meth:`CommunicatorEngine.world` and every op.
 """
@@ -44,41 +47,73 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import uuid
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NoReturn, Protocol, Sequence, Union
 
 import torch
 
-from resilient.errors import ConfigError
+from resilient.collectives.group import EpochLike, EtcdGroupView, GroupView
+from resilient.coordinator import keys
+from resilient.errors import ConfigError, ResilientTimeout
 from resilient.live_world import World
+from resilient.settings import Settings
 from resilient.torch_backend.p2p import PointToPoint
+from resilient.torch_backend.views import FilteredView, replace_epoch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from resilient.collectives.communicator import Communicator
+    from resilient.collectives.work import Work
+    from resilient.coordinator.epoch import EpochWatcher
+    from resilient.coordinator.membership import MemberSession
+    from resilient.coordinator.store import Store
+    from resilient.transport.base import Transport
+
+    #: what an engine runs its ops on: a Communicator, or a joiner's behind its gate
+    Comm = Union[Communicator, "NotAdmittedGate"]
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
 
 
 class CommunicatorEngine:
-    """Adapts a Communicator to the :class:`~.engine.Engine` protocol (in-place results)."""
+    """Adapts a Communicator to the :class:`~.engine.Engine` protocol (in-place results).
+    ``closers``: closed after the Communicator (a Communicator built by
+    :func:`resilient.connect` closes its transport, watcher, session and store itself)."""
 
-    def __init__(self, comm: Any, watcher: Any, session: Any, member_id: str, closers: Sequence[Any] = (),
-                 store: Any = None, job: str = "", transport: Any = None) -> None:
+    def __init__(self, comm: Comm, watcher: EpochWatcher, session: MemberSession, member_id: str,
+                 closers: Sequence[_Closable] = (), store: Store | None = None, job: str = "",
+                 transport: Transport | None = None) -> None:
         self.comm = comm
         self.watcher = watcher
         self.session = session
         self.member_id = member_id
         self._closers = list(closers)
-        self.store, self.job, self.transport = store, job, transport
+        self._store, self.job, self._transport = store, job, transport
         #: False on a joiner until :meth:`wait_admitted` returns (ops go through the gate)
         self.admitted = not isinstance(comm, NotAdmittedGate)
         self._p2p: PointToPoint | None = None
 
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            raise ConfigError("this engine was built without a store (a unit-test engine)")
+        return self._store
+
+    @property
+    def transport(self) -> Transport:
+        if self._transport is None:
+            raise ConfigError("this engine was built without a transport (a unit-test engine)")
+        return self._transport
+
     def _comm_members(self) -> list[str]:
-        m = self.comm.members
-        return list(m() if callable(m) else m)
+        return list(self.comm.members)
 
     # -- admitting joiners ----------------------------------------------------------------
 
     def _ready_prefix(self) -> str:
-        from resilient.coordinator import keys
-
         return keys.root(self.job).rstrip("/") + "/sync-ready/"
 
     def announce_ready(self) -> None:
@@ -111,8 +146,6 @@ class CommunicatorEngine:
         new = [m for m in epoch.members if m not in group]
         if not new:
             return False
-        from resilient.coordinator import keys
-
         ready = {keys.last_segment(kv.key) for kv in self.store.get_prefix(self._ready_prefix())}
         if "~done" in ready:  # training finished: admit no one any more
             return False
@@ -123,12 +156,21 @@ class CommunicatorEngine:
         (numbered at least ``min_epoch``); op sequence numbers restart at 0, as they do in
         a joiner's fresh Communicator. Called by every member at the same point
         (``State.sync()`` agrees on it). Failure behaviour: no such epoch within
-        ``timeout`` -> TimeoutError; the old Communicator is closed either way only after
-        the new one exists. The new one takes over the old one's free pooled buffers (its
-        first ops after an admission then allocate nothing)."""
+        ``timeout`` -> :class:`~resilient.errors.ResilientTimeout`; an engine whose
+        Communicator :func:`resilient.connect` did not build -> ConfigError; the old
+        Communicator is closed (keeping the lease, transport and watcher, which the new
+        one takes over) only after the new one exists. The new one takes over the old
+        one's free pooled buffers (its first ops after an admission then allocate nothing)."""
+        from resilient.connection import ConnectedCommunicator
+
         self.watcher.wait_for(lambda e: e.number >= min_epoch and self.member_id in e.members, timeout)
         old = self.comm
-        self.comm = _make_communicator(self.store, self.job, self.session, self.watcher, self.transport)
+        connected = old.inner if isinstance(old, NotAdmittedGate) else old
+        if not isinstance(connected, ConnectedCommunicator):
+            raise ConfigError("rebuild(): this engine's Communicator was not built by resilient.connect "
+                              "(a dist.new_group engine); only the world's engine admits joiners")
+        view = AdmittedView.of_current(EtcdGroupView(self.store, self.job, self.session, self.watcher))
+        self.comm = connected.hand_over(view, joining=False)
         self.admitted = True  # (a joiner rebuilds only inside wait_admitted, i.e. while being admitted)
         old.close()
         self.comm.adopt_buffer_pool(old.inner if isinstance(old, NotAdmittedGate) else old)
@@ -137,19 +179,23 @@ class CommunicatorEngine:
                        lease=self.session.lease_id)
 
     def _rebuilt_prefix(self) -> str:
-        from resilient.coordinator import keys
-
         return keys.root(self.job).rstrip("/") + "/sync-rebuilt/"
 
     def _comm_epoch(self) -> int:
-        return int(getattr(getattr(self.comm, "_epoch", None), "number", 0) or self.watcher.current().number)
+        """The number of the epoch the Communicator runs on (the watcher's newest when it
+        has none yet)."""
+        epoch = self.comm.epoch
+        if epoch is not None and epoch.number:
+            return epoch.number
+        current = self.watcher.current()
+        return current.number if current is not None else 0
 
     def wait_admitted(self, timeout: float = 120.0) -> None:
         """Joiner side: wait until every other member of our Communicator has rebuilt its
         own over our epoch (before that their transports refuse our connections). Re-reads
         ``sync-rebuilt/`` at every change to it (an etcd watch,
         :class:`resilient.coordinator.wake.PrefixWake`; else every 0.1 s). Failure behaviour:
-        TimeoutError naming the members that did not rebuild; a member that dies meanwhile
+        :class:`~resilient.errors.ResilientTimeout` naming the members that did not rebuild; a member that dies meanwhile
         is dropped from the wait when an epoch removes it."""
         import time
 
@@ -191,8 +237,8 @@ class CommunicatorEngine:
                 self._open_gate()
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"joiner {self.member_id}: members {missing} did not admit it (rebuild their "
-                                   f"communicator over epoch {mine}) within {timeout:.0f}s")
+                raise ResilientTimeout(f"joiner {self.member_id}: members {missing} did not admit it (rebuild their "
+                                       f"communicator over epoch {mine}) within {timeout:.0f}s")
             wake.wait(min(0.1, max(0.0, deadline - time.monotonic())))
 
     def _open_gate(self) -> None:
@@ -213,50 +259,46 @@ class CommunicatorEngine:
             members = tuple(m for m in epoch.members if m in admitted)
         return World.from_members(self.member_id, epoch.number, members)
 
-    def _rank_to_member(self, rank: int) -> Any:
-        return self.world().members[rank]
-
-    def allreduce(self, tensor: torch.Tensor, op: str) -> Any:
+    def allreduce(self, tensor: torch.Tensor, op: str) -> Work:
         return self.comm.allreduce(tensor, op=op, async_op=True)
 
-    def broadcast(self, tensor: torch.Tensor, root: int) -> Any:
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Work:
         return self.comm.broadcast(tensor, root=root, async_op=True)
 
-    def allgather(self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor) -> Any:
+    def allgather(self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor) -> Work:
         return self.comm.allgather(list(outputs), tensor, async_op=True)
 
-    def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], op: str) -> Any:
+    def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], op: str) -> Work:
         return self.comm.reduce_scatter(output, list(inputs), op=op, async_op=True)
 
-    def barrier(self) -> Any:
+    def barrier(self) -> Work:
         return self.comm.barrier(async_op=True)
 
-    def _point_to_point(self) -> PointToPoint:
+    def _point_to_point(self, comm: Communicator) -> PointToPoint:
         """The p2p ops of the current Communicator (fresh sequence numbers with each one)."""
-        if self._p2p is None or self._p2p.host is not self.comm:
-            self._p2p = PointToPoint(self.comm)
+        if self._p2p is None or self._p2p.host is not comm:
+            self._p2p = PointToPoint(comm)
         return self._p2p
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
         if isinstance(self.comm, NotAdmittedGate):
             return self.comm.send(tensor, dst, tag=tag, async_op=True)  # refused (leave_unadmitted)
-        return self._point_to_point().send(tensor, dst, tag)
+        return self._point_to_point(self.comm).send(tensor, dst, tag)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
         if isinstance(self.comm, NotAdmittedGate):
             return self.comm.recv(tensor, src, tag=tag, async_op=True)
-        return self._point_to_point().recv(tensor, src, tag)
+        return self._point_to_point(self.comm).recv(tensor, src, tag)
 
     def close(self) -> None:
-        for c in [self.comm, self.watcher, *self._closers]:
+        for c in [self.comm, *self._closers]:
             try:
                 c.close()
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 pass
 
 
-def _env(name: str) -> str:
-    value = os.environ.get(name, "")
+def _required(value: str | None, name: str) -> str:
     if not value:
         raise ConfigError(f"dist.init_process_group('resilient') needs ${name}; run the script under "
                           "`resilient-run` (it sets RESILIENT_ETCD and RESILIENT_JOB), or set them yourself")
@@ -265,41 +307,34 @@ def _env(name: str) -> str:
 
 def from_environment(store: Any = None, rank: int = 0, size: int = 1,
                      timeout: timedelta = timedelta(minutes=5)) -> CommunicatorEngine:
-    """Build the engine for this worker (see the module docstring)."""
-    endpoints = _env("RESILIENT_ETCD")
-    job = _env("RESILIENT_JOB")
-    member_id = os.environ.get("RESILIENT_MEMBER_ID") or f"m-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    lease = os.environ.get("RESILIENT_LEASE_ID")
-    ttl = float(os.environ.get("RESILIENT_LEASE_TTL", "5"))
+    """Build the engine for this worker (see the module docstring). ``store`` (torch's
+    rendezvous store) is not used."""
+    settings = Settings.from_env()
+    endpoints = _required(settings.etcd, "RESILIENT_ETCD")
+    job = _required(settings.job, "RESILIENT_JOB")
     try:
-        from resilient.collectives import Communicator  # noqa: F401
+        from resilient.connection import connect
     except ImportError as exc:
         raise ConfigError(f"the resilient collectives (resilient.collectives.Communicator) are not "
                           f"available: {exc}") from exc
-    from resilient.coordinator.epoch import EpochWatcher
-    from resilient.coordinator.membership import MemberInfo, MemberSession
-    from resilient.coordinator.etcd_access import open_store_from_env
-    from resilient.transport.hybrid import make_transport
+    from resilient.metrics import multiprocess_enabled, rank_metrics
 
-    host = os.environ.get("RESILIENT_HOST", "127.0.0.1")
-    st = open_store_from_env(endpoints)
-    transport = make_transport(member_id, job, host=host)
     # launched by our own agent: it placed us; otherwise (mp.spawn, torchrun, torch's test
-    # suite) the rank given to init_process_group is the ring position we register for
-    explicit = "RESILIENT_MEMBER_ID" not in os.environ
-    info = MemberInfo(member_id=member_id, local_rank=rank if explicit else int(os.environ.get("LOCAL_RANK", "0")),
-                      address=transport.address)
-    session = MemberSession.register(st, job, info, ttl=ttl, lease_id=int(lease) if lease else None)
-    watcher = EpochWatcher(st, job)
-    if explicit:  # all `size` members, and only them (a dead earlier run's leases expire first)
-        watcher.wait_for(lambda e: member_id in e.members and len(e.members) == size, timeout.total_seconds())
-    else:
-        watcher.wait_for(lambda e: member_id in e.members, timeout.total_seconds())
-    comm = _make_communicator(st, job, session, watcher, transport)
-    if os.environ.get("RESILIENT_JOINER", "0") == "1":
-        comm = NotAdmittedGate(comm, member_id)
-    engine = CommunicatorEngine(comm, watcher, session, member_id, closers=[transport, session],
-                                store=st, job=job, transport=transport)
+    # suite) the rank given to init_process_group is the ring position we register for,
+    # and we wait for all `size` members, and only them (a dead earlier run's leases expire first)
+    explicit = settings.member_id is None
+    member_id = settings.member_id or f"m-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    # per-op health windows feed the coordinator's straggler detector (low rate, never
+    # fails an op); metrics only where the node agent serves them (resilient-run
+    # --metrics-port sets PROMETHEUS_MULTIPROC_DIR for its workers)
+    extra: dict[str, Any] = {"metrics": rank_metrics()} if multiprocess_enabled() else {}
+    connected = connect(endpoints, job, member_id, world=size if explicit else None,
+                        timeout=timeout.total_seconds(), ttl=settings.lease_ttl, lease_id=settings.lease_id,
+                        host=settings.host, local_rank=rank if explicit else int(os.environ.get("LOCAL_RANK", "0")),
+                        wrap_view=AdmittedView.of_current, health_reports=True, joining=False, **extra)
+    comm: Comm = NotAdmittedGate(connected, member_id) if settings.joiner else connected
+    engine = CommunicatorEngine(comm, connected.watcher, connected.session, member_id,
+                                store=connected.store, job=job, transport=connected.transport)
     if explicit and engine.world().rank != rank:
         got = engine.world()
         engine.close()
@@ -309,7 +344,7 @@ def from_environment(store: Any = None, rank: int = 0, size: int = 1,
     return engine
 
 
-def leave_unadmitted(member_id: str, op: str) -> None:
+def leave_unadmitted(member_id: str, op: str) -> NoReturn:
     """End a joiner that issued ``op`` before being admitted: say why on stderr, exit 0
     (``os._exit``: the op may run on a thread of torch's, where SystemExit would be turned
     into a RuntimeError; nothing of this process has been shared yet). The node agent
@@ -331,83 +366,85 @@ def leave_unadmitted(member_id: str, op: str) -> None:
 
 class NotAdmittedGate:
     """Stands for a joiner's Communicator until it is admitted (see the module docstring):
-    attributes and ``close`` are the Communicator's; calling any other public method (an
-    op) calls ``on_op(member_id, name)`` — by default :func:`leave_unadmitted` — instead of
-    running it. ``inner`` is the Communicator."""
+    its ``members``, ``rank``, ``size``, ``epoch``, ``next_seq`` and ``close`` are the
+    Communicator's; each op calls ``on_op(member_id, name)`` — by default
+    :func:`leave_unadmitted`, which never returns — instead of running. ``inner`` is the
+    Communicator."""
 
-    _PASS = frozenset({"close"})
-
-    def __init__(self, inner: Any, member_id: str, on_op: Any = None) -> None:
+    def __init__(self, inner: Communicator, member_id: str,
+                 on_op: Callable[[str, str], NoReturn] = leave_unadmitted) -> None:
         self.inner = inner
         self.member_id = member_id
-        self._on_op = on_op or leave_unadmitted
+        self._on_op = on_op
 
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.inner, name)
-        if name.startswith("_") or name in self._PASS or not callable(attr):
-            return attr
+    @property
+    def members(self) -> list[str]:
+        return self.inner.members
 
-        def refused(*args: Any, **kwargs: Any) -> Any:
-            return self._on_op(self.member_id, name)
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
 
-        return refused
+    @property
+    def size(self) -> int:
+        return self.inner.size
+
+    @property
+    def epoch(self) -> EpochLike:
+        return self.inner.epoch
+
+    @property
+    def next_seq(self) -> int:
+        return self.inner.next_seq
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def _refuse(self, op: str) -> NoReturn:
+        self._on_op(self.member_id, op)
+
+    def allreduce(self, *args: object, **kwargs: object) -> NoReturn:
+        self._refuse("allreduce")
+
+    def broadcast(self, *args: object, **kwargs: object) -> NoReturn:
+        self._refuse("broadcast")
+
+    def allgather(self, *args: object, **kwargs: object) -> NoReturn:
+        self._refuse("allgather")
+
+    def reduce_scatter(self, *args: object, **kwargs: object) -> NoReturn:
+        self._refuse("reduce_scatter")
+
+    def barrier(self, *args: object, **kwargs: object) -> NoReturn:
+        self._refuse("barrier")
+
+    def send(self, *args: object, **kwargs: object) -> NoReturn:
+        self._refuse("send")
+
+    def recv(self, *args: object, **kwargs: object) -> NoReturn:
+        self._refuse("recv")
 
 
-class AdmittedView:
+class AdmittedView(FilteredView):
     """A GroupView that shows each epoch with only the *admitted* members (the newest
     epoch's members when the Communicator was built; members leave it by dying, never
     join it). So the Communicator never adopts a growing epoch by itself at an arbitrary
     op boundary: a joiner takes part only from the ``State.sync()`` where every member
     rebuilds its Communicator over the grown epoch (op seq 0 on all of them, joiner
-    included). Everything else is delegated to the etcd-backed view."""
+    included). Everything else is the etcd-backed view's (:class:`~.views.FilteredView`)."""
 
-    def __init__(self, inner: Any, admitted: set[str]) -> None:
-        self.inner = inner
-        self.member_id = inner.member_id
+    def __init__(self, inner: GroupView, admitted: Iterable[str]) -> None:
+        super().__init__(inner)
         self.admitted = frozenset(admitted)
 
-    def _filter(self, e: Any) -> Any:
-        if e is None:
-            return None
-        members = tuple(m for m in e.members if m in self.admitted)
-        if members == tuple(e.members):
-            return e
-        import dataclasses
+    @classmethod
+    def of_current(cls, inner: GroupView) -> "AdmittedView":
+        """Admitting the members of ``inner``'s newest epoch (none if there is none)."""
+        epoch = inner.current()
+        return cls(inner, epoch.members if epoch is not None else ())
 
-        return dataclasses.replace(e, members=members, added=tuple(m for m in e.added if m in self.admitted))
-
-    def current(self) -> Any:
-        return self._filter(self.inner.current())
-
-    def wait_for(self, pred: Any, timeout: float) -> Any:
-        return self._filter(self.inner.wait_for(lambda e: pred(self._filter(e)), timeout))
-
-    def subscribe(self, callback: Any) -> Any:
-        return self.inner.subscribe(lambda e: callback(self._filter(e)))
-
-    def __getattr__(self, name: str) -> Any:  # report_suspect, put_blob, wait_blobs, session_lost, leave
-        return getattr(self.inner, name)
-
-
-def _make_communicator(store: Any, job: str, session: Any, watcher: Any, transport: Any) -> Any:
-    """The one place that knows the Communicator's constructor: a fresh Communicator (op
-    seq 0) over the newest epoch's members, which it never grows by itself (see
-    :class:`AdmittedView`)."""
-    import inspect
-
-    from resilient.collectives import Communicator
-    from resilient.collectives.group import EtcdGroupView
-
-    epoch = watcher.current()
-    view = AdmittedView(EtcdGroupView(store, job, session, watcher), set(epoch.members) if epoch else set())
-    kwargs: dict[str, Any] = {"joining": False} if "joining" in inspect.signature(Communicator).parameters else {}
-    from resilient.health_reporter import HealthReporter
-    from resilient.metrics import multiprocess_enabled, rank_metrics
-
-    # per-op health windows feed the coordinator's straggler detector (low rate, never
-    # fails an op); metrics only where the node agent serves them (resilient-run
-    # --metrics-port sets PROMETHEUS_MULTIPROC_DIR for its workers)
-    kwargs["health_reporter"] = HealthReporter(store, job, session.member_id, session.lease_id, transport.stats)
-    if multiprocess_enabled():
-        kwargs["metrics"] = rank_metrics()
-    return Communicator(view, transport, **kwargs)
+    def filter_epoch(self, epoch: EpochLike) -> EpochLike:
+        members = tuple(m for m in epoch.members if m in self.admitted)
+        if members == tuple(epoch.members):
+            return epoch
+        return replace_epoch(epoch, members=members, added=tuple(m for m in epoch.added if m in self.admitted))

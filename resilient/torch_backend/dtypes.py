@@ -16,13 +16,15 @@ bfloat16, int32 and int64. This module maps the other dtypes onto those, per kin
 
 Failure behaviour: a dtype/op pair torch itself does not define (MIN on complex, a bitwise
 op on floats, AVG on bool, reductions on unsigned 16/32/64-bit) raises
-:class:`~.process_group.UnsupportedOperation` naming the pair and what to use instead.
+:class:`~resilient.errors.UnsupportedOperation` naming the pair and what to use instead.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
+
+from resilient.errors import UnsupportedOperation
 
 #: dtypes the Communicator moves as they are
 NATIVE = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64})
@@ -34,8 +36,6 @@ WriteBack = Callable[[], object]
 
 
 def _unsupported(what: str, hint: str) -> Exception:
-    from resilient.torch_backend.process_group import UnsupportedOperation
-
     return UnsupportedOperation(what, hint)
 
 

@@ -29,7 +29,9 @@ REDUCE_OPS = ("sum", "avg", "min", "max", "prod")
 class Handle(Protocol):
     """One op in flight."""
 
-    contributors: tuple[str, ...]
+    @property
+    def contributors(self) -> tuple[str, ...]:
+        """The member ids whose inputs are in the result (once done)."""
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until done; True when done, False if ``timeout`` passed; re-raises the

@@ -28,10 +28,21 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
 
 from resilient.errors import ConfigError
-from resilient.torch_backend.engine import Handle
+from resilient.live_world import World
+from resilient.torch_backend.communicator_engine import CommunicatorEngine
+from resilient.torch_backend.engine import Engine, Handle
+
+if TYPE_CHECKING:  # pragma: no cover
+    from resilient.coordinator.epoch import EpochWatcher
+    from resilient.coordinator.membership import MemberSession
+    from resilient.coordinator.store import Store
+    from resilient.torch_backend.communicator_engine import Comm
+    from resilient.transport.base import Transport
 
 log = logging.getLogger(__name__)
 
@@ -75,18 +86,17 @@ class _LoggedHandle:
     def is_completed(self) -> bool:
         return self._inner.is_completed()
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
 
 class OpLogEngine:
-    """Delegates everything to ``inner``; calls that return a handle (the ops) are logged."""
+    """An :class:`~.engine.Engine` that runs every call on ``inner`` and logs each op (each
+    call that returns a handle) when it finishes. ``member_id``: the member named in the
+    lines (default: ``inner``'s world's)."""
 
-    def __init__(self, inner: Any, path: str) -> None:
+    def __init__(self, inner: Engine, path: str, member_id: str | None = None) -> None:
         self._inner = inner
         self._n = 0
         self._n_lock = threading.Lock()
-        member = str(getattr(inner, "member_id", ""))
+        member = member_id if member_id is not None else _member_of(inner)
         rank = os.environ.get("RANK", "")
         self._static = {"pid": os.getpid(), "rank": int(rank) if rank.isdigit() else rank, "member": member}
         path = path.replace("{pid}", str(os.getpid())).replace("{rank}", rank).replace("{member}", member)
@@ -108,21 +118,36 @@ class OpLogEngine:
         except OSError as exc:
             log.warning("%s: could not write the op log: %s", ENV, exc)
 
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._inner, name)
-        if name.startswith("_") or not callable(attr):
-            return attr
+    def _logged(self, kind: str, handle: Handle) -> Handle:
+        with self._n_lock:
+            n, self._n = self._n, self._n + 1
+        return _LoggedHandle(handle, self, kind, n)
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            out = attr(*args, **kwargs)
-            kind = type(out)  # class-level check: a handle's ``contributors`` may block until done
-            if callable(getattr(kind, "wait", None)) and callable(getattr(kind, "is_completed", None)):
-                with self._n_lock:
-                    n, self._n = self._n, self._n + 1
-                return _LoggedHandle(out, self, name, n)
-            return out
+    # -- Engine ---------------------------------------------------------------------------
 
-        return call
+    def world(self) -> World:
+        return self._inner.world()
+
+    def allreduce(self, tensor: torch.Tensor, op: str) -> Handle:
+        return self._logged("allreduce", self._inner.allreduce(tensor, op))
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Handle:
+        return self._logged("broadcast", self._inner.broadcast(tensor, root))
+
+    def allgather(self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor) -> Handle:
+        return self._logged("allgather", self._inner.allgather(outputs, tensor))
+
+    def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], op: str) -> Handle:
+        return self._logged("reduce_scatter", self._inner.reduce_scatter(output, inputs, op))
+
+    def barrier(self) -> Handle:
+        return self._logged("barrier", self._inner.barrier())
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Handle:
+        return self._logged("send", self._inner.send(tensor, dst, tag))
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Handle:
+        return self._logged("recv", self._inner.recv(tensor, src, tag))
 
     def close(self) -> None:
         try:
@@ -134,8 +159,80 @@ class OpLogEngine:
                 pass
 
 
-def wrap_from_environment(engine: Any) -> Any:
-    """``engine`` wrapped in an :class:`OpLogEngine` when ``$RESILIENT_OP_LOG`` is set, else
-    ``engine`` itself."""
+class OpLogCommunicatorEngine(OpLogEngine):
+    """:class:`OpLogEngine` over the real engine: also its joiner admission
+    (``resilient.elastic.State.sync()``) and what the world's ``dist.new_group`` engines
+    share (``member_id``, ``job``, ``store``, ``session``, ``watcher``, ``transport``)."""
+
+    def __init__(self, inner: CommunicatorEngine, path: str) -> None:
+        super().__init__(inner, path, member_id=inner.member_id)
+        self.engine = inner
+
+    @property
+    def member_id(self) -> str:
+        return self.engine.member_id
+
+    @property
+    def job(self) -> str:
+        return self.engine.job
+
+    @property
+    def store(self) -> Store:
+        return self.engine.store
+
+    @property
+    def session(self) -> MemberSession:
+        return self.engine.session
+
+    @property
+    def watcher(self) -> EpochWatcher:
+        return self.engine.watcher
+
+    @property
+    def transport(self) -> Transport:
+        return self.engine.transport
+
+    @property
+    def comm(self) -> Comm:
+        return self.engine.comm
+
+    @property
+    def admitted(self) -> bool:
+        return self.engine.admitted
+
+    def announce_ready(self) -> None:
+        self.engine.announce_ready()
+
+    def mark_done(self) -> None:
+        self.engine.mark_done()
+
+    def job_done(self) -> bool:
+        return self.engine.job_done()
+
+    def pending_joiners(self) -> bool:
+        return self.engine.pending_joiners()
+
+    def rebuild(self, min_epoch: int, timeout: float = 60.0) -> None:
+        self.engine.rebuild(min_epoch, timeout)
+
+    def wait_admitted(self, timeout: float = 120.0) -> None:
+        self.engine.wait_admitted(timeout)
+
+
+def _member_of(engine: Engine) -> str:
+    """The member id the op log names for ``engine`` ("" when it is not in a world yet)."""
+    try:
+        return engine.world().member_id
+    except Exception:  # noqa: BLE001 - a joiner not admitted yet, a unit-test engine: no name
+        return ""
+
+
+def wrap_from_environment(engine: Engine) -> Engine:
+    """``engine`` wrapped in an :class:`OpLogEngine` (an :class:`OpLogCommunicatorEngine`
+    over the real engine) when ``$RESILIENT_OP_LOG`` is set, else ``engine`` itself."""
     path = os.environ.get(ENV, "")
-    return OpLogEngine(engine, path) if path else engine
+    if not path:
+        return engine
+    if isinstance(engine, CommunicatorEngine):
+        return OpLogCommunicatorEngine(engine, path)
+    return OpLogEngine(engine, path)

@@ -54,16 +54,20 @@ _POLL_MIN_S, _POLL_MAX_S = 0.001, 0.05
 
 
 class _SuspectSink(Protocol):
-    def report_suspect(self, peer: str, reason: str) -> None: ...
+    def report_suspect(self, suspect_id: str, reason: str) -> None: ...
 
 
 class P2PHost(Protocol):
-    """What :class:`PointToPoint` needs from the Communicator."""
+    """What :class:`PointToPoint` needs from the Communicator (read-only)."""
 
-    member_id: str
-    op_timeout: float | None
-    transport: Transport
-    view: _SuspectSink
+    @property
+    def member_id(self) -> str: ...
+    @property
+    def op_timeout(self) -> float | None: ...
+    @property
+    def transport(self) -> Transport: ...
+    @property
+    def view(self) -> _SuspectSink: ...
 
     @property
     def members(self) -> list[str]: ...

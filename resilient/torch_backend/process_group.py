@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 from torch.distributed.distributed_c10d import GroupName
 
-from resilient.errors import ResilientError
+from resilient.errors import UnsupportedOperation as UnsupportedOperation  # re-export: its old import path
 from resilient.torch_backend import composed
 from resilient.torch_backend.dtypes import Packed, for_reduce
 from resilient.torch_backend.composed import Then
@@ -44,15 +44,6 @@ from resilient.torch_backend.engine import Engine, Handle
 from resilient.torch_backend.work import ResilientWork, batch_work
 
 BACKEND_NAME = "resilient"
-
-
-class UnsupportedOperation(ResilientError, NotImplementedError):
-    """A ``torch.distributed`` op or argument the resilient backend does not implement."""
-
-    def __init__(self, op: str, hint: str = "") -> None:
-        msg = f"the 'resilient' torch.distributed backend does not support {op}"
-        super().__init__(msg + (f"; {hint}" if hint else ""))
-        self.op = op
 
 
 _OPS = {"SUM": "sum", "AVG": "avg", "MIN": "min", "MAX": "max", "PRODUCT": "prod",

@@ -33,71 +33,47 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import uuid
 from datetime import timedelta
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, cast
 
+from resilient.collectives.group import EpochLike, EtcdGroupView, GroupView
 from resilient.errors import ConfigError
+from resilient.settings import Settings
 from resilient.torch_backend.communicator_engine import CommunicatorEngine
+from resilient.torch_backend.views import FilteredView, replace_epoch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from _typeshed import DataclassInstance
 
 _KEY = "resilient-subgroup/"
 
 
-class SubgroupView:
+class SubgroupView(FilteredView):
     """A GroupView of the job restricted to ``members`` (see the module docstring):
     epochs show only those members (in ring order), their ``infos`` carry the group
     transport's ``addresses``, and blob names are prefixed with the group id."""
 
-    def __init__(self, inner: Any, members: Iterable[str], addresses: dict[str, str], group_id: str) -> None:
-        self.inner = inner
-        self.member_id = inner.member_id
+    def __init__(self, inner: GroupView, members: Iterable[str], addresses: dict[str, str], group_id: str) -> None:
+        super().__init__(inner)
         self.members = frozenset(members)
         self.addresses = dict(addresses)
         self.group_id = group_id
 
-    def _filter(self, e: Any) -> Any:
-        if e is None:
-            return None
-        members = tuple(m for m in e.members if m in self.members)
-        infos = {m: dataclasses.replace(e.infos[m], address=self.addresses[m]) for m in members if m in e.infos}
-        return dataclasses.replace(e, members=members, infos=infos, roles={}, plan={},
-                                   added=tuple(m for m in getattr(e, "added", ()) if m in self.members))
+    def filter_epoch(self, epoch: EpochLike) -> EpochLike:
+        members = tuple(m for m in epoch.members if m in self.members)
+        infos = {m: dataclasses.replace(cast("DataclassInstance", epoch.infos[m]), address=self.addresses[m])
+                 for m in members if m in epoch.infos}
+        return replace_epoch(epoch, members=members, infos=infos, roles={}, plan={},
+                             added=tuple(m for m in epoch.added if m in self.members))
 
-    def current(self) -> Any:
-        return self._filter(self.inner.current())
-
-    def wait_for(self, pred: Callable[[Any], bool], timeout: float) -> Any:
-        return self._filter(self.inner.wait_for(lambda e: pred(self._filter(e)), timeout))
-
-    def subscribe(self, callback: Callable[[Any], None]) -> Callable[[], None]:
-        unsubscribe: Callable[[], None] = self.inner.subscribe(lambda e: callback(self._filter(e)))
-        return unsubscribe
-
-    def _name(self, name: str) -> str:
+    def blob_name(self, name: str) -> str:
         return f"g-{self.group_id}-{name}"
-
-    def put_blob(self, epoch: int, name: str, payload: bytes) -> None:
-        self.inner.put_blob(epoch, self._name(name), payload)
-
-    def wait_blobs(self, epoch: int, name: str, members: Iterable[str], timeout: float) -> dict[str, bytes]:
-        blobs: dict[str, bytes] = self.inner.wait_blobs(epoch, self._name(name), members, timeout)
-        return blobs
-
-    def __getattr__(self, name: str) -> Any:  # report_suspect, session_lost, peer_alive
-        return getattr(self.inner, name)
 
 
 class SubgroupEngine(CommunicatorEngine):
-    """The group's engine: its own Communicator and transport; the job's session and
-    epoch watcher are the world engine's (closing the group leaves them alone)."""
-
-    def close(self) -> None:
-        for c in [self.comm, *self._closers]:
-            try:
-                c.close()
-            except Exception:  # noqa: BLE001 - best effort at shutdown
-                pass
+    """The group's engine: its own Communicator and transport (its closer); the job's
+    session and epoch watcher are the world engine's (closing the group leaves them alone)."""
 
 
 def _record(raw: bytes, rank: int) -> dict[str, Any]:
@@ -114,7 +90,6 @@ def _record(raw: bytes, rank: int) -> dict[str, Any]:
 def create(world: CommunicatorEngine, store: Any, rank: int, size: int, timeout: timedelta) -> SubgroupEngine:
     """Build this member's engine of a new group (see the module docstring)."""
     from resilient.collectives import Communicator
-    from resilient.collectives.group import EtcdGroupView
     from resilient.transport.tcp import TcpTransport
 
     store.set_timeout(timeout)
@@ -123,7 +98,7 @@ def create(world: CommunicatorEngine, store: Any, rank: int, size: int, timeout:
     group_id = bytes(store.get(_KEY + "id")).decode()
     if not group_id.isalnum():
         raise ConfigError(f"new_group: the group id in the store is not valid ({group_id[:40]!r})")
-    transport = TcpTransport(world.member_id, f"{world.job}/{group_id}", host=os.environ.get("RESILIENT_HOST", "127.0.0.1"))
+    transport = TcpTransport(world.member_id, f"{world.job}/{group_id}", host=Settings.from_env().host)
     try:
         store.set(f"{_KEY}{rank}", json.dumps({"member": world.member_id, "address": transport.address}))
         recs = [_record(store.get(f"{_KEY}{r}"), r) for r in range(size)]

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import torch.distributed as dist
 from torch.futures import Future
 
+from resilient.errors import ResilientTimeout
 from resilient.torch_backend.engine import Handle
 
 
@@ -70,7 +71,7 @@ class ResilientWork(dist.Work):
     def wait(self, timeout: timedelta | None = None) -> bool:
         secs = None if timeout in (None, timedelta(0)) else timeout.total_seconds()
         if secs is not None and not self.handle.wait(secs):
-            raise TimeoutError(f"resilient op did not finish within {secs:.1f}s")
+            raise ResilientTimeout(f"resilient op did not finish within {secs:.1f}s")
         self._complete()
         return True
 

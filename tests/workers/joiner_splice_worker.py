@@ -35,21 +35,24 @@ import torch
 import torch.distributed as dist
 
 import resilient  # noqa: F401 - registers the backend
-from resilient.torch_backend import communicator_engine, current_engine
+from resilient.torch_backend import current_engine
 
 ROLE, RANK, WORLD, DIR = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
 AFTER = 8  # survivor ops after the joiner posted its first one
 
 
-def old_make_communicator(store, job, session, watcher, transport):  # type: ignore[no-untyped-def]
-    from resilient.collectives import Communicator
-    from resilient.collectives.group import EtcdGroupView
-
-    return Communicator(EtcdGroupView(store, job, session, watcher), transport)
-
-
 if os.environ.get("RESILIENT_TEST_OLD_ADMISSION") == "1":
-    communicator_engine._make_communicator = old_make_communicator
+    import resilient.connection as connection
+
+    _connect = connection.connect
+
+    def old_connect(*args, **kwargs):  # type: ignore[no-untyped-def]
+        """The construction before the fix: no AdmittedView, ``joining`` from the epoch."""
+        kwargs.pop("wrap_view", None)
+        kwargs.pop("joining", None)
+        return _connect(*args, **kwargs)
+
+    connection.connect = old_connect
 
 
 def value(member: str, i: int) -> int:
