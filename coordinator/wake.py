@@ -20,23 +20,16 @@ thread.
 from __future__ import annotations
 
 import threading
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-
-class _Watch(Protocol):
-    connected: threading.Event
-
-    def cancel(self) -> None: ...
-
-
-class _WatchingStore(Protocol):
-    def watch_prefix(self, prefix: str, start_revision: int | None, callback: object) -> _Watch: ...
+if TYPE_CHECKING:  # pragma: no cover
+    from resilient.coordinator.store import Store
 
 
 class PrefixWake:
     """See the module docstring."""
 
-    def __init__(self, store: _WatchingStore, prefix: str, connect_timeout: float = 2.0) -> None:
+    def __init__(self, store: Store, prefix: str, connect_timeout: float = 2.0) -> None:
         self._event = threading.Event()
         self._watch = store.watch_prefix(prefix, None, lambda _events: self._event.set())
         self._watch.connected.wait(connect_timeout)
