@@ -75,6 +75,7 @@ from resilient.errors import (
     TransportError,
 )
 from resilient.kernels import ReduceOp
+from resilient.settings import Settings
 from resilient.transport.base import Transport
 
 log = logging.getLogger(__name__)
@@ -87,13 +88,16 @@ class Communicator:
                  op_timeout: float | None = 30.0, small_bytes: int = 64 << 10, slice_bytes: int = 2 << 20,
                  max_slices: int = 64, recovery_timeout: float = 300.0, epoch_timeout: float = 60.0,
                  ledger: bool = True, joining: bool | None = None, health_reporter: Any = None,
-                 metrics: Any = None, hierarchical: bool = True) -> None:
+                 metrics: Any = None, hierarchical: bool = True, staging: bool | None = None) -> None:
+        """``staging``: run CPU tensors through the host-staged data path CUDA tensors take
+        (:mod:`.staged`; default ``RESILIENT_STAGING``, off). CUDA tensors always take it."""
         self.view, self.transport, self.member_id = view, transport, view.member_id
+        staging = Settings.from_env().staging if staging is None else bool(staging)
         self.settings = CommSettings(policy, op_timeout, small_bytes, slice_bytes, max_slices, recovery_timeout,
-                                     epoch_timeout, ledger, health_reporter, metrics, hierarchical)
+                                     epoch_timeout, ledger, health_reporter, metrics, hierarchical, staging)
         self.policy = Policy.parse(policy)
         self.op_timeout, self.epoch_timeout, self.ledger_enabled = op_timeout, epoch_timeout, ledger
-        self.sizing = Sizing(small_bytes, slice_bytes, max_slices, hierarchical)
+        self.sizing = Sizing(small_bytes, slice_bytes, max_slices, hierarchical, staging)
         self.metrics = OpMetrics(metrics, health_reporter)
         # ops post through this: a failed link to a live member is retried (issue 5)
         self._op_transport = RetryingTransport(transport, give_up_s=op_timeout, on_suspect=self._suspect,
@@ -123,6 +127,9 @@ class Communicator:
         rop = ReduceOp.parse(op)
         nbytes = t.numel() * t.element_size()
         comp = Compression.parse(compression) if compression is not None else None
+        if comp is not None and t.device.type != "cpu":
+            raise ConfigError(f"compressed allreduce of a tensor on {t.device}: the codec runs on the CPU; "
+                              "pass compression=None (exact, host-staged) or a CPU tensor")
         segs = comp.layout(t) if comp is not None else None
         if comp is not None and segs is not None:
             body = run_auto if comp.auto else run_compressed
