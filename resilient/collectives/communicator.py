@@ -62,7 +62,7 @@ from resilient.collectives.op_errors import OpErrors
 from resilient.collectives.op_metrics import OpMetrics
 from resilient.collectives.ops import (
     AllgatherOp, AllreduceOp, BroadcastOp, OpResult, OpSpec, ReduceScatterOp, as_tensor, describe, digest,
-    result_of,
+    on_device, result_of,
 )
 from resilient.collectives.p2p import PointToPoint
 from resilient.collectives.recovery import Policy
@@ -135,7 +135,7 @@ class Communicator:
             body = run_auto if comp.auto else run_compressed
             return self._submit(lambda: body(self, t, rop, comp, segs, policy), async_op, "allreduce", nbytes)
         desc = describe("allreduce", t, op=rop.value)
-        return self._submit(lambda: self.reduce_now(t, rop, desc, policy), async_op, "allreduce", nbytes)
+        return self._submit(on_device(t, lambda: self.reduce_now(t, rop, desc, policy)), async_op, "allreduce", nbytes)
 
     def reduce_scatter(self, output: Any, inputs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM,
                        async_op: bool = False, policy: Policy | str | None = None) -> Work:
@@ -143,23 +143,23 @@ class Communicator:
         ins = [as_tensor(x, f"reduce_scatter input {i}") for i, x in enumerate(inputs)]
         rop = ReduceOp.parse(op)
         desc = describe("reduce_scatter", out, op=rop.value, n=len(ins))
-        return self._submit(lambda: self._collective(desc, lambda: ReduceScatterOp(
-            out, ins, rop, self.size, self.sizing, self._errors.require_group_of), policy), async_op,
+        return self._submit(on_device(out, lambda: self._collective(desc, lambda: ReduceScatterOp(
+            out, ins, rop, self.size, self.sizing, self._errors.require_group_of), policy)), async_op,
             "reduce_scatter", sum(x.numel() * x.element_size() for x in ins))
 
     def allgather(self, outputs: Sequence[Any], tensor: Any, async_op: bool = False) -> Work:
         t = as_tensor(tensor, "allgather tensor")
         outs = [as_tensor(x, f"allgather output {i}") for i, x in enumerate(outputs)]
         desc = describe("allgather", t, n=len(outs))
-        return self._submit(lambda: self._collective(desc, lambda: AllgatherOp(
-            outs, t, self.size, self.sizing, self._errors.require_group_of)), async_op,
+        return self._submit(on_device(t, lambda: self._collective(desc, lambda: AllgatherOp(
+            outs, t, self.size, self.sizing, self._errors.require_group_of))), async_op,
             "allgather", t.numel() * t.element_size() * len(outs))
 
     def broadcast(self, tensor: Any, root: int = 0, async_op: bool = False) -> Work:
         t = as_tensor(tensor, "broadcast tensor")
         desc = describe("broadcast", t, root=int(root))
-        return self._submit(lambda: self._collective(desc, lambda: BroadcastOp(
-            t, int(root), self.members, self.sizing)), async_op, "broadcast", t.numel() * t.element_size())
+        return self._submit(on_device(t, lambda: self._collective(desc, lambda: BroadcastOp(
+            t, int(root), self.members, self.sizing))), async_op, "broadcast", t.numel() * t.element_size())
 
     def barrier(self, async_op: bool = False) -> Work:
         t = torch.zeros(1, dtype=torch.int32)

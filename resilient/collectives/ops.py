@@ -90,20 +90,36 @@ def result_of(L: Ledger) -> OpResult:
     return OpResult(union, sets, False)
 
 
-def on_device(L: Ledger, algo: Algorithm, device: torch.device, sizing: select.Sizing) -> tuple[Ledger, Algorithm]:
+def on_device(t: torch.Tensor, body: Callable[[], OpResult]) -> Callable[[], OpResult]:
+    """The op body for tensor ``t`` (call on the caller's thread). CPU: ``body`` itself.
+    CUDA: the device's op stream first waits for the caller's pending work (enqueued now,
+    no host wait), the body's torch work runs on that stream, and the op synchronizes the
+    device before its Work completes (the result is ready on any stream then)."""
+    if t.device.type == "cpu":
+        return body
+    ops = device_ops(t.device)
+    ops.wait_for_caller()
+
+    def run() -> OpResult:
+        with ops.op_stream():
+            res = body()
+        ops.synchronize()
+        return res
+    return run
+
+
+def ledger_on_device(L: Ledger, algo: Algorithm, device: torch.device,
+                     sizing: select.Sizing) -> tuple[Ledger, Algorithm]:
     """Give ``L`` its device's buffer ops and, when the op is staged (CUDA, or
     ``staging=True``) and ``algo`` can stage, the staged chunk size. A CUDA op on an
     algorithm that cannot stage raises ConfigError naming the alternative; a CPU op on one
     runs direct (its buffers are host memory already)."""
+    if device.type != "cpu" and not algo.capabilities.staged:
+        raise ConfigError(f"{L.kind} #{L.seq} on {device}: {type(algo).__name__} (the leaf path of demoted "
+                          "members) does not take CUDA tensors; pass CPU tensors (.cpu()) while members are "
+                          "demoted, or use the default straggler policy")
     L.ops = device_ops(device)
-    elems = sizing.stage_elems(device, L.out.element_size())
-    if elems and not algo.capabilities.staged:
-        if device.type != "cpu":
-            raise ConfigError(f"{L.kind} #{L.seq} on {device}: {type(algo).__name__} (the leaf path of demoted "
-                              "members) does not take CUDA tensors; pass CPU tensors (.cpu()) while members are "
-                              "demoted, or use the default straggler policy")
-        elems = 0
-    L.stage_elems = elems
+    L.stage_elems = sizing.stage_elems(device, L.out.element_size()) if algo.capabilities.staged else 0
     return L, algo
 
 
@@ -140,7 +156,7 @@ class AllreduceOp:
     def layout(self, members: list[str], me: int, seq: int, digest: int, epoch: EpochLike) -> tuple[Ledger, Algorithm]:
         inp = self.inp
         pieces, algo = select.allreduce(members, epoch, inp.numel(), inp.element_size(), self.sizing)
-        return on_device(Ledger(seq, self.kind, tuple(members), me, epoch.number, digest, inp,
+        return ledger_on_device(Ledger(seq, self.kind, tuple(members), me, epoch.number, digest, inp,
                                 self.pool.take(inp.numel(), inp.dtype, self.ops), pieces), algo, self.t.device, self.sizing)
 
     def finish(self, L: Ledger) -> OpResult:
@@ -167,7 +183,7 @@ class ReduceScatterOp:
         self.check_group(self.n0, members, seq, "reduce_scatter", "input")
         lay = select.per_member("reduce_scatter", members, epoch, self.n0, self.m, self.out.element_size(), self.sizing)
         want: list[int | None] = list(lay.owner)
-        return on_device(Ledger(seq, "reduce_scatter", tuple(members), me, epoch.number, digest, self.inp,
+        return ledger_on_device(Ledger(seq, "reduce_scatter", tuple(members), me, epoch.number, digest, self.inp,
                                 torch.empty_like(self.inp), lay.pieces, want=want), lay.algorithm, self.out.device,
                          self.sizing)
 
@@ -199,7 +215,7 @@ class AllgatherOp:
         for p, o in enumerate(lay.owner):
             if o == me:
                 L.set(p, 1 << me)
-        return on_device(L, lay.algorithm, self.t.device, self.sizing)
+        return ledger_on_device(L, lay.algorithm, self.t.device, self.sizing)
 
     def finish(self, L: Ledger) -> OpResult:
         m = self.m
@@ -221,7 +237,7 @@ class BroadcastOp:
         r = members.index(self.root_id)
         inp = self.inp
         pieces, algo = select.broadcast(inp.numel(), inp.element_size(), r, self.sizing)
-        return on_device(Ledger(seq, "broadcast", tuple(members), me, epoch.number, digest, inp, torch.empty_like(inp),
+        return ledger_on_device(Ledger(seq, "broadcast", tuple(members), me, epoch.number, digest, inp, torch.empty_like(inp),
                                 pieces, piece_kind=PieceKind.COPY, owners=[r] * len(pieces)), algo, self.t.device,
                          self.sizing)
 
