@@ -1,8 +1,9 @@
 """The host-staged data path (the one CUDA tensors take) forced on CPU tensors with
-``RESILIENT_STAGING=1``: real worker processes, a real etcd + coordinator, real TCP and a
-real SIGKILL. The device-generic path is the one that runs (every op reports the
-transfers it posted through the staging pipeline) and its results are exact: identical to
-the reduction over the contributors each survivor reports, computed here independently."""
+``RESILIENT_STAGING=1``: real worker processes, a real etcd + coordinator, shared memory
+(every op kind) and TCP (allreduce with a real SIGKILL). The device-generic path is the
+one that runs (every op reports the transfers it posted through the staging pipeline)
+and its results are exact: identical to the reduction over the contributors each
+survivor reports, computed here independently."""
 from __future__ import annotations
 
 import sys
@@ -19,7 +20,8 @@ from test_collectives_multiproc import check_allreduce, idx  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-STAGED = {"RESILIENT_STAGING": "1"}
+STAGED = {"RESILIENT_STAGING": "1"}                              # transport auto: shared memory here
+STAGED_TCP = {"RESILIENT_STAGING": "1", "RESILIENT_TRANSPORT": "tcp"}
 
 OPS = [
     {"k": "allreduce", "numel": 300_001, "dtype": "float64", "op": "sum"},   # ring
@@ -75,7 +77,7 @@ KILL_OPS = [
 def test_staged_sigkill_mid_allreduce_every_survivor_exact(etcd_session, job_name, tmp_path):
     world, victim = 4, "m2"
     with coordinator(etcd_session.endpoint_arg, job_name):
-        w = Workers(etcd_session.endpoint_arg, job_name, world, KILL_OPS, tmp_path, env=STAGED,
+        w = Workers(etcd_session.endpoint_arg, job_name, world, KILL_OPS, tmp_path, env=STAGED_TCP,
                     failpoints={victim: "kill@op=1,phase=rs,frac=0.5"})
         try:
             survivors = [m for m in w.procs if m != victim]
