@@ -71,6 +71,7 @@ KILL_OPS = [
     {"k": "allreduce", "numel": 400_000, "dtype": "float64", "op": "sum"},
     {"k": "allreduce", "numel": 400_000, "dtype": "int64", "op": "sum"},
     {"k": "allreduce", "numel": 1000, "dtype": "int64", "op": "sum"},
+    {"k": "broadcast", "numel": 50_000, "dtype": "float32", "root": 0},   # staged chain in the new epoch
 ]
 
 
@@ -86,8 +87,11 @@ def test_staged_sigkill_mid_allreduce_every_survivor_exact(etcd_session, job_nam
             for mid in survivors:
                 recs = w.records(mid)
                 assert all(r["ok"] for r in recs), recs
-                assert recs[0]["staged_posts"] and recs[2]["staged_posts"], recs
-                for seq, spec in enumerate(KILL_OPS):
+                assert recs[0]["staged_posts"] and recs[2]["staged_posts"] and recs[3]["staged_posts"], recs
+                bcast = KILL_OPS[3]
+                exp = make_input(0, 3, w.seed, bcast["numel"], bcast["dtype"]).numpy()   # m0: rank 0
+                np.testing.assert_array_equal(w.output(mid, 3), exp)
+                for seq, spec in enumerate(KILL_OPS[:3]):
                     contrib = check_allreduce(w, mid, seq, spec)
                     if seq >= 1:   # killed in reduce-scatter: the exact reduction over the survivors
                         assert contrib == survivors, (mid, seq, contrib)
