@@ -74,6 +74,8 @@ class Settings:
         "RESILIENT_NODE_LEASE", "0", "`1`: the launcher's workers share one node lease (docs/scale.md)"))
     log_level: str = field(default="INFO", metadata=_var(
         "RESILIENT_LOG_LEVEL", "INFO", "log level of `resilient-run` (`DEBUG`, `INFO`, `WARNING`, ...)"))
+    staging: bool = field(default=False, metadata=_var(
+        "RESILIENT_STAGING", "0", "`1`: CPU tensors take the host-staged data path of CUDA tensors (docs/cuda.md)"))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -104,6 +106,7 @@ class Settings:
             nccl_library=get("RESILIENT_NCCL_LIBRARY", _text, d.nccl_library),
             node_lease=get("RESILIENT_NODE_LEASE", _flag, d.node_lease),
             log_level=get("RESILIENT_LOG_LEVEL", _log_level, d.log_level),
+            staging=get("RESILIENT_STAGING", _flag, d.staging),
         )
 
     def make_selector(self) -> selectors.BaseSelector:

@@ -37,6 +37,27 @@ def check_allreduce(w: Workers, mid: str, seq: int, spec: dict) -> list[str]:
     return contrib
 
 
+def check_fault_free(w: Workers, mid: str, seq: int, spec: dict, mids: list[str]) -> dict:
+    """Op ``seq`` of a run without faults succeeded on ``mid`` with the exact result
+    (every member a contributor); returns its record."""
+    rec = w.records(mid)[seq]
+    assert rec["ok"], rec
+    world = len(mids)
+    if spec["k"] == "allreduce":
+        assert check_allreduce(w, mid, seq, spec) == mids
+    elif spec["k"] == "broadcast":
+        exp = make_input(spec["root"], seq, w.seed, spec["numel"], spec["dtype"]).numpy()
+        np.testing.assert_array_equal(w.output(mid, seq), exp)
+    elif spec["k"] == "allgather":
+        exp = np.stack([make_input(i, seq, w.seed, spec["numel"], spec["dtype"]).numpy() for i in range(world)])
+        np.testing.assert_array_equal(w.output(mid, seq), exp)
+    elif spec["k"] == "reduce_scatter":
+        c = idx(mid)
+        exp = sum(make_input(i, seq * 100 + c, w.seed, spec["numel"], spec["dtype"]) for i in range(world))
+        np.testing.assert_array_equal(w.output(mid, seq), exp.numpy())
+    return rec
+
+
 OPS_FAULT_FREE = [
     {"k": "allreduce", "numel": 1000, "dtype": "int64", "op": "sum"},
     {"k": "allreduce", "numel": 300_001, "dtype": "float32", "op": "sum"},
@@ -63,20 +84,7 @@ def test_fault_free_all_ops(etcd_session, job_name, tmp_path, world):
             mids = list(w.procs)
             for seq, spec in enumerate(OPS_FAULT_FREE):
                 for mid in mids:
-                    rec = w.records(mid)[seq]
-                    assert rec["ok"], rec
-                    if spec["k"] == "allreduce":
-                        assert check_allreduce(w, mid, seq, spec) == mids
-                    elif spec["k"] == "broadcast":
-                        exp = make_input(spec["root"], seq, w.seed, spec["numel"], spec["dtype"]).numpy()
-                        np.testing.assert_array_equal(w.output(mid, seq), exp)
-                    elif spec["k"] == "allgather":
-                        exp = np.stack([make_input(i, seq, w.seed, spec["numel"], spec["dtype"]).numpy() for i in range(world)])
-                        np.testing.assert_array_equal(w.output(mid, seq), exp)
-                    elif spec["k"] == "reduce_scatter":
-                        c = idx(mid)
-                        exp = sum(make_input(i, seq * 100 + c, w.seed, spec["numel"], spec["dtype"]) for i in range(world))
-                        np.testing.assert_array_equal(w.output(mid, seq), exp.numpy())
+                    check_fault_free(w, mid, seq, spec, mids)
             # every member got bitwise the same allreduce result
             for seq, spec in enumerate(OPS_FAULT_FREE):
                 if spec["k"] == "allreduce":

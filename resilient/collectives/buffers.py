@@ -3,11 +3,15 @@
 
 Two buffers deep per (numel, dtype), only for buffers of 1 MiB or more that the pool
 itself handed out: a user tensor is never kept. Not thread-safe: the op thread alone uses
-it. Nothing here fails beyond torch's own allocation errors.
+it. Buffers live on the device of the :class:`~resilient.device.DeviceOps` that makes
+them (CPU by default), pooled per device. Nothing here fails beyond torch's own
+allocation errors.
 """
 from __future__ import annotations
 
 import torch
+
+from resilient.device import DeviceOps, device_ops
 
 MIN_POOLED_BYTES = 1 << 20
 DEPTH = 2
@@ -15,13 +19,14 @@ DEPTH = 2
 
 class BufferPool:
     def __init__(self) -> None:
-        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
         self._owned: set[int] = set()
 
-    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A flat buffer of ``numel`` elements (contents undefined)."""
-        free = self._free.get((numel, dtype))
-        buf = free.pop() if free else torch.empty(numel, dtype=dtype)
+    def take(self, numel: int, dtype: torch.dtype, ops: DeviceOps | None = None) -> torch.Tensor:
+        """A flat buffer of ``numel`` elements (contents undefined) on ``ops``' device (default CPU)."""
+        ops = ops if ops is not None else device_ops("cpu")
+        free = self._free.get((numel, dtype, ops.device))
+        buf = free.pop() if free else ops.empty(numel, dtype)
         self._owned.add(buf.data_ptr())
         return buf
 
@@ -41,6 +46,6 @@ class BufferPool:
     def release(self, buf: torch.Tensor) -> None:
         """Return a buffer :meth:`take` handed out; anything else is ignored."""
         if buf.data_ptr() in self._owned and buf.numel() * buf.element_size() >= MIN_POOLED_BYTES:
-            free = self._free.setdefault((buf.numel(), buf.dtype), [])
+            free = self._free.setdefault((buf.numel(), buf.dtype, buf.device), [])
             if len(free) < DEPTH and all(b.data_ptr() != buf.data_ptr() for b in free):
                 free.append(buf)

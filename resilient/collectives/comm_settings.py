@@ -22,6 +22,7 @@ class CommSettings:
     health_reporter: Any = None
     metrics: Any = None
     hierarchical: bool = True
+    staging: bool | None = None
 
     def as_kwargs(self) -> dict[str, Any]:
         """The Communicator keyword arguments, shallow: the metrics and health reporter

@@ -62,7 +62,7 @@ from resilient.collectives.op_errors import OpErrors
 from resilient.collectives.op_metrics import OpMetrics
 from resilient.collectives.ops import (
     AllgatherOp, AllreduceOp, BroadcastOp, OpResult, OpSpec, ReduceScatterOp, as_tensor, describe, digest,
-    result_of,
+    on_device, result_of,
 )
 from resilient.collectives.p2p import PointToPoint
 from resilient.collectives.recovery import Policy
@@ -75,6 +75,7 @@ from resilient.errors import (
     TransportError,
 )
 from resilient.kernels import ReduceOp
+from resilient.settings import Settings
 from resilient.transport.base import Transport
 
 log = logging.getLogger(__name__)
@@ -87,13 +88,16 @@ class Communicator:
                  op_timeout: float | None = 30.0, small_bytes: int = 64 << 10, slice_bytes: int = 2 << 20,
                  max_slices: int = 64, recovery_timeout: float = 300.0, epoch_timeout: float = 60.0,
                  ledger: bool = True, joining: bool | None = None, health_reporter: Any = None,
-                 metrics: Any = None, hierarchical: bool = True) -> None:
+                 metrics: Any = None, hierarchical: bool = True, staging: bool | None = None) -> None:
+        """``staging``: run CPU tensors through the host-staged data path CUDA tensors take
+        (:mod:`.staged`; default ``RESILIENT_STAGING``, off). CUDA tensors always take it."""
         self.view, self.transport, self.member_id = view, transport, view.member_id
+        staging = Settings.from_env().staging if staging is None else bool(staging)
         self.settings = CommSettings(policy, op_timeout, small_bytes, slice_bytes, max_slices, recovery_timeout,
-                                     epoch_timeout, ledger, health_reporter, metrics, hierarchical)
+                                     epoch_timeout, ledger, health_reporter, metrics, hierarchical, staging)
         self.policy = Policy.parse(policy)
         self.op_timeout, self.epoch_timeout, self.ledger_enabled = op_timeout, epoch_timeout, ledger
-        self.sizing = Sizing(small_bytes, slice_bytes, max_slices, hierarchical)
+        self.sizing = Sizing(small_bytes, slice_bytes, max_slices, hierarchical, staging)
         self.metrics = OpMetrics(metrics, health_reporter)
         # ops post through this: a failed link to a live member is retried (issue 5)
         self._op_transport = RetryingTransport(transport, give_up_s=op_timeout, on_suspect=self._suspect,
@@ -123,12 +127,15 @@ class Communicator:
         rop = ReduceOp.parse(op)
         nbytes = t.numel() * t.element_size()
         comp = Compression.parse(compression) if compression is not None else None
+        if comp is not None and t.device.type != "cpu":
+            raise ConfigError(f"compressed allreduce of a tensor on {t.device}: the codec runs on the CPU; "
+                              "pass compression=None (exact, host-staged) or a CPU tensor")
         segs = comp.layout(t) if comp is not None else None
         if comp is not None and segs is not None:
             body = run_auto if comp.auto else run_compressed
             return self._submit(lambda: body(self, t, rop, comp, segs, policy), async_op, "allreduce", nbytes)
         desc = describe("allreduce", t, op=rop.value)
-        return self._submit(lambda: self.reduce_now(t, rop, desc, policy), async_op, "allreduce", nbytes)
+        return self._submit(on_device(t, lambda: self.reduce_now(t, rop, desc, policy)), async_op, "allreduce", nbytes)
 
     def reduce_scatter(self, output: Any, inputs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM,
                        async_op: bool = False, policy: Policy | str | None = None) -> Work:
@@ -136,23 +143,23 @@ class Communicator:
         ins = [as_tensor(x, f"reduce_scatter input {i}") for i, x in enumerate(inputs)]
         rop = ReduceOp.parse(op)
         desc = describe("reduce_scatter", out, op=rop.value, n=len(ins))
-        return self._submit(lambda: self._collective(desc, lambda: ReduceScatterOp(
-            out, ins, rop, self.size, self.sizing, self._errors.require_group_of), policy), async_op,
+        return self._submit(on_device(out, lambda: self._collective(desc, lambda: ReduceScatterOp(
+            out, ins, rop, self.size, self.sizing, self._errors.require_group_of), policy)), async_op,
             "reduce_scatter", sum(x.numel() * x.element_size() for x in ins))
 
     def allgather(self, outputs: Sequence[Any], tensor: Any, async_op: bool = False) -> Work:
         t = as_tensor(tensor, "allgather tensor")
         outs = [as_tensor(x, f"allgather output {i}") for i, x in enumerate(outputs)]
         desc = describe("allgather", t, n=len(outs))
-        return self._submit(lambda: self._collective(desc, lambda: AllgatherOp(
-            outs, t, self.size, self.sizing, self._errors.require_group_of)), async_op,
+        return self._submit(on_device(t, lambda: self._collective(desc, lambda: AllgatherOp(
+            outs, t, self.size, self.sizing, self._errors.require_group_of))), async_op,
             "allgather", t.numel() * t.element_size() * len(outs))
 
     def broadcast(self, tensor: Any, root: int = 0, async_op: bool = False) -> Work:
         t = as_tensor(tensor, "broadcast tensor")
         desc = describe("broadcast", t, root=int(root))
-        return self._submit(lambda: self._collective(desc, lambda: BroadcastOp(
-            t, int(root), self.members, self.sizing)), async_op, "broadcast", t.numel() * t.element_size())
+        return self._submit(on_device(t, lambda: self._collective(desc, lambda: BroadcastOp(
+            t, int(root), self.members, self.sizing))), async_op, "broadcast", t.numel() * t.element_size())
 
     def barrier(self, async_op: bool = False) -> Work:
         t = torch.zeros(1, dtype=torch.int32)

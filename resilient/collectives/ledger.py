@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from resilient.collectives.recovery import PieceKind
+from resilient.device import DeviceOps, device_ops
 
 
 def split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -55,6 +56,11 @@ class Ledger:
     done: bool = False
     need: list[int] | None = None   # final masks (after completion or recovery)
     enabled: bool = True
+    #: where ``inp``/``out`` live (CpuOps: today's path) and, when > 0, the chunk size in
+    #: elements of the host-staged transfers (:mod:`.staged`; 0: transfers go direct)
+    ops: DeviceOps = field(default_factory=lambda: device_ops("cpu"))
+    stage_elems: int = 0
+    staged_posts: int = 0           # transfers posted through host staging (diagnostics, tests)
     #: byte views of ``out`` / ``inp`` made once per op (see :meth:`buf`)
     _views: dict[str, memoryview | bool] = field(default_factory=dict, init=False, repr=False, compare=False)
 

@@ -24,6 +24,7 @@ from resilient.collectives.buffers import BufferPool
 from resilient.collectives.group import EpochLike
 from resilient.collectives.ledger import Ledger
 from resilient.collectives.recovery import PieceKind, members_of
+from resilient.device import device_ops
 from resilient.errors import ConfigError, DataLost
 from resilient.kernels import ReduceOp
 
@@ -36,7 +37,8 @@ DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 
 
 def as_tensor(x: Any, what: str) -> torch.Tensor:
-    """``x`` (a CPU tensor or numpy array of a supported dtype) as a tensor; ConfigError otherwise."""
+    """``x`` (a CPU or CUDA tensor, or a numpy array, of a supported dtype) as a tensor;
+    ConfigError otherwise (other devices: :func:`resilient.device.device_ops` names the fix)."""
     if isinstance(x, torch.Tensor):
         t = x
     else:
@@ -48,9 +50,9 @@ def as_tensor(x: Any, what: str) -> torch.Tensor:
             else:
                 raise TypeError
         except TypeError:
-            raise ConfigError(f"{what} must be a torch CPU tensor or a numpy array, got {type(x).__name__}") from None
-    if t.device.type != "cpu":
-        raise ConfigError(f"{what} is on {t.device}; the TCP communicator needs CPU tensors (use the NCCL transport for GPUs)")
+            raise ConfigError(f"{what} must be a torch tensor or a numpy array, got {type(x).__name__}") from None
+    if t.device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{what} is on {t.device}; the communicator takes CPU or CUDA tensors: move it with .cpu()")
     if t.dtype not in DTYPES:
         raise ConfigError(f"{what} has dtype {t.dtype}; supported: float32, float64, float16, bfloat16, int32, int64")
     return t
@@ -88,6 +90,39 @@ def result_of(L: Ledger) -> OpResult:
     return OpResult(union, sets, False)
 
 
+def on_device(t: torch.Tensor, body: Callable[[], OpResult]) -> Callable[[], OpResult]:
+    """The op body for tensor ``t`` (call on the caller's thread). CPU: ``body`` itself.
+    CUDA: the device's op stream first waits for the caller's pending work (enqueued now,
+    no host wait), the body's torch work runs on that stream, and the op synchronizes the
+    device before its Work completes (the result is ready on any stream then)."""
+    if t.device.type == "cpu":
+        return body
+    ops = device_ops(t.device)
+    ops.wait_for_caller()
+
+    def run() -> OpResult:
+        with ops.op_stream():
+            res = body()
+        ops.synchronize()
+        return res
+    return run
+
+
+def ledger_on_device(L: Ledger, algo: Algorithm, device: torch.device,
+                     sizing: select.Sizing) -> tuple[Ledger, Algorithm]:
+    """Give ``L`` its device's buffer ops and, when the op is staged (CUDA, or
+    ``staging=True``) and ``algo`` can stage, the staged chunk size. A CUDA op on an
+    algorithm that cannot stage raises ConfigError naming the alternative; a CPU op on one
+    runs direct (its buffers are host memory already)."""
+    if device.type != "cpu" and not algo.capabilities.staged:
+        raise ConfigError(f"{L.kind} #{L.seq} on {device}: {type(algo).__name__} (the leaf path of demoted "
+                          "members) does not take CUDA tensors; pass CPU tensors (.cpu()) while members are "
+                          "demoted, or use the default straggler policy")
+    L.ops = device_ops(device)
+    L.stage_elems = sizing.stage_elems(device, L.out.element_size()) if algo.capabilities.staged else 0
+    return L, algo
+
+
 def finish_avg(L: Ledger, op: ReduceOp) -> torch.Tensor:
     """The result to hand out (the ledger keeps the undivided sums: a slower survivor
     may still need them to finish this op)."""
@@ -110,18 +145,19 @@ class AllreduceOp:
     """allreduce (and barrier: one int32 zero) of ``t`` in place."""
 
     def __init__(self, kind: str, t: torch.Tensor, op: ReduceOp, pool: BufferPool, sizing: select.Sizing) -> None:
-        self.kind, self.t, self.op, self.pool, self.sizing = kind, t, op, pool, sizing
+        self.kind, self.t, self.op, self.pool, self.sizing = kind, t, op, pool, sizing.for_device(t.device)
+        self.ops = device_ops(t.device)
         if t.is_contiguous():
             self.inp = t.detach().view(-1)  # the ledger's kept input: t is not written before the op completes
         else:
-            self.inp = pool.take(t.numel(), t.dtype)
+            self.inp = pool.take(t.numel(), t.dtype, self.ops)
             self.inp.copy_(t.detach().reshape(-1))
 
     def layout(self, members: list[str], me: int, seq: int, digest: int, epoch: EpochLike) -> tuple[Ledger, Algorithm]:
         inp = self.inp
         pieces, algo = select.allreduce(members, epoch, inp.numel(), inp.element_size(), self.sizing)
-        return Ledger(seq, self.kind, tuple(members), me, epoch.number, digest, inp,
-                      self.pool.take(inp.numel(), inp.dtype), pieces), algo
+        return ledger_on_device(Ledger(seq, self.kind, tuple(members), me, epoch.number, digest, inp,
+                                self.pool.take(inp.numel(), inp.dtype, self.ops), pieces), algo, self.t.device, self.sizing)
 
     def finish(self, L: Ledger) -> OpResult:
         self.t.copy_(finish_avg(L, self.op).view(self.t.shape))
@@ -137,7 +173,9 @@ class ReduceScatterOp:
             if x.shape != out.shape or x.dtype != out.dtype:
                 raise ConfigError(f"reduce_scatter input {i} is {tuple(x.shape)}/{x.dtype}, output is "
                                   f"{tuple(out.shape)}/{out.dtype}")
-        self.out, self.op, self.n0, self.sizing, self.check_group = out, op, n0, sizing, check_group
+        if any(x.device != out.device for x in ins):
+            raise ConfigError(f"reduce_scatter inputs and output must be on one device (output on {out.device})")
+        self.out, self.op, self.n0, self.sizing, self.check_group = out, op, n0, sizing.for_device(out.device), check_group
         self.inp = torch.cat([x.detach().reshape(-1) for x in ins]) if ins else out.reshape(-1).clone()
         self.m = out.numel()
 
@@ -145,8 +183,9 @@ class ReduceScatterOp:
         self.check_group(self.n0, members, seq, "reduce_scatter", "input")
         lay = select.per_member("reduce_scatter", members, epoch, self.n0, self.m, self.out.element_size(), self.sizing)
         want: list[int | None] = list(lay.owner)
-        return Ledger(seq, "reduce_scatter", tuple(members), me, epoch.number, digest, self.inp,
-                      torch.empty_like(self.inp), lay.pieces, want=want), lay.algorithm
+        return ledger_on_device(Ledger(seq, "reduce_scatter", tuple(members), me, epoch.number, digest, self.inp,
+                                torch.empty_like(self.inp), lay.pieces, want=want), lay.algorithm, self.out.device,
+                         self.sizing)
 
     def finish(self, L: Ledger) -> OpResult:
         res, m = finish_avg(L, self.op), self.m
@@ -159,7 +198,9 @@ class AllgatherOp:
                  check_group: GroupCheck) -> None:
         if len(outs) != n0:
             raise ConfigError(f"allgather needs one output per member ({n0}), got {len(outs)}")
-        self.outs, self.t, self.n0, self.sizing, self.check_group = outs, t, n0, sizing, check_group
+        if any(o.device != t.device for o in outs):
+            raise ConfigError(f"allgather outputs must be on the input's device ({t.device})")
+        self.outs, self.t, self.n0, self.sizing, self.check_group = outs, t, n0, sizing.for_device(t.device), check_group
         self.m = t.numel()
         self.own = t.detach().reshape(-1).clone()
 
@@ -167,14 +208,14 @@ class AllgatherOp:
         self.check_group(self.n0, members, seq, "allgather", "output")
         n, m = self.n0, self.m
         lay = select.per_member("allgather", members, epoch, n, m, self.t.element_size(), self.sizing)
-        out = torch.empty(n * m, dtype=self.t.dtype)
+        out = torch.empty(n * m, dtype=self.t.dtype, device=self.t.device)
         L = Ledger(seq, "allgather", tuple(members), me, epoch.number, digest, self.own, out, lay.pieces,
                    piece_kind=PieceKind.COPY, owners=lay.owner, inp_offset=lay.offset)
         out[me * m:(me + 1) * m].copy_(self.own)
         for p, o in enumerate(lay.owner):
             if o == me:
                 L.set(p, 1 << me)
-        return L, lay.algorithm
+        return ledger_on_device(L, lay.algorithm, self.t.device, self.sizing)
 
     def finish(self, L: Ledger) -> OpResult:
         m = self.m
@@ -187,7 +228,7 @@ class BroadcastOp:
     def __init__(self, t: torch.Tensor, root: int, members: list[str], sizing: select.Sizing) -> None:
         if not 0 <= root < len(members):
             raise ConfigError(f"broadcast root {root} is not a rank of this {len(members)}-member group")
-        self.t, self.root_id, self.sizing = t, members[root], sizing
+        self.t, self.root_id, self.sizing = t, members[root], sizing.for_device(t.device)
         self.inp = t.detach().reshape(-1).clone()
 
     def layout(self, members: list[str], me: int, seq: int, digest: int, epoch: EpochLike) -> tuple[Ledger, Algorithm]:
@@ -196,8 +237,9 @@ class BroadcastOp:
         r = members.index(self.root_id)
         inp = self.inp
         pieces, algo = select.broadcast(inp.numel(), inp.element_size(), r, self.sizing)
-        return Ledger(seq, "broadcast", tuple(members), me, epoch.number, digest, inp, torch.empty_like(inp), pieces,
-                      piece_kind=PieceKind.COPY, owners=[r] * len(pieces)), algo
+        return ledger_on_device(Ledger(seq, "broadcast", tuple(members), me, epoch.number, digest, inp, torch.empty_like(inp),
+                                pieces, piece_kind=PieceKind.COPY, owners=[r] * len(pieces)), algo, self.t.device,
+                         self.sizing)
 
     def finish(self, L: Ledger) -> OpResult:
         self.t.copy_(L.out.view(self.t.shape))

@@ -4,7 +4,8 @@ never meet a collective's.
 
 Failure behaviour: a wait longer than ``op_timeout`` reports the peer as suspect and keeps
 waiting; a transport error (the peer died, an epoch aborted the transport) propagates. No
-ledger: a failed send/recv is not resumed.
+ledger: a failed send/recv is not resumed. A CUDA tensor is sent from (received into) a
+host copy.
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ class PointToPoint:
         n = self._counts.get(key, 0)
         self._counts[key] = n + 1
         seq = tags.p2p_seq(n)
-        buf = t if t.is_contiguous() else t.contiguous()
+        # the transports move host bytes: a CUDA tensor goes through a host copy
+        buf = t if t.is_contiguous() and t.device.type == "cpu" else t.detach().contiguous().cpu()
         d = digest({"k": "p2p", "shape": list(t.shape), "dtype": str(t.dtype)})
         req = self.transport.isend(peer, buf, seq, tag, d) if is_send else self.transport.irecv(peer, buf, seq, tag, d)
         while not self.transport.wait([req], timeout=self.op_timeout):

@@ -16,6 +16,12 @@ the middle of an op after the transport was aborted, or at the start of the next
 4. everyone computes the same plan with :func:`~.recovery.plan_recovery` and executes
    it round by round (sends and receives of a round concurrently), updating the ledger
    after each transfer. A failure during execution goes back to 1.
+
+Device buffers (a CUDA op: ``ledger.ops`` is not the CPU's): the transports move host
+bytes only, so every transfer goes through a host buffer of ``ledger.ops`` (a send's
+piece is copied to it first; a receive lands in it and is copied, or reduced through
+device scratch, into the piece once complete: the region is never partly written, so such
+receives need no ``ctx.inflight`` entry).
 """
 from __future__ import annotations
 
@@ -119,9 +125,22 @@ def _execute(ctx: OpContext, plan: RecoveryPlan) -> dict[str, float]:
     in_flight: dict[int, list[Request]] = {}  # piece -> its sends not yet known complete
     all_sends: list[Request] = []
 
+    ops = L.ops
+    on_host = ops.device.type == "cpu"
+    kept: list[torch.Tensor] = []  # host copies of device pieces being sent (alive until the sends completed)
+
     def stage_for(v: torch.Tensor) -> torch.Tensor:
         free = pool.get((v.numel(), v.dtype))
-        return free.pop() if free else torch.empty_like(v)
+        return free.pop() if free else ops.host_buffer(v.numel(), v.dtype)
+
+    def land(v: torch.Tensor, stage: torch.Tensor, reduce: bool) -> None:
+        """A received host buffer into device piece ``v`` (reduced into it when ``reduce``)."""
+        if reduce:
+            scratch = ops.empty(v.numel(), v.dtype)
+            ops.from_host(scratch, stage).wait()
+            reduce_into(v, scratch, ctx.op)
+        else:
+            ops.from_host(v, stage).wait()
 
     def post_recvs(r: int) -> list[_Recv]:
         """Round ``r``'s receives. A transfer that does not reduce into this member's
@@ -135,7 +154,7 @@ def _execute(ctx: OpContext, plan: RecoveryPlan) -> dict[str, float]:
         for t in rounds[r]:
             if t.dst != me:
                 continue
-            if t.add_acc:
+            if t.add_acc or not on_host:
                 stage = stage_for(L.view(t.piece))
                 out.append((tr.irecv(t.src, stage, ctx.seq, tag(r, t.piece, SPACE), ctx.digest), stage, t, None))
             else:
@@ -146,7 +165,12 @@ def _execute(ctx: OpContext, plan: RecoveryPlan) -> dict[str, float]:
         return out
 
     def post_send(r: int, t: Transfer) -> None:
-        req = tr.isend(t.dst, L.buf(t.piece), ctx.seq, tag(r, t.piece, SPACE), ctx.digest)
+        buf = L.buf(t.piece)
+        if not on_host:
+            buf = ops.host_buffer(L.view(t.piece).numel(), L.out.dtype)
+            ops.to_host(buf, L.view(t.piece)).wait()
+            kept.append(buf)
+        req = tr.isend(t.dst, buf, ctx.seq, tag(r, t.piece, SPACE), ctx.digest)
         in_flight.setdefault(t.piece, []).append(req)
         all_sends.append(req)
 
@@ -183,7 +207,10 @@ def _execute(ctx: OpContext, plan: RecoveryPlan) -> dict[str, float]:
             t2 = time.perf_counter()
             v = L.view(t.piece)
             if stage is not None:
-                reduce_into(v, stage, ctx.op)
+                if on_host:
+                    reduce_into(v, stage, ctx.op)
+                else:
+                    land(v, stage, bool(t.add_acc))
                 pool.setdefault((stage.numel(), stage.dtype), []).append(stage)
             if t.add_input:
                 reduce_into(v, L.input_view(t.piece), ctx.op)

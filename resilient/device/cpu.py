@@ -12,6 +12,8 @@ anything is written (a failed reduction leaves its mark unset).
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 
 from resilient.device.ops import COMPLETED, CopyEvent, check_range, check_same
@@ -73,3 +75,6 @@ class CpuOps:
 
     def synchronize(self) -> None:
         return None
+
+    def op_stream(self) -> AbstractContextManager[object]:
+        return nullcontext()

@@ -26,6 +26,7 @@ recovery treats it as lost).
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 import torch
@@ -177,3 +178,6 @@ class CudaOps:
     def synchronize(self) -> None:
         for s in (self.compute, self.d2h, self.h2d):
             s.synchronize()
+
+    def op_stream(self) -> AbstractContextManager[object]:
+        return torch.cuda.stream(self.compute)

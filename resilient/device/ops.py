@@ -13,6 +13,7 @@ through it::
     ev = ops.to_host(stage, piece)             # D2H into a (pinned) host staging buffer
     ev = ops.from_host(piece, stage)           # H2D from it
     ops.release_to_caller()                    # the caller's stream sees our results
+    with ops.op_stream(): ...                  # the op thread's own torch work, ordered with ours
 
 The CPU implementation (:class:`resilient.device.cpu.CpuOps`) is today's behaviour:
 torch CPU tensors, :func:`resilient.kernels.reduce_into`, synchronous copies (every
@@ -26,6 +27,7 @@ written; device faults surface as the device library's error on the next wait.
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -118,6 +120,12 @@ class DeviceOps(Protocol):
 
     def synchronize(self) -> None:
         """Block until everything enqueued here finished."""
+        ...
+
+    def op_stream(self) -> AbstractContextManager[object]:
+        """While entered, plain torch work of the calling thread goes where :meth:`reduce`
+        and :meth:`copy` go (CUDA: the compute stream), so the op's own ``copy_``/``clone``
+        are ordered with them. Nothing on CPU."""
         ...
 
 

@@ -11,7 +11,9 @@ and installs the live view behind :func:`resilient.world`. Creating the group al
 ``DistributedDataParallel`` over it exact without user code
 (:func:`resilient.ddp.install_auto_hook`; ``docs/ddp.md``), and with
 ``RESILIENT_OP_LOG=path`` every op is logged as a JSON line (:mod:`.op_log`). It is registered for the
-``cpu`` device only; CUDA tensors get a clear :class:`~resilient.errors.UnsupportedOperation`.
+``cpu`` and ``cuda`` devices: all_reduce, broadcast, all_gather, reduce_scatter and send/recv take CUDA
+tensors (staged through the host, docs/cuda.md); the other ops refuse them with a clear
+:class:`~resilient.errors.UnsupportedOperation`.
 
 Failure behaviour of ``init_process_group``: missing ``RESILIENT_ETCD``/``RESILIENT_JOB``
 -> :class:`~resilient.errors.ConfigError` naming the variables and that ``resilient-run``
@@ -103,7 +105,7 @@ def _create(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
 
 
 def register() -> None:
-    """Register the backend with ``torch.distributed`` under ``"resilient"`` (CPU). Idempotent."""
+    """Register the backend with ``torch.distributed`` under ``"resilient"`` (CPU and CUDA). Idempotent."""
     global _registered
     with _lock:
         if _registered:
@@ -111,7 +113,7 @@ def register() -> None:
         import torch.distributed as dist
 
         if BACKEND_NAME.upper() not in dist.Backend._plugins:  # noqa: SLF001 - torch's registry
-            dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu"])
+            dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
         _registered = True
 
 

@@ -91,7 +91,7 @@ def _bitwise(t: torch.Tensor, op: str) -> tuple[torch.Tensor, str, WriteBack]:
     """Bitwise AND/OR/XOR as MIN/MAX/SUM over the tensor's bits (one int32 per bit)."""
     nbits = 1 if t.dtype == torch.bool else t.element_size() * 8
     src = t.detach().reshape(-1).to(torch.int64)
-    shifts = torch.arange(nbits, dtype=torch.int64)
+    shifts = torch.arange(nbits, dtype=torch.int64, device=src.device)
     bits = ((src.unsqueeze(1) >> shifts) & 1).to(torch.int32).contiguous()
     wire_op = {"band": "min", "bor": "max", "bxor": "sum"}[op]
 

@@ -117,10 +117,10 @@ class PointToPoint:
         if not 0 <= peer_rank < len(members):
             raise ConfigError(f"rank {peer_rank} is not in this {len(members)}-member group")
         peer, me = members[peer_rank], self.host.member_id
-        if tensor.is_contiguous():
+        if tensor.is_contiguous() and tensor.device.type == "cpu":
             buf = tensor.detach()
-        else:
-            buf = tensor.detach().contiguous() if is_send else torch.empty(tensor.shape, dtype=tensor.dtype)
+        else:   # the transports move host bytes: a CUDA tensor goes through a host copy
+            buf = tensor.detach().contiguous().cpu() if is_send else torch.empty(tensor.shape, dtype=tensor.dtype)
         key = (me, peer) if is_send else (peer, me)
         with self._lock:
             n = self._counts.get(key, 0)

@@ -70,19 +70,29 @@ def _root(opts: _RootOpts | None) -> int:
     return int(opts.rootRank) if opts is not None else 0
 
 
-def _check_cpu(tensors: Sequence[torch.Tensor], where: str) -> None:
-    for t in tensors:
-        if t.device.type != "cpu":
-            raise UnsupportedOperation(f"{where} on a {t.device.type} tensor",
-                                       "the resilient backend handles CPU tensors; move the tensor to CPU "
-                                       "or use init_process_group('cpu:resilient,cuda:nccl')")
+#: what takes CUDA tensors (the Communicator stages them through the host; docs/cuda.md)
+CUDA_OPS = "all_reduce, broadcast, all_gather(_into_tensor), reduce_scatter(_tensor), send/recv"
 
 
-def _one(tensors: Sequence[torch.Tensor], where: str) -> torch.Tensor:
+def _check_cpu(tensors: Sequence[torch.Tensor], where: str, cuda: bool = False) -> None:
+    """UnsupportedOperation unless every tensor is on the CPU (or, with ``cuda``, all on
+    one CUDA device)."""
+    devices = {t.device for t in tensors}
+    bad = sorted({d.type for d in devices if d.type != "cpu" and not (cuda and d.type == "cuda")})
+    if bad:
+        fix = ("use CPU or CUDA tensors" if cuda else
+               f"CUDA tensors are supported by {CUDA_OPS}; move the tensors of {where} to CPU")
+        raise UnsupportedOperation(f"{where} on a {bad[0]} tensor", fix)
+    if len(devices) > 1:
+        raise UnsupportedOperation(f"{where} on tensors of several devices",
+                                   f"put every tensor of one call on one device (got {sorted(map(str, devices))})")
+
+
+def _one(tensors: Sequence[torch.Tensor], where: str, cuda: bool = False) -> torch.Tensor:
     if len(tensors) != 1:
         raise UnsupportedOperation(f"{where} with {len(tensors)} tensors per call",
                                    "pass one tensor (multi-tensor-per-process calls are not supported)")
-    _check_cpu(tensors, where)
+    _check_cpu(tensors, where, cuda)
     return tensors[0]
 
 
@@ -161,26 +171,26 @@ class ResilientProcessGroup(dist.ProcessGroup):
         return self._issued(ResilientWork(handle, result, then))
 
     def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions | None = None) -> ResilientWork:  # type: ignore[override]  # torch: overloads
-        t = _one(tensors, "all_reduce")
+        t = _one(tensors, "all_reduce", cuda=True)
         wire, op, wb = for_reduce(t, _op_of(opts, "all_reduce"), "all_reduce")
         return self._issued(ResilientWork(self.engine.allreduce(wire, op), list(tensors), wb))
 
     def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions | None = None) -> ResilientWork:  # type: ignore[override]  # torch: overloads
-        t = _one(tensors, "broadcast")
+        t = _one(tensors, "broadcast", cuda=True)
         p = Packed(t)
         return self._issued(ResilientWork(self.engine.broadcast(p.wire, _root(opts)), list(tensors), None if p.native else p.unpack))
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]  # torch: overloads
                   opts: AllgatherOptions | None = None) -> ResilientWork:
-        inp = _one(input_tensors, "all_gather")
+        inp = _one(input_tensors, "all_gather", cuda=True)
         if len(output_tensors) != 1:
             raise UnsupportedOperation("all_gather with several input tensors per process")
-        _check_cpu(output_tensors[0], "all_gather")
+        _check_cpu([inp, *output_tensors[0]], "all_gather", cuda=True)
         return self._issued(self._work(composed.allgather_into(self.engine, output_tensors[0], inp), output_tensors))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: AllgatherOptions | None = None) -> ResilientWork:  # noqa: A002 - torch's names
-        _check_cpu([output, input], "all_gather_into_tensor")
+        _check_cpu([output, input], "all_gather_into_tensor", cuda=True)
         n = self.size()
         if output.numel() != n * input.numel():
             raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements, need world size "
@@ -194,11 +204,11 @@ class ResilientProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],  # type: ignore[override]  # torch: overloads
                        opts: dist.ReduceScatterOptions | None = None) -> ResilientWork:
-        out = _one(output_tensors, "reduce_scatter")
+        out = _one(output_tensors, "reduce_scatter", cuda=True)
         if len(input_tensors) != 1:
             raise UnsupportedOperation("reduce_scatter with several output tensors per process")
         ins = input_tensors[0]
-        _check_cpu(ins, "reduce_scatter")
+        _check_cpu([out, *ins], "reduce_scatter", cuda=True)
         op = _op_of(opts, "reduce_scatter")
         wire, wop, wb = for_reduce(out, op, "reduce_scatter")
         wires = [for_reduce(x, op, "reduce_scatter")[0] for x in ins]
@@ -206,7 +216,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: dist.ReduceScatterOptions | None = None) -> ResilientWork:  # noqa: A002
-        _check_cpu([output, input], "reduce_scatter_tensor")
+        _check_cpu([output, input], "reduce_scatter_tensor", cuda=True)
         n = self.size()
         if input.numel() != n * output.numel():
             raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, need world size "

@@ -117,6 +117,8 @@ def main() -> int:
                     raise SystemExit(f"unknown op {k}")
                 rec.update(ok=True, contributors=list(w.contributors), members=comm.members,
                            recovery=comm.last_recovery.as_dict() if comm.last_recovery and comm.last_recovery.seq == seq else None)
+                kept = comm.retained
+                rec["staged_posts"] = kept.staged_posts if kept is not None and kept.seq == seq else None
                 arr = out.to(torch.float32) if out.dtype in (torch.float16, torch.bfloat16) else out
                 np.save(os.path.join(args.out, f"{args.id}.{seq}.npy"), arr.numpy(), allow_pickle=False)
             except RemovedFromGroup as exc:

@@ -91,9 +91,13 @@ class Capabilities:
     """What a wrapper (the leaf path) may assume about an algorithm.
 
     ``forward_ring_only``: with 3 or more members it sends only to the next member in ring
-    order, so the links in the other direction stay idle (a chain may use them at once)."""
+    order, so the links in the other direction stay idle (a chain may use them at once).
+    ``staged``: see the field."""
 
     forward_ring_only: bool = False
+    #: runs its transfers through host staging when the ledger asks (``stage_elems > 0``:
+    #: CUDA tensors, or ``staging=True``); algorithms without it refuse CUDA tensors
+    staged: bool = False
 
 
 class Algorithm(Protocol):

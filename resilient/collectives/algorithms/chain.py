@@ -11,12 +11,13 @@ from resilient.collectives import tags
 from resilient.collectives.algorithms.base import Capabilities, OpContext, index_order, tag
 from resilient.collectives.algorithms.recursive_doubling import RecursiveDoubling
 from resilient.collectives.ledger import Ledger
+from resilient.collectives.staged import Incoming, Outgoing, StagedTransfers
 from resilient.kernels import ReduceOp
 
 
 class ChainBroadcast:
     SPACE = tags.CHAIN
-    capabilities = Capabilities()
+    capabilities = Capabilities(staged=True)
     final_order = staticmethod(index_order)
 
     def __init__(self, root: int, slices: int) -> None:
@@ -35,6 +36,9 @@ class ChainBroadcast:
         pos = (p - r) % n
         nxt = ctx.members[(p + 1) % n] if pos < n - 1 else None
         prv = ctx.members[(p - 1) % n] if pos > 0 else None
+        if L.stage_elems:
+            self._run_staged(ctx, prv, nxt)
+            return
         sends, recvs = [], []
         if prv is not None:
             for q in range(len(L.pieces)):
@@ -53,12 +57,25 @@ class ChainBroadcast:
                 sends.append(tr.isend(nxt, L.view(q), ctx.seq, tag(0, q, self.SPACE), ctx.digest))
         ctx.wait(sends)
 
+    def _run_staged(self, ctx: OpContext, prv: str | None, nxt: str | None) -> None:
+        """Store-and-forward per slice through host staging (:mod:`..staged`): slice
+        ``q`` is received (copied, marked), then sent on while the sender already streams
+        slice ``q+1`` (its frames wait in the transport until posted)."""
+        L, rb = ctx.ledger, 1 << self.root
+        staged = StagedTransfers(ctx, self.SPACE)
+        for q in range(len(L.pieces)):
+            if prv is not None:
+                staged.step(0, recv=Incoming(prv, L.out, {q: rb}))
+            ctx.failpoint("chain", q / max(1, len(L.pieces)))
+            if nxt is not None:
+                staged.step(0, send=Outgoing(nxt, L.out, [q]))
+
 
 class ChainBroadcastWithBarrier:
     """Chain broadcast, then a one-element recursive-doubling barrier in the same op."""
 
     SPACE = tags.CHAIN
-    capabilities = Capabilities()
+    capabilities = Capabilities(staged=True)
     final_order = staticmethod(index_order)
 
     def __init__(self, root: int, slices: int) -> None:

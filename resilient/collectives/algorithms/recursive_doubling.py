@@ -12,6 +12,8 @@ import torch
 
 from resilient.collectives import tags
 from resilient.collectives.algorithms.base import Capabilities, OpContext, index_order, tag
+from resilient.collectives.staged import Incoming, Outgoing, StagedTransfers
+from resilient.device import RecvMode
 from resilient.kernels import reduce_into
 
 
@@ -28,7 +30,7 @@ def _block(q: int, k: int, pof2: int, n: int) -> int:
 
 class RecursiveDoubling:
     SPACE = tags.RECURSIVE_DOUBLING
-    capabilities = Capabilities()
+    capabilities = Capabilities(staged=True)
     final_order = staticmethod(index_order)
 
     def run(self, ctx: OpContext) -> None:
@@ -41,6 +43,9 @@ class RecursiveDoubling:
         if n == 1:
             return
         pof2 = 1 << (n.bit_length() - 1)
+        if L.stage_elems:
+            self._run_staged(ctx, pof2)
+            return
         staging = torch.empty_like(out)
         M = ctx.members
         if p >= pof2:
@@ -70,3 +75,31 @@ class RecursiveDoubling:
         L.set(0, L.full)
         if p + pof2 < n:
             ctx.wait([tr.isend(M[p + pof2], out, ctx.seq, tag(99, 0, self.SPACE), ctx.digest)])
+
+    def _run_staged(self, ctx: OpContext, pof2: int) -> None:
+        """The same exchanges through host staging (:mod:`..staged`): a received chunk is
+        accumulated into ``out`` via device scratch (``mine + theirs``, as above) and
+        marked after the reduction; what is sent is a snapshot of ``out`` taken before
+        the exchange, so a chunk reduced early never leaves in place of the old one."""
+        L = ctx.ledger
+        n, p, M, out, ops = len(ctx.members), ctx.me, ctx.members, L.view(0), L.ops
+        staged = StagedTransfers(ctx, self.SPACE)
+        if p >= pof2:
+            ctx.failpoint("rd", 0.0)
+            staged.step(0, send=Outgoing(M[p - pof2], out, [0]))
+            staged.step(99, recv=Incoming(M[p - pof2], out, {0: L.full}))
+            return
+        if p + pof2 < n:
+            staged.step(0, recv=Incoming(M[p + pof2], out, {0: L.masks[0] | 1 << (p + pof2)}, RecvMode.ACCUMULATE))
+        snapshot = ops.empty(out.numel(), out.dtype)
+        k, steps = 0, pof2.bit_length() - 1
+        while (1 << k) < pof2:
+            ctx.failpoint("rd", k / max(1, steps))
+            partner = p ^ (1 << k)
+            ops.copy(snapshot, out)
+            staged.step(1 + k, Outgoing(M[partner], snapshot, [0]),
+                        Incoming(M[partner], out, {0: L.masks[0] | _block(partner, k, pof2, n)}, RecvMode.ACCUMULATE))
+            k += 1
+        L.set(0, L.full)
+        if p + pof2 < n:
+            staged.step(99, send=Outgoing(M[p + pof2], out, [0]))

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 from resilient.collectives import tags
 from resilient.collectives.algorithms.base import Capabilities, OpContext, finish_alone, tag
-from resilient.transport.base import Request
+from resilient.collectives.staged import Incoming, Outgoing, StagedTransfers
+from resilient.device import RecvMode
+from resilient.errors import ConfigError
 from resilient.kernels import reduce_into
+from resilient.transport.base import Request
 
 
 #: a posted receive: ((request, piece, sender's mask), phase, mask once reduced)
@@ -27,7 +30,7 @@ _Posted = tuple[tuple[Request, int, int], str, int]
 
 class RingReduceScatterAllgather:
     SPACE = tags.RING
-    capabilities = Capabilities(forward_ring_only=True)
+    capabilities = Capabilities(forward_ring_only=True, staged=True)
 
     def __init__(self, slices: int, shift: int = 0, do_rs: bool = True, do_ag: bool = True) -> None:
         self.slices, self.shift, self.do_rs, self.do_ag = slices, shift, do_rs, do_ag
@@ -62,16 +65,13 @@ class RingReduceScatterAllgather:
         # reduce-scatter, and its bytes can only arrive after that send completed (the
         # final value includes what it carried), so posting early never overwrites a
         # buffer in flight.
+        masks = [self._masks(phase, s, p, n, full) for phase, _, _, s in steps]
+        if L.stage_elems:
+            self._run_staged(ctx, steps, masks, nxt, prv)
+            return
         posted: list[list[_Posted]] = []
         for idx, (phase, sc, rc, s) in enumerate(steps):
-            if phase == "rs":
-                arc = 0
-                for i in range(s + 2):
-                    arc |= 1 << ((p - i) % n)
-                done_mask = full if s == n - 2 else arc
-                sender_mask = arc & ~(1 << p)
-            else:
-                done_mask = sender_mask = full
+            done_mask, sender_mask = masks[idx]
             cur: list[_Posted] = []
             for j in range(S):
                 pc = rc * S + j
@@ -98,6 +98,35 @@ class RingReduceScatterAllgather:
         for j in range(S):
             self._complete(ctx, *prev[j])
         ctx.wait(sends)
+
+    @staticmethod
+    def _masks(phase: str, s: int, p: int, n: int, full: int) -> tuple[int, int]:
+        """(mask once the step's receive is reduced, the sender's mask) of step ``s``."""
+        if phase != "rs":
+            return full, full
+        arc = 0
+        for i in range(s + 2):
+            arc |= 1 << ((p - i) % n)
+        return (full if s == n - 2 else arc), arc & ~(1 << p)
+
+    def _run_staged(self, ctx: OpContext, steps: list[tuple[str, int, int, int]], masks: list[tuple[int, int]],
+                    nxt: str, prv: str) -> None:
+        """The host-staged ring (:mod:`..staged`): one exchange per step, chunks of the
+        sent chunk to ``nxt`` while those of the received one arrive from ``prv``; a
+        reduce-scatter chunk is combined with this member's input (the mark follows the
+        reduction), an all-gather chunk copied. Same values, same ledger masks."""
+        L, S, n = ctx.ledger, self.slices, len(ctx.members)
+        if L.inp_offset is not None and self.do_rs:
+            raise ConfigError("the staged ring reduces with an input indexed like its output (no inp_offset)")
+        staged = StagedTransfers(ctx, self.SPACE)
+        for idx, (phase, sc, rc, s) in enumerate(steps):
+            src = L.inp if phase == "rs" and idx == 0 else L.out
+            if ctx.ledger.enabled:
+                ctx.failpoint(phase, self._frac(idx, 0, S, n))
+            mode = RecvMode.COMBINE if phase == "rs" else RecvMode.COPY
+            staged.step(idx, Outgoing(nxt, src, [sc * S + j for j in range(S)]),
+                        Incoming(prv, L.out, {rc * S + j: masks[idx][0] for j in range(S)}, mode,
+                                 L.inp if phase == "rs" else None))
 
     def _frac(self, idx: int, j: int, S: int, n: int) -> float:
         per_phase = (n - 1) * S

@@ -13,7 +13,9 @@ same algorithm and layout. Pure: nothing here blocks or fails.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
 
 from resilient.collectives.algorithms.base import Algorithm
 from resilient.collectives.algorithms.chain import ChainBroadcastWithBarrier
@@ -36,6 +38,21 @@ class Sizing:
     slice_bytes: int = 2 << 20
     max_slices: int = 64
     hierarchical: bool = True
+    #: force the host-staged data path for CPU tensors too (CUDA tensors always take it)
+    staging: bool = False
+    #: bytes of one host staging slot (the staged transfers' chunk size)
+    stage_bytes: int = 1 << 20
+
+    def for_device(self, device: torch.device) -> "Sizing":
+        """The sizing of an op on ``device``: a CUDA op is never hierarchical (that path
+        moves host buffers only; the flat ring / recursive doubling stage through the host)."""
+        return self if device.type == "cpu" else replace(self, hierarchical=False)
+
+    def stage_elems(self, device: torch.device, elem_bytes: int) -> int:
+        """The staged transfers' chunk size in elements for an op on ``device`` (0: direct)."""
+        if device.type == "cpu" and not self.staging:
+            return 0
+        return max(1, self.stage_bytes // max(1, elem_bytes))
 
     def slices(self, chunk_bytes: int) -> int:
         """Pipelining slices for one chunk of ``chunk_bytes`` (1 for an empty chunk)."""
