@@ -166,12 +166,15 @@ def run_compressed(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Comp
 
     desc_r = {"k": "allreduce", "shape": [numel], "dtype": "torch.int32", "op": "sum", "q": "ring", "layout": lay}
     L = comm.run_op(desc_r, _Layout(build), policy=policy, seq=ring_seq)
-    res = dequantize(L.out, sc, segs, bucket)
+    # straight into the caller's tensor when it is flat float32 memory (no temporary, no copy)
+    direct = t.dtype == torch.float32 and t.is_contiguous()
+    res = dequantize(L.out, sc, segs, bucket, out=x if direct else None)
     if op is ReduceOp.AVG:
         for p, m in enumerate(L.need or [L.full] * len(L.pieces)):
             a, b = L.pieces[p]
             res[a:b].div_(bin(m).count("1"))
-    t.copy_(res.view(t.shape))
+    if not direct:
+        t.copy_(res.view(t.shape))
     info = {"seq": L.seq, "scales": sc, "q": q, "scale_contributors": tuple(res_s.contributors),
             "members_bound": n_bound, "segments": segs, "bucket": bucket}
     comm.last_compression = info
