@@ -92,7 +92,7 @@ def check_segments(segments: list[Segment], numel: int) -> None:
 #: elements per cache block: every stage runs its passes block by block, so a multi-pass
 #: stage reads and writes main memory once and the other passes stay in L2 (2-4x faster
 #: per byte than whole-tensor passes on 16-64 MiB tensors; see ``bench/codec.py``)
-BLOCK = 1 << 14
+BLOCK = 1 << 17
 
 
 def _spans(n: int, step: int) -> list[tuple[int, int]]:
