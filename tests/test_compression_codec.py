@@ -67,3 +67,20 @@ def test_unpack_add_is_one_ring_receive(width):
     assert torch.equal(out, vals + mine)
     unpack_add(wire, count, width, out)
     assert torch.equal(out, vals)
+
+
+def test_q_buffers_are_reused_only_when_nothing_holds_them():
+    from resilient.collectives.compressed import _QBuffers
+
+    pool = _QBuffers(keep=2)
+    numel = 1 << 18  # 1 MiB of int32
+    q = pool.take(numel)
+    first = q.data_ptr()
+    tail = q[5:9]
+    del q
+    held = pool.take(numel)  # a view of the first q is alive: a new buffer
+    assert held.data_ptr() != first
+    del tail
+    again = pool.take(numel)  # nothing holds the first one now
+    assert again.data_ptr() == first and again.dtype == torch.int32 and again.numel() == numel
+    assert pool.take(100).numel() == 100  # small: plain allocation
