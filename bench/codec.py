@@ -7,7 +7,8 @@ The baseline is ``resilient/collectives/quantization.py`` as of ``--base`` (defa
 commit before the blocked codec), read with ``git show`` and loaded as a private module;
 its ring receive (unpack, widen, add) is the one ``QuantizedRing`` had at that commit.
 Stages, on ``size`` MiB of float32 (one quantization segment, bucket 1024, 4 members):
-``maxima`` (bucket max |x|), ``quantize``, ``pack_b`` (b-bit wire of one input),
+``maxima`` (bucket max |x|), ``quantize`` (into a given buffer), ``quantize_op`` (into
+the buffer the op gets: a fresh one before, a reused one from the op's pool now), ``pack_b`` (b-bit wire of one input),
 ``pack_int8`` / ``pack_int16`` (wire of a partial sum), ``recv_b`` / ``recv_int8`` /
 ``recv_int16`` (a reduce-scatter receive: unpack, widen to int32, add this member's
 input into the accumulator), ``dequantize`` (into the caller's float32 tensor).
@@ -35,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from resilient.collectives import quantization as new  # noqa: E402
+from resilient.collectives.compressed import _QBuffers  # noqa: E402
 
 BUCKET, MEMBERS = 1024, 4
 
@@ -82,6 +84,7 @@ def run_case(old: types.ModuleType, size_mib: int, bits: int, reps: int) -> dict
     acc = torch.empty(numel, dtype=torch.int32)
     qbuf = torch.empty(numel, dtype=torch.int32)
     dq = torch.empty(numel, dtype=torch.float32)
+    qpool = _QBuffers()
 
     def pair(name: str, f_old: Callable[[], torch.Tensor], f_new: Callable[[], torch.Tensor]) -> tuple[str, dict[str, object]]:
         a = f_old().clone()
@@ -120,6 +123,8 @@ def run_case(old: types.ModuleType, size_mib: int, bits: int, reps: int) -> dict
         pair("maxima", lambda: old.bucket_maxima(x, segs_old, BUCKET), lambda: new.bucket_maxima(x, segs_new, BUCKET)),
         pair("quantize", lambda: old.quantize(x, sc, segs_old, BUCKET, MEMBERS, out=qbuf, finite=True),
              lambda: new.quantize(x, sc, segs_new, BUCKET, MEMBERS, out=qbuf, finite=True)),
+        pair("quantize_op", lambda: old.quantize(x, sc, segs_old, BUCKET, MEMBERS, finite=True),
+             lambda: new.quantize(x, sc, segs_new, BUCKET, MEMBERS, out=qpool.take(numel), finite=True)),
         pair(f"pack_{bits}", lambda: old.pack(q, bits), lambda: new.pack(q, bits)),
         pair("pack_int8", lambda: old.pack(partial, w8), lambda: new.pack(partial, w8)),
         pair("pack_int16", lambda: old.pack(partial, w16), lambda: new.pack(partial, w16)),
