@@ -13,6 +13,9 @@ all contributors' inputs with the agreed scales (``exact``). One JSON line per (
 ``q4_vs_gloo_fp16``, ``switch_choice``, ``switch_loss`` (auto's time over the best arm's,
 minus 1), ``exact``, and the median seconds per arm.
 
+Every member runs torch with one intra-op thread (``torch.set_num_threads(1)``, what
+``resilient-run`` sets for several workers per node), for every arm alike.
+
 Needs root (namespaces, tc) and etcd; every process, namespace and the etcd it starts are
 ended here. Figures depend on the machine's load: report ``/proc/loadavg`` with them.
 """
@@ -73,6 +76,9 @@ def worker(args: argparse.Namespace) -> int:
     from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession, Store
     from resilient.transport.tcp import TcpTransport
 
+    # one intra-op thread per member, as resilient-run (and torchrun) set for several
+    # workers per node: 4 members share this machine's cores, for every arm alike
+    torch.set_num_threads(1)
     rank, ip = args.rank, args.ip
     sizes = [int(s) for s in args.sizes.split(",")]
     res: dict = {s: {} for s in sizes}

@@ -23,6 +23,7 @@ communication.
 from __future__ import annotations
 
 import json
+import threading
 import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -44,6 +45,47 @@ from resilient.kernels import ReduceOp
 
 if TYPE_CHECKING:
     from resilient.collectives.communicator import Communicator
+
+
+class _QBuffers:
+    """int32 buffers for ``q`` reused across calls (a fresh 64 MiB buffer costs more in
+    page faults than quantizing into it). ``q`` outlives its op (``last_compression``,
+    ``CompressedResult``, the DDP hook's residual), so a buffer is handed out again only
+    when nothing else holds its storage: no ``q``, no view of it, no ledger. Thread-safe
+    (several communicators may share a process); at most ``keep`` buffers are kept, each
+    of at least 1 MiB. Falls back to plain allocation when torch lacks the use count."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self._bufs: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _unshared(buf: torch.Tensor) -> bool:
+        # the pool's own tensor and the temporary storage object made here: nobody else
+        return bool(_USE_COUNT is not None and _USE_COUNT(buf.untyped_storage()._cdata) == 2)
+
+    def take(self, numel: int) -> torch.Tensor:
+        """A flat int32 tensor of ``numel`` elements (contents undefined)."""
+        if numel * 4 < (1 << 20) or _USE_COUNT is None:
+            return torch.empty(numel, dtype=torch.int32)
+        with self._lock:
+            for i, b in enumerate(self._bufs):
+                if b.numel() == numel and self._unshared(b):
+                    self._bufs.append(self._bufs.pop(i))  # most recently used last
+                    return b.view(numel)
+            fresh = torch.empty(numel, dtype=torch.int32)
+            idle = [i for i, b in enumerate(self._bufs) if self._unshared(b)]
+            if len(self._bufs) >= self.keep and idle:
+                self._bufs.pop(idle[0])  # the least recently used idle one
+            if len(self._bufs) < self.keep:
+                self._bufs.append(fresh)
+            return fresh.view(numel)
+
+
+#: the storage use count (private torch API, present in the torch this project pins)
+_USE_COUNT: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+_Q_BUFFERS = _QBuffers()
 
 
 @dataclass(frozen=True)
@@ -141,7 +183,7 @@ def run_compressed(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Comp
         ring_seq = seqs[1]
     n_bound = max(1, int(scale_in[-1].item()))
     sc = scales(scale_in[:-1], segs, bucket, n_bound)
-    q = quantize(x, sc, segs, bucket, n_bound, finite=finite)
+    q = quantize(x, sc, segs, bucket, n_bound, out=_Q_BUFFERS.take(numel), finite=finite)
     nbytes = numel * 4
 
     def build(members: list[str], me: int, seq: int, digest: int) -> tuple[Ledger, Any]:
@@ -166,12 +208,15 @@ def run_compressed(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Comp
 
     desc_r = {"k": "allreduce", "shape": [numel], "dtype": "torch.int32", "op": "sum", "q": "ring", "layout": lay}
     L = comm.run_op(desc_r, _Layout(build), policy=policy, seq=ring_seq)
-    res = dequantize(L.out, sc, segs, bucket)
+    # straight into the caller's tensor when it is flat float32 memory (no temporary, no copy)
+    direct = t.dtype == torch.float32 and t.is_contiguous()
+    res = dequantize(L.out, sc, segs, bucket, out=x if direct else None)
     if op is ReduceOp.AVG:
         for p, m in enumerate(L.need or [L.full] * len(L.pieces)):
             a, b = L.pieces[p]
             res[a:b].div_(bin(m).count("1"))
-    t.copy_(res.view(t.shape))
+    if not direct:
+        t.copy_(res.view(t.shape))
     info = {"seq": L.seq, "scales": sc, "q": q, "scale_contributors": tuple(res_s.contributors),
             "members_bound": n_bound, "segments": segs, "bucket": bucket}
     comm.last_compression = info

@@ -27,7 +27,7 @@ import torch
 
 from resilient.collectives import tags
 from resilient.collectives.algorithms.base import Capabilities, OpContext, finish_alone, index_order, tag
-from resilient.collectives.quantization import pack, unpack, wire_bits, wire_nbytes
+from resilient.collectives.quantization import pack, unpack_add, wire_bits, wire_nbytes
 from resilient.transport.base import Request
 
 #: a posted receive: (request, piece, wire buffer, wire bits, phase, mask once unpacked)
@@ -108,13 +108,6 @@ class QuantizedRing:
         ctx.wait([req])
         L = ctx.ledger
         a, b = L.pieces[piece]
-        vals = unpack(wire, b - a, w)
-        v = L.view(piece)
-        if vals.dtype == v.dtype and phase == "rs":
-            torch.add(L.input_view(piece), vals, out=v)
-        else:  # widen first: torch's mixed-dtype add is several times slower than copy + add
-            v.copy_(vals)
-            if phase == "rs":
-                v.add_(L.input_view(piece))
+        unpack_add(wire, b - a, w, L.view(piece), L.input_view(piece) if phase == "rs" else None)
         L.set(piece, done_mask)
         return wire
