@@ -2,19 +2,16 @@
 run by the tests: it needs torchft and minutes)."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from script_module import load_script  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("vs_torchft_bench", ROOT / "bench" / "vs_torchft.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "bench" / "vs_torchft.py", "vs_torchft_bench")
 
 
 def test_quick_defaults_custom_sizes_and_bad_arguments():

@@ -16,7 +16,6 @@ The parameters are read by a test probe that Python loads at start-up
 script is not changed for the test."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -26,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+from script_module import load_script  # noqa: E402
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,10 +41,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("ddp_torchrun_example", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(EXAMPLE, "ddp_torchrun_example")
 
 
 def _read_jsonl(path: Path) -> list[dict]:

@@ -8,11 +8,11 @@ allowlist and checked for their apiVersion, kind and required fields instead.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from script_module import load_script  # noqa: E402
 import yaml
 
 helm = pytest.importorskip("helm_python", reason="pip install -e '.[dev]' (helm-python-sdk)")
@@ -314,10 +314,7 @@ def test_values_file_matches_schema_keys(chart):
 # -- the helm test script (pure logic) ------------------------------------------------------
 
 def _check_workers():
-    spec = importlib.util.spec_from_file_location("check_workers", CHART_DIR / "files" / "check_workers.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(CHART_DIR / "files" / "check_workers.py", "check_workers")
 
 
 @pytest.mark.parametrize("status,expect,ok,fragment", [

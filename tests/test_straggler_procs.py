@@ -11,11 +11,11 @@ link avoided). Every process is ended by PID in ``Run.close``."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import time
 from pathlib import Path
 
 import pytest
+from script_module import load_script  # noqa: E402
 
 from resilient.coordinator.epoch import read_epoch
 from resilient.coordinator.membership import MemberInfo
@@ -27,10 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("straggler_bench", ROOT / "bench" / "straggler.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "bench" / "straggler.py", "straggler_bench")
 
 
 def _wait(pred, timeout: float, what: str, run) -> dict:

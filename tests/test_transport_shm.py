@@ -26,7 +26,7 @@ from resilient.transport.hybrid import HybridTransport, make_transport, split_ad
 from resilient.transport.tcp import TcpTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from transport_helpers import both, transport_pair  # noqa: E402
+from transport_helpers import both, link_child, transport_pair  # noqa: E402
 from test_transport_tcp import (  # noqa: E402,F401  (rerun over shared memory: see the `pair` fixture)
     test_kept_connection_resyncs_after_mid_frame_abort, test_roundtrip_into_preallocated_buffer,
 )
@@ -197,12 +197,7 @@ _CHILD = (
 def _child(b: HybridTransport, **env: str):
     p = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), **env))
-    aaddr = p.stdout.readline().strip()
-    b.configure(1, "t", {"a": aaddr, "b": b.address})
-    p.stdin.write(b.address + "\n")
-    p.stdin.flush()
-    b.recv_into("a", np.zeros(8), 1, 0)
-    assert p.stdout.readline().strip() == "SENT"
+    link_child(b, p)
     assert isinstance(b._conns["a"].sock, shm.ShmChannel)
     return p
 

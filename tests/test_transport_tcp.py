@@ -19,7 +19,7 @@ from resilient.transport import frames
 from resilient.transport.tcp import TcpTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from transport_helpers import both, transport_pair  # noqa: E402
+from transport_helpers import both, link_child, transport_pair  # noqa: E402
 
 
 @pytest.fixture
@@ -127,12 +127,7 @@ def test_peer_killed_fails_requests_naming_it(tmp_path):
         "a.send('b', np.zeros(8), 1, 0); print('SENT', flush=True); time.sleep(600)\n")
     p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        aaddr = p.stdout.readline().strip()
-        b.configure(1, "t", {"a": aaddr, "b": b.address})
-        p.stdin.write(b.address + "\n")
-        p.stdin.flush()
-        b.recv_into("a", np.zeros(8), 1, 0)
-        assert p.stdout.readline().strip() == "SENT"
+        link_child(b, p)
         p.kill()
         with pytest.raises(TransportError, match="member a"):
             b.recv_into("a", np.zeros(8), 1, 1)

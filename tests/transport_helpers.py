@@ -3,8 +3,11 @@ loopback, and a send/receive completed on both sides at once."""
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import threading
 from typing import Any, Iterator
+
+import numpy as np
 
 from resilient.transport.tcp import TcpTransport
 
@@ -22,6 +25,19 @@ def transport_pair(cls: type = TcpTransport, **kw: Any) -> Iterator[tuple[TcpTra
     finally:
         a.close()
         b.close()
+
+
+def link_child(b: Any, p: subprocess.Popen[str]) -> None:
+    """Configure ``b`` with the child peer "a" (``p`` prints its address, reads ``b``'s on
+    stdin, sends one 8-double message as op 1 tag 0 and prints ``SENT``) and receive that
+    message: the link is up when this returns."""
+    assert p.stdout is not None and p.stdin is not None
+    aaddr = p.stdout.readline().strip()
+    b.configure(1, "t", {"a": aaddr, "b": b.address})
+    p.stdin.write(b.address + "\n")
+    p.stdin.flush()
+    b.recv_into("a", np.zeros(8), 1, 0)
+    assert p.stdout.readline().strip() == "SENT"
 
 
 def both(a: Any, ra: Any, b: Any, rb: Any, timeout: float | None = None) -> None:
