@@ -16,7 +16,7 @@ from resilient.collectives.algorithms import select
 from resilient.collectives.buffers import BufferPool
 from resilient.collectives.error_frame import ErrorFrame
 from resilient.collectives.recovery_report import RecoveryReport, Timeline
-from resilient.collectives.retry import PeerUnreachable
+from resilient.errors import PeerUnreachable
 from resilient.coordinator.epoch import Epoch, EpochPlan
 from resilient.errors import GroupChanged, InputMismatch, RecordError
 from resilient.transport import base as transport_base

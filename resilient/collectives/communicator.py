@@ -68,7 +68,7 @@ from resilient.collectives.p2p import PointToPoint
 from resilient.collectives.recovery import Policy
 from resilient.collectives.recovery_path import RecoveryPath
 from resilient.collectives.recovery_report import RecoveryReport
-from resilient.collectives.retry import RetryingTransport
+from resilient.transport.retrying import RetryingTransport
 from resilient.collectives.work import Work
 from resilient.errors import (
     ClosedError, ConfigError, EpochChanged, OpMismatch, PeerReportedError, PeerUnreachable, TransportAborted,

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from resilient.collectives.retry import PeerUnreachable
+from resilient.errors import PeerUnreachable
 from resilient.errors import CollectiveError, GroupChanged, InputMismatch
 
 

@@ -28,7 +28,7 @@ from resilient.collectives.ledger import Ledger, decode_status, encode_status
 from resilient.collectives.recovery import Policy, members_of
 from resilient.collectives.recovery_report import RecoveryReport, Timeline
 from resilient.collectives.resume import build_plan, execute_plan
-from resilient.collectives.retry import RetryingTransport
+from resilient.transport.retrying import RetryingTransport
 from resilient.collectives.status_exchange import StatusExchange
 from resilient.errors import CollectiveError, EpochChanged, TransportAborted, TransportError
 from resilient.kernels import ReduceOp

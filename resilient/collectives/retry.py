@@ -1,8 +1,8 @@
 """Moved: the retrying transport wrapper is :mod:`resilient.transport.retrying`.
 
-Kept only as an import path for the communicator (another part of the package, which
-imports :class:`RetryingTransport` and :class:`PeerUnreachable` from here); new code
-imports from :mod:`resilient.transport.retrying`. Nothing here can fail.
+Kept as the old import path for code outside the package; the package itself imports
+from :mod:`resilient.transport.retrying` (and :class:`PeerUnreachable` from
+:mod:`resilient.errors`). Nothing here can fail.
 """
 from __future__ import annotations
 
