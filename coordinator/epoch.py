@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
 from resilient.coordinator import keys, records
+from resilient.coordinator.host_slots import slots_problem
 from resilient.coordinator.membership import MemberInfo
 from resilient.coordinator.store import Store, WatchEvent
 from resilient.errors import Cancelled, EpochChanged, RecordError, ResilientTimeout
@@ -56,8 +57,10 @@ class EpochPlan(Mapping[str, Any]):
     The data plane reads the typed fields: ``tree_parent`` (an index into the ring per
     member, -1 for the root), ``host_groups`` (``(start, count)`` runs over the ring),
     ``demoted``, ``avoid`` (slow-link pairs), ``leaf_deadline_s`` (the deadline
-    straggler policy's grace, None when off), ``shard_weights`` (None: uniform) and
-    ``evicted`` (member -> its eviction record). As a read-only mapping it is also the
+    straggler policy's grace, None when off), ``shard_weights`` (None: uniform),
+    ``host_slots`` (unequal hosts: per ``host_groups`` run the local index owning each
+    cross-host slot, checked by :func:`~.host_slots.slots_problem`; None: slot = local
+    index) and ``evicted`` (member -> its eviction record). As a read-only mapping it is also the
     validated JSON object (``plan["tree_parent"]``, ``plan.get("evicted")``), which
     :meth:`to_dict` returns for writing back.
 
@@ -73,6 +76,7 @@ class EpochPlan(Mapping[str, Any]):
     leaf_deadline_s: float | None = None
     shard_weights: tuple[float, ...] | None = None
     evicted: dict[str, dict[str, Any]] = field(default_factory=dict)
+    host_slots: tuple[tuple[int, ...], ...] | None = None
 
     @classmethod
     def of(cls, plan: "Mapping[str, Any] | None") -> "EpochPlan":
@@ -103,7 +107,10 @@ class EpochPlan(Mapping[str, Any]):
         ev = d.get("evicted")
         evicted = ({str(m): dict(e) for m, e in ev.items() if isinstance(e, Mapping)}
                    if isinstance(ev, Mapping) else {})
-        return cls(d, tree, groups, demoted, avoid, grace, weights, evicted)
+        hs = d.get("host_slots")
+        slots = (tuple(tuple(s) for s in hs)
+                 if hs is not None and slots_problem(hs, [c for _, c in groups]) is None else None)
+        return cls(d, tree, groups, demoted, avoid, grace, weights, evicted, slots)
 
     def __getitem__(self, key: str) -> Any:
         return self.raw[key]
@@ -197,8 +204,10 @@ class Epoch:
 def check_plan(f: "records.Fields | None", size: int) -> dict[str, Any]:
     """The epoch's ``plan`` with its known fields checked (``tree_parent``: one index in
     [-1, size) per member; ``host_groups``: [start, count] pairs; ``demoted``: ids;
-    ``avoid``: [id, id] pairs; ``leaf_deadline_ms``: in [0, 600000]; ``evicted``: id ->
-    an :class:`~.eviction.Eviction`); other fields pass as they are (bounded JSON).
+    ``avoid``: [id, id] pairs; ``host_slots``: per ``host_groups`` run the owner of each
+    slot (:func:`~.host_slots.slots_problem`); ``leaf_deadline_ms``: in [0, 600000];
+    ``evicted``: id -> an :class:`~.eviction.Eviction`); other fields pass as they are
+    (bounded JSON).
     Raises :class:`~resilient.errors.RecordError`."""
     if f is None:
         return {}
@@ -217,6 +226,12 @@ def check_plan(f: "records.Fields | None", size: int) -> dict[str, Any]:
                 if not ok:
                     f.fail(f"plan.{name} holds {row!r}, not a pair of "
                            + ("integers" if name == "host_groups" else "member ids"))
+    if f.has("host_slots"):
+        runs = f.rows("host_groups", [])
+        problem = slots_problem(f.rows("host_slots"), [r[1] if records.is_int(r[1]) else 0 for r in runs])
+        if problem is not None:
+            f.fail(f"plan.{problem}; the planner writes it for the host_groups runs "
+                   "(coordinator/host_slots.py): republish the epoch from a current coordinator")
     if f.has("demoted"):
         plan["demoted"] = list(f.names("demoted"))
     if f.has("leaf_deadline_ms"):

@@ -11,8 +11,12 @@ slots. Every host still sends ``2(H-1)/H`` of the buffer across hosts; a member 
 ``j`` slots carries ``j`` shards, so :func:`slot_weights` sizes shard ``c`` by the slowest
 owner's speed divided by its slot count, which balances the bytes per link.
 
+:func:`slots_problem` is the one check of a published ``host_slots`` against the plan's
+``host_groups`` (the epoch parse raises on it, the typed plan reads a bad one as absent).
+
 Failure behaviour: none; degenerate input (fewer than 2 hosts, no host of 2 or more
-members, unknown speeds) gives None, i.e. the plain layout or uniform shards.
+members, unknown speeds) gives None, i.e. the plain layout or uniform shards;
+:func:`slots_problem` returns what is wrong as text, it never raises.
 """
 from __future__ import annotations
 
@@ -50,3 +54,24 @@ def slot_weights(groups: Sequence[Sequence[str]], slots: Sequence[Sequence[int]]
         return None
     total = sum(per)
     return [round(x / total, 6) for x in per]
+
+
+def slots_problem(slots: object, counts: Sequence[int]) -> str | None:
+    """What is wrong with ``slots`` as the ``host_slots`` of hosts of ``counts`` members
+    (the plan's ``host_groups`` run lengths), or None when it is usable: one list per
+    host, all of the same length ``K`` (at most ``sum(counts)``), integer entries in
+    ``[0, count)``, every local index of a host owning at least one slot."""
+    if not isinstance(slots, (list, tuple)) or len(slots) != len(counts):
+        return f"host_slots must be one list per host_groups run ({len(counts)} runs)"
+    lengths = {len(s) for s in slots if isinstance(s, (list, tuple))}
+    if len(lengths) != 1 or len(slots) == 0:
+        return "host_slots must hold lists, all of the same length K"
+    K = lengths.pop()
+    if not 1 <= K <= sum(counts):
+        return f"host_slots has K = {K} slots per host, not in [1, {sum(counts)}]"
+    for h, (own, count) in enumerate(zip(slots, counts)):
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < count for v in own):
+            return f"host_slots[{h}] = {list(own)!r} holds an entry outside [0, {count}) (host {h} has {count} members)"
+        if len(set(own)) != count:
+            return f"host_slots[{h}] = {list(own)!r} leaves a local index of host {h} without a slot"
+    return None

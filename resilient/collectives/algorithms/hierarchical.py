@@ -15,8 +15,18 @@ Cross-host bytes per host: ``2(H-1)/H`` of the buffer in all (against ``2(n-1)/n
 through *one* member's link for the flat host-ordered ring, whose cross-host edges carry
 the whole ring's traffic); latency steps ``2(k-1) + 2(H-1)``.
 
-Weighted shards: ``weights`` (one per local index, the planner's ``shard_weights``) size
-shard ``c`` in proportion to ``weights[c]``: local index ``c``'s cross-host ring then
+Unequal hosts (4 + 3, or 3 + 2 after a death): the plan's ``host_slots``
+(:mod:`resilient.coordinator.host_slots`, checked when the epoch is parsed) names, per
+host, the local index owning each of ``K`` (the largest host's size) cross-host *slots*.
+The buffer is cut into ``K`` shards; phase 1 on host ``h`` is a reduce-scatter over its
+``k_h`` members whose ring chunk ``j`` is the union of the shards ``j`` owns; phase 2
+runs, for each owned slot ``c`` in ascending order, the cross-host ring of slot ``c``'s
+owners (a member owning two slots runs two rings, one after the other: every member
+takes them in the same order, so two rings between one pair never cross); phase 3 is
+the inverse all-gather. Equal hosts are the case ``K = k``, slot ``c`` = local index ``c``.
+
+Weighted shards: ``weights`` (one per slot, the planner's ``shard_weights``) size
+shard ``c`` in proportion to ``weights[c]``: slot ``c``'s cross-host ring then
 carries a share of the bytes proportional to its link speed, so a slow link class does
 not gate the op (every member reads the same epoch plan, so every member cuts the same
 layout).
@@ -51,12 +61,36 @@ from resilient.collectives.ledger import Ledger
 PHASES = ("intra_rs", "cross_rs", "cross_ag", "intra_ag")
 
 
-def host_groups_of(members: Sequence[str], epoch: EpochLike) -> list[list[str]] | None:
+@dataclass(frozen=True)
+class Hosts:
+    """The op's members by host and the cross-host slots: ``groups[h]`` (ring order),
+    ``slots[h][c]`` the local index on host ``h`` owning slot ``c`` of ``K``. Equal hosts:
+    ``K = k`` and slot ``c`` is local index ``c``; unequal hosts: the plan's ``host_slots``."""
+
+    groups: list[list[str]]
+    slots: list[list[int]]
+
+    @property
+    def K(self) -> int:
+        return len(self.slots[0])
+
+    def owned(self, h: int, j: int) -> list[int]:
+        """The slots owned by local index ``j`` of host ``h``, ascending."""
+        return [c for c, o in enumerate(self.slots[h]) if o == j]
+
+    def ring(self, c: int) -> list[str]:
+        """The cross-host ring of slot ``c``: its owner on every host, in host order."""
+        return [g[own[c]] for g, own in zip(self.groups, self.slots)]
+
+
+def hosts_of(members: Sequence[str], epoch: EpochLike) -> Hosts | None:
     """The op's ``members`` grouped by host from ``epoch.plan["host_groups"]`` (runs of
-    ``(start, count)`` over ``epoch.members``), in ring order; ``None`` when the plan has
-    no usable grouping (missing or malformed runs, a member of the op in no run, fewer
-    than 2 hosts, hosts of different sizes, a host of one member, demoted members: the
-    caller then uses the flat ring). Deterministic: every member reads the same epoch."""
+    ``(start, count)`` over ``epoch.members``), in ring order, with their slots; ``None``
+    when the plan has no usable grouping (missing or malformed runs, a member of the op
+    in no run, fewer than 2 hosts, demoted members; hosts of different sizes unless the
+    plan's validated ``host_slots`` covers them, i.e. every host of the op is its whole
+    run; equal hosts of one member): the caller then uses the flat ring.
+    Deterministic: every member reads the same epoch."""
     runs = epoch.plan.host_groups
     ring = list(epoch.members)
     if not runs:
@@ -69,16 +103,29 @@ def host_groups_of(members: Sequence[str], epoch: EpochLike) -> list[list[str]] 
             return None
         for m in ring[start:start + count]:
             gid[m] = g
-    groups: dict[int, list[str]] = {}
+    by_run: dict[int, list[str]] = {}
     for m in members:
         if m not in gid:
             return None
-        groups.setdefault(gid[m], []).append(m)
-    out = [groups[g] for g in sorted(groups)]
+        by_run.setdefault(gid[m], []).append(m)
+    used = sorted(by_run)
+    out = [by_run[g] for g in used]
     sizes = {len(g) for g in out}
-    if len(out) < 2 or len(sizes) != 1 or sizes.pop() < 2:
+    if len(out) < 2:
         return None
-    return out
+    if len(sizes) == 1:
+        k = sizes.pop()
+        return Hosts(out, [list(range(k)) for _ in out]) if k >= 2 else None
+    table = epoch.plan.host_slots
+    if table is None or any(len(by_run[g]) != runs[g][1] for g in used):
+        return None   # unequal hosts without slots for exactly these hosts: flat ring
+    return Hosts(out, [list(table[g]) for g in used])
+
+
+def host_groups_of(members: Sequence[str], epoch: EpochLike) -> list[list[str]] | None:
+    """The host groups of :func:`hosts_of` (None where it gives None)."""
+    hosts = hosts_of(members, epoch)
+    return hosts.groups if hosts is not None else None
 
 
 def shard_weights_of(epoch: EpochLike, k: int) -> list[float] | None:
@@ -103,8 +150,9 @@ def weighted_split(n: int, weights: Sequence[float]) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class Layout:
-    """The piece layout of one hierarchical op: ``pieces`` (element ranges, index
-    ``(c * H + h) * S + j`` for shard ``c``, host sub-shard ``h``, slice ``j``)."""
+    """The piece layout of one hierarchical op: ``k`` shards (one per cross-host slot),
+    ``pieces`` (element ranges, index ``(c * H + h) * S + j`` for shard ``c``, host
+    sub-shard ``h``, slice ``j``)."""
 
     k: int
     H: int
@@ -152,42 +200,47 @@ class _PhaseContext(OpContext):
 
 
 class HierarchicalAllreduce:
-    """See the module docstring. ``groups``: the op's members by host (ring order inside
-    each host, every group of size ``k``); ``layout``: from :meth:`Layout.make` with the
-    same ``k`` and ``H = len(groups)``."""
+    """See the module docstring. ``hosts``: the op's members by host (ring order inside
+    each host) and their slots (:func:`hosts_of`); ``layout``: from :meth:`Layout.make`
+    with ``k = hosts.K`` shards and ``H = len(hosts.groups)``."""
 
     capabilities = Capabilities()
     final_order = staticmethod(index_order)
 
-    def __init__(self, groups: Sequence[Sequence[str]], layout: Layout) -> None:
-        self.groups = [list(g) for g in groups]
+    def __init__(self, hosts: Hosts, layout: Layout) -> None:
+        self.hosts = hosts
+        self.groups = hosts.groups
         self.layout = layout
 
     def run(self, ctx: OpContext) -> None:
         L = ctx.ledger
-        k, H, S = self.layout.k, self.layout.H, self.layout.S
+        H, S = self.layout.H, self.layout.S
         bit = {m: 1 << i for i, m in enumerate(L.members)}
         me = L.members[L.me]
         h = next(i for i, g in enumerate(self.groups) if me in g)
-        c = self.groups[h].index(me)
         host = self.groups[h]
         host_bits = [bit[m] for m in host]
         host_mask = [sum(bit[m] for m in g) for g in self.groups]
         everything = list(range(len(L.pieces)))
+        shard = [list(range(c * H * S, (c + 1) * H * S)) for c in range(self.layout.k)]
+        # ring chunk j on this host = the pieces of the shards local index j owns
+        chunks = [[q for c in self.hosts.owned(h, j) for q in shard[c]] for j in range(len(host))]
 
-        # 1. reduce-scatter inside the host: local rank c ends with shard c over its host
+        # 1. reduce-scatter inside the host: local index j ends with its owned shards over its host
         self._phase(ctx, "intra", host, everything, _translator(host_bits), L.inp, None,
-                    RingReduceScatterAllgather(H * S, shift=1, do_ag=False))
-        # 2. allreduce of shard c across hosts, between the members with local index c
-        mine = list(range(c * H * S, (c + 1) * H * S))
-        lo, hi = L.pieces[mine[0]][0], L.pieces[mine[-1]][1]
-        stage = L.out[lo:hi].clone()   # the ring's input: the host partial (out is overwritten)
-        self._phase(ctx, "cross", [g[c] for g in self.groups], mine, _translator(host_mask), stage,
-                    [L.pieces[q][0] - lo for q in mine], RingReduceScatterAllgather(S))
+                    RingReduceScatterAllgather(H * S, shift=1, do_ag=False, chunks=chunks))
+        # 2. allreduce of each owned shard c across hosts, on the ring of slot c's owners
+        #    (ascending c on every member: two rings between one pair run in the same order)
+        for c in self.hosts.owned(h, host.index(me)):
+            mine = shard[c]
+            lo = L.pieces[mine[0]][0]
+            stage = L.out[lo:L.pieces[mine[-1]][1]].clone()   # the ring's input: the host partial
+            self._phase(ctx, "cross", self.hosts.ring(c), mine, _translator(host_mask), stage,
+                        [L.pieces[q][0] - lo for q in mine], RingReduceScatterAllgather(S))
         # 3. all-gather of the final shards inside the host
         full = L.full
         self._phase(ctx, "intra", host, everything, lambda m: full if m else 0, L.inp, None,
-                    RingReduceScatterAllgather(H * S, shift=1, do_rs=False))
+                    RingReduceScatterAllgather(H * S, shift=1, do_rs=False, chunks=chunks))
 
     @staticmethod
     def _phase(ctx: OpContext, level: str, members: list[str], index: list[int], translate: Callable[[int], int],
@@ -208,18 +261,19 @@ class HierarchicalAllreduce:
 def select(members: Sequence[str], epoch: EpochLike, numel: int, elem_bytes: int,
            slices_for: Callable[[int], int]) -> "tuple[list[tuple[int, int]], HierarchicalAllreduce] | None":
     """The pieces and algorithm of a hierarchical allreduce over ``members`` in ``epoch``,
-    or None when the epoch's plan does not group them into >= 2 equal hosts of >= 2 (or
-    the buffer is too small to cut). ``slices_for(bytes)``: pipelining slices for one
-    cross-host sub-shard of that size (the communicator's ``_slices``)."""
-    groups = host_groups_of(members, epoch)
-    if groups is None:
+    or None when the epoch's plan does not group them into >= 2 hosts (:func:`hosts_of`:
+    equal hosts of >= 2, or unequal ones with the plan's ``host_slots``) or the buffer is
+    too small to cut. ``slices_for(bytes)``: pipelining slices for one cross-host
+    sub-shard of that size (the communicator's ``_slices``)."""
+    hosts = hosts_of(members, epoch)
+    if hosts is None:
         return None
-    k, H = len(groups[0]), len(groups)
-    weights = shard_weights_of(epoch, k)
-    layout = Layout.make(numel, k, H, slices_for(max(1, numel * elem_bytes // (k * H))), weights)
+    K, H = hosts.K, len(hosts.groups)
+    weights = shard_weights_of(epoch, K)
+    layout = Layout.make(numel, K, H, slices_for(max(1, numel * elem_bytes // (K * H))), weights)
     if layout is None:
         return None
-    return layout.pieces, HierarchicalAllreduce(groups, layout)
+    return layout.pieces, HierarchicalAllreduce(hosts, layout)
 
 
 # -- reduce_scatter / allgather: one output chunk per member ----------------------------------
@@ -345,8 +399,8 @@ def select_per_member(kind: str, members: Sequence[str], epoch: EpochLike, m: in
     chunks of ``m`` elements, or None (no usable host grouping, see
     :func:`host_groups_of`; or chunks too small to slice)."""
     groups = host_groups_of(members, epoch)
-    if groups is None or m < 1:
-        return None
+    if groups is None or m < 1 or len({len(g) for g in groups}) != 1:
+        return None   # unequal hosts: the chunks are the members' own outputs, one per member
     layout = ChunkLayout.make(members, groups, m, max(1, min(slices, m)))
     algo = HierarchicalReduceScatter(layout) if kind == "reduce_scatter" else HierarchicalAllgather(layout)
     return layout, algo

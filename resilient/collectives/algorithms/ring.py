@@ -7,6 +7,9 @@ last. Every chunk is cut into ``slices`` pieces and the loop is pipelined: all r
 posted before the first send (each lands in place when it arrives), each slice of step
 ``s-1`` is reduced as soon as it arrived (torch releases the GIL in ``add_``) and sent on
 at once, so reduction overlaps transfer. Receives go straight into the output region.
+``chunks`` (optional) names the pieces of each of the ``n`` chunks explicitly, of any
+sizes (the hierarchical allreduce's owned-shard sets on a host of unequal size); by
+default chunk ``c`` is pieces ``[c*slices, (c+1)*slices)``.
 
 Ledger: member ``p`` holds for chunk ``c`` the partial over the ring arc ``[c+shift..p]``;
 after its last reduce-scatter step the chunk it holds is final; an all-gather receive
@@ -14,6 +17,8 @@ makes its region final. Failure behaviour: any transport error propagates after
 :meth:`OpContext.settle`; the communicator then runs recovery from the ledger.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 from resilient.collectives import tags
 from resilient.collectives.algorithms.base import Capabilities, OpContext, finish_alone, tag
@@ -32,8 +37,10 @@ class RingReduceScatterAllgather:
     SPACE = tags.RING
     capabilities = Capabilities(forward_ring_only=True, staged=True)
 
-    def __init__(self, slices: int, shift: int = 0, do_rs: bool = True, do_ag: bool = True) -> None:
+    def __init__(self, slices: int, shift: int = 0, do_rs: bool = True, do_ag: bool = True,
+                 chunks: Sequence[Sequence[int]] | None = None) -> None:
         self.slices, self.shift, self.do_rs, self.do_ag = slices, shift, do_rs, do_ag
+        self.chunks = [list(c) for c in chunks] if chunks is not None else None
 
     def final_order(self, n_members: int, index: int, n_pieces: int) -> list[int]:
         """Its last reduce-scatter chunk, then the all-gather chunks (slices in order);
@@ -67,14 +74,21 @@ class RingReduceScatterAllgather:
         # buffer in flight.
         masks = [self._masks(phase, s, p, n, full) for phase, _, _, s in steps]
         if L.stage_elems:
+            if self.chunks is not None:
+                raise ConfigError("the staged ring cuts equal chunks (no explicit chunks)")
             self._run_staged(ctx, steps, masks, nxt, prv)
             return
+        chunk = self.chunks or [[c * S + j for j in range(S)] for c in range(n)]
+        # failpoint progress: pieces sent before each step within its phase, of the phase's total
+        before, total = [], {"rs": 0, "ag": 0}
+        for phase, sc, _, _ in steps:
+            before.append(total[phase])
+            total[phase] += len(chunk[sc])
         posted: list[list[_Posted]] = []
         for idx, (phase, sc, rc, s) in enumerate(steps):
             done_mask, sender_mask = masks[idx]
             cur: list[_Posted] = []
-            for j in range(S):
-                pc = rc * S + j
+            for j, pc in enumerate(chunk[rc]):
                 req = tr.irecv(prv, L.buf(pc), ctx.seq, tag(idx, j, self.SPACE), ctx.digest)
                 entry = (req, pc, sender_mask)
                 ctx.inflight.append(entry)
@@ -83,20 +97,20 @@ class RingReduceScatterAllgather:
         prev: list[_Posted] | None = None
         sends: list[Request] = []
         for idx, (phase, sc, rc, s) in enumerate(steps):
-            for j in range(S):
-                ps = sc * S + j
+            # the chunk sent at step s is the one received at step s-1 (same pieces)
+            for j, ps in enumerate(chunk[sc]):
                 if prev is None:
                     buf = L.input_buf(ps) if phase == "rs" else L.buf(ps)
                 else:
                     self._complete(ctx, *prev[j])
                     buf = L.buf(ps)
                 if ctx.ledger.enabled:
-                    ctx.failpoint(phase, self._frac(idx, j, S, n))
+                    ctx.failpoint(phase, (before[idx] + j) / total[phase])
                 sends.append(tr.isend(nxt, buf, ctx.seq, tag(idx, j, self.SPACE), ctx.digest))
             prev = posted[idx]
         assert prev is not None   # n >= 2: at least one step
-        for j in range(S):
-            self._complete(ctx, *prev[j])
+        for entry in prev:
+            self._complete(ctx, *entry)
         ctx.wait(sends)
 
     @staticmethod
