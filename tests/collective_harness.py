@@ -49,9 +49,10 @@ class Workers:
     def __init__(self, etcd_endpoint: str, job: str, world: int, ops: list, out: Path, seed: int = 0,
                  failpoints: dict[str, str] | None = None, ttl: float = 2.0, policy: str = "default",
                  revoke_on_exit: bool = True, hosts: dict[str, str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, member_env: dict[str, dict[str, str]] | None = None) -> None:
         self.out, self.world, self.ops, self.seed = out, world, ops, seed
         self.env = env or {}       # extra environment of every worker (e.g. RESILIENT_STAGING)
+        self.member_env = member_env or {}   # member -> extra environment of that worker only
         self.hosts = hosts or {}   # member -> emulated host label (RESILIENT_TEST_HOST)
         self.etcd, self.job, self.ttl, self.policy = etcd_endpoint, job, ttl, policy
         self.failpoints = failpoints or {}
@@ -64,7 +65,7 @@ class Workers:
             self.start(f"m{i}")
 
     def start(self, mid: str, world: int | None = None, join: bool = False) -> subprocess.Popen:
-        env = dict(os.environ, PYTHONPATH=str(ROOT), **self.env)
+        env = dict(os.environ, PYTHONPATH=str(ROOT), **self.env, **self.member_env.get(mid, {}))
         env.pop("RESILIENT_FAILPOINTS", None)
         if mid in self.failpoints:
             env["RESILIENT_FAILPOINTS"] = self.failpoints[mid]

@@ -7,7 +7,8 @@ Registers a MemberSession (short TTL), waits for an epoch with ``--world`` membe
 builds a Communicator over the etcd group view and a TCP transport, runs the ops with
 inputs from ``inputs.make_input(member index, seq, seed)`` and writes, per op,
 ``DIR/<id>.<seq>.npy`` (allow_pickle=False; bfloat16/float16 as float32) and a JSON line
-in ``DIR/<id>.jsonl``: {seq, ok, error, contributors, seconds}. Exit 0, or 4 when it
+in ``DIR/<id>.jsonl``: {seq, ok, error, contributors, seconds; allreduce: algorithm (the
+one the epoch selects, when the op's ledger pieces are its layout, else null)}. Exit 0, or 4 when it
 raised RemovedFromGroup. Failpoints come from RESILIENT_FAILPOINTS, an emulated host label
 (``MemberInfo.host``) from RESILIENT_TEST_HOST.
 """
@@ -119,6 +120,12 @@ def main() -> int:
                            recovery=comm.last_recovery.as_dict() if comm.last_recovery and comm.last_recovery.seq == seq else None)
                 kept = comm.retained
                 rec["staged_posts"] = kept.staged_posts if kept is not None and kept.seq == seq else None
+                if k == "allreduce" and "bits" not in spec and kept is not None and kept.seq == seq:
+                    # the algorithm the epoch selects, when the op's ledger has exactly its layout
+                    from resilient.collectives.algorithms import select
+
+                    pieces, algo = select.allreduce(list(kept.members), comm.epoch, n_in, x.element_size(), comm.sizing)
+                    rec["algorithm"] = type(algo).__name__ if pieces == kept.pieces else None
                 arr = out.to(torch.float32) if out.dtype in (torch.float16, torch.bfloat16) else out
                 np.save(os.path.join(args.out, f"{args.id}.{seq}.npy"), arr.numpy(), allow_pickle=False)
             except RemovedFromGroup as exc:
