@@ -109,8 +109,8 @@ class RingReduceScatterAllgather:
                 sends.append(tr.isend(nxt, buf, ctx.seq, tag(idx, j, self.SPACE), ctx.digest))
             prev = posted[idx]
         assert prev is not None   # n >= 2: at least one step
-        for entry in prev:
-            self._complete(ctx, *entry)
+        for last in prev:
+            self._complete(ctx, *last)
         ctx.wait(sends)
 
     @staticmethod
