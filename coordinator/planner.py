@@ -14,8 +14,8 @@
 * **Unequal hosts** (:mod:`.host_slots`; e.g. 4 + 3, or 2 x 4 after a death): the plan
   carries ``host_slots`` (per host, the local index owning each of the largest host's
   ``K`` cross-host slots) and ``shard_weights`` per slot (owner speed over its slot
-  count; unknown speeds count as equal), so a data plane can run the hierarchical
-  allreduce over them; equal hosts carry no ``host_slots`` (slot = local index).
+  count; unknown speeds count as equal), and the data plane runs the hierarchical
+  allreduce over them (docs/hierarchy.md, "Unequal hosts"); equal hosts carry no ``host_slots`` (slot = local index).
 * **Tree**: a binary heap over the healthy part of the ring (``parent[i] = (i-1)//2``) so
   tree neighbours are mostly ring-close; each demoted member hangs as a leaf under a
   healthy member (round-robin), never as an inner node.

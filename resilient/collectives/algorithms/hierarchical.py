@@ -1,7 +1,7 @@
 """Hierarchical allreduce over host groups (issue 16), written against the ledger.
 
 With ``H`` hosts of ``k`` members each (the op's members grouped by the planner's
-``host_groups``, every group the same size), one allreduce runs in three phases, each a
+``host_groups``; unequal sizes: below), one allreduce runs in three phases, each a
 pipelined ring (:class:`~.ring.RingReduceScatterAllgather`) over a subgroup:
 
 1. ``intra_rs``: reduce-scatter inside each host: local rank ``c`` ends with shard ``c``
