@@ -3,7 +3,8 @@
 loopback), SIGKILL / SIGSTOP by failpoint at each level — an intra-host member in the
 host reduce-scatter, a host leader (local rank 0) in the cross-host ring, a whole host
 at mixed phases, a stopped leader found by lease expiry — and every survivor's output
-of every op checked exactly against the contributors it reports. A victim that died by
+of every op checked exactly against the contributors it reports; and hosts of unequal
+size (3 + 2, the plan's ``host_slots``) with a kill in the cross-host ring. A victim that died by
 its failpoint proves the op ran the hierarchical algorithm (the failpoint phases
 ``intra_rs`` / ``cross_rs`` / ``cross_ag`` / ``intra_ag`` exist nowhere else)."""
 from __future__ import annotations
@@ -50,11 +51,11 @@ CASES = {
 }
 
 
-def _check_survivors(w: Workers, survivors: list[str]) -> dict[int, list[str]]:
+def _check_survivors(w: Workers, survivors: list[str], ops: list[dict] = OPS) -> dict[int, list[str]]:
     contrib_of: dict[int, list[str]] = {}
     for mid in survivors:
         recs = {r["seq"]: r for r in w.records(mid)}
-        for seq, spec in enumerate(OPS):
+        for seq, spec in enumerate(ops):
             rec = recs[seq]
             assert rec["ok"], (mid, rec)
             contrib = rec["contributors"]
@@ -141,5 +142,41 @@ def test_reduce_scatter_and_allgather_with_a_kill_exact(etcd_session, job_name, 
                         exp = np.stack([expected("sum", [int(m[1:])], seq, w.seed, 200_003, "int64").numpy()
                                         for m in members])
                         np.testing.assert_array_equal(got, exp)
+        finally:
+            w.close()
+
+
+#: unequal hosts, 3 + 2: host A (m0..m2) links over shared memory; host B's workers run
+#: with RESILIENT_SHM=0 (plain TCP addresses), so every link touching them is TCP
+UNEQUAL_HOSTS = {"m0": "hostA", "m1": "hostA", "m2": "hostA", "m3": "hostB", "m4": "hostB"}
+UNEQUAL_OPS = [{"k": "allreduce", "numel": 120_001, "dtype": "int64", "op": "sum"},
+               {"k": "allreduce", "numel": 120_001, "dtype": "int64", "op": "sum"},
+               {"k": "allreduce", "numel": 60_000, "dtype": "int64", "op": "sum"}]
+
+
+def test_unequal_hosts_exact_and_a_kill_in_the_cross_ring_every_survivor_exact(etcd_session, job_name, tmp_path):
+    """Op 0 runs the hierarchical algorithm over the plan's ``host_slots`` (the worker
+    records the algorithm the epoch selects when its op's ledger has exactly that
+    layout) and is exact over everyone. In op 1 host B's local index 0, which owns two of
+    the three cross-host slots (``host_slots`` [[0, 1, 2], [0, 1, 0]]), is SIGKILLed in
+    the cross-host all-gather: every survivor is exact over the contributors it reports,
+    all report the same set, and op 2 runs hierarchical again over 3 + 1."""
+    victim = "m3"
+    shm_off = {m: {"RESILIENT_SHM": "0"} for m, h in UNEQUAL_HOSTS.items() if h == "hostB"}
+    with coordinator(etcd_session.endpoint_arg, job_name, ttl=TTL):
+        w = Workers(etcd_session.endpoint_arg, job_name, 5, UNEQUAL_OPS, tmp_path, ttl=TTL, hosts=UNEQUAL_HOSTS,
+                    member_env=shm_off, failpoints={victim: "kill@op=1,phase=cross_ag"})
+        try:
+            survivors = [m for m in sorted(w.procs) if m != victim]
+            w.wait_done(list(w.procs), 120)
+            assert w.procs[victim].wait(10) == -9, f"{victim} was not killed in op 1's cross-host ring"
+            contrib = _check_survivors(w, survivors, UNEQUAL_OPS)
+            for mid in survivors:
+                recs = {r["seq"]: r for r in w.records(mid)}
+                assert recs[0]["algorithm"] == "HierarchicalAllreduce", (mid, recs[0])   # 3 + 2 by host_slots
+                assert recs[2]["algorithm"] == "HierarchicalAllreduce", (mid, recs[2])   # 3 + 1 after the kill
+            assert contrib[0] == sorted(w.procs)
+            assert set(survivors) <= set(contrib[1])
+            assert contrib[2] == survivors
         finally:
             w.close()

@@ -3,7 +3,7 @@ is checked once when the epoch is parsed (a bad one is a RecordError), the op's 
 and slots follow it, the layout cuts ``K`` shards, and the data path (real Communicators
 over real TCP transports on loopback, one thread per member, one static epoch) is exact
 and sends each slot's shard across hosts on its owners' ring. Failures at each level
-with real processes are tests/test_hierarchical_unequal_procs.py's."""
+with real processes are in tests/test_hierarchical_procs.py (its last test)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,7 @@ import torch
 from resilient.collectives.algorithms import select
 from resilient.collectives.algorithms.hierarchical import HierarchicalAllreduce, Layout, host_groups_of, hosts_of
 from resilient.coordinator.epoch import Epoch, EpochPlan
-from resilient.coordinator.host_slots import host_slots, slots_problem
+from resilient.coordinator.host_slots import host_slots, slot_weights, slots_problem
 from resilient.errors import RecordError
 from resilient.transport.tcp import TcpTransport
 
@@ -150,9 +150,10 @@ def test_unequal_hosts_allreduce_is_exact_and_each_slot_crosses_on_its_owners_ri
 def test_unequal_hosts_with_slot_weights_follow_them():
     ops = ["sum"]
     numel = 24_000
-    w = host_slots([["a0", "a1", "a2"], ["b0", "b1"]])
-    assert w == SLOTS
-    ids, _, results, cross = _run([3, 2], numel, ops, weights=[0.25, 0.5, 0.25])   # slot weights (planner: 1/4, 1/2, 1/4)
+    groups = [["h0m0", "h0m1", "h0m2"], ["h1m0", "h1m1"]]
+    weights = slot_weights(groups, SLOTS, dict.fromkeys(groups[0] + groups[1], 1.0))   # the planner's, equal links
+    assert weights == [0.25, 0.5, 0.25]
+    ids, _, results, cross = _run([3, 2], numel, ops, weights=weights)
     _check(ids, results, ops, numel)
     # h1m0 owns slots 0 and 2 (a quarter each), h1m1 slot 1 (a half): equal bytes across hosts
     assert cross["h1m0"] == pytest.approx(cross["h1m1"], rel=1e-3)
