@@ -1,10 +1,11 @@
 """Which algorithm runs an op, and its ledger layout (pieces): the one place that chooses.
 
 * allreduce: the leaf path when the epoch demoted members (:mod:`.leaf`, wrapping what
-  the active members run); else hierarchical by hosts when the plan groups them
-  (:mod:`.hierarchical`, ``Sizing.hierarchical``); else the pipelined ring above
+  the active members run); else hierarchical by hosts when the plan groups them into
+  equal hosts, or unequal ones its ``host_slots`` covers (:mod:`.hierarchical`,
+  ``Sizing.hierarchical``); else the pipelined ring above
   ``small_bytes`` (:mod:`.ring`), recursive doubling below (:mod:`.recursive_doubling`);
-* reduce_scatter / allgather: hierarchical when the plan groups by hosts, else the ring
+* reduce_scatter / allgather: hierarchical when the plan groups by equal hosts, else the ring
   with one chunk per member;
 * broadcast: the pipelined chain plus a one-element barrier (:mod:`.chain`).
 
