@@ -16,6 +16,9 @@ The chosen arm is logged when it changes and counted in
 One call takes three sequence numbers, reserved together: vote, then either the scale
 agreement + integer ring, or the plain fp32 allreduce (the third number stays unused).
 
+:func:`compressed_body` is where ``Communicator.allreduce(..., compression=...)`` turns its
+argument into an op body: this switch, the fixed codec of :mod:`.compressed`, or none.
+
 Failure behaviour: the vote is an ordinary collective (recovered like any); a member that
 dies in it leaves the survivors' agreed decision intact. Measurement never raises.
 """
