@@ -213,6 +213,19 @@ def worker_argparser(description: str):
     return ap
 
 
+def rank_worker_argparser(description: str):
+    """The parser of a benchmark whose driver starts copies of its own script by rank
+    (``--worker --rank N --etcd ... --job ...``; hidden from ``--help``)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--etcd", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--job", default="", help=argparse.SUPPRESS)
+    return ap
+
+
 def join(args: Any, **comm_kwargs: Any) -> tuple[Any, Any, Any, int]:
     """Worker: register on the driver's lease, wait for the full world; (comm, transport,
     session, index). ``comm.close()`` also closes the transport, the session and the store."""

@@ -33,6 +33,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from _common import rank_worker_argparser  # noqa: E402
 PY = sys.executable
 WORLD = 4
 
@@ -200,15 +203,11 @@ def run_cap(lab, etcd: str, mb_s: float, args: argparse.Namespace) -> list[dict]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap = rank_worker_argparser(__doc__.splitlines()[0])
     ap.add_argument("--ip", default="", help=argparse.SUPPRESS)
     ap.add_argument("--ip0", default="", help=argparse.SUPPRESS)
     ap.add_argument("--ifname", default="", help=argparse.SUPPRESS)
     ap.add_argument("--gloo-port", type=int, default=29500, help=argparse.SUPPRESS)
-    ap.add_argument("--etcd", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--job", default="", help=argparse.SUPPRESS)
     ap.add_argument("--caps", default="100,400,0", help="MB/s per member egress, 0 = uncapped")
     ap.add_argument("--sizes", default="4,16,64", help="MiB of float32 per allreduce")
     ap.add_argument("--iters", type=int, default=3)

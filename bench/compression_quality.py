@@ -31,6 +31,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from _common import rank_worker_argparser  # noqa: E402
 PY = sys.executable
 WORLD = 4
 CTX, BATCH = 32, 16
@@ -233,12 +236,8 @@ def _time_to(trace: list, target: float) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap = rank_worker_argparser(__doc__.splitlines()[0])
     ap.add_argument("--arm", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--etcd", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--job", default="", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--kill", action="store_true", help="SIGKILL member 3 mid-run in the resilient arms")

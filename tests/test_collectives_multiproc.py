@@ -6,56 +6,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 from collective_harness import Workers, coordinator  # noqa: E402
-from inputs import expected, make_input  # noqa: E402
+from collective_checks import (  # noqa: E402
+    assert_agree, check_allreduce, check_fault_free_run, kill_ops, survivors_of_kill,
+)
 
 pytestmark = pytest.mark.slow
-
-
-def idx(mid: str) -> int:
-    return int(mid[1:])
-
-
-def check_allreduce(w: Workers, mid: str, seq: int, spec: dict) -> list[str]:
-    rec = w.records(mid)[seq]
-    assert rec["ok"], rec
-    contrib = rec["contributors"]
-    exp = expected(spec.get("op", "sum"), [idx(m) for m in contrib], seq, w.seed, spec["numel"], spec["dtype"])
-    got = w.output(mid, seq)
-    if spec["dtype"].startswith("int"):
-        # ints: exact (the op's own dtype wraps like the reference only for sum/prod of small values)
-        np.testing.assert_array_equal(got.astype(np.int64), exp.numpy())
-    else:
-        tol = {"float64": 1e-9, "float32": 1e-4, "float16": 2e-2, "bfloat16": 1e-1}[spec["dtype"]]
-        np.testing.assert_allclose(got.astype(np.float64), exp.numpy(), rtol=tol, atol=tol * max(1, len(contrib)))
-    return contrib
-
-
-def check_fault_free(w: Workers, mid: str, seq: int, spec: dict, mids: list[str]) -> dict:
-    """Op ``seq`` of a run without faults succeeded on ``mid`` with the exact result
-    (every member a contributor); returns its record."""
-    rec = w.records(mid)[seq]
-    assert rec["ok"], rec
-    world = len(mids)
-    if spec["k"] == "allreduce":
-        assert check_allreduce(w, mid, seq, spec) == mids
-    elif spec["k"] == "broadcast":
-        exp = make_input(spec["root"], seq, w.seed, spec["numel"], spec["dtype"]).numpy()
-        np.testing.assert_array_equal(w.output(mid, seq), exp)
-    elif spec["k"] == "allgather":
-        exp = np.stack([make_input(i, seq, w.seed, spec["numel"], spec["dtype"]).numpy() for i in range(world)])
-        np.testing.assert_array_equal(w.output(mid, seq), exp)
-    elif spec["k"] == "reduce_scatter":
-        c = idx(mid)
-        exp = sum(make_input(i, seq * 100 + c, w.seed, spec["numel"], spec["dtype"]) for i in range(world))
-        np.testing.assert_array_equal(w.output(mid, seq), exp.numpy())
-    return rec
 
 
 OPS_FAULT_FREE = [
@@ -80,26 +40,12 @@ def test_fault_free_all_ops(etcd_session, job_name, tmp_path, world):
     with coordinator(etcd_session.endpoint_arg, job_name):
         w = Workers(etcd_session.endpoint_arg, job_name, world, OPS_FAULT_FREE, tmp_path)
         try:
-            w.wait_done(list(w.procs), 120)
-            mids = list(w.procs)
-            for seq, spec in enumerate(OPS_FAULT_FREE):
-                for mid in mids:
-                    check_fault_free(w, mid, seq, spec, mids)
-            # every member got bitwise the same allreduce result
-            for seq, spec in enumerate(OPS_FAULT_FREE):
-                if spec["k"] == "allreduce":
-                    first = w.output(mids[0], seq)
-                    for mid in mids[1:]:
-                        np.testing.assert_array_equal(w.output(mid, seq), first)
+            check_fault_free_run(w, OPS_FAULT_FREE)   # exact everywhere, allreduce results bitwise equal
         finally:
             w.close()
 
 
-KILL_OPS = [
-    {"k": "allreduce", "numel": 2_000_000, "dtype": "float64", "op": "sum"},
-    {"k": "allreduce", "numel": 2_000_000, "dtype": "int64", "op": "sum"},
-    {"k": "allreduce", "numel": 1000, "dtype": "int64", "op": "sum"},
-]
+KILL_OPS = kill_ops(2_000_000)
 
 
 def _sole_copy_lost(etcd_session, job: str, w, survivors: list[str]) -> bool:
@@ -133,12 +79,8 @@ def test_sigkill_mid_op_survivors_finish(etcd_session, job_name, tmp_path, world
     with coordinator(etcd_session.endpoint_arg, job_name):
         w = Workers(etcd_session.endpoint_arg, job_name, world, KILL_OPS, tmp_path, failpoints=fp)
         try:
-            survivors = [m for m in w.procs if m != victim]
-            w.wait_done(list(w.procs), 120)
-            assert w.procs[victim].wait(10) == -9
+            survivors = list(survivors_of_kill(w, victim))
             for mid in survivors:
-                recs = w.records(mid)
-                assert all(r["ok"] for r in recs), recs
                 for seq, spec in enumerate(KILL_OPS):
                     contrib = check_allreduce(w, mid, seq, spec)
                     if seq == 1:
@@ -153,10 +95,7 @@ def test_sigkill_mid_op_survivors_finish(etcd_session, job_name, tmp_path, world
                         assert contrib == survivors
             # the op was finished by recovery (a survivor that had already finished it may not need any)
             assert any(w.records(m)[1]["recovery"] is not None for m in survivors)
-            for seq in range(len(KILL_OPS)):  # survivors agree bitwise
-                first = w.output(survivors[0], seq)
-                for mid in survivors[1:]:
-                    np.testing.assert_array_equal(w.output(mid, seq), first)
+            assert_agree(w, survivors, list(range(len(KILL_OPS))))  # survivors agree bitwise
         finally:
             w.close()
 

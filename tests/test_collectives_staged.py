@@ -16,7 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 from collective_harness import Workers, coordinator  # noqa: E402
 from inputs import make_input  # noqa: E402
-from test_collectives_multiproc import check_allreduce, check_fault_free  # noqa: E402
+from collective_checks import (  # noqa: E402
+    assert_agree, check_allreduce, check_fault_free_run, kill_ops, survivors_of_kill,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -38,26 +40,17 @@ def test_staged_path_runs_every_op_exactly(etcd_session, job_name, tmp_path):
     with coordinator(etcd_session.endpoint_arg, job_name):
         w = Workers(etcd_session.endpoint_arg, job_name, world, OPS, tmp_path, env=STAGED)
         try:
-            w.wait_done(list(w.procs), 120)
-            mids = list(w.procs)
-            for seq, spec in enumerate(OPS):
-                for mid in mids:
-                    rec = check_fault_free(w, mid, seq, spec, mids)
+            recs = check_fault_free_run(w, OPS)   # exact everywhere, allreduce results bitwise equal
+            for mid, rs in recs.items():
+                for seq, (spec, rec) in enumerate(zip(OPS, rs)):
                     if spec["numel"]:
                         assert rec["staged_posts"], (mid, seq, rec)   # moved through the staging pipeline
-            for seq in (0, 1):   # every member holds bitwise the same allreduce result
-                for mid in mids[1:]:
-                    np.testing.assert_array_equal(w.output(mid, seq), w.output(mids[0], seq))
         finally:
             w.close()
 
 
-KILL_OPS = [
-    {"k": "allreduce", "numel": 400_000, "dtype": "float64", "op": "sum"},
-    {"k": "allreduce", "numel": 400_000, "dtype": "int64", "op": "sum"},
-    {"k": "allreduce", "numel": 1000, "dtype": "int64", "op": "sum"},
-    {"k": "broadcast", "numel": 50_000, "dtype": "float32", "root": 0},   # staged chain in the new epoch
-]
+KILL_OPS = [*kill_ops(400_000),
+            {"k": "broadcast", "numel": 50_000, "dtype": "float32", "root": 0}]   # staged chain in the new epoch
 
 
 def test_staged_sigkill_mid_allreduce_every_survivor_exact(etcd_session, job_name, tmp_path):
@@ -66,12 +59,9 @@ def test_staged_sigkill_mid_allreduce_every_survivor_exact(etcd_session, job_nam
         w = Workers(etcd_session.endpoint_arg, job_name, world, KILL_OPS, tmp_path, env=STAGED_TCP,
                     failpoints={victim: "kill@op=1,phase=rs,frac=0.5"})
         try:
-            survivors = [m for m in w.procs if m != victim]
-            w.wait_done(list(w.procs), 120)
-            assert w.procs[victim].wait(10) == -9
-            for mid in survivors:
-                recs = w.records(mid)
-                assert all(r["ok"] for r in recs), recs
+            all_recs = survivors_of_kill(w, victim)
+            survivors = list(all_recs)
+            for mid, recs in all_recs.items():
                 assert recs[0]["staged_posts"] and recs[2]["staged_posts"] and recs[3]["staged_posts"], recs
                 bcast = KILL_OPS[3]
                 exp = make_input(0, 3, w.seed, bcast["numel"], bcast["dtype"]).numpy()   # m0: rank 0
@@ -81,8 +71,6 @@ def test_staged_sigkill_mid_allreduce_every_survivor_exact(etcd_session, job_nam
                     if seq >= 1:   # killed in reduce-scatter: the exact reduction over the survivors
                         assert contrib == survivors, (mid, seq, contrib)
             assert any(w.records(m)[1]["recovery"] is not None for m in survivors)
-            for seq in range(len(KILL_OPS)):
-                for mid in survivors[1:]:
-                    np.testing.assert_array_equal(w.output(mid, seq), w.output(survivors[0], seq))
+            assert_agree(w, survivors, list(range(len(KILL_OPS))))
         finally:
             w.close()

@@ -4,6 +4,8 @@ publishes small delta records that watchers and late joiners resolve on a real e
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
+from typing import Iterator
 
 import pytest
 from hypothesis import given, settings
@@ -99,12 +101,24 @@ def _put_node(store: Store, job: str, node: int, ranks: int, ttl: float = 5.0) -
     return lease
 
 
-def test_real_coordinator_publishes_deltas_and_late_readers_resolve_them(etcd_session, job_name):
+@contextmanager
+def _delta_coordinator(etcd_session, job: str, join_debounce: float) -> Iterator[tuple[Store, EpochWatcher]]:
+    """A store, an in-process coordinator publishing delta epochs from one member on, and
+    an epoch watcher; all three closed afterwards."""
     store = Store(etcd_session.endpoints)
-    coord = CoordinatorThread(etcd_session.endpoints, job_name, join_debounce=0.2, delta_min_members=1)
+    coord = CoordinatorThread(etcd_session.endpoints, job, join_debounce=join_debounce, delta_min_members=1)
+    watcher = EpochWatcher(store, job)
     try:
+        yield store, watcher
+    finally:
+        watcher.close()
+        coord.close()
+        store.close()
+
+
+def test_real_coordinator_publishes_deltas_and_late_readers_resolve_them(etcd_session, job_name):
+    with _delta_coordinator(etcd_session, job_name, 0.2) as (store, watcher):
         leases = {n: _put_node(store, job_name, n, 4) for n in range(5)}
-        watcher = EpochWatcher(store, job_name)
         first = watcher.wait_for(lambda e: len(e.members) == 20, 20)
         raw = store.get(keys.epoch(job_name)).value
         assert is_delta(raw) and parse_delta(raw).snapshot == first.number   # the first delta epoch is a snapshot
@@ -130,19 +144,12 @@ def test_real_coordinator_publishes_deltas_and_late_readers_resolve_them(etcd_se
         store.put(keys.snapshot_chunk(job_name, first.number, 0), b"\x78\x9cjunk")
         with pytest.raises(RecordError, match="digest"):
             load_snapshot(store, job_name, first.number)
-        watcher.close()
-    finally:
-        coord.close()
-        store.close()
 
 
 def test_snapshot_written_every_few_epochs_and_old_ones_deleted(etcd_session, job_name):
     from resilient.coordinator.delta import SNAPSHOT_EVERY
 
-    store = Store(etcd_session.endpoints)
-    coord = CoordinatorThread(etcd_session.endpoints, job_name, join_debounce=0.05, delta_min_members=1)
-    try:
-        watcher = EpochWatcher(store, job_name)
+    with _delta_coordinator(etcd_session, job_name, 0.05) as (store, watcher):
         for n in range(2 * SNAPSHOT_EVERY + 2):
             _put_node(store, job_name, n, 2)
             watcher.wait_for(lambda e, n=n: f"n{n}-r1" in e.members, 15)
@@ -150,10 +157,6 @@ def test_snapshot_written_every_few_epochs_and_old_ones_deleted(etcd_session, jo
         assert 1 <= len(metas) <= 2, metas              # the newest and the one before
         newest = watcher.current()
         assert read_epoch(store, job_name)[0].members == newest.members
-        watcher.close()
-    finally:
-        coord.close()
-        store.close()
 
 
 def test_directory_paged_load_sees_every_record_at_one_revision(etcd_session, job_name):

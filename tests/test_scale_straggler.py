@@ -93,37 +93,34 @@ def test_policy_verdicts_agree_on_the_view_and_the_full_epoch(steps: list[Step],
 
 
 def _reference_separate(ids: list[str], healthy: int, avoid: set[frozenset[str]]) -> list[str]:
-    """The planner's separation as it was before ring.separate: full recount per trial."""
+    """The planner's separation as it was before ring.separate, written as a plain search
+    with a full recount per trial: repeatedly take the first swap that lowers the number
+    of avoided edges — bad edges in ring order, for each the partners of its head nearest
+    first (after before before), within the head's segment (healthy or demoted) — until
+    none does (at most 2n swaps)."""
     n = len(ids)
 
     def bad_edges(order: list[int]) -> list[int]:
         return [i for i in range(n) if frozenset((ids[order[i]], ids[order[(i + 1) % n]])) in avoid]
 
+    def swaps(i: int) -> list[tuple[int, int]]:
+        j = (i + 1) % n
+        seg = range(0, healthy) if j < healthy else range(healthy, n)
+        return [(j, k) for d in range(1, n) for k in (j + d, j - d) if k in seg and k != i]
+
+    def swapped(order: list[int], j: int, k: int) -> list[int]:
+        out = list(order)
+        out[j], out[k] = out[k], out[j]
+        return out
+
     order = list(range(n))
-    bad = bad_edges(order)
     for _ in range(2 * n):
-        if not bad:
+        bad = bad_edges(order)
+        trials = (swapped(order, j, k) for i in bad for j, k in swaps(i))
+        better = next((t for t in trials if len(bad_edges(t)) < len(bad)), None)
+        if better is None:
             break
-        improved = False
-        for i in bad:
-            j = (i + 1) % n
-            lo, hi = (0, healthy) if j < healthy else (healthy, n)
-            for dist in range(1, n):
-                for k in (j + dist, j - dist):
-                    if not lo <= k < hi or k == i:
-                        continue
-                    trial = list(order)
-                    trial[j], trial[k] = trial[k], trial[j]
-                    tb = bad_edges(trial)
-                    if len(tb) < len(bad):
-                        order, bad, improved = trial, tb, True
-                        break
-                if improved:
-                    break
-            if improved:
-                break
-        if not improved:
-            break
+        order = better
     return [ids[x] for x in order]
 
 

@@ -1,6 +1,7 @@
 """``Communicator``: resumable collectives over an abortable transport (docs/design.md §3).
 
-The facade: the public API, the op loop with error translation, close. Its parts:
+The facade: the public API and the wiring of its parts: :mod:`.op_thread` (ops one at a
+time on a private thread), :mod:`.op_loop` (one op to completion, its errors translated),
 :mod:`.epochs` (which epoch an op runs in), :mod:`.ops` (one spec per collective: input
 checks, layout, result), :mod:`.algorithms.select` (which algorithm),
 :mod:`.recovery_path` (finishing an op after a failure), :mod:`.op_errors` /
@@ -40,29 +41,26 @@ Failure behaviour:
 from __future__ import annotations
 
 import logging
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
 
-from resilient.collectives.algorithms.base import OpContext
 from resilient.collectives.algorithms.leaf_deadline import drain
 from resilient.collectives.algorithms.select import Sizing
 from resilient.collectives.buffers import BufferPool
 from resilient.collectives.comm_settings import CommSettings
-from resilient.collectives.compressed import Compression, run_compressed
-from resilient.collectives.compression_switch import CompressionSwitch, run_auto
+from resilient.collectives.compression_switch import CompressionSwitch, compressed_body
 from resilient.collectives.epochs import EpochTracker
 from resilient.collectives.eviction import await_readmission
 from resilient.collectives.group import EpochLike, GroupView
 from resilient.collectives.ledger import Ledger
 from resilient.collectives.op_errors import OpErrors
+from resilient.collectives.op_loop import OpLoop
 from resilient.collectives.op_metrics import OpMetrics
+from resilient.collectives.op_thread import OpThread
 from resilient.collectives.ops import (
-    AllgatherOp, AllreduceOp, BroadcastOp, OpResult, OpSpec, ReduceScatterOp, as_tensor, describe, digest,
-    on_device, result_of,
+    AllgatherOp, AllreduceOp, BroadcastOp, OpResult, OpSpec, ReduceScatterOp, as_tensor, describe, on_device,
 )
 from resilient.collectives.p2p import PointToPoint
 from resilient.collectives.recovery import Policy
@@ -70,10 +68,7 @@ from resilient.collectives.recovery_path import RecoveryPath
 from resilient.collectives.recovery_report import RecoveryReport
 from resilient.transport.retrying import RetryingTransport
 from resilient.collectives.work import Work
-from resilient.errors import (
-    ClosedError, ConfigError, EpochChanged, OpMismatch, PeerReportedError, PeerUnreachable, TransportAborted,
-    TransportError,
-)
+from resilient.errors import ConfigError
 from resilient.kernels import ReduceOp
 from resilient.settings import Settings
 from resilient.transport.base import Transport
@@ -104,17 +99,18 @@ class Communicator:
                                                is_member=lambda peer: peer in self._epochs.epoch.members,
                                                is_alive=view.peer_alive, dead_wait_s=epoch_timeout)
         self._epochs = EpochTracker(view, transport, self._op_transport, epoch_timeout, metrics)
-        self._recovery = RecoveryPath(view, transport, self._op_transport, self._epochs, lambda: self.policy,
-                                      op_timeout, recovery_timeout, self._suspect)
+        self._recovery = RecoveryPath(view, transport, self._op_transport, self._epochs, op_timeout,
+                                      recovery_timeout, self._suspect)
         self._epochs.start(joining)
         self._errors = OpErrors(self.member_id, transport, self._op_transport, self._epochs.members)
         self._p2p = PointToPoint(self.member_id, transport, op_timeout, self._suspect)
         self._buffers = BufferPool()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"resilient-ops:{self.member_id}")
-        self._unsub = view.subscribe(self._epochs.on_epoch)
+        self._loop = OpLoop(self.member_id, self._op_transport, self._epochs, self._recovery, self._errors,
+                            self._buffers, self.metrics, op_timeout, self._suspect)
+        self._ops = OpThread(self.member_id, self.metrics, lambda: self.epoch.number)
+        self._epochs.watch()
         self.last_compression: dict[str, Any] | None = None  # scales/q of the last compressed op
         self.compression_switch: CompressionSwitch | None = None  # compression="auto" (compression_switch.py)
-        self._closed = False
 
     # -- public API ---------------------------------------------------------------------
 
@@ -125,17 +121,11 @@ class Communicator:
         :mod:`.compression_switch`): the exact quantized allreduce of ``docs/compression.md``."""
         t = as_tensor(tensor, "allreduce tensor")
         rop = ReduceOp.parse(op)
-        nbytes = t.numel() * t.element_size()
-        comp = Compression.parse(compression) if compression is not None else None
-        if comp is not None and t.device.type != "cpu":
-            raise ConfigError(f"compressed allreduce of a tensor on {t.device}: the codec runs on the CPU; "
-                              "pass compression=None (exact, host-staged) or a CPU tensor")
-        segs = comp.layout(t) if comp is not None else None
-        if comp is not None and segs is not None:
-            body = run_auto if comp.auto else run_compressed
-            return self._submit(lambda: body(self, t, rop, comp, segs, policy), async_op, "allreduce", nbytes)
-        desc = describe("allreduce", t, op=rop.value)
-        return self._submit(on_device(t, lambda: self.reduce_now(t, rop, desc, policy)), async_op, "allreduce", nbytes)
+        body = compressed_body(self, t, rop, compression, policy)
+        if body is None:
+            desc = describe("allreduce", t, op=rop.value)
+            body = on_device(t, lambda: self.reduce_now(t, rop, desc, policy))
+        return self._ops.submit(body, async_op, "allreduce", t.numel() * t.element_size())
 
     def reduce_scatter(self, output: Any, inputs: Sequence[Any], op: ReduceOp | str = ReduceOp.SUM,
                        async_op: bool = False, policy: Policy | str | None = None) -> Work:
@@ -143,7 +133,7 @@ class Communicator:
         ins = [as_tensor(x, f"reduce_scatter input {i}") for i, x in enumerate(inputs)]
         rop = ReduceOp.parse(op)
         desc = describe("reduce_scatter", out, op=rop.value, n=len(ins))
-        return self._submit(on_device(out, lambda: self._collective(desc, lambda: ReduceScatterOp(
+        return self._ops.submit(on_device(out, lambda: self._collective(desc, lambda: ReduceScatterOp(
             out, ins, rop, self.size, self.sizing, self._errors.require_group_of), policy)), async_op,
             "reduce_scatter", sum(x.numel() * x.element_size() for x in ins))
 
@@ -151,27 +141,27 @@ class Communicator:
         t = as_tensor(tensor, "allgather tensor")
         outs = [as_tensor(x, f"allgather output {i}") for i, x in enumerate(outputs)]
         desc = describe("allgather", t, n=len(outs))
-        return self._submit(on_device(t, lambda: self._collective(desc, lambda: AllgatherOp(
+        return self._ops.submit(on_device(t, lambda: self._collective(desc, lambda: AllgatherOp(
             outs, t, self.size, self.sizing, self._errors.require_group_of))), async_op,
             "allgather", t.numel() * t.element_size() * len(outs))
 
     def broadcast(self, tensor: Any, root: int = 0, async_op: bool = False) -> Work:
         t = as_tensor(tensor, "broadcast tensor")
         desc = describe("broadcast", t, root=int(root))
-        return self._submit(on_device(t, lambda: self._collective(desc, lambda: BroadcastOp(
+        return self._ops.submit(on_device(t, lambda: self._collective(desc, lambda: BroadcastOp(
             t, int(root), self.members, self.sizing))), async_op, "broadcast", t.numel() * t.element_size())
 
     def barrier(self, async_op: bool = False) -> Work:
         t = torch.zeros(1, dtype=torch.int32)
-        return self._submit(lambda: self.reduce_now(t, ReduceOp.SUM, {"k": "barrier"}, None), async_op, "barrier")
+        return self._ops.submit(lambda: self.reduce_now(t, ReduceOp.SUM, {"k": "barrier"}, None), async_op, "barrier")
 
     def send(self, tensor: Any, dst: int, tag: int = 0, async_op: bool = False) -> Work:
         t = as_tensor(tensor, "send tensor")
-        return self._submit(lambda: self._p2p_op(t, dst, tag, True), async_op)
+        return self._ops.submit(lambda: self._p2p_op(t, dst, tag, True), async_op)
 
     def recv(self, tensor: Any, src: int, tag: int = 0, async_op: bool = False) -> Work:
         t = as_tensor(tensor, "recv tensor")
-        return self._submit(lambda: self._p2p_op(t, src, tag, False), async_op)
+        return self._ops.submit(lambda: self._p2p_op(t, src, tag, False), async_op)
 
     @property
     def members(self) -> list[str]:
@@ -247,7 +237,7 @@ class Communicator:
         (a :class:`Work`; ``fn``'s exception fails it). The transport has one user at a
         time, this thread: this is how a caller outside this class drives it (the torch
         backend's point-to-point, ``resilient/torch_backend/p2p.py``)."""
-        return self._submit(fn, async_op)
+        return self._ops.submit(fn, async_op)
 
     def close(self, linger: float = 0.0, leave: bool = False) -> None:
         """Finish the queued ops, then make leaving safe for the peers.
@@ -262,27 +252,18 @@ class Communicator:
         recovery. Under the deadline straggler policy a parent first waits (at most
         ``op_timeout``) until its leaves finished the last op (they may lag by one:
         ``algorithms/leaf_deadline.drain``)."""
-        if self._closed:
+        if not self._ops.close():
             return
-        self._closed = True
-        self._pool.shutdown(wait=True)
         drain(self._op_transport, self.epoch.number, max(linger, self.op_timeout or 30.0))
-        try:
-            self._recovery.serve_retained(linger)
-        except (Exception, EpochChanged, TransportAborted) as exc:  # noqa: BLE001 - best effort on the way out
-            log.info("close: serving the retained result of op #%s failed: %s",
-                     self.retained.seq if self.retained else None, exc)
-        try:
-            self._unsub()
-        except Exception:  # noqa: BLE001
-            pass
+        self._recovery.serve_retained(linger, self.policy)
+        self._epochs.unwatch()
         if leave:
             try:
                 self.view.leave("closed")
             except Exception as exc:  # noqa: BLE001
                 log.info("close: leaving failed (the lease TTL removes this member): %s", exc)
 
-    # -- op bodies (op thread; reduce_now / run_op / take_buffer also serve compressed.py) ----
+    # -- op bodies (op thread; reduce_now / run_op / take_buffer also serve compressed.py) --
 
     def _collective(self, desc: dict[str, Any], make: Callable[[], ReduceScatterOp | AllgatherOp | BroadcastOp],
                     policy: Policy | str | None = None) -> OpResult:
@@ -299,84 +280,16 @@ class Communicator:
         """A pooled flat buffer for a ledger's output (released when the ledger is dropped)."""
         return self._buffers.take(numel, dtype)
 
-    result_of = staticmethod(result_of)
-
     def run_op(self, desc: dict[str, Any], spec: OpSpec, policy: Policy | str | None = None,
                seq: int | None = None, reserve: int = 1) -> Ledger:
-        """Run one op with recovery; returns its completed ledger. ``reserve`` > 1 takes
-        that many sequence numbers at once (a compound op: no epoch is adopted inside it);
-        the later ones run with ``seq`` given. ``policy``: this op's recovery policy."""
-        old = self.policy
-        if policy is not None:
-            self.policy = Policy.parse(policy)
-        try:
-            return self._run(desc, spec, seq, reserve)
-        finally:
-            self.policy = old
-
-    def _run(self, desc: dict[str, Any], spec: OpSpec, seq: int | None, reserve: int) -> Ledger:
-        seq, need_status = self._epochs.reserve(seq, reserve)
-        op, d = ReduceOp.parse(desc.get("op", "sum")), digest(desc)
-        while True:
-            members = self.members
-            L, algo = spec.layout(members, members.index(self.member_id), seq, d, self.epoch)
-            L.enabled = self.ledger_enabled
-            ctx = OpContext(self._op_transport, L, op, self.op_timeout, self._suspect, self.epoch.number)
-            try:
-                if need_status:
-                    need_status = False
-                    outcome = self._recovery.recover(ctx, awaiting=False)
-                else:
-                    try:
-                        algo.run(ctx)
-                        outcome = "done"
-                    except (OpMismatch, PeerReportedError) as exc:
-                        self._errors.mismatch(seq, desc, exc)
-                    except (TransportError, TransportAborted) as exc:   # an abort is a cancellation signal
-                        ctx.settle()
-                        log.info("op #%d interrupted: %s", seq, exc)
-                        outcome = self._recovery.recover(ctx, awaiting=True)
-            except (OpMismatch, PeerReportedError) as exc:
-                self._errors.mismatch(seq, desc, exc)
-            except PeerUnreachable as exc:
-                self._errors.unreachable(seq, exc.peer, str(exc))
-                raise
-            if outcome == "done":
-                break
-        L.done = True
-        if L.need is None:
-            L.need = [L.full] * len(L.pieces)
-        # reduce_scatter's kept input is a private concatenation, still valid: a member that
-        # finished the op can still add its input to the others' chunks and stays a
-        # contributor. allreduce's may be the caller's tensor (now the result) or a pooled
-        # buffer released below: no input.
-        L.has_input = L.kind == "reduce_scatter"
-        prev, self._recovery.retained = self._recovery.retained, L
-        if prev is not None:
-            self._buffers.release(prev.out)  # nobody can need the op before the retained one
-        self._buffers.release(L.inp)  # retained ledgers have no input (has_input=False)
-        rep = self.last_recovery
-        if rep is not None and rep.seq == L.seq:
-            self.metrics.op_resumed(rep, L, self.size)
-        return L
+        """Run one op with recovery (:class:`.op_loop.OpLoop`); returns its completed
+        ledger. ``reserve`` > 1 takes that many sequence numbers at once (a compound op: no
+        epoch is adopted inside it); the later ones run with ``seq`` given. ``policy``:
+        this op's recovery policy (default: the communicator's)."""
+        op_policy = self.policy if policy is None else Policy.parse(policy)
+        return self._loop.run(desc, spec, op_policy, self.ledger_enabled, seq, reserve)
 
     # -- plumbing -----------------------------------------------------------------------
-
-    def _submit(self, fn: Callable[[], Any], async_op: bool, kind: str = "", nbytes: int = 0) -> Work:
-        if self._closed:
-            raise ClosedError("the communicator is closed: build a new Communicator (or resilient.connect())")
-        body = fn
-        if kind:
-            def body() -> Any:
-                t0 = time.monotonic()
-                res = fn()
-                self.metrics.op_finished(kind, time.monotonic() - t0, nbytes, self.epoch.number)
-                return res
-        fut: Future[Any] = self._pool.submit(body)
-        work = Work(fut)
-        if not async_op:
-            fut.result()
-        return work
 
     def _suspect(self, peer: str, reason: str) -> None:
         try:

@@ -36,6 +36,7 @@ from resilient.collectives.algorithms.leaf import LeafPath
 from resilient.collectives.group import EpochLike
 from resilient.collectives.algorithms.quantized_ring import QuantizedRing
 from resilient.collectives.ledger import Ledger, split
+from resilient.collectives.ops import result_of
 from resilient.collectives.quantization import (
     BITS, FINE, Segment, bucket_maxima, check_segments, clean_maxima, dequantize, quantize, scales,
 )
@@ -220,7 +221,7 @@ def run_compressed(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Comp
     info = {"seq": L.seq, "scales": sc, "q": q, "scale_contributors": tuple(res_s.contributors),
             "members_bound": n_bound, "segments": segs, "bucket": bucket}
     comm.last_compression = info
-    r = comm.result_of(L)
+    r = result_of(L)
     return CompressedResult(r.contributors, r.piece_contributors, r.recovered, info)
 
 

@@ -16,6 +16,9 @@ The chosen arm is logged when it changes and counted in
 One call takes three sequence numbers, reserved together: vote, then either the scale
 agreement + integer ring, or the plain fp32 allreduce (the third number stays unused).
 
+:func:`compressed_body` is where ``Communicator.allreduce(..., compression=...)`` turns its
+argument into an op body: this switch, the fixed codec of :mod:`.compressed`, or none.
+
 Failure behaviour: the vote is an ordinary collective (recovered like any); a member that
 dies in it leaves the survivors' agreed decision intact. Measurement never raises.
 """
@@ -23,12 +26,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from resilient.collectives.compressed import Compression, run_compressed
+from resilient.collectives.recovery import Policy
 from resilient.collectives.quantization import Segment, bucket_maxima, dequantize, pack, quantize, scales, unpack, wire_bits
+from resilient.errors import ConfigError
 from resilient.kernels import ReduceOp
 
 if TYPE_CHECKING:
@@ -168,3 +173,22 @@ def run_auto(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Compressio
         res = run_compressed(comm, t, op, comp, segs, policy, seqs=(k + 1, k + 2))
     sw.observe(choice, nbytes, n, comm.transport.stats.bytes_sent - sent0, time.monotonic() - t0)
     return res
+
+
+def compressed_body(comm: Communicator, t: torch.Tensor, op: ReduceOp, compression: Any,
+                    policy: Policy | str | None) -> Callable[[], Any] | None:
+    """The op body of ``comm.allreduce(t, op, compression=compression)``: the fixed codec
+    (:func:`.compressed.run_compressed`) or this switch (:func:`run_auto`); None when the
+    call runs exact (no compression, or a layout that leaves ``t`` uncompressed). A bad
+    ``compression`` or a tensor not on the CPU raises ConfigError (before any communication)."""
+    comp = Compression.parse(compression)
+    if comp is None:
+        return None
+    if t.device.type != "cpu":
+        raise ConfigError(f"compressed allreduce of a tensor on {t.device}: the codec runs on the CPU; "
+                          "pass compression=None (exact, host-staged) or a CPU tensor")
+    segs = comp.layout(t)
+    if segs is None:
+        return None
+    body = run_auto if comp.auto else run_compressed
+    return lambda: body(comm, t, op, comp, segs, policy)

@@ -75,6 +75,7 @@ class EpochTracker:
         self.aborted_at: float | None = None  # wall time the watch thread last aborted the transport
         self.switch: tuple[int, EpochLike] | None = None  # (op seq, epoch) at which to adopt a growing epoch
         self.seq = 0
+        self._unwatch: Callable[[], None] = lambda: None
         epoch = view.current()
         if epoch is None or self.member_id not in epoch.members:
             epoch = view.wait_for(lambda e: self.member_id in e.members, epoch_timeout)
@@ -98,6 +99,17 @@ class EpochTracker:
         else:
             self.announce(epoch.number)
         self.set_metrics()
+
+    def watch(self) -> None:
+        """From now on, :meth:`on_epoch` sees every epoch the view publishes."""
+        self._unwatch = self.view.subscribe(self.on_epoch)
+
+    def unwatch(self) -> None:
+        """Stop :meth:`watch`; never raises (best effort on the way out)."""
+        try:
+            self._unwatch()
+        except Exception:  # noqa: BLE001
+            pass
 
     # -- membership -------------------------------------------------------------------
 

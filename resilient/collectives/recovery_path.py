@@ -53,10 +53,10 @@ class _Round:
 
 class RecoveryPath:
     def __init__(self, view: GroupView, transport: Transport, op_transport: RetryingTransport,
-                 epochs: EpochTracker, policy: Callable[[], Policy], op_timeout: float | None,
-                 recovery_timeout: float, on_suspect: Callable[[str, str], None]) -> None:
+                 epochs: EpochTracker, op_timeout: float | None, recovery_timeout: float,
+                 on_suspect: Callable[[str, str], None]) -> None:
         self.view, self.transport, self.op_transport, self.epochs = view, transport, op_transport, epochs
-        self.policy, self.op_timeout, self.recovery_timeout = policy, op_timeout, recovery_timeout
+        self.op_timeout, self.recovery_timeout = op_timeout, recovery_timeout
         self.on_suspect = on_suspect
         self.member_id = view.member_id
         self.status_epoch = epochs.epoch.number   # the newest epoch whose status exchange this member finished
@@ -86,14 +86,16 @@ class RecoveryPath:
         return _Round(e, survivors, xchg, statuses, min(inflight) if inflight else None, wall_epoch,
                       time.monotonic())
 
-    def _finish(self, ledger: Ledger, r: _Round, op: ReduceOp) -> dict[str, float]:
+    def _finish(self, ledger: Ledger, r: _Round, op: ReduceOp, policy: Policy) -> dict[str, float]:
         ctx = OpContext(self.op_transport, ledger, op, self.op_timeout, self.on_suspect, r.epoch.number)
-        return execute_plan(ctx, build_plan(ledger, r.survivors, r.statuses, self.policy()))
+        return execute_plan(ctx, build_plan(ledger, r.survivors, r.statuses, policy))
 
     # -- the op this member is in -----------------------------------------------------------
 
-    def recover(self, ctx: OpContext, awaiting: bool) -> Outcome:
-        """Finish (``"done"``) or ask to rerun (``"rerun"``) ``ctx``'s op; see :mod:`.resume`."""
+    def recover(self, ctx: OpContext, awaiting: bool, policy: Policy) -> Outcome:
+        """Finish (``"done"``) or ask to rerun (``"rerun"``) ``ctx``'s op under the op's
+        ``policy``; see :mod:`.resume`. ``awaiting``: the op failed, so wait for an epoch
+        newer than the current one (else start from the newest published)."""
         L = ctx.ledger
         t0 = time.monotonic()
         wall0 = time.time()
@@ -120,7 +122,7 @@ class RecoveryPath:
                 if L.seq > k:
                     R = self.retained
                     if R is not None and R.seq == k:
-                        self._finish(R, r, ctx.op)
+                        self._finish(R, r, ctx.op, policy)
                     r.xchg.wait_published()
                     return "rerun"
                 progress = any(
@@ -129,7 +131,7 @@ class RecoveryPath:
                 if not progress:
                     r.xchg.wait_published()
                     return "rerun"
-                plan = build_plan(L, r.survivors, r.statuses, self.policy())
+                plan = build_plan(L, r.survivors, r.statuses, policy)
                 t_plan = time.monotonic()
                 exec_stats = execute_plan(ctx, plan)
             except (OpMismatch, PeerReportedError):
@@ -155,11 +157,19 @@ class RecoveryPath:
 
     # -- the retained result, on the way out --------------------------------------------------
 
-    def serve_retained(self, linger: float) -> None:
-        """Join a recovery of our last op from its retained result (``Communicator.close``)."""
+    def serve_retained(self, linger: float, policy: Policy) -> None:
+        """Join a recovery of our last op from its retained result (``Communicator.close``;
+        ``policy``: the communicator's default). Best effort: never raises, a failure is
+        logged (the peers then recover without this member)."""
         R = self.retained
         if R is None:
             return
+        try:
+            self._serve(R, linger, policy)
+        except (Exception, EpochChanged, TransportAborted) as exc:  # noqa: BLE001 - best effort on the way out
+            log.info("close: serving the retained result of op #%s failed: %s", R.seq, exc)
+
+    def _serve(self, R: Ledger, linger: float, policy: Policy) -> None:
         end = time.monotonic() + linger
         while True:
             e = self.view.current()
@@ -179,5 +189,5 @@ class RecoveryPath:
             if r is None:
                 continue
             if r.lowest == R.seq:
-                self._finish(R, r, ReduceOp.SUM)
+                self._finish(R, r, ReduceOp.SUM, policy)
             return
