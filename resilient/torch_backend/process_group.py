@@ -40,7 +40,7 @@ from resilient.errors import UnsupportedOperation as UnsupportedOperation  # re-
 from resilient.torch_backend import composed
 from resilient.torch_backend.dtypes import Packed, for_reduce
 from resilient.torch_backend.composed import Then
-from resilient.torch_backend.engine import Engine, Handle
+from resilient.torch_backend.engine import ElasticEngine, Handle
 from resilient.torch_backend.work import ResilientWork, batch_work
 
 BACKEND_NAME = "resilient"
@@ -106,9 +106,11 @@ def _chunks(flat_owner: torch.Tensor, n: int, shape: torch.Size) -> list[torch.T
 class ResilientProcessGroup(dist.ProcessGroup):
     """See the module docstring."""
 
-    def __init__(self, engine: Engine, rank: int, size: int) -> None:
+    def __init__(self, engine: ElasticEngine, rank: int, size: int) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # torch binds (rank, size) too
         self.engine = engine
+        #: the name torch gives the group once created (:meth:`_set_group_name`)
+        self._group_name: str | None = None
         #: the Works issued since ``_start_coalescing`` (None: not coalescing)
         self._coalesced: list[ResilientWork] | None = None
 
@@ -147,7 +149,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         return BACKEND_NAME
 
     def _set_group_name(self, name: GroupName) -> None:  # torch names every group after creating it
-        self._group_name: str = name
+        self._group_name = name
         try:
             super()._set_group_name(name)
         except RuntimeError:  # no C++ backend registered under a Python process group
@@ -155,8 +157,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
 
     @property
     def group_name(self) -> str:  # type: ignore[override]  # torch: overloads
-        name = getattr(self, "_group_name", None)
-        return name if name is not None else super().group_name
+        return self._group_name if self._group_name is not None else super().group_name
 
     def rank(self) -> int:
         return self.engine.world().rank
