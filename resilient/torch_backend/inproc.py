@@ -24,6 +24,7 @@ from resilient.live_world import World
 
 if TYPE_CHECKING:  # pragma: no cover
     from resilient.torch_backend.communicator_engine import Comm
+    from resilient.torch_backend.engine import ElasticEngine
 
 
 #: one op's shared record: kind, inputs / handles by member, ring order, result
@@ -271,3 +272,7 @@ class InProcEngine:
 
     def close(self) -> None:
         return None
+
+
+if TYPE_CHECKING:  # pragma: no cover - the type checker proves it is what a process group takes
+    _IS_AN_ELASTIC_ENGINE: type[ElasticEngine] = InProcEngine
