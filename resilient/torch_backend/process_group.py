@@ -46,8 +46,10 @@ from resilient.torch_backend.work import ResilientWork, batch_work
 BACKEND_NAME = "resilient"
 
 
-_OPS = {"SUM": "sum", "AVG": "avg", "MIN": "min", "MAX": "max", "PRODUCT": "prod",
-        "BAND": "band", "BOR": "bor", "BXOR": "bxor"}
+#: torch's reduce ops and the names the engine takes
+_OPS = ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.AVG, "avg"), (dist.ReduceOp.MIN, "min"),
+        (dist.ReduceOp.MAX, "max"), (dist.ReduceOp.PRODUCT, "prod"), (dist.ReduceOp.BAND, "band"),
+        (dist.ReduceOp.BOR, "bor"), (dist.ReduceOp.BXOR, "bxor"))
 
 
 _ReduceOpts = dist.AllreduceOptions | dist.ReduceOptions | dist.ReduceScatterOptions
@@ -55,8 +57,8 @@ _RootOpts = dist.BroadcastOptions | dist.ReduceOptions | dist.GatherOptions | di
 
 
 def _reduce_op_name(op: object, where: str) -> str:
-    for name, v in _OPS.items():
-        if op == getattr(dist.ReduceOp, name):
+    for torch_op, v in _OPS:
+        if op == torch_op:
             return v
     raise UnsupportedOperation(f"{where} with reduce op {op}",
                                "use ReduceOp.SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR or BXOR")
