@@ -70,9 +70,8 @@ class NodeRecord:
 
 def paged_snapshot(store: Store, prefix: str, page: int = PAGE, revision: int = 0) -> tuple[list[KV], int]:
     """Every key under ``prefix`` at one revision (``revision``, or 0: now), read ``page``
-    keys per request. Falls back to one request on a store without ``snapshot_page``."""
-    if not hasattr(store, "snapshot_page"):
-        return store.snapshot(prefix)
+    keys per request (:meth:`Store.snapshot_page`). Failure behaviour: the store's errors
+    propagate (:class:`~resilient.errors.StoreError`)."""
     out: list[KV] = []
     start, rev = prefix, revision
     while True:

@@ -26,7 +26,7 @@ then falls back to uniform shards.
 from __future__ import annotations
 
 import math
-from typing import Any, Collection, Iterable, Mapping, Sequence
+from typing import Any, Collection, Iterable, Mapping, Protocol, Sequence
 
 from resilient.coordinator.host_slots import slot_weights
 
@@ -42,18 +42,28 @@ def _speed(v: Any) -> float | None:
     return x if math.isfinite(x) and x > 0 else None
 
 
-def declared_speeds(members: Iterable[Any]) -> dict[str, float]:
+class Labelled(Protocol):
+    """What the speed functions read of a member (:class:`~.membership.MemberInfo` has it)."""
+
+    @property
+    def member_id(self) -> str: ...
+
+    @property
+    def labels(self) -> Mapping[str, object]: ...
+
+
+def declared_speeds(members: Iterable[Labelled]) -> dict[str, float]:
     """``{member_id: bytes/s}`` from each member's ``labels["link_bps"]`` (valid ones)."""
     out: dict[str, float] = {}
     for m in members:
-        labels = getattr(m, "labels", None) or {}
+        labels = m.labels
         s = _speed(labels.get(LINK_LABEL)) if isinstance(labels, Mapping) else None
         if s is not None:
             out[m.member_id] = s
     return out
 
 
-def member_speeds(members: Iterable[Any], measured: Mapping[str, float] | None = None) -> dict[str, float]:
+def member_speeds(members: Iterable[Labelled], measured: Mapping[str, float] | None = None) -> dict[str, float]:
     """Declared speeds (:func:`declared_speeds`) overridden by the valid ``measured`` ones."""
     out = declared_speeds(members)
     for m, v in (measured or {}).items():

@@ -58,12 +58,16 @@ import inspect
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, cast, runtime_checkable
+from typing import Any, Callable, cast
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket  # what DDP passes a comm hook (dist.GradBucket)
 from torch._C._distributed_c10d import Reducer
+
+from resilient.collectives.work import OpOutcome, Work
+from resilient.torch_backend import engine_of
+from resilient.torch_backend.work import ResilientWork
 
 
 class ContributorTracker:
@@ -96,15 +100,6 @@ class ContributorTracker:
             return out
 
 
-@runtime_checkable
-class _Contributed(Protocol):
-    """A Work that names its op's contributors (the resilient backend's; other backends'
-    Works do not, and their hooks fall back to DDP's mean over the group size)."""
-
-    @property
-    def contributors(self) -> tuple[str, ...]: ...
-
-
 #: the tracker the hook uses when registered with ``state=None``
 tracker = ContributorTracker()
 
@@ -126,7 +121,7 @@ def ddp_comm_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.
 
     def divide(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         out: torch.Tensor = fut.value()[0]
-        if isinstance(work, _Contributed):
+        if isinstance(work, ResilientWork):  # other backends' Works name no contributors
             members = tuple(work.contributors)
             n = len(members)
         else:  # another backend: no contributor set; DDP's default mean
@@ -205,13 +200,16 @@ class ErrorFeedback:
         return tuple((x[0], x[1], x[2]) for x in segs)
 
     def update(self, key: str, x: torch.Tensor, own: torch.Tensor | None, agg: torch.Tensor,
-               contributed: bool, res: Any) -> None:
+               contributed: bool, res: OpOutcome | None) -> None:
         """After a bucket: residual ``x - s*q_own`` (``x`` if left out: delayed, not lost),
-        and in adaptive mode the next step's bits from the aggregate and the scales."""
+        and in adaptive mode the next step's bits from the aggregate and the scales (of
+        ``res``, the op's result, when it is a compressed one)."""
+        from resilient.collectives.compressed import CompressedResult
+
         e = (x - own) if contributed and own is not None else (torch.zeros_like(x) if contributed else x)
         with self._lock:
             self.residuals[key] = e
-        info = getattr(res, "compression", None)
+        info = res.compression if isinstance(res, CompressedResult) else None
         if self.adaptive and info is not None:
             # noise of one member's quantization relative to the aggregate: sum over buckets
             # of n_b * s_b^2 / 12 against |agg|^2 (both identical on every member)
@@ -240,15 +238,16 @@ def compression_hook(state: ErrorFeedback, bucket: GradBucket) -> torch.futures.
     ``make_elastic(ddp, ef, hook=compression_hook)``). Failure behaviour: as
     :func:`ddp_comm_hook` (the bucket's future carries the op's error); ConfigError on a
     group that is not resilient's."""
+    from resilient.collectives.compressed import CompressedResult
     from resilient.errors import ConfigError
 
     pg = state.group if state.group is not None else dist.distributed_c10d._get_default_group()  # noqa: SLF001
-    engine = getattr(pg, "engine", None)
-    comm = getattr(engine, "comm", None)
-    if comm is None:
+    engine = engine_of(pg)
+    comm = engine.comm if engine is not None else None
+    if engine is None or comm is None:
         raise ConfigError("compression_hook needs a process group of the 'resilient' backend "
                           "(dist.init_process_group('resilient')); use torch's hooks on other backends")
-    state.member_id = getattr(engine, "member_id", None) or state.member_id
+    state.member_id = engine.member_id or state.member_id
     buf = bucket.buffer()
     key = str(bucket.index())
     e = state.residual(key, buf)
@@ -262,12 +261,14 @@ def compression_hook(state: ErrorFeedback, bucket: GradBucket) -> torch.futures.
     work = comm.allreduce(inp, op="avg", async_op=True, compression=compression)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
-    def done(w: Any) -> None:
+    def done(w: Work) -> None:
         try:
             res = w.result()
             members = tuple(res.contributors)
             contributed = state.member_id in members
-            own = res.dequantized_input() if hasattr(res, "dequantized_input") else None
+            # the automatic switch may have run the op uncompressed: a plain result
+            compressed = res if isinstance(res, CompressedResult) else None
+            own = compressed.dequantized_input() if compressed is not None else None
             if own is None and contributed:
                 own = x  # uncompressed: nothing is held back
             state.update(key, x, own, inp, contributed, res)
@@ -338,7 +339,7 @@ def weighted_ddp_comm_hook(state: SampleCount, bucket: GradBucket) -> torch.futu
 
     def divide(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         out: torch.Tensor = fut.value()[0]
-        members = tuple(work.contributors) if isinstance(work, _Contributed) else ()
+        members = tuple(work.contributors) if isinstance(work, ResilientWork) else ()
         state.tracker.add(members)
         total = float(out[-1].item())
         state.last_total = total
@@ -361,21 +362,35 @@ class _NoRebuildReducer:
     """Proxy of DDP's C++ reducer whose ``_rebuild_buckets`` does nothing: the rebuild
     after DDP's first iteration broadcasts bucket indices, a collective that only a
     member in its first iteration issues — a joiner would then be out of step with the
-    others. Every other attribute is the reducer's."""
+    others. Every other attribute is the reducer's.
 
-    def __init__(self, reducer: Any) -> None:
+    Why a ``__getattr__`` proxy (the one delegation in the package, around torch's
+    object, not ours): the reducer is a pybind11 ``torch._C._distributed_c10d.Reducer``
+    that DDP builds inside its constructor. Its methods are read-only on the instance
+    (``reducer._rebuild_buckets = ...`` raises AttributeError) and ``__class__`` cannot
+    be set to a Python subclass (the deallocators differ), so overriding one method of
+    the existing object is only possible by standing in front of it. An explicit list of
+    forwarded methods would be a second copy of torch's private surface: torch 2.13's
+    ``nn/parallel/distributed.py`` alone uses 21 reducer methods (``prepare_for_forward``,
+    ``prepare_for_backward``, ``_set_forward_pass_work_handle``, ``_push_all_rebuilt_params``,
+    ``_set_static_graph``, ``_delay_all_reduce``, ``_run_comm_hook``, ...), and torch's
+    comm hooks and pipelining reach ``ddp.reducer`` too (``mixed_precision_hooks``,
+    ``optimizer_overlap_hooks``, ``pipelining/stage.py``); a method missing from such a
+    list would break those paths on the next torch release."""
+
+    def __init__(self, reducer: Reducer) -> None:
         object.__setattr__(self, "_reducer", reducer)
 
     def _rebuild_buckets(self) -> bool:
         return False
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # see the class docstring for why
         return getattr(self._reducer, name)
 
 
 def _no_rebuild(reducer: Reducer) -> Reducer:
     """``reducer`` behind :class:`_NoRebuildReducer`, typed as what it stands in for (DDP
-    only calls the reducer's methods; the C++ class cannot be subclassed from Python)."""
+    only calls the reducer's methods; the C++ object cannot be changed or re-classed)."""
     return cast(Reducer, _NoRebuildReducer(reducer))
 
 
@@ -413,13 +428,6 @@ def _auto_of(ddp: torch.nn.Module) -> _Auto | None:
     return _autos.get(ddp)
 
 
-def _is_resilient(pg: Any) -> bool:
-    try:
-        return pg is not None and pg.getBackendName() == "resilient" and hasattr(pg, "engine")
-    except Exception:  # noqa: BLE001 - another backend's object
-        return False
-
-
 def _group_of(bound: inspect.BoundArguments) -> Any:
     pg = bound.arguments.get("process_group")
     if pg is None and dist.is_initialized():
@@ -452,9 +460,9 @@ def install_auto_hook() -> None:
         @functools.wraps(original_init)
         def __init__(self: DDP, *args: Any, **kwargs: Any) -> None:
             bound = sig.bind(self, *args, **kwargs)
-            pg = _group_of(bound)
-            resilient = _is_resilient(pg)
-            if resilient and not getattr(pg.engine, "admitted", True):
+            engine = engine_of(_group_of(bound))
+            resilient = engine is not None
+            if engine is not None and not engine.admitted:
                 # a joiner before admission: the survivors never run DDP's constructor
                 # collectives with it (its state comes from a healthy member, or it leaves)
                 bound.arguments["init_sync"] = False

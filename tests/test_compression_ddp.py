@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -104,3 +105,12 @@ def test_adaptive_bits_follow_the_aggregate_and_scales():
     fine = CompressedResult(("m0",), compression={"scales": torch.tensor([1e-3, 1e-3]), "segments": segs, "bucket": 4})
     ef.update("0", agg, agg, agg, True, fine)        # tiny noise -> back to the configured 4 bits
     assert ef.bits_for("0") == 4
+
+
+def test_compression_hook_refuses_a_group_without_a_communicator():
+    from resilient.errors import ConfigError
+    from resilient.torch_backend.inproc import InProcWorld
+
+    pg = ResilientProcessGroup(InProcWorld(["m0"]).engine("m0"), 0, 1)  # resilient group, no Communicator
+    with pytest.raises(ConfigError, match="'resilient' backend"):
+        compression_hook(ErrorFeedback(group=pg), None)  # refused before the bucket is read

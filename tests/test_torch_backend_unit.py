@@ -272,3 +272,37 @@ def test_composed_ops_over_threads():
         assert sc.tolist() == [10 * i] * 2
         assert a2a.tolist() == [float(10 * j + i) for j in range(3) for _ in range(j + i + 1)]
         assert co[0].tolist() == [3.0] * 3 and co[1].tolist() == [3, 3]
+
+
+def test_engine_of_reaches_a_resilient_groups_engine_and_only_that():
+    from resilient.torch_backend import engine_of
+
+    eng = InProcWorld(["m0"]).engine("m0")
+    pg = ResilientProcessGroup(eng, 0, 1)
+    assert engine_of(pg) is eng
+    assert engine_of(None) is None and engine_of(object()) is None
+    assert engine_of(dist.ProcessGroup(0, 1)) is None  # a plain (C++) group of another backend
+    with pytest.raises(RuntimeError, match="name not set"):  # torch's own answer before it names the group
+        pg.group_name
+    pg._set_group_name("g7")
+    assert pg.group_name == "g7"
+
+
+def test_in_process_engine_admits_joiners_itself_and_the_op_log_forwards_the_elastic_calls(tmp_path):
+    from resilient.torch_backend.op_log import OpLogEngine
+
+    eng = InProcWorld(["m0"]).engine("m0")
+    assert (eng.admits_by_rebuild, eng.admitted, eng.comm, eng.pending_joiners(), eng.job_done()) == \
+        (False, True, None, False, False)
+    eng.mark_done()  # nothing to record: its world takes no late joiners
+    for call in (lambda e: e.rebuild(1), lambda e: e.announce_ready(), lambda e: e.wait_admitted()):
+        with pytest.raises(UnsupportedOperation, match="in-process engine"):
+            call(eng)
+    logged = OpLogEngine(eng, str(tmp_path / "ops.jsonl"))
+    try:
+        assert (logged.member_id, logged.admits_by_rebuild, logged.admitted, logged.comm) == ("m0", False, True, None)
+        assert (logged.pending_joiners(), logged.job_done()) == (False, False)
+        with pytest.raises(UnsupportedOperation, match="rebuild"):
+            logged.rebuild(1)
+    finally:
+        logged.close()

@@ -64,7 +64,8 @@ DEFAULT_LEAF_DEADLINE_MS = 10.0
 
 
 def health_policy_from_args(args: argparse.Namespace) -> HealthPolicy:
-    """``--straggler-policy``: ``demote`` -> a :class:`StragglerPolicy` with the default
+    """The health policy of ``args`` (parsed by a parser :func:`add_arguments` set up).
+    ``--straggler-policy``: ``demote`` -> a :class:`StragglerPolicy` with the default
     :class:`StragglerConfig` (sustained >= 10 % shift for 3 windows to suspect, 5 clear
     windows to promote back); ``off`` -> :func:`no_demotion`.
 
@@ -91,12 +92,13 @@ def health_policy_from_args(args: argparse.Namespace) -> HealthPolicy:
     from resilient.coordinator.straggler import StragglerConfig
     from resilient.errors import ConfigError
 
-    policy = getattr(args, "straggler_policy", "demote")
-    deadline_ms = getattr(args, "leaf_deadline_ms", None)
+    # every flag is defined by add_arguments (defaults included): read them as typed values
+    policy: str = args.straggler_policy
+    deadline_ms: float | None = args.leaf_deadline_ms
     if deadline_ms is not None and policy != "deadline":
         raise ConfigError(f"--leaf-deadline-ms only applies to --straggler-policy deadline (got {policy}); "
                           "add --straggler-policy deadline or drop --leaf-deadline-ms")
-    hold_s = getattr(args, "evict_hold_s", None)
+    hold_s: float | None = args.evict_hold_s
     if hold_s is not None and policy != "evict":
         raise ConfigError(f"--evict-hold-s only applies to --straggler-policy evict (got {policy}); "
                           "add --straggler-policy evict or drop --evict-hold-s")

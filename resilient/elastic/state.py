@@ -53,7 +53,7 @@ so its state equals the survivors' at admission exactly when it is first used; t
 survivors wait for it only inside their next gradient allreduce, for as long as the
 first part took longer than their step's compute. If a joiner
 cannot open an IPv4 receiver, everyone falls back to the broadcast transfer. On the
-in-process test engine (no ``rebuild``) a joiner takes part in the exchange and gets
+in-process test engine (``admits_by_rebuild`` False) a joiner takes part in the exchange and gets
 the broadcast.
 
 Failure behaviour: a member dying during ``sync()`` is absorbed by the collectives; if the
@@ -80,7 +80,9 @@ from resilient.elastic.catchup import PendingOptimizerState
 from resilient.elastic.stream import NextPart, Snapshot, StateReceiver, endpoint_words, serve
 from resilient.errors import CollectiveError, ConfigError, DataLost, ResilientError, TrainingFinished
 from resilient.settings import Settings
+from resilient.torch_backend import engine_of
 from resilient.torch_backend.codec import decode, encode
+from resilient.torch_backend.engine import ElasticEngine
 from resilient.live_world import World
 
 _BIG = 1 << 62
@@ -89,7 +91,7 @@ _BIG = 1 << 62
 def _live_world(group: Any = None) -> World | None:
     from resilient.live_world import world
 
-    engine = getattr(group, "engine", None)
+    engine = engine_of(group)
     if engine is not None:
         live: World = engine.world()
         return live
@@ -279,7 +281,7 @@ class State:
         :class:`TrainingFinished` from :meth:`sync` instead of waiting or failing). Call it
         on every member after the last step. Failure: StoreError if etcd is unreachable."""
         engine = self._engine()
-        if hasattr(engine, "mark_done"):
+        if engine is not None:
             engine.mark_done()
 
     # -- membership ---------------------------------------------------------------------
@@ -304,13 +306,14 @@ class State:
         opts.rootTensor = 0
         self._pg().broadcast([t], opts).wait()
 
-    def _engine(self) -> Any:
-        return getattr(self._pg(), "engine", None)
+    def _engine(self) -> ElasticEngine | None:
+        """The resilient group's engine (None on another backend: a static group)."""
+        return engine_of(self._pg())
 
     def _exchange(self, world: World) -> tuple[int, bool, int, bool]:
         needs = self._fresh or self.joiner
         engine = self._engine()
-        pending = bool(getattr(engine, "pending_joiners", lambda: False)())
+        pending = engine is not None and engine.pending_joiners()
         flags = torch.tensor([world.epoch, int(needs), self._commits, int(pending)], dtype=torch.int64)
         self._allreduce(flags, dist.ReduceOp.MAX)
         return int(flags[0]), bool(flags[1]), int(flags[2]), bool(flags[3])
@@ -340,7 +343,7 @@ class State:
 
     def _no_source(self) -> ResilientError:
         engine = self._engine()
-        if getattr(engine, "job_done", lambda: False)():
+        if engine is not None and engine.job_done():
             return TrainingFinished("the other members finished training before this joiner could sync; "
                                     "nothing is left to do")
         return ConfigError("State.sync(): every live member is a joiner with no state; restart the job "
@@ -503,7 +506,8 @@ class State:
         """The step-boundary agreement (see the module docstring). Collective: every live
         member must call it at the same point."""
         engine = self._engine()
-        rebuilds = hasattr(engine, "rebuild")
+        # the engine that admits joiners by rebuilding (None: a joiner takes part in the exchange)
+        rebuilder = engine if engine is not None and engine.admits_by_rebuild else None
         t0 = time.monotonic()
         timing: dict[str, float] = {}
         for attempt in (0, 1):
@@ -512,21 +516,20 @@ class State:
                 raise ConfigError("State.sync() needs torch.distributed initialised: call "
                                   "dist.init_process_group('resilient') first")
             try:
-                if self.joiner and rebuilds:
+                if self.joiner and rebuilder is not None:
                     # a joiner's communicator is fresh (op 0 over the epoch that admitted it);
                     # the others rebuild theirs at their next sync() and meet it here
                     epoch, needed = world.epoch, True
-                    if hasattr(engine, "announce_ready"):
-                        engine.announce_ready()
-                        engine.wait_admitted()
+                    rebuilder.announce_ready()
+                    rebuilder.wait_admitted()
                     timing["admitted_s"] = time.monotonic() - t0
                     self._admit(0, timing, t0)
                     timing["transfer_s"] = time.monotonic() - t0
                     break
                 epoch, needed, max_commits, pending = self._exchange(world)
                 timing["exchange_s"] = time.monotonic() - t0
-                if pending and rebuilds:
-                    engine.rebuild(epoch)
+                if pending and rebuilder is not None:
+                    rebuilder.rebuild(epoch)
                     timing["rebuild_s"] = time.monotonic() - t0
                     self._admit(max_commits, timing, t0)
                     timing["transfer_s"] = time.monotonic() - t0

@@ -29,13 +29,16 @@ import sys
 import threading
 from datetime import timedelta
 import types
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    from resilient.torch_backend.engine import ElasticEngine
 
 # torch is imported lazily: ``import resilient`` must stay cheap for ``resilient status``.
 BACKEND_NAME = "resilient"
 
 __all__ = ["BACKEND_NAME", "ResilientProcessGroup", "UnsupportedOperation", "register", "set_engine_factory",
-           "current_engine"]
+           "current_engine", "engine_of"]
 
 #: ``factory(store, rank, size, timeout) -> Engine``; None = the Communicator-backed default
 _engine_factory: Callable[..., Any] | None = None
@@ -54,6 +57,16 @@ def set_engine_factory(factory: Callable[..., Any] | None) -> None:
 def current_engine() -> Any:
     """The engine of the most recently created resilient process group (or None)."""
     return _current
+
+
+def engine_of(group: object) -> ElasticEngine | None:
+    """The engine behind ``group`` when it is a resilient process group (what
+    ``resilient.elastic`` and ``resilient.ddp`` call besides the collectives:
+    :class:`~.engine.ElasticEngine`); None for any other object (another backend's group,
+    None). Never raises."""
+    from resilient.torch_backend.process_group import ResilientProcessGroup
+
+    return group.engine if isinstance(group, ResilientProcessGroup) else None
 
 
 def __getattr__(name: str) -> Any:

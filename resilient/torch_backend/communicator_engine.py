@@ -79,7 +79,7 @@ class _Closable(Protocol):
 
 
 class CommunicatorEngine:
-    """Adapts a Communicator to the :class:`~.engine.Engine` protocol (in-place results).
+    """Adapts a Communicator to the :class:`~.engine.ElasticEngine` protocol (in-place results).
     ``closers``: closed after the Communicator (a Communicator built by
     :func:`resilient.connect` closes its transport, watcher, session and store itself)."""
 
@@ -95,6 +95,11 @@ class CommunicatorEngine:
         #: False on a joiner until :meth:`wait_admitted` returns (ops go through the gate)
         self.admitted = not isinstance(comm, NotAdmittedGate)
         self._p2p: PointToPoint | None = None
+
+    @property
+    def admits_by_rebuild(self) -> bool:
+        """Joiners are admitted by :meth:`rebuild` (:class:`~.engine.ElasticEngine`)."""
+        return True
 
     @property
     def store(self) -> Store:

@@ -7,16 +7,24 @@ Every member calls ops in the same order; op ``k`` of every member meets in a sh
 had deposited their input (exactly like a death during reduce-scatter — ``contributors``
 shrinks), later ops run without it, and the epoch number goes up. :meth:`InProcWorld.join`
 adds a member (it starts at the next op). Nothing here touches sockets or etcd.
+
+As an :class:`~.engine.ElasticEngine` it admits joiners by itself (``join``), not by
+rebuilding: ``admits_by_rebuild`` is False, no joiner is ever pending or unadmitted, and
+the rebuild calls raise :class:`~resilient.errors.UnsupportedOperation`.
 """
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
 import torch
 
-from resilient.errors import InputMismatch, RemovedFromGroup
+from resilient.errors import InputMismatch, RemovedFromGroup, UnsupportedOperation
 from resilient.live_world import World
+
+if TYPE_CHECKING:  # pragma: no cover
+    from resilient.torch_backend.communicator_engine import Comm
+    from resilient.torch_backend.engine import ElasticEngine
 
 
 #: one op's shared record: kind, inputs / handles by member, ring order, result
@@ -137,7 +145,13 @@ def _reduce(tensors: list[torch.Tensor], op: str) -> torch.Tensor:
 
 
 class InProcEngine:
-    """One member's :class:`~.engine.Engine` in an :class:`InProcWorld`."""
+    """One member's :class:`~.engine.ElasticEngine` in an :class:`InProcWorld`."""
+
+    #: no Communicator behind it (``resilient.ddp.compression_hook`` refuses it)
+    comm: Comm | None = None
+    #: joiners come in through :meth:`InProcWorld.join`, not by rebuilding
+    admits_by_rebuild = False
+    admitted = True
 
     def __init__(self, world: InProcWorld, member_id: str) -> None:
         self.w = world
@@ -145,6 +159,30 @@ class InProcEngine:
 
     def world(self) -> World:
         return self.w.view(self.member_id)
+
+    # -- joiner admission: not by rebuilding (see the module docstring) --------------------
+
+    def pending_joiners(self) -> bool:
+        return False
+
+    def job_done(self) -> bool:
+        return False
+
+    def mark_done(self) -> None:
+        return None
+
+    def _no_rebuild(self, call: str) -> NoReturn:
+        raise UnsupportedOperation(f"{call} on the in-process engine",
+                                   "it admits joiners with InProcWorld.join; check admits_by_rebuild first")
+
+    def rebuild(self, min_epoch: int, timeout: float = 60.0) -> None:
+        self._no_rebuild("rebuild()")
+
+    def announce_ready(self) -> None:
+        self._no_rebuild("announce_ready()")
+
+    def wait_admitted(self, timeout: float = 120.0) -> None:
+        self._no_rebuild("wait_admitted()")
 
     def _deliver(self, h: _Handle, write: Callable[[], object]) -> _Handle:
         """Write this member's output once the op is computed."""
@@ -234,3 +272,7 @@ class InProcEngine:
 
     def close(self) -> None:
         return None
+
+
+if TYPE_CHECKING:  # pragma: no cover - the type checker proves it is what a process group takes
+    _IS_AN_ELASTIC_ENGINE: type[ElasticEngine] = InProcEngine

@@ -35,7 +35,7 @@ import torch
 from resilient.errors import ConfigError
 from resilient.live_world import World
 from resilient.torch_backend.communicator_engine import CommunicatorEngine
-from resilient.torch_backend.engine import Engine, Handle
+from resilient.torch_backend.engine import ElasticEngine, Handle
 
 if TYPE_CHECKING:  # pragma: no cover
     from resilient.coordinator.epoch import EpochWatcher
@@ -88,11 +88,11 @@ class _LoggedHandle:
 
 
 class OpLogEngine:
-    """An :class:`~.engine.Engine` that runs every call on ``inner`` and logs each op (each
-    call that returns a handle) when it finishes. ``member_id``: the member named in the
-    lines (default: ``inner``'s world's)."""
+    """An :class:`~.engine.ElasticEngine` that runs every call on ``inner`` and logs each op
+    (each call that returns a handle) when it finishes; the joiner admission is ``inner``'s.
+    ``member_id``: the member named in the lines (default: ``inner``'s world's)."""
 
-    def __init__(self, inner: Engine, path: str, member_id: str | None = None) -> None:
+    def __init__(self, inner: ElasticEngine, path: str, member_id: str | None = None) -> None:
         self._inner = inner
         self._n = 0
         self._n_lock = threading.Lock()
@@ -158,19 +158,50 @@ class OpLogEngine:
             except OSError:
                 pass
 
+    # -- ElasticEngine: the inner engine's ------------------------------------------------
+
+    @property
+    def member_id(self) -> str:
+        return self._inner.member_id
+
+    @property
+    def comm(self) -> Comm | None:
+        return self._inner.comm
+
+    @property
+    def admitted(self) -> bool:
+        return self._inner.admitted
+
+    @property
+    def admits_by_rebuild(self) -> bool:
+        return self._inner.admits_by_rebuild
+
+    def announce_ready(self) -> None:
+        self._inner.announce_ready()
+
+    def mark_done(self) -> None:
+        self._inner.mark_done()
+
+    def job_done(self) -> bool:
+        return self._inner.job_done()
+
+    def pending_joiners(self) -> bool:
+        return self._inner.pending_joiners()
+
+    def rebuild(self, min_epoch: int, timeout: float = 60.0) -> None:
+        self._inner.rebuild(min_epoch, timeout)
+
+    def wait_admitted(self, timeout: float = 120.0) -> None:
+        self._inner.wait_admitted(timeout)
+
 
 class OpLogCommunicatorEngine(OpLogEngine):
-    """:class:`OpLogEngine` over the real engine: also its joiner admission
-    (``resilient.elastic.State.sync()``) and what the world's ``dist.new_group`` engines
-    share (``member_id``, ``job``, ``store``, ``session``, ``watcher``, ``transport``)."""
+    """:class:`OpLogEngine` over the real engine: also what the world's ``dist.new_group``
+    engines share (``job``, ``store``, ``session``, ``watcher``, ``transport``)."""
 
     def __init__(self, inner: CommunicatorEngine, path: str) -> None:
         super().__init__(inner, path, member_id=inner.member_id)
         self.engine = inner
-
-    @property
-    def member_id(self) -> str:
-        return self.engine.member_id
 
     @property
     def job(self) -> str:
@@ -192,34 +223,8 @@ class OpLogCommunicatorEngine(OpLogEngine):
     def transport(self) -> Transport:
         return self.engine.transport
 
-    @property
-    def comm(self) -> Comm:
-        return self.engine.comm
 
-    @property
-    def admitted(self) -> bool:
-        return self.engine.admitted
-
-    def announce_ready(self) -> None:
-        self.engine.announce_ready()
-
-    def mark_done(self) -> None:
-        self.engine.mark_done()
-
-    def job_done(self) -> bool:
-        return self.engine.job_done()
-
-    def pending_joiners(self) -> bool:
-        return self.engine.pending_joiners()
-
-    def rebuild(self, min_epoch: int, timeout: float = 60.0) -> None:
-        self.engine.rebuild(min_epoch, timeout)
-
-    def wait_admitted(self, timeout: float = 120.0) -> None:
-        self.engine.wait_admitted(timeout)
-
-
-def _member_of(engine: Engine) -> str:
+def _member_of(engine: ElasticEngine) -> str:
     """The member id the op log names for ``engine`` ("" when it is not in a world yet)."""
     try:
         return engine.world().member_id
@@ -227,7 +232,7 @@ def _member_of(engine: Engine) -> str:
         return ""
 
 
-def wrap_from_environment(engine: Engine) -> Engine:
+def wrap_from_environment(engine: ElasticEngine) -> ElasticEngine:
     """``engine`` wrapped in an :class:`OpLogEngine` (an :class:`OpLogCommunicatorEngine`
     over the real engine) when ``$RESILIENT_OP_LOG`` is set, else ``engine`` itself."""
     path = os.environ.get(ENV, "")

@@ -40,14 +40,16 @@ from resilient.errors import UnsupportedOperation as UnsupportedOperation  # re-
 from resilient.torch_backend import composed
 from resilient.torch_backend.dtypes import Packed, for_reduce
 from resilient.torch_backend.composed import Then
-from resilient.torch_backend.engine import Engine, Handle
+from resilient.torch_backend.engine import ElasticEngine, Handle
 from resilient.torch_backend.work import ResilientWork, batch_work
 
 BACKEND_NAME = "resilient"
 
 
-_OPS = {"SUM": "sum", "AVG": "avg", "MIN": "min", "MAX": "max", "PRODUCT": "prod",
-        "BAND": "band", "BOR": "bor", "BXOR": "bxor"}
+#: torch's reduce ops and the names the engine takes
+_OPS = ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.AVG, "avg"), (dist.ReduceOp.MIN, "min"),
+        (dist.ReduceOp.MAX, "max"), (dist.ReduceOp.PRODUCT, "prod"), (dist.ReduceOp.BAND, "band"),
+        (dist.ReduceOp.BOR, "bor"), (dist.ReduceOp.BXOR, "bxor"))
 
 
 _ReduceOpts = dist.AllreduceOptions | dist.ReduceOptions | dist.ReduceScatterOptions
@@ -55,8 +57,8 @@ _RootOpts = dist.BroadcastOptions | dist.ReduceOptions | dist.GatherOptions | di
 
 
 def _reduce_op_name(op: object, where: str) -> str:
-    for name, v in _OPS.items():
-        if op == getattr(dist.ReduceOp, name):
+    for torch_op, v in _OPS:
+        if op == torch_op:
             return v
     raise UnsupportedOperation(f"{where} with reduce op {op}",
                                "use ReduceOp.SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR or BXOR")
@@ -106,9 +108,11 @@ def _chunks(flat_owner: torch.Tensor, n: int, shape: torch.Size) -> list[torch.T
 class ResilientProcessGroup(dist.ProcessGroup):
     """See the module docstring."""
 
-    def __init__(self, engine: Engine, rank: int, size: int) -> None:
+    def __init__(self, engine: ElasticEngine, rank: int, size: int) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # torch binds (rank, size) too
         self.engine = engine
+        #: the name torch gives the group once created (:meth:`_set_group_name`)
+        self._group_name: str | None = None
         #: the Works issued since ``_start_coalescing`` (None: not coalescing)
         self._coalesced: list[ResilientWork] | None = None
 
@@ -147,7 +151,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         return BACKEND_NAME
 
     def _set_group_name(self, name: GroupName) -> None:  # torch names every group after creating it
-        self._group_name: str = name
+        self._group_name = name
         try:
             super()._set_group_name(name)
         except RuntimeError:  # no C++ backend registered under a Python process group
@@ -155,8 +159,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
 
     @property
     def group_name(self) -> str:  # type: ignore[override]  # torch: overloads
-        name = getattr(self, "_group_name", None)
-        return name if name is not None else super().group_name
+        return self._group_name if self._group_name is not None else super().group_name
 
     def rank(self) -> int:
         return self.engine.world().rank
