@@ -70,6 +70,7 @@ from resilient.collectives.recovery_path import RecoveryPath
 from resilient.collectives.recovery_report import RecoveryReport
 from resilient.transport.retrying import RetryingTransport
 from resilient.collectives.work import Work
+from resilient.device.routing import DeviceRoute, default_route
 from resilient.errors import (
     ClosedError, ConfigError, EpochChanged, OpMismatch, PeerReportedError, PeerUnreachable, TransportAborted,
     TransportError,
@@ -88,9 +89,13 @@ class Communicator:
                  op_timeout: float | None = 30.0, small_bytes: int = 64 << 10, slice_bytes: int = 2 << 20,
                  max_slices: int = 64, recovery_timeout: float = 300.0, epoch_timeout: float = 60.0,
                  ledger: bool = True, joining: bool | None = None, health_reporter: Any = None,
-                 metrics: Any = None, hierarchical: bool = True, staging: bool | None = None) -> None:
+                 metrics: Any = None, hierarchical: bool = True, staging: bool | None = None,
+                 device_route: DeviceRoute | None = None) -> None:
         """``staging``: run CPU tensors through the host-staged data path CUDA tensors take
-        (:mod:`.staged`; default ``RESILIENT_STAGING``, off). CUDA tensors always take it."""
+        (:mod:`.staged`; default ``RESILIENT_STAGING``, off). CUDA tensors take it unless
+        the epoch's members each have their own GPU: then ``device_route`` (default: over
+        this view's epoch data, :func:`resilient.device.routing.default_route`) sends them
+        over NCCL (docs/cuda.md)."""
         self.view, self.transport, self.member_id = view, transport, view.member_id
         staging = Settings.from_env().staging if staging is None else bool(staging)
         self.settings = CommSettings(policy, op_timeout, small_bytes, slice_bytes, max_slices, recovery_timeout,
@@ -112,6 +117,8 @@ class Communicator:
         self._buffers = BufferPool()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"resilient-ops:{self.member_id}")
         self._unsub = view.subscribe(self._epochs.on_epoch)
+        self._route = device_route if device_route is not None else default_route(view)
+        self._unsub_route = view.subscribe(self._route.on_epoch)
         self.last_compression: dict[str, Any] | None = None  # scales/q of the last compressed op
         self.compression_switch: CompressionSwitch | None = None  # compression="auto" (compression_switch.py)
         self._closed = False
@@ -274,8 +281,10 @@ class Communicator:
                      self.retained.seq if self.retained else None, exc)
         try:
             self._unsub()
+            self._unsub_route()
         except Exception:  # noqa: BLE001
             pass
+        self._route.close()
         if leave:
             try:
                 self.view.leave("closed")
@@ -321,7 +330,8 @@ class Communicator:
             members = self.members
             L, algo = spec.layout(members, members.index(self.member_id), seq, d, self.epoch)
             L.enabled = self.ledger_enabled
-            ctx = OpContext(self._op_transport, L, op, self.op_timeout, self._suspect, self.epoch.number)
+            tr = self._route.op_transport(L, self.epoch, self._op_transport)
+            ctx = OpContext(tr, L, op, self.op_timeout, self._suspect, self.epoch.number)
             try:
                 if need_status:
                     need_status = False
