@@ -133,6 +133,32 @@ def test_a_shared_gpu_stages_through_the_host_and_logs_why(etcd_session, job_nam
     assert f"device ops over host-staged (host-staged: 2 members share GPU {UUIDS[0]}" in caplog.text
 
 
+def mismatch_then_ops(comm: Any, i: int) -> dict[str, Any]:
+    import resilient
+
+    try:
+        comm.allreduce(torch.ones(1000 + i, dtype=torch.float64))       # the members disagree on the shape
+        raised = None
+    except resilient.InputMismatch as exc:
+        raised = exc
+    res = ops(comm, i)
+    res["raised"] = raised
+    return res
+
+
+def test_a_mismatch_over_nccl_raises_on_every_member_and_the_next_ops_restart_the_communicator(
+        etcd_session, job_name):
+    fabric, routes, out = run_members(etcd_session.endpoint_arg, job_name, UUIDS, mismatch_then_ops)
+    for res in out:
+        assert res["raised"] is not None, "InputMismatch expected on every member"
+        check_exact(res)
+        assert res["staged"] == [0, 0, 0]
+    assert all(route.nccl_ops == 4 for route in routes)
+    # two communicators per member: the first epoch's, and the restart at op #1 after the mismatch
+    assert sorted(m for m, *_ in fabric.inits) == ["m0", "m0", "m1", "m1"]
+    assert len({uid for _, _, uid, _ in fabric.inits}) == 2
+
+
 # -- pure logic ---------------------------------------------------------------------------
 
 

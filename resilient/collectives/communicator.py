@@ -70,7 +70,7 @@ from resilient.collectives.recovery_path import RecoveryPath
 from resilient.collectives.recovery_report import RecoveryReport
 from resilient.transport.retrying import RetryingTransport
 from resilient.collectives.work import Work
-from resilient.device.routing import DeviceRoute, default_route
+from resilient.device.routing import DeviceRoute, ErrorsToNccl, default_route
 from resilient.errors import (
     ClosedError, ConfigError, EpochChanged, OpMismatch, PeerReportedError, PeerUnreachable, TransportAborted,
     TransportError,
@@ -112,12 +112,13 @@ class Communicator:
         self._recovery = RecoveryPath(view, transport, self._op_transport, self._epochs, lambda: self.policy,
                                       op_timeout, recovery_timeout, self._suspect)
         self._epochs.start(joining)
-        self._errors = OpErrors(self.member_id, transport, self._op_transport, self._epochs.members)
+        self._route = device_route if device_route is not None else default_route(view)
+        self._errors = OpErrors(self.member_id, ErrorsToNccl(transport, self._route),
+                                ErrorsToNccl(self._op_transport, self._route), self._epochs.members)
         self._p2p = PointToPoint(self.member_id, transport, op_timeout, self._suspect)
         self._buffers = BufferPool()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"resilient-ops:{self.member_id}")
         self._unsub = view.subscribe(self._epochs.on_epoch)
-        self._route = device_route if device_route is not None else default_route(view)
         self._unsub_route = view.subscribe(self._route.on_epoch)
         self.last_compression: dict[str, Any] | None = None  # scales/q of the last compressed op
         self.compression_switch: CompressionSwitch | None = None  # compression="auto" (compression_switch.py)

@@ -33,10 +33,11 @@ import torch
 
 from resilient.coordinator.membership import MemberInfo
 from resilient.device.select import DeviceRecord, Preference, TransportChoice, choose_transport
-from resilient.transport.base import Buffer, Request
+from resilient.transport.base import Buffer, Request, Transport
 from resilient.transport.nccl import EpochLike as NcclEpoch
 from resilient.transport.nccl import NcclTransport
 from resilient.transport.rendezvous import BlobStore, ViewRendezvous
+from resilient.transport.wrapper import WrappedTransport
 
 log = logging.getLogger(__name__)
 
@@ -176,10 +177,12 @@ class DeviceRoute:
             self._choices[epoch.number] = got
         return got
 
-    def for_op(self, epoch: RoutedEpoch, host: PostingTransport) -> SplitTransport | None:
-        """The transport a device op of ``epoch`` posts through: a :class:`SplitTransport`
-        when the epoch chose NCCL (the NCCL transport configured for ``epoch``), else None
-        (the op stages through the host over ``host``)."""
+    def for_op(self, epoch: RoutedEpoch, host: PostingTransport, seq: int = 0) -> SplitTransport | None:
+        """The transport device op ``seq`` of ``epoch`` posts through: a
+        :class:`SplitTransport` when the epoch chose NCCL (the NCCL transport configured
+        for ``epoch``; restarted with generation ``seq`` if an op given up aborted it, as
+        on every member), else None (the op stages through the host over ``host``; also
+        when the aborted communicator cannot restart because a newer epoch is coming)."""
         if self.choice(epoch).kind != "nccl":
             return None
         with self._lock:
@@ -189,6 +192,10 @@ class DeviceRoute:
             nccl = self._nccl
         if nccl.epoch != epoch.number:
             nccl.configure(epoch.number, epoch.token, {m: m for m in epoch.members})
+        elif nccl.aborted and not nccl.restart(seq):
+            log.info("op #%d: the NCCL communicator of epoch %d is aborted and a newer epoch is coming: "
+                     "host-staged", seq, epoch.number)
+            return None
         self.nccl_ops += 1
         return SplitTransport(host, nccl, self.is_device)
 
@@ -199,7 +206,7 @@ class DeviceRoute:
         (``stage_elems = 0``: its device buffers go to NCCL as they are)."""
         if ledger.stage_elems <= 0 or self.member_id not in epoch.members:
             return host
-        split = self.for_op(epoch, host)
+        split = self.for_op(epoch, host, ledger.seq)
         if split is None:
             return host
         ledger.stage_elems = 0
@@ -218,6 +225,32 @@ class DeviceRoute:
             nccl, self._nccl = self._nccl, None
         if nccl is not None:
             nccl.close()
+
+
+class ErrorsToNccl(WrappedTransport):
+    """``inner`` whose :meth:`post_error` and :meth:`cancel_op` also reach the route's NCCL
+    transport (its waits learn of a peer's ERROR from the rendezvous, and an op given up
+    is dropped there too). What the Communicator's op errors go through."""
+
+    def __init__(self, inner: Transport, route: DeviceRoute) -> None:
+        super().__init__(inner)
+        self.route = route
+
+    def cancel_op(self, op_seq: int) -> None:
+        """Also aborts the NCCL communicator: every member gives the op up (each raises the
+        op's error through here), so every member restarts it at the next device op
+        (:meth:`DeviceRoute.for_op`), whatever of the op was still in flight."""
+        self.inner.cancel_op(op_seq)
+        nccl = self.route.nccl
+        if nccl is not None and nccl.epoch >= 0:
+            nccl.cancel_op(op_seq)
+            nccl.abort(f"op #{op_seq} was given up")
+
+    def post_error(self, peers: Sequence[str], op_seq: int, message: bytes, timeout: float = 2.0) -> None:
+        self.inner.post_error(peers, op_seq, message, timeout)
+        nccl = self.route.nccl
+        if nccl is not None and nccl.epoch >= 0 and not nccl.closed:
+            nccl.post_error([p for p in peers if p in nccl.members], op_seq, message, timeout)
 
 
 def default_route(view: BlobStore) -> DeviceRoute:

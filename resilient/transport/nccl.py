@@ -371,7 +371,9 @@ class NcclTransport(OpLayer):
         self._comm: Any = None
         self._comm_epoch = -1
         self._ready = False
-        self._uid: tuple[int, bytes] | None = None   # (epoch, unique id) once exchanged
+        self._uid: tuple[int, str, bytes] | None = None   # (epoch, name, unique id) once exchanged
+        self._uid_name = UID_NAME                 # nccl-uid; nccl-uid-g<n> after restart(n)
+        self._newest_seen = -1                    # newest epoch on_epoch saw
         self._abort_reason: str | None = None
         self._failed: str | None = None           # the communicator of this epoch failed
         self._pending: list[NcclRequest] = []     # posted, not completed (launched or not)
@@ -421,6 +423,7 @@ class NcclTransport(OpLayer):
                 r._error = TransportAborted(f"epoch changed to {epoch} before the request completed")
             self._pending.clear()
             self._epoch, self._members = int(epoch), members
+            self._uid_name = UID_NAME
             self._abort_reason = None
             self._failed = None
             self._ops.reset()
@@ -436,10 +439,32 @@ class NcclTransport(OpLayer):
                 log.exception("ncclCommAbort failed")
         self._comm, self._ready, self._comm_epoch = None, False, -1
 
+    def restart(self, generation: int) -> bool:
+        """After an abort within the epoch (an op given up: a mismatch, a peer's ERROR), a
+        fresh communicator over the same members, its unique id exchanged as
+        ``nccl-uid-g<generation>``: every member calls it with the same ``generation``
+        (the Communicator passes the next op's sequence number). Returns False, changing
+        nothing, when a newer epoch was seen already (the next :meth:`configure` rebuilds)
+        or the transport is closed."""
+        with self._lock:
+            if self._closed or self._epoch < 0 or self._newest_seen > self._epoch:
+                return False
+            self._drop_comm(f"restart {generation} within epoch {self._epoch}")
+            for r in self._pending:
+                r._error = r._error or TransportAborted(f"the NCCL communicator restarted ({generation})")
+            self._pending.clear()
+            self._uid_name = f"{UID_NAME}-g{int(generation)}"
+            self._abort_reason = self._failed = None
+            self._ops.reset()
+            self._wake.clear()
+            self.state = "configured"
+            return True
+
     def on_epoch(self, epoch: EpochLike) -> None:
         """Epoch-watcher callback: abort at once when ``epoch`` is newer than ours and
         removes one of our members (or us). Epochs that only add members do not abort:
         joiners are admitted at an op boundary, and :meth:`configure` rebuilds then."""
+        self._newest_seen = max(self._newest_seen, epoch.number)
         if epoch.number <= self._epoch or not self._members:
             return
         gone = sorted(set(self._members) - set(epoch.members))
@@ -470,18 +495,18 @@ class NcclTransport(OpLayer):
         others. Cached per epoch, so a wait that timed out and is retried never makes a
         second id. Raises :class:`_SetupTimeout` when ``timeout`` passes first and
         :class:`~resilient.errors.TransportAborted` when a newer epoch superseded ours."""
-        if self._uid is not None and self._uid[0] == self._epoch:
-            return self._uid[1]
+        if self._uid is not None and self._uid[:2] == (self._epoch, self._uid_name):
+            return self._uid[2]
         creator = self._members[0]
         if creator == self.member_id:
             uid = self.api.unique_id()
-            self.rendezvous.publish(self._epoch, UID_NAME, self.member_id, uid)
+            self.rendezvous.publish(self._epoch, self._uid_name, self.member_id, uid)
         else:
             uid = self._fetch_uid(creator, timeout, tick)
             if len(uid) != UID_BYTES:
                 raise TransportError(f"malformed NCCL unique id from member {creator}: {len(uid)} bytes, "
                                      f"expected {UID_BYTES}")
-        self._uid = (self._epoch, uid)
+        self._uid = (self._epoch, self._uid_name, uid)
         return uid
 
     def _fetch_uid(self, creator: str, timeout: float, tick: Callable[[], None]) -> bytes:
@@ -494,7 +519,7 @@ class NcclTransport(OpLayer):
             self._raise_if_aborted()
             left = deadline - time.monotonic()
             try:
-                return self.rendezvous.fetch(self._epoch, UID_NAME, creator, max(0.0, min(UID_SLICE_S, left)))
+                return self.rendezvous.fetch(self._epoch, self._uid_name, creator, max(0.0, min(UID_SLICE_S, left)))
             except TimeoutError:
                 if left <= UID_SLICE_S:
                     raise _SetupTimeout(f"member {creator} did not publish the NCCL unique id of epoch "
@@ -604,13 +629,12 @@ class NcclTransport(OpLayer):
         """Compare a completed receive's header with what it was posted with (failing
         ``r`` and, for a digest, its op)."""
         op_seq, tag, digest, nbytes = HEADER.unpack(self.api.header_bytes(r.header))
-        if (op_seq, tag, nbytes) != (r.op_seq, r.tag, r.nbytes):
+        r._error = self._ops.check_digest(r.peer, r.op_seq, digest, r.digest)   # a different op first
+        if r._error is None and (op_seq, tag, nbytes) != (r.op_seq, r.tag, r.nbytes):
             r._error = TransportError(
                 f"message from {r.peer} is op #{op_seq} tag {tag} ({nbytes} bytes) but the receive posted in its "
                 f"place is op #{r.op_seq} tag {r.tag} ({r.nbytes} bytes): the members posted in different orders "
                 "(NCCL matches by posting order)")
-            return
-        r._error = self._ops.check_digest(r.peer, r.op_seq, digest, r.digest)
 
     def _poll_errors(self, reqs: Sequence[NcclRequest]) -> None:
         """Look for peers' ERROR reports on the ops of ``reqs`` in the rendezvous; a report
