@@ -71,6 +71,7 @@ from resilient.collectives.recovery_report import RecoveryReport
 from resilient.transport.retrying import RetryingTransport
 from resilient.collectives.work import Work
 from resilient.device.routing import DeviceRoute, ErrorsToNccl, default_route
+from resilient.device.whole import WholeStaging
 from resilient.errors import (
     ClosedError, ConfigError, EpochChanged, OpMismatch, PeerReportedError, PeerUnreachable, TransportAborted,
     TransportError,
@@ -135,13 +136,12 @@ class Communicator:
         rop = ReduceOp.parse(op)
         nbytes = t.numel() * t.element_size()
         comp = Compression.parse(compression) if compression is not None else None
-        if comp is not None and t.device.type != "cpu":
-            raise ConfigError(f"compressed allreduce of a tensor on {t.device}: the codec runs on the CPU; "
-                              "pass compression=None (exact, host-staged) or a CPU tensor")
         segs = comp.layout(t) if comp is not None else None
         if comp is not None and segs is not None:
             body = run_auto if comp.auto else run_compressed
-            return self._submit(lambda: body(self, t, rop, comp, segs, policy), async_op, "allreduce", nbytes)
+            st = WholeStaging(self.settings.staging)   # the codec runs on the CPU: CUDA tensors via the host
+            h = st.host(t, output=True)
+            return self._submit(st.run(lambda: body(self, h, rop, comp, segs, policy)), async_op, "allreduce", nbytes)
         desc = describe("allreduce", t, op=rop.value)
         return self._submit(on_device(t, lambda: self.reduce_now(t, rop, desc, policy)), async_op, "allreduce", nbytes)
 
