@@ -44,6 +44,8 @@ def main() -> int:
     import numpy as np
     import torch
 
+    from resilient.device.whole import COUNTS as WHOLE
+
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -119,6 +121,7 @@ def main() -> int:
                            recovery=comm.last_recovery.as_dict() if comm.last_recovery and comm.last_recovery.seq == seq else None)
                 kept = comm.retained
                 rec["staged_posts"] = kept.staged_posts if kept is not None and kept.seq == seq else None
+                rec["whole_staged"] = WHOLE.d2h   # whole-tensor host copies so far (resilient/device/whole.py)
                 arr = out.to(torch.float32) if out.dtype in (torch.float16, torch.bfloat16) else out
                 np.save(os.path.join(args.out, f"{args.id}.{seq}.npy"), arr.numpy(), allow_pickle=False)
             except RemovedFromGroup as exc:
