@@ -217,3 +217,30 @@ class _NoHost:
 
     def wait(self, *a: Any, **k: Any) -> bool:
         raise AssertionError("host transport not expected")
+
+
+def ddp_step(comm: Any, i: int) -> dict[str, Any]:
+    """One DDP step on the resilient process group over this Communicator (staging forced:
+    the path a model's CUDA gradients take, host-staged)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from resilient.ddp import contributors, install_auto_hook
+    from resilient.torch_backend.communicator_engine import CommunicatorEngine
+    from resilient.torch_backend.process_group import ResilientProcessGroup
+
+    install_auto_hook()
+    pg = ResilientProcessGroup(CommunicatorEngine(comm, comm.watcher, comm.session, comm.member_id), i, 2)
+    model = torch.nn.Linear(4, 1, bias=False).double()
+    with torch.no_grad():
+        model.weight.fill_(0.0)
+    ddp = DDP(model, process_group=pg)
+    ddp(torch.full((1, 4), float(i + 1), dtype=torch.float64)).sum().backward()
+    return {"grad": model.weight.grad.clone(), "contributors": contributors(ddp),
+            "staged": comm.retained.staged_posts}
+
+
+def test_ddp_with_staging_forced_averages_exactly_through_the_staged_path(etcd_session, job_name):
+    _, routes, out = run_members(etcd_session.endpoint_arg, job_name, [UUIDS[0], UUIDS[0]], ddp_step)
+    for res in out:
+        assert torch.equal(res["grad"], torch.full((1, 4), 1.5, dtype=torch.float64)), res["grad"]
+        assert res["contributors"] == frozenset({"m0", "m1"}) and res["staged"] > 0
