@@ -139,7 +139,7 @@ class Communicator:
         segs = comp.layout(t) if comp is not None else None
         if comp is not None and segs is not None:
             body = run_auto if comp.auto else run_compressed
-            st = WholeStaging(self.settings.staging)   # the codec runs on the CPU: CUDA tensors via the host
+            st = WholeStaging(self.sizing.staging)   # the codec runs on the CPU: CUDA tensors via the host
             h = st.host(t, output=True)
             return self._submit(st.run(lambda: body(self, h, rop, comp, segs, policy)), async_op, "allreduce", nbytes)
         desc = describe("allreduce", t, op=rop.value)
@@ -213,6 +213,11 @@ class Communicator:
     def epoch(self) -> EpochLike:
         """The epoch the next op starts in (until a newer one is adopted at its boundary)."""
         return self._epochs.epoch
+
+    @property
+    def device_route(self) -> DeviceRoute:
+        """How this member's device ops travel per epoch (host-staged or NCCL; docs/cuda.md)."""
+        return self._route
 
     @property
     def last_recovery(self) -> RecoveryReport | None:
