@@ -89,7 +89,10 @@ class DeviceRecord:
         return cls(member, host, device, labels.get(UUID_LABEL), flag == "1")
 
     def labels(self) -> dict[str, str]:
-        """The member-record labels that carry this record (:meth:`from_member` reads them)."""
+        """The member-record labels that carry this record (:meth:`from_member` reads them;
+        none for a CPU member, whose record is its ``device`` alone)."""
+        if not self.on_cuda:
+            return {}
         out = {NCCL_LABEL: "1" if self.nccl else "0"}
         if self.gpu_uuid is not None:
             out[UUID_LABEL] = self.gpu_uuid
