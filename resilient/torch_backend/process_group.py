@@ -1,6 +1,6 @@
 """``ResilientProcessGroup``: a ``torch.distributed.ProcessGroup`` over an :class:`~.engine.Engine`.
 
-Supported (CPU tensors, every dtype torch takes — see :mod:`.dtypes`): ``all_reduce``
+Supported (CPU and CUDA tensors, every dtype torch takes — see :mod:`.dtypes`): ``all_reduce``
 (SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR, BXOR), ``broadcast``, ``all_gather``,
 ``all_gather_into_tensor`` (torch 2.13: ``all_gather_single``; alias ``_allgather_base``),
 ``reduce_scatter`` (lists), ``reduce_scatter_tensor`` (``reduce_scatter_single`` /
@@ -12,8 +12,9 @@ object collectives run on these (torch pickles on the caller's side). Ops withou
 Communicator primitive are composed in :mod:`.composed`. Each is sync or async
 (``async_op=True`` returns a :class:`~.work.ResilientWork` whose ``contributors`` is the
 exact member set in the result). ``recv`` from any source, ``monitored_barrier``,
-``split_group``, CUDA tensors and reduce ops torch does not define for a dtype raise
-:class:`UnsupportedOperation` naming the op and what to use instead. ``dist.new_group``
+``split_group``, tensors on other devices and reduce ops torch does not define for a dtype
+raise :class:`UnsupportedOperation` naming the op and what to use instead. CUDA tensors of
+the composed ops run on whole-tensor host copies (:mod:`resilient.device.whole`). ``dist.new_group``
 is handled by :mod:`.subgroup`.
 
 Ranks and sizes: ``rank()`` / ``size()`` — hence ``dist.get_rank()`` /
