@@ -244,3 +244,38 @@ def test_ddp_with_staging_forced_averages_exactly_through_the_staged_path(etcd_s
     for res in out:
         assert torch.equal(res["grad"], torch.full((1, 4), 1.5, dtype=torch.float64)), res["grad"]
         assert res["contributors"] == frozenset({"m0", "m1"}) and res["staged"] > 0
+
+
+def test_view_rendezvous_publishes_only_its_own_entries_and_rate_limits_peeks():
+    from resilient.errors import ConfigError, EpochChanged
+    from resilient.transport.rendezvous import ViewRendezvous
+
+    class Blobs:
+        member_id = "a"
+
+        def __init__(self) -> None:
+            self.data: dict[tuple[int, str, str], bytes] = {}
+            self.waits = 0
+
+        def put_blob(self, epoch: int, name: str, payload: bytes) -> None:
+            self.data[(epoch, name, self.member_id)] = payload
+
+        def wait_blobs(self, epoch: int, name: str, members: Any, timeout: float) -> dict[str, bytes]:
+            self.waits += 1
+            (m,) = members
+            if epoch == 9:
+                raise EpochChanged("epoch 10 superseded epoch 9", 10, {})
+            if (epoch, name, m) not in self.data:
+                raise TimeoutError(m)
+            return {m: self.data[(epoch, name, m)]}
+
+    blobs = Blobs()
+    rdv = ViewRendezvous(blobs)
+    with pytest.raises(ConfigError, match="cannot publish 'x' as member b"):
+        rdv.publish(1, "x", "b", b"1")
+    assert rdv.peek(1, "x", "a") is None and blobs.waits == 1
+    rdv.publish(1, "x", "a", b"yes")
+    assert rdv.peek(1, "x", "a") is None and blobs.waits == 1       # within PEEK_EVERY_S: not asked again
+    assert rdv.fetch(1, "x", "a", 1.0) == b"yes"
+    with pytest.raises(TransportAborted, match="epoch 10 superseded epoch 9"):
+        rdv.fetch(9, "x", "a", 1.0)

@@ -74,8 +74,13 @@ class ViewRendezvous:
     for :class:`~resilient.collectives.group.EtcdGroupView`); this member publishes only
     its own entries (ConfigError for another member's)."""
 
+    #: a view has no cheap point read (a peek is a snapshot plus watches): at most one
+    #: peek per entry per this many seconds; the others answer None at once
+    PEEK_EVERY_S = 0.5
+
     def __init__(self, view: BlobStore) -> None:
         self.view = view
+        self._peeked: dict[tuple[int, str, str], float] = {}
 
     def publish(self, epoch: int, name: str, member: str, payload: bytes) -> None:
         if member != self.view.member_id:
@@ -89,6 +94,12 @@ class ViewRendezvous:
             raise TransportAborted(f"epoch {exc.newest} superseded epoch {epoch} during the rendezvous") from None
 
     def peek(self, epoch: int, name: str, member: str) -> bytes | None:
+        now, key = time.monotonic(), (epoch, name, member)
+        if now - self._peeked.get(key, -self.PEEK_EVERY_S) < self.PEEK_EVERY_S:
+            return None
+        if len(self._peeked) > 1024:
+            self._peeked.clear()
+        self._peeked[key] = now
         try:
             return self.fetch(epoch, name, member, 0.0)
         except (TimeoutError, TransportAborted):
