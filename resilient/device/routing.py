@@ -45,14 +45,9 @@ log = logging.getLogger(__name__)
 MIXED_SLICE_S = 0.005
 
 
-class RoutedEpoch(Protocol):
-    """What routing reads of an epoch (:class:`~resilient.coordinator.epoch.Epoch` is one)."""
-
-    @property
-    def number(self) -> int: ...
-
-    @property
-    def members(self) -> tuple[str, ...]: ...
+class RoutedEpoch(NcclEpoch, Protocol):
+    """What routing reads of an epoch (:class:`~resilient.coordinator.epoch.Epoch` is one):
+    the NCCL transport's ``number`` and ``members``, and the token and member records."""
 
     @property
     def token(self) -> str: ...
