@@ -279,3 +279,26 @@ def test_view_rendezvous_publishes_only_its_own_entries_and_rate_limits_peeks():
     assert rdv.fetch(1, "x", "a", 1.0) == b"yes"
     with pytest.raises(TransportAborted, match="epoch 10 superseded epoch 9"):
         rdv.fetch(9, "x", "a", 1.0)
+
+
+def op_then_m1_leaves(comm: Any, i: int) -> bool | None:
+    """Both allreduce over NCCL; m1 then leaves (its close revokes its lease) and m0 waits
+    until the epoch without m1 aborted its NCCL communicator (the Communicator's epoch
+    subscription), reporting whether it did within the deadline."""
+    import time
+
+    t = torch.arange(1000, dtype=torch.float64)
+    comm.allreduce(t)
+    assert torch.equal(t, torch.arange(1000, dtype=torch.float64) * 2)
+    if i == 1:
+        return None
+    nccl = comm.device_route.nccl
+    deadline = time.monotonic() + 20
+    while not nccl.aborted and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return bool(nccl.aborted) and nccl.state == "aborted"   # m0 has not closed it: the epoch did
+
+
+def test_an_epoch_without_a_member_aborts_the_communicators_nccl_transport(etcd_session, job_name):
+    _, routes, out = run_members(etcd_session.endpoint_arg, job_name, UUIDS, op_then_m1_leaves)
+    assert out[0] is True and routes[0].nccl_ops == 1
