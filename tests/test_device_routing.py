@@ -28,7 +28,7 @@ from resilient.device.routing import DeviceRoute, SplitTransport, records_of
 from resilient.device.select import NCCL_LABEL, UUID_LABEL, DeviceRecord
 from resilient.errors import RecordError, TransportAborted
 from resilient.transport.base import Buffer
-from resilient.transport.nccl import NcclTransport
+from resilient.transport.nccl import HEADER, NcclTransport
 from resilient.transport.rendezvous import EpochDataRendezvous, LocalRendezvous
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -302,3 +302,32 @@ def op_then_m1_leaves(comm: Any, i: int) -> bool | None:
 def test_an_epoch_without_a_member_aborts_the_communicators_nccl_transport(etcd_session, job_name):
     _, routes, out = run_members(etcd_session.endpoint_arg, job_name, UUIDS, op_then_m1_leaves)
     assert out[0] is True and routes[0].nccl_ops == 1
+
+
+def test_a_mixed_wait_completes_device_buffers_over_nccl_and_the_rest_over_tcp():
+    from resilient.transport.tcp import TcpTransport
+
+    fabric, rdv = Fabric(), LocalRendezvous()
+    tcp = {m: TcpTransport(m, "job", tls=None) for m in "ab"}
+    nccl = {m: NcclTransport(m, rdv, api=FakeNccl(fabric, m), connect_timeout=20) for m in "ab"}
+    try:
+        for m in "ab":
+            tcp[m].configure(1, "tok", {k: t.address for k, t in tcp.items()})
+            nccl[m].configure(1, "tok", {"a": "a", "b": "b"})
+        sa, sb = (SplitTransport(tcp[m], nccl[m], data_buffer) for m in "ab")
+        x, tok = torch.arange(64, dtype=torch.float64), torch.tensor([7], dtype=torch.int32)
+        y, got = torch.zeros(64, dtype=torch.float64), torch.zeros(1, dtype=torch.int32)
+        sends = [sa.isend("b", x, 3, 0), sa.isend("b", tok.numpy(), 3, 1)]
+        recvs = [sb.irecv("a", y, 3, 0), sb.irecv("a", got.numpy(), 3, 1)]
+        out: dict[str, object] = {}
+        th = threading.Thread(target=lambda: out.update(a=sa.wait(sends, timeout=20)), daemon=True)
+        th.start()
+        assert sb.wait(recvs, timeout=20) is True
+        th.join(20)
+        assert out.get("a") is True
+        assert torch.equal(x, y) and got.item() == 7
+        assert fabric.bytes_moved == 64 * 8 + HEADER.size and tcp["b"].stats.bytes_received == 4   # + its header
+    finally:
+        for m in "ab":
+            nccl[m].close()
+            tcp[m].close()

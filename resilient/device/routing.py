@@ -35,7 +35,7 @@ from resilient.coordinator.membership import MemberInfo
 from resilient.device.select import DeviceRecord, Preference, TransportChoice, choose_transport
 from resilient.transport.base import Buffer, Request, Transport
 from resilient.transport.nccl import EpochLike as NcclEpoch
-from resilient.transport.nccl import NcclTransport
+from resilient.transport.nccl import NcclRequest, NcclTransport
 from resilient.transport.rendezvous import BlobStore, ViewRendezvous
 from resilient.transport.wrapper import WrappedTransport
 
@@ -100,25 +100,20 @@ class SplitTransport:
 
     def __init__(self, host: PostingTransport, nccl: NcclTransport, is_device: Callable[[Buffer], bool]) -> None:
         self.host, self.nccl, self.is_device = host, nccl, is_device
-        self._nccl_reqs: set[int] = set()
 
     def isend(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request:
         if self.is_device(buf):
-            return self._mark(self.nccl.isend(peer, buf, op_seq, tag, digest))
+            return self.nccl.isend(peer, buf, op_seq, tag, digest)
         return self.host.isend(peer, buf, op_seq, tag, digest)
 
     def irecv(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request:
         if self.is_device(buf):
-            return self._mark(self.nccl.irecv(peer, buf, op_seq, tag, digest))
+            return self.nccl.irecv(peer, buf, op_seq, tag, digest)
         return self.host.irecv(peer, buf, op_seq, tag, digest)
 
-    def _mark(self, req: Request) -> Request:
-        self._nccl_reqs.add(id(req))
-        return req
-
     def wait(self, requests: Sequence[Request], timeout: float | None = None) -> bool:
-        dev = [r for r in requests if id(r) in self._nccl_reqs]
-        host = [r for r in requests if id(r) not in self._nccl_reqs]
+        dev = [r for r in requests if isinstance(r, NcclRequest)]
+        host = [r for r in requests if not isinstance(r, NcclRequest)]
         if not host or not dev:
             ok = (self.nccl if dev else self.host).wait(dev or host, timeout)
         else:
@@ -133,9 +128,6 @@ class SplitTransport:
                     break
                 if deadline is not None and time.monotonic() >= deadline:
                     break
-        if ok:
-            for r in dev:
-                self._nccl_reqs.discard(id(r))
         return ok
 
 
