@@ -97,11 +97,19 @@ def world(request: pytest.FixtureRequest) -> Iterator[World]:
         w.b.close()
 
 
+#: why NCCL cannot carry a feature (it matches messages by posting order per pair, not by tag)
+WHY_NOT = {
+    "namespaces": "NCCL matches by posting order, not by tag, so a control message cannot be kept aside "
+                  "for a receive posted later",
+    "late_discard": "NCCL matches by posting order: a cancelled op's message still in flight meets the next "
+                    "receive, whose header check then fails it (TransportError) instead of discarding it",
+}
+
+
 def require(w: World, feature: str) -> None:
     """Skip for a transport that cannot carry ``feature``."""
     if feature not in w.features:
-        pytest.skip(f"{w.kind} does not carry {feature} (NCCL matches by posting order only, not by tag: "
-                    "no namespaces, and a message of a cancelled op is matched by the next receive)")
+        pytest.skip(f"{w.kind} does not carry {feature}: {WHY_NOT.get(feature, '')}")
 
 
 def both(w: World, sends: list[Request], recvs: list[Request]) -> None:
