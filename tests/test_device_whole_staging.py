@@ -5,6 +5,8 @@ wrapper (its copies are counted) and give exactly the unstaged result:
 
 * the torch backend's composed ops (reduce, gather, scatter, all_to_all(_single), the
   coalesced forms) over the in-process thread engine;
+* the leaf path of demoted members (real Communicators over real TCP, one thread each,
+  the static in-memory view of tests/test_straggler_leaf.py);
 * the exact compressed allreduce in real worker processes (real etcd, coordinator, TCP)
   with a SIGKILL in its ring: every survivor's result is bitwise the quantized sum over
   the contributors it reports (``tests/test_compression_procs.py``'s check)."""
@@ -132,3 +134,29 @@ def test_compressed_allreduce_staged_whole_with_a_sigkill_in_its_ring_is_exact(e
                 assert recs[2]["ok"] and recs[2]["whole_staged"] == 1, recs[2]   # the plain op after it: chunk-staged
         finally:
             w.close()
+
+
+def test_the_leaf_path_of_demoted_members_runs_on_whole_host_copies_and_is_exact():
+    """m3 and m4 demoted (the leaf path: tests/test_straggler_leaf.py's layout) with staging
+    forced: every member's ledger goes to the host whole (input and output, each op), and
+    every result is the exact reduction over all five members."""
+    from static_group import Info, StaticEpoch, member_input, run_allreduces
+
+    from resilient.transport.tcp import TcpTransport
+
+    ids = [f"m{i}" for i in range(5)]
+    trs = {m: TcpTransport(m, "leafjob") for m in ids}
+    ep = StaticEpoch(1, tuple(ids), "tok", {m: Info(trs[m].address) for m in ids},
+                     roles={m: ("demoted" if m in ("m3", "m4") else "active") for m in ids},
+                     plan={"tree_parent": [-1, 0, 0, 1, 0]})
+    d0 = COUNTS.d2h
+    ops, numel = ["sum", "avg"], 10_001
+    results = run_allreduces(ep, trs, ops, numel, close=trs.values(), small_bytes=1024, slice_bytes=4096,
+                             staging=True)
+    assert COUNTS.d2h - d0 == len(ids) * len(ops) * 2              # input and output of each member's ledger
+    for seq, op in enumerate(ops):
+        total = torch.stack([member_input(i, seq, numel) for i in range(5)]).sum(0)
+        want = total if op == "sum" else total / 5
+        for m in ids:
+            out, contributors = results[m][seq]
+            assert tuple(contributors) == tuple(ids) and torch.equal(out, want), (m, op)
