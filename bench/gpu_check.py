@@ -24,8 +24,9 @@ Checks, in order (docs/cuda.md):
 ``host_staged_sigkill``    the same 4 ranks, one SIGKILLs itself mid-allreduce: every survivor's
                      result equals the reduction over the contributors it reports.
 ``nccl_allreduce`` / ``nccl_sigkill``  the same two with one rank per GPU (needs >= 2 GPUs), where
-                     the selection (resilient.device.select) picks NCCL. Reported as not run
-                     (``passed: null``) until the Communicator selects the NCCL transport.
+                     the selection (resilient.device.select) picks NCCL from the members'
+                     records: passed = every result exact and every member's ops went over
+                     NCCL (``transport``; the host-staged checks must stay host-staged).
 
 Exit status: 0 when every check that ran passed, 1 otherwise; without a GPU only
 ``compile`` and the CPU ``staging`` check run and the GPU checks print ``passed: null``.
@@ -400,7 +401,10 @@ def _cluster_check(name: str, devices: list[str], size_mib: int, kill: bool) -> 
     if refused:
         return {**base, "passed": False, "error": "the Communicator refused the CUDA tensor: " + refused[0]}
     exact = all(r["exact"] for r in res.values())
-    out = {**base, "passed": exact, "exact": exact,
+    # the ops went over the transport the selection names (NCCL: every survivor routed its ops there)
+    used = "nccl" if all(r.get("nccl_ops", 0) > 0 for r in res.values()) else "host-staged"
+    routed = used == choice.kind
+    out = {**base, "passed": exact and routed, "exact": exact, "transport": used,
            "contributors": sorted({tuple(r["contributors"]) for r in res.values()})}
     if not kill:
         size = size_mib << 20
@@ -423,7 +427,10 @@ def worker(args: argparse.Namespace) -> None:
 
     from resilient.errors import ConfigError
 
-    comm, transport, session, index = join(args, op_timeout=30.0)
+    mine = torch.device(args.devices.split(",")[int(args.id.lstrip("m"))])
+    torch.cuda.set_device(mine)
+    # the member record carries the device and GPU UUID: the epoch selects NCCL or host staging
+    comm, transport, session, index = join(args, op_timeout=30.0, device=str(mine))
     dev = torch.device(args.devices.split(",")[index])
     torch.cuda.set_device(dev)
     if args.gloo_port:
@@ -442,7 +449,8 @@ def worker(args: argparse.Namespace) -> None:
         contributors = list(w.contributors)
         expect = float(sum(int(m.lstrip("m")) + 1 for m in contributors))
         exact = bool(torch.all(x == expect).item())
-        fields: dict[str, Any] = {"exact": exact, "contributors": contributors}
+        fields: dict[str, Any] = {"exact": exact, "contributors": contributors,
+                                  "nccl_ops": comm.device_route.nccl_ops}
         if not spec["kill"]:
             fields.update(_timings(comm, dist, numel, dev))
         say("result", **fields)
@@ -516,9 +524,6 @@ def run_checks(args: argparse.Namespace) -> list[Result]:
             run(name, functools.partial(skipped, name, no_ranks))
         elif name.startswith("nccl") and len(own) < 2:
             run(name, functools.partial(skipped, name, f"{n_gpus} GPU(s): NCCL checks need >= 2", gpu=True))
-        elif name.startswith("nccl"):   # the Communicator stages every CUDA op through the host for now
-            run(name, functools.partial(skipped, name, "the Communicator does not select the NCCL transport yet "
-                                        "(CUDA ops run host-staged; docs/cuda.md)", gpu=True))
         else:
             run(name, functools.partial(_cluster_check, name, devices, args.ranks_mib, kill))
     return results

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from resilient.collectives.communicator import Communicator
 from resilient.collectives.group import EtcdGroupView, GroupView
+from resilient.device.probe import member_record
+from resilient.device.select import DeviceRecord
 from resilient.settings import Settings
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -141,7 +143,7 @@ def connect(etcd: str | Sequence[str] | None = None, job: str | None = None, mem
             world: int | None = None, timeout: float = 60.0, ttl: float | None = None,
             lease_id: int | None = None, host: str | None = None, host_label: str | None = None,
             labels: dict[str, str] | None = None, local_rank: int = 0,
-            store: Store | None = None, transport: Transport | None = None,
+            device: str | DeviceRecord | None = None, store: Store | None = None, transport: Transport | None = None,
             wrap_transport: Callable[[Transport], Transport] | None = None,
             wrap_view: Callable[[EtcdGroupView], GroupView] | None = None,
             on_registered: Callable[[MemberSession], None] | None = None, health_reports: bool = False,
@@ -155,7 +157,11 @@ def connect(etcd: str | Sequence[str] | None = None, job: str | None = None, mem
     ``host``: the address the data-plane listener binds; ``host_label``: the host this
     member counts as for hierarchical plans (default: the host name); ``labels``,
     ``local_rank``: the member's topology labels (e.g. ``rack``) and local rank (see
-    :class:`~resilient.coordinator.MemberInfo`); ``store``/``transport``: use these instead
+    :class:`~resilient.coordinator.MemberInfo`); ``device``: where this member's tensors
+    live (``"cpu"``, ``"cuda:N"``; published in its member record with the GPU UUID and
+    whether NCCL loads, :mod:`resilient.device.probe`, so that each epoch can choose NCCL
+    for CUDA tensors: docs/cuda.md; a :class:`~resilient.device.select.DeviceRecord` is
+    published as given); ``store``/``transport``: use these instead
     of opening new ones (a given store is not closed by :meth:`close`; a given transport
     is); ``wrap_transport``: applied to the new transport (e.g.
     :func:`resilient.transport.shaping.shaped_from_env`); ``wrap_view``: applied to the
@@ -197,6 +203,9 @@ def connect(etcd: str | Sequence[str] | None = None, job: str | None = None, mem
         host_label = host_label or settings.host_label   # RESILIENT_HOST_LABEL
         if host_label:
             info = dataclasses.replace(info, host=host_label)
+        if device is not None:
+            rec = member_record(mid, info.host, device)
+            info = dataclasses.replace(info, device=rec.device, labels={**info.labels, **rec.labels()})
         session = MemberSession.register(store, job, info, ttl=ttl or settings.lease_ttl,
                                          lease_id=lease_id if lease_id is not None else settings.lease_id)
         built.append(_SessionCloser(session))

@@ -4,10 +4,13 @@ path run in the multi-process tests (test_collectives_*.py)."""
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import torch
 
+from resilient.collectives.algorithms.select import Sizing
 from resilient.collectives.compressed import Compression
 from resilient.collectives.compression_switch import compressed_body
 from resilient.collectives.op_metrics import OpMetrics
@@ -59,15 +62,17 @@ def test_op_thread_failed_op_fails_its_work_is_not_timed_and_close_refuses_new_o
         ops.submit(lambda: None, False)
 
 
-def test_compressed_body_none_when_exact_and_config_error_off_the_cpu() -> None:
-    """``comm`` is None here: choosing the body calls nothing on it (the body runs later)."""
+def test_compressed_body_none_when_exact_and_config_error_off_cpu_and_cuda() -> None:
+    """Choosing the body reads only ``comm.sizing`` (the body runs later); a tensor off the
+    CPU is staged whole through the host, and a device with no staging path is refused."""
+    comm = cast(Any, SimpleNamespace(sizing=Sizing()))
     t = torch.ones(64, 64)
-    assert compressed_body(None, t, ReduceOp.SUM, None, None) is None
-    assert compressed_body(None, t, ReduceOp.SUM, "fp32", None) is None
+    assert compressed_body(comm, t, ReduceOp.SUM, None, None) is None
+    assert compressed_body(comm, t, ReduceOp.SUM, "fp32", None) is None
     small = torch.ones(8)   # 1-D: the layout leaves it uncompressed
-    assert compressed_body(None, small, ReduceOp.SUM, "q8", None) is None
-    assert compressed_body(None, t, ReduceOp.SUM, Compression(bits=4), None) is not None
-    with pytest.raises(ConfigError, match="runs on the CPU"):
-        compressed_body(None, torch.empty(64, 64, device="meta"), ReduceOp.SUM, "q4", None)
+    assert compressed_body(comm, small, ReduceOp.SUM, "q8", None) is None
+    assert compressed_body(comm, t, ReduceOp.SUM, Compression(bits=4), None) is not None
+    with pytest.raises(ConfigError, match="use CPU or CUDA tensors"):
+        compressed_body(comm, torch.empty(64, 64, device="meta"), ReduceOp.SUM, "q4", None)
     with pytest.raises(ConfigError):
-        compressed_body(None, t, ReduceOp.SUM, "q99", None)
+        compressed_body(comm, t, ReduceOp.SUM, "q99", None)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from resilient.device.select import UUID_LABEL, DeviceRecord, choose_transport
 from resilient.errors import ConfigError, RecordError
@@ -111,3 +112,17 @@ def test_local_record_of_a_cuda_member_without_cuda_names_the_fix():
         local_record("m0", "node0", "cuda:0")
     with pytest.raises(ConfigError, match="not supported"):
         local_record("m0", "node0", "meta")
+
+
+def test_member_record_takes_a_given_record_only_for_its_own_member_and_cpu_has_no_labels():
+    from resilient.device.probe import member_record, this_device
+
+    claimed = DeviceRecord("m1", "node0", "cuda:0", U[1], True)
+    assert member_record("m1", "node0", claimed) is claimed
+    assert claimed.labels() == {UUID_LABEL: U[1], "resilient.nccl": "1"}
+    with pytest.raises(ConfigError, match="device record of 'm1' given to member 'm2'"):
+        member_record("m2", "node0", claimed)
+    cpu = member_record("m0", "node0", "cpu")
+    assert cpu == DeviceRecord("m0", "node0", "cpu") and cpu.labels() == {}
+    if not torch.cuda.is_available():
+        assert this_device() == "cpu"

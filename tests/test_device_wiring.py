@@ -1,6 +1,6 @@
 """How the collectives pick their data path per tensor device (pure logic, no sockets):
-which ops stage through the host, which algorithms may stage, what CUDA tensors are
-refused with, and the torch backend's device registration. A CUDA tensor cannot be made
+which ops stage through the host, which algorithms may stage (the others run on whole
+host copies), and the torch backend's device registration. A CUDA tensor cannot be made
 on a machine without a GPU: the CUDA branches are reached through the device object."""
 from __future__ import annotations
 
@@ -53,11 +53,19 @@ def test_the_flat_algorithms_stage_when_forced(algo):
     assert got is algo and isinstance(L.ops, CpuOps) and L.stage_elems == 100
 
 
-def test_an_algorithm_that_cannot_stage_runs_cpu_tensors_direct_and_refuses_cuda_ones():
-    L, _ = ledger_on_device(ledger(), NotStaged(), CPU, select.Sizing(staging=True))
-    assert L.stage_elems == 0
-    with pytest.raises(ConfigError, match=r"does not take CUDA tensors; pass CPU tensors \(\.cpu\(\)\)"):
-        ledger_on_device(ledger(), NotStaged(), CUDA, select.Sizing())
+def test_an_algorithm_that_cannot_stage_runs_on_whole_host_copies_when_staged():
+    from resilient.device.whole import COUNTS
+
+    plain = ledger()
+    inp, out = plain.inp, plain.out
+    L, _ = ledger_on_device(plain, NotStaged(), CPU, select.Sizing())
+    assert L.stage_elems == 0 and L.inp is inp and L.out is out          # plain CPU: direct
+    forced = ledger()
+    forced.inp.copy_(torch.arange(1000, dtype=torch.float64))
+    before, caller_inp = COUNTS.d2h, forced.inp
+    L, _ = ledger_on_device(forced, NotStaged(), CPU, select.Sizing(staging=True))
+    assert L.stage_elems == 0 and isinstance(L.ops, CpuOps) and COUNTS.d2h == before + 2
+    assert L.inp is not caller_inp and torch.equal(L.inp, torch.arange(1000, dtype=torch.float64))
 
 
 def test_a_tensor_on_another_device_is_refused_naming_the_fix():

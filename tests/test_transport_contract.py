@@ -6,9 +6,9 @@ hybrid transport (shared-memory links on one host), TCP wrapped by shaping
 (tests/nccl_fake.py) with an in-process rendezvous. Real loopback/unix sockets and
 shared memory for the CPU transports; two members ``a`` < ``b`` configured for epoch 1.
 
-NCCL matches messages by posting order only and carries no header, so the tests of
-tag/namespace matching, late-message discarding, ERROR messages and digests do not apply
-to it (:func:`require`); everything else does. Per-transport behaviour (handshake hardening,
+NCCL matches messages by posting order only, so the tests of tag/namespace matching and
+of late-message discarding do not apply to it (:func:`require`); everything else does
+(its digests travel in a per-message header, its ERROR reports through the rendezvous). Per-transport behaviour (handshake hardening,
 TLS, shared-memory rings, shaping holds, retries, NCCL's unique-id exchange) stays in
 that transport's own test file.
 """
@@ -80,7 +80,7 @@ def _make(kind: str) -> World:
     fabric, rdv = Fabric(), LocalRendezvous()
     a = NcclTransport("a", rdv, api=FakeNccl(fabric, "a"), connect_timeout=HANG_GUARD_S)
     b = NcclTransport("b", rdv, api=FakeNccl(fabric, "b"), connect_timeout=HANG_GUARD_S)
-    return World(a, b, kind, frozenset(), rendezvous=rdv)
+    return World(a, b, kind, frozenset({"post_error", "digest"}), rendezvous=rdv)
 
 
 KINDS = ["tcp", "shm", "shaped", "retrying", "nccl"]
@@ -97,10 +97,19 @@ def world(request: pytest.FixtureRequest) -> Iterator[World]:
         w.b.close()
 
 
+#: why NCCL cannot carry a feature (it matches messages by posting order per pair, not by tag)
+WHY_NOT = {
+    "namespaces": "NCCL matches by posting order, not by tag, so a control message cannot be kept aside "
+                  "for a receive posted later",
+    "late_discard": "NCCL matches by posting order: a cancelled op's message still in flight meets the next "
+                    "receive, whose header check then fails it (TransportError) instead of discarding it",
+}
+
+
 def require(w: World, feature: str) -> None:
     """Skip for a transport that cannot carry ``feature``."""
     if feature not in w.features:
-        pytest.skip(f"{w.kind} does not carry {feature} (NCCL matches by posting order only, with no header)")
+        pytest.skip(f"{w.kind} does not carry {feature}: {WHY_NOT.get(feature, '')}")
 
 
 def both(w: World, sends: list[Request], recvs: list[Request]) -> None:

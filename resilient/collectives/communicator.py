@@ -68,6 +68,7 @@ from resilient.collectives.recovery_path import RecoveryPath
 from resilient.collectives.recovery_report import RecoveryReport
 from resilient.transport.retrying import RetryingTransport
 from resilient.collectives.work import Work
+from resilient.device.routing import DeviceRoute, ErrorsToNccl, default_route
 from resilient.errors import ConfigError
 from resilient.kernels import ReduceOp
 from resilient.settings import Settings
@@ -83,9 +84,13 @@ class Communicator:
                  op_timeout: float | None = 30.0, small_bytes: int = 64 << 10, slice_bytes: int = 2 << 20,
                  max_slices: int = 64, recovery_timeout: float = 300.0, epoch_timeout: float = 60.0,
                  ledger: bool = True, joining: bool | None = None, health_reporter: Any = None,
-                 metrics: Any = None, hierarchical: bool = True, staging: bool | None = None) -> None:
+                 metrics: Any = None, hierarchical: bool = True, staging: bool | None = None,
+                 device_route: DeviceRoute | None = None) -> None:
         """``staging``: run CPU tensors through the host-staged data path CUDA tensors take
-        (:mod:`.staged`; default ``RESILIENT_STAGING``, off). CUDA tensors always take it."""
+        (:mod:`.staged`; default ``RESILIENT_STAGING``, off). CUDA tensors take it unless
+        the epoch's members each have their own GPU: then ``device_route`` (default: over
+        this view's epoch data, :func:`resilient.device.routing.default_route`) sends them
+        over NCCL (docs/cuda.md)."""
         self.view, self.transport, self.member_id = view, transport, view.member_id
         staging = Settings.from_env().staging if staging is None else bool(staging)
         self.settings = CommSettings(policy, op_timeout, small_bytes, slice_bytes, max_slices, recovery_timeout,
@@ -102,13 +107,15 @@ class Communicator:
         self._recovery = RecoveryPath(view, transport, self._op_transport, self._epochs, op_timeout,
                                       recovery_timeout, self._suspect)
         self._epochs.start(joining)
-        self._errors = OpErrors(self.member_id, transport, self._op_transport, self._epochs.members)
+        self._route = device_route if device_route is not None else default_route(view)
+        self._errors = OpErrors(self.member_id, ErrorsToNccl(transport, self._route),
+                                ErrorsToNccl(self._op_transport, self._route), self._epochs.members)
         self._p2p = PointToPoint(self.member_id, transport, op_timeout, self._suspect)
         self._buffers = BufferPool()
         self._loop = OpLoop(self.member_id, self._op_transport, self._epochs, self._recovery, self._errors,
-                            self._buffers, self.metrics, op_timeout, self._suspect)
+                            self._buffers, self.metrics, op_timeout, self._suspect, self._route)
         self._ops = OpThread(self.member_id, self.metrics, lambda: self.epoch.number)
-        self._epochs.watch()
+        self._epochs.watch(self._route.on_epoch)
         self.last_compression: dict[str, Any] | None = None  # scales/q of the last compressed op
         self.compression_switch: CompressionSwitch | None = None  # compression="auto" (compression_switch.py)
 
@@ -197,6 +204,11 @@ class Communicator:
         return self._epochs.epoch
 
     @property
+    def device_route(self) -> DeviceRoute:
+        """How this member's device ops travel per epoch (host-staged or NCCL; docs/cuda.md)."""
+        return self._route
+
+    @property
     def last_recovery(self) -> RecoveryReport | None:
         """What the last op finished by recovery did (None before any)."""
         return self._recovery.last_report
@@ -257,6 +269,7 @@ class Communicator:
         drain(self._op_transport, self.epoch.number, max(linger, self.op_timeout or 30.0))
         self._recovery.serve_retained(linger, self.policy)
         self._epochs.unwatch()
+        self._route.close()
         if leave:
             try:
                 self.view.leave("closed")

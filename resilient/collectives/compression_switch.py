@@ -33,7 +33,7 @@ import torch
 from resilient.collectives.compressed import Compression, run_compressed
 from resilient.collectives.recovery import Policy
 from resilient.collectives.quantization import Segment, bucket_maxima, dequantize, pack, quantize, scales, unpack, wire_bits
-from resilient.errors import ConfigError
+from resilient.device.whole import WholeStaging
 from resilient.kernels import ReduceOp
 
 if TYPE_CHECKING:
@@ -179,16 +179,16 @@ def compressed_body(comm: Communicator, t: torch.Tensor, op: ReduceOp, compressi
                     policy: Policy | str | None) -> Callable[[], Any] | None:
     """The op body of ``comm.allreduce(t, op, compression=compression)``: the fixed codec
     (:func:`.compressed.run_compressed`) or this switch (:func:`run_auto`); None when the
-    call runs exact (no compression, or a layout that leaves ``t`` uncompressed). A bad
-    ``compression`` or a tensor not on the CPU raises ConfigError (before any communication)."""
+    call runs exact (no compression, or a layout that leaves ``t`` uncompressed). A tensor off the
+    CPU is staged whole through host memory (:mod:`resilient.device.whole`); a bad
+    ``compression`` raises ConfigError (before any communication)."""
     comp = Compression.parse(compression)
     if comp is None:
         return None
-    if t.device.type != "cpu":
-        raise ConfigError(f"compressed allreduce of a tensor on {t.device}: the codec runs on the CPU; "
-                          "pass compression=None (exact, host-staged) or a CPU tensor")
     segs = comp.layout(t)
     if segs is None:
         return None
     body = run_auto if comp.auto else run_compressed
-    return lambda: body(comm, t, op, comp, segs, policy)
+    st = WholeStaging(comm.sizing.staging)   # the codec runs on the CPU: CUDA tensors via the host
+    h = st.host(t, output=True)
+    return st.run(lambda: body(comm, h, op, comp, segs, policy))

@@ -100,9 +100,15 @@ class EpochTracker:
             self.announce(epoch.number)
         self.set_metrics()
 
-    def watch(self) -> None:
-        """From now on, :meth:`on_epoch` sees every epoch the view publishes."""
-        self._unwatch = self.view.subscribe(self.on_epoch)
+    def watch(self, *also: Callable[[EpochLike], None]) -> None:
+        """From now on, :meth:`on_epoch` (then each of ``also``, e.g. the device route's)
+        sees every epoch the view publishes."""
+        unsubs = [self.view.subscribe(cb) for cb in (self.on_epoch, *also)]
+
+        def unwatch() -> None:
+            for u in unsubs:
+                u()
+        self._unwatch = unwatch
 
     def unwatch(self) -> None:
         """Stop :meth:`watch`; never raises (best effort on the way out)."""

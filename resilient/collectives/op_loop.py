@@ -26,6 +26,7 @@ from resilient.collectives.op_metrics import OpMetrics
 from resilient.collectives.ops import OpSpec, digest
 from resilient.collectives.recovery import Policy
 from resilient.collectives.recovery_path import Outcome, RecoveryPath
+from resilient.device.routing import DeviceRoute
 from resilient.errors import OpMismatch, PeerReportedError, PeerUnreachable, TransportAborted, TransportError
 from resilient.kernels import ReduceOp
 from resilient.transport.retrying import RetryingTransport
@@ -39,10 +40,10 @@ class OpLoop:
 
     def __init__(self, member_id: str, op_transport: RetryingTransport, epochs: EpochTracker,
                  recovery: RecoveryPath, errors: OpErrors, buffers: BufferPool, metrics: OpMetrics,
-                 op_timeout: float | None, on_suspect: Callable[[str, str], None]) -> None:
+                 op_timeout: float | None, on_suspect: Callable[[str, str], None], route: DeviceRoute) -> None:
         self.member_id, self.op_transport, self.epochs, self.recovery = member_id, op_transport, epochs, recovery
         self.errors, self.buffers, self.metrics = errors, buffers, metrics
-        self.op_timeout, self.on_suspect = op_timeout, on_suspect
+        self.op_timeout, self.on_suspect, self.route = op_timeout, on_suspect, route
 
     def run(self, desc: dict[str, Any], spec: OpSpec, policy: Policy, ledger: bool, seq: int | None,
             reserve: int) -> Ledger:
@@ -57,7 +58,8 @@ class OpLoop:
             epoch = self.epochs.epoch
             L, algo = spec.layout(members, members.index(self.member_id), seq, d, epoch)
             L.enabled = ledger
-            ctx = OpContext(self.op_transport, L, op, self.op_timeout, self.on_suspect, epoch.number)
+            tr = self.route.op_transport(L, epoch, self.op_transport)   # NCCL for device buffers when routed
+            ctx = OpContext(tr, L, op, self.op_timeout, self.on_suspect, epoch.number)
             outcome = self._attempt(ctx, algo.run, seq, desc, policy, need_status)
             need_status = False
             if outcome == "done":

@@ -24,7 +24,7 @@ from resilient.collectives.buffers import BufferPool
 from resilient.collectives.group import EpochLike
 from resilient.collectives.ledger import Ledger
 from resilient.collectives.recovery import PieceKind, members_of
-from resilient.device import device_ops
+from resilient.device import device_ops, whole
 from resilient.errors import ConfigError, DataLost
 from resilient.kernels import ReduceOp
 
@@ -111,13 +111,15 @@ def on_device(t: torch.Tensor, body: Callable[[], OpResult]) -> Callable[[], OpR
 def ledger_on_device(L: Ledger, algo: Algorithm, device: torch.device,
                      sizing: select.Sizing) -> tuple[Ledger, Algorithm]:
     """Give ``L`` its device's buffer ops and, when the op is staged (CUDA, or
-    ``staging=True``) and ``algo`` can stage, the staged chunk size. A CUDA op on an
-    algorithm that cannot stage raises ConfigError naming the alternative; a CPU op on one
-    runs direct (its buffers are host memory already)."""
-    if device.type != "cpu" and not algo.capabilities.staged:
-        raise ConfigError(f"{L.kind} #{L.seq} on {device}: {type(algo).__name__} (the leaf path of demoted "
-                          "members) does not take CUDA tensors; pass CPU tensors (.cpu()) while members are "
-                          "demoted, or use the default straggler policy")
+    ``staging=True``) and ``algo`` can stage, the staged chunk size. An op on an algorithm
+    that cannot stage (the leaf paths of demoted members) runs on whole-tensor host copies
+    of its ledger's buffers (:mod:`resilient.device.whole`; ``finish`` copies the result
+    back to the caller's tensor) when it is CUDA or staging is forced; a plain CPU op runs
+    direct."""
+    if not algo.capabilities.staged and whole.needs_staging(L.out, sizing.staging):
+        L.inp, L.out = whole.to_host(L.inp), whole.to_host(L.out)
+        L.ops, L.stage_elems = device_ops("cpu"), 0
+        return L, algo
     L.ops = device_ops(device)
     L.stage_elems = sizing.stage_elems(device, L.out.element_size()) if algo.capabilities.staged else 0
     return L, algo

@@ -3,10 +3,10 @@
 One responsibility: describe where this member's tensors live, for the transport
 selection: the device string, and for a CUDA device its GPU UUID as torch reports it
 (``torch.cuda.get_device_properties(i).uuid``, written ``GPU-<hex>`` as nvidia-smi does).
-Whether NCCL is loadable is the caller's input (the NCCL transport knows how it loads
-the library).
+Whether NCCL is loadable is :func:`nccl_loadable` (the NCCL transport's own way of
+finding the library); :func:`this_device` is the device a worker publishes by default.
 
-Failure behaviour: a CUDA device that this torch cannot see raises
+Failure behaviour: :func:`nccl_loadable` and :func:`this_device` never raise; a CUDA device that this torch cannot see raises
 :class:`~resilient.errors.ConfigError` naming ``pip install -e '.[gpu]'``; a device type
 other than CPU/CUDA raises ``ConfigError``; nothing else raises.
 """
@@ -37,3 +37,35 @@ def local_record(member: str, host: str, device: torch.device | str, nccl: bool 
         raise ConfigError(f"tensors on {dev} are not supported: use CPU or CUDA tensors")
     index = dev.index if dev.index is not None else 0
     return DeviceRecord(member, host, f"cuda:{index}", gpu_uuid(torch.device("cuda", index)), nccl)
+
+
+def nccl_loadable() -> bool:
+    """Whether this process can load NCCL (as :class:`~resilient.transport.nccl.CtypesNccl`
+    finds it: ``$RESILIENT_NCCL_LIBRARY``, the ``nvidia-nccl-cu12`` wheel, the system's)."""
+    import ctypes
+
+    from resilient.transport.nccl import find_nccl_library
+
+    try:
+        ctypes.CDLL(find_nccl_library())
+    except OSError:
+        return False
+    return True
+
+
+def this_device() -> str:
+    """``cuda:<current device>`` where this torch sees a GPU, else ``cpu``."""
+    if torch.cuda.is_available():
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
+
+
+def member_record(member: str, host: str, device: torch.device | str | DeviceRecord) -> DeviceRecord:
+    """The record a member publishes: ``device`` as given (a :class:`DeviceRecord` is taken
+    as is, e.g. a test's claimed GPU), else :func:`local_record` with NCCL probed for CUDA."""
+    if isinstance(device, DeviceRecord):
+        if device.member != member:
+            raise ConfigError(f"device record of {device.member!r} given to member {member!r}: pass its own")
+        return device
+    dev = torch.device(device)
+    return local_record(member, host, dev, nccl=dev.type == "cuda" and nccl_loadable())

@@ -31,6 +31,8 @@ from resilient.errors import ConfigError, RecordError
 
 #: member-record label carrying the GPU UUID of a member on CUDA
 UUID_LABEL = "resilient.gpu-uuid"
+#: member-record label saying whether the member can load NCCL: ``"1"`` or ``"0"``
+NCCL_LABEL = "resilient.nccl"
 TransportKind = Literal["tcp", "host-staged", "nccl"]
 Preference = Literal["auto", "host-staged", "nccl"]
 
@@ -73,9 +75,28 @@ class DeviceRecord:
 
     @classmethod
     def from_member(cls, member: str, host: str, device: str, labels: Mapping[str, str],
-                    nccl: bool = False) -> "DeviceRecord":
-        """From a member record's fields (``labels[UUID_LABEL]`` is the GPU UUID)."""
-        return cls(member, host, device, labels.get(UUID_LABEL), nccl)
+                    nccl: bool | None = None) -> "DeviceRecord":
+        """From a member record's fields: ``labels[UUID_LABEL]`` is the GPU UUID,
+        ``labels[NCCL_LABEL]`` (``"1"``/``"0"``, absent: ``"0"``) whether NCCL loads there
+        (``nccl`` given: that instead). RecordError naming the member and label on any
+        other value."""
+        if nccl is not None:
+            return cls(member, host, device, labels.get(UUID_LABEL), nccl)
+        flag = labels.get(NCCL_LABEL, "0")
+        if flag not in ("0", "1"):
+            raise RecordError(f"device record of member {member!r}: label {NCCL_LABEL}={flag!r} must be '1' or '0'",
+                              kind="device", key=NCCL_LABEL)
+        return cls(member, host, device, labels.get(UUID_LABEL), flag == "1")
+
+    def labels(self) -> dict[str, str]:
+        """The member-record labels that carry this record (:meth:`from_member` reads them;
+        none for a CPU member, whose record is its ``device`` alone)."""
+        if not self.on_cuda:
+            return {}
+        out = {NCCL_LABEL: "1" if self.nccl else "0"}
+        if self.gpu_uuid is not None:
+            out[UUID_LABEL] = self.gpu_uuid
+        return out
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()

@@ -323,6 +323,7 @@ def from_environment(store: Any = None, rank: int = 0, size: int = 1,
         raise ConfigError(f"the resilient collectives (resilient.collectives.Communicator) are not "
                           f"available: {exc}") from exc
     from resilient.metrics import multiprocess_enabled, rank_metrics
+    from resilient.device.probe import this_device
 
     # launched by our own agent: it placed us; otherwise (mp.spawn, torchrun, torch's test
     # suite) the rank given to init_process_group is the ring position we register for,
@@ -336,7 +337,8 @@ def from_environment(store: Any = None, rank: int = 0, size: int = 1,
     connected = connect(endpoints, job, member_id, world=size if explicit else None,
                         timeout=timeout.total_seconds(), ttl=settings.lease_ttl, lease_id=settings.lease_id,
                         host=settings.host, local_rank=rank if explicit else int(os.environ.get("LOCAL_RANK", "0")),
-                        wrap_view=AdmittedView.of_current, health_reports=True, joining=False, **extra)
+                        wrap_view=AdmittedView.of_current, health_reports=True, joining=False,
+                        device=this_device(), **extra)
     comm: Comm = NotAdmittedGate(connected, member_id) if settings.joiner else connected
     engine = CommunicatorEngine(comm, connected.watcher, connected.session, member_id,
                                 store=connected.store, job=job, transport=connected.transport)

@@ -1,6 +1,6 @@
 """``ResilientProcessGroup``: a ``torch.distributed.ProcessGroup`` over an :class:`~.engine.Engine`.
 
-Supported (CPU tensors, every dtype torch takes — see :mod:`.dtypes`): ``all_reduce``
+Supported (CPU and CUDA tensors, every dtype torch takes — see :mod:`.dtypes`): ``all_reduce``
 (SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR, BXOR), ``broadcast``, ``all_gather``,
 ``all_gather_into_tensor`` (torch 2.13: ``all_gather_single``; alias ``_allgather_base``),
 ``reduce_scatter`` (lists), ``reduce_scatter_tensor`` (``reduce_scatter_single`` /
@@ -12,8 +12,9 @@ object collectives run on these (torch pickles on the caller's side). Ops withou
 Communicator primitive are composed in :mod:`.composed`. Each is sync or async
 (``async_op=True`` returns a :class:`~.work.ResilientWork` whose ``contributors`` is the
 exact member set in the result). ``recv`` from any source, ``monitored_barrier``,
-``split_group``, CUDA tensors and reduce ops torch does not define for a dtype raise
-:class:`UnsupportedOperation` naming the op and what to use instead. ``dist.new_group``
+``split_group``, tensors on other devices and reduce ops torch does not define for a dtype
+raise :class:`UnsupportedOperation` naming the op and what to use instead. CUDA tensors of
+the composed ops run on whole-tensor host copies (:mod:`resilient.device.whole`). ``dist.new_group``
 is handled by :mod:`.subgroup`.
 
 Ranks and sizes: ``rank()`` / ``size()`` — hence ``dist.get_rank()`` /
@@ -36,7 +37,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 from torch.distributed.distributed_c10d import GroupName
 
+from resilient.device.whole import WholeStaging
 from resilient.errors import UnsupportedOperation as UnsupportedOperation  # re-export: its old import path
+from resilient.settings import Settings
 from resilient.torch_backend import composed
 from resilient.torch_backend.dtypes import Packed, for_reduce
 from resilient.torch_backend.composed import Then
@@ -72,8 +75,14 @@ def _root(opts: _RootOpts | None) -> int:
     return int(opts.rootRank) if opts is not None else 0
 
 
-#: what takes CUDA tensors (the Communicator stages them through the host; docs/cuda.md)
+#: what takes CUDA tensors natively (host-staged per chunk or over NCCL; docs/cuda.md); the
+#: others take them through whole-tensor host copies (:func:`_staging`)
 CUDA_OPS = "all_reduce, broadcast, all_gather(_into_tensor), reduce_scatter(_tensor), send/recv"
+
+
+def _staging() -> WholeStaging:
+    """Host copies for a composed op (CUDA tensors; CPU ones too with RESILIENT_STAGING=1)."""
+    return WholeStaging(Settings.from_env().staging)
 
 
 def _check_cpu(tensors: Sequence[torch.Tensor], where: str, cuda: bool = False) -> None:
@@ -169,9 +178,10 @@ class ResilientProcessGroup(dist.ProcessGroup):
 
     # -- collectives ------------------------------------------------------------------
 
-    def _work(self, pair: tuple[Handle, Then], result: object) -> ResilientWork:
+    def _work(self, pair: tuple[Handle, Then], result: object, st: WholeStaging | None = None) -> ResilientWork:
+        """``st``: the call's whole-tensor host copies, written back once it completed."""
         handle, then = pair
-        return self._issued(ResilientWork(handle, result, then))
+        return self._issued(ResilientWork(handle, result, then if st is None else st.then(then)))
 
     def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions | None = None) -> ResilientWork:  # type: ignore[override]  # torch: overloads
         t = _one(tensors, "all_reduce", cuda=True)
@@ -233,77 +243,85 @@ class ResilientProcessGroup(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # torch: other param names
 
     def reduce(self, tensors: list[torch.Tensor], opts: dist.ReduceOptions | None = None) -> ResilientWork:  # type: ignore[override]  # torch: overloads
-        t = _one(tensors, "reduce")
-        pair = composed.reduce(self.engine, t, _op_of(opts, "reduce"), _root(opts), self.rank())
-        return self._issued(self._work(pair, list(tensors)))
+        t, st = _one(tensors, "reduce", cuda=True), _staging()
+        pair = composed.reduce(self.engine, st.host(t, True), _op_of(opts, "reduce"), _root(opts), self.rank())
+        return self._issued(self._work(pair, list(tensors), st))
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]  # torch: overloads
                opts: dist.GatherOptions | None = None) -> ResilientWork:
-        inp = _one(input_tensors, "gather")
+        inp, st = _one(input_tensors, "gather", cuda=True), _staging()
         outs = output_tensors[0] if output_tensors else []
-        _check_cpu(outs, "gather")
-        pair = composed.gather(self.engine, outs, inp, _root(opts), self.rank(), self.size())
-        return self._issued(self._work(pair, output_tensors))
+        _check_cpu([inp, *outs], "gather", cuda=True)
+        pair = composed.gather(self.engine, st.hosts(outs, True), st.host(inp), _root(opts), self.rank(), self.size())
+        return self._issued(self._work(pair, output_tensors, st))
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],  # type: ignore[override]  # torch: overloads
                 opts: dist.ScatterOptions | None = None) -> ResilientWork:
-        out = _one(output_tensors, "scatter")
+        out, st = _one(output_tensors, "scatter", cuda=True), _staging()
         ins = input_tensors[0] if input_tensors else []
-        _check_cpu(ins, "scatter")
-        pair = composed.scatter(self.engine, out, ins, _root(opts), self.rank(), self.size())
-        return self._issued(self._work(pair, output_tensors))
+        _check_cpu([out, *ins], "scatter", cuda=True)
+        pair = composed.scatter(self.engine, st.host(out, True), st.hosts(ins), _root(opts), self.rank(), self.size())
+        return self._issued(self._work(pair, output_tensors, st))
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None,  # type: ignore[override]  # torch: overloads
                       input_split_sizes: list[int] | None, opts: dist.AllToAllOptions | None = None) -> ResilientWork:  # noqa: A002
-        _check_cpu([output, input], "all_to_all_single")
-        pair = composed.all_to_all_single(self.engine, output, input, list(output_split_sizes or []),
-                                          list(input_split_sizes or []), self.rank(), self.size())
-        return self._issued(self._work(pair, [output]))
+        _check_cpu([output, input], "all_to_all_single", cuda=True)
+        st = _staging()
+        pair = composed.all_to_all_single(self.engine, st.host(output, True), st.host(input),
+                                          list(output_split_sizes or []), list(input_split_sizes or []),
+                                          self.rank(), self.size())
+        return self._issued(self._work(pair, [output], st))
 
     all_to_all_single = alltoall_base  # type: ignore[assignment]  # torch: other param names
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],  # type: ignore[override]  # torch: overloads
                  opts: dist.AllToAllOptions | None = None) -> ResilientWork:
-        _check_cpu([*output_tensors, *input_tensors], "all_to_all")
-        pair = composed.all_to_all(self.engine, output_tensors, input_tensors, self.rank(), self.size())
-        return self._issued(self._work(pair, output_tensors))
+        _check_cpu([*output_tensors, *input_tensors], "all_to_all", cuda=True)
+        st = _staging()
+        pair = composed.all_to_all(self.engine, st.hosts(output_tensors, True), st.hosts(input_tensors),
+                                   self.rank(), self.size())
+        return self._issued(self._work(pair, output_tensors, st))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: dist.AllreduceCoalescedOptions | None = None) -> ResilientWork:
-        _check_cpu(tensors, "all_reduce_coalesced")
-        pair = composed.allreduce_coalesced(self.engine, tensors, _op_of(opts, "all_reduce_coalesced"))
-        return self._issued(self._work(pair, list(tensors)))
+        _check_cpu(tensors, "all_reduce_coalesced", cuda=True)
+        st = _staging()
+        pair = composed.allreduce_coalesced(self.engine, st.hosts(tensors, True), _op_of(opts, "all_reduce_coalesced"))
+        return self._issued(self._work(pair, list(tensors), st))
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
                             opts: AllgatherOptions | None = None) -> ResilientWork:
-        _check_cpu([*input_list, *[t for lst in output_lists for t in lst]], "all_gather_coalesced")
+        _check_cpu([*input_list, *[t for lst in output_lists for t in lst]], "all_gather_coalesced", cuda=True)
+        st = _staging()
         n = self.size()
         if len(output_lists) != n or any(len(lst) != len(input_list) for lst in output_lists):
             raise ValueError(f"all_gather_coalesced: need world size {n} output lists (one per rank) of "
                              f"{len(input_list)} tensors (one per input)")
-        by_input = [[output_lists[r][k] for r in range(n)] for k in range(len(input_list))]
-        pair = composed.allgather_coalesced(self.engine, by_input, input_list, n, "all_gather_coalesced")
-        return self._issued(self._work(pair, output_lists))
+        by_input = [st.hosts([output_lists[r][k] for r in range(n)], True) for k in range(len(input_list))]
+        pair = composed.allgather_coalesced(self.engine, by_input, st.hosts(input_list), n, "all_gather_coalesced")
+        return self._issued(self._work(pair, output_lists, st))
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: AllgatherOptions | None = None) -> ResilientWork:
-        _check_cpu([*outputs, *inputs], "all_gather_into_tensor_coalesced")
+        _check_cpu([*outputs, *inputs], "all_gather_into_tensor_coalesced", cuda=True)
+        st = _staging()
         n = self.size()
         for o, i in zip(outputs, inputs):
             if o.numel() != n * i.numel() or not o.is_contiguous():
                 raise ValueError(f"all_gather_into_tensor_coalesced: each output must be contiguous with world size "
                                  f"{n} x its input's elements ({o.numel()} vs {i.numel()})")
-        lists = [_chunks(o, n, i.shape) for o, i in zip(outputs, inputs)]
-        pair = composed.allgather_coalesced(self.engine, lists, inputs, n, "all_gather_into_tensor_coalesced")
-        return self._issued(self._work(pair, list(outputs)))
+        lists = [_chunks(st.host(o, True), n, i.shape) for o, i in zip(outputs, inputs)]
+        pair = composed.allgather_coalesced(self.engine, lists, st.hosts(inputs), n, "all_gather_into_tensor_coalesced")
+        return self._issued(self._work(pair, list(outputs), st))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]  # torch: other param names
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: dist.ReduceScatterOptions | None = None) -> ResilientWork:
-        _check_cpu([*outputs, *inputs], "reduce_scatter_tensor_coalesced")
-        pair = composed.reduce_scatter_coalesced(self.engine, outputs, inputs,
+        _check_cpu([*outputs, *inputs], "reduce_scatter_tensor_coalesced", cuda=True)
+        st = _staging()
+        pair = composed.reduce_scatter_coalesced(self.engine, st.hosts(outputs, True), st.hosts(inputs),
                                                  _op_of(opts, "reduce_scatter_tensor_coalesced"), self.size())
-        return self._issued(self._work(pair, list(outputs)))
+        return self._issued(self._work(pair, list(outputs), st))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]  # torch: other param names
 

@@ -35,13 +35,20 @@ Model
   communicator is healthy; otherwise the old one is aborted and a new one is created
   lazily at the next :meth:`wait` (the contract: configure never blocks on peers).
 * Requests posted with :meth:`isend`/:meth:`irecv` are launched at the next :meth:`wait`,
-  all pending ones together in one NCCL group (posting order), on the transport's own
-  stream after it waited for the caller's current stream. So a ring step that posts a
-  send and a receive cannot deadlock.
-* Messages are matched by order per pair of members, as the transport contract allows;
-  NCCL carries no tags nor headers, so ``op_seq``/``tag`` only order the requests and the
-  descriptor ``digest`` cannot be compared with the sender's (a mismatch is not detected
-  in-band). The op-level bookkeeping (cancelled and failed ops) is the shared
+  in one NCCL group (posting order), on the transport's own stream after it waited for
+  the caller's current stream: every pending send, and the pending receives of each peer
+  up to the last one waited on (a receive posted ahead, as the ring posts all of an op's
+  receives up front, waits for a later group: a group completes only as a whole, so
+  launching it early would tie this step to a later step's send). So a ring step that
+  posts a send and a receive cannot deadlock.
+* Messages are matched by order per pair of members, as the transport contract allows.
+  Every message is a fixed-size header (:data:`HEADER`: op_seq, tag, descriptor digest,
+  payload bytes; a small device buffer from :meth:`NcclApi.header`) followed by the
+  payload, in the same group. On completion a receive compares the header with what it
+  was posted with: a different digest fails the receive and its op with
+  :class:`~resilient.transport.ops.OpMismatch` (as on TCP); a different op_seq/tag/size
+  (the members posted in different orders) fails it with ``TransportError``. The
+  op-level bookkeeping (cancelled and failed ops) is the shared
   :class:`~resilient.transport.ops.OpGuard`.
 
 Failure behaviour
@@ -57,8 +64,11 @@ Failure behaviour
   ``connect_timeout`` seconds, ``TransportError`` names it. A malformed id (not 128 bytes)
   raises ``TransportError``.
 * :meth:`post_error` publishes the message as ``op-error-<seq>`` in the rendezvous (best
-  effort); NCCL cannot deliver it in-band, so peers learn of it from the rendezvous or
-  from the next abort.
+  effort; an unexpected NCCL message would break the order matching). A waiting peer
+  polls the rendezvous for the ops it waits on (every :data:`ERROR_POLL_S`) and fails
+  that op's requests with :class:`~resilient.transport.ops.PeerReportedError`; NCCL
+  operations of the op already launched cannot be withdrawn, so the communicator is
+  then aborted (usable again after the next :meth:`configure`).
 """
 from __future__ import annotations
 
@@ -67,6 +77,7 @@ import ctypes
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -76,7 +87,7 @@ from resilient.errors import ConfigError, TransportAborted, TransportError
 from resilient.settings import Settings
 from resilient.transport.base import Buffer, Request, TransportStats
 from resilient.transport.op_layer import OpLayer
-from resilient.transport.ops import ERROR_MESSAGE_CAP, OpGuard
+from resilient.transport.ops import ERROR_MESSAGE_CAP, OpGuard, OpMismatch, PeerReportedError
 from resilient.transport.rendezvous import Rendezvous
 
 log = logging.getLogger(__name__)
@@ -86,6 +97,10 @@ UID_BYTES = 128
 POLL_S = 0.0002
 #: longest single rendezvous wait for the unique id (an abort ends the setup within it)
 UID_SLICE_S = 0.1
+#: the in-band header of every message: op_seq, tag, descriptor digest, payload bytes
+HEADER = struct.Struct("<qqQQ")
+#: how often a wait looks in the rendezvous for a peer's ERROR report on its ops
+ERROR_POLL_S = 0.05
 
 
 # --------------------------------------------------------------------------------------
@@ -120,6 +135,15 @@ class NcclApi(abc.ABC):
     @abc.abstractmethod
     def buffer(self, buf: Buffer) -> tuple[int, int]:
         """(device pointer, byte count) of a buffer; :class:`ConfigError` if unusable."""
+
+    @abc.abstractmethod
+    def header(self, data: bytes | None) -> Buffer:
+        """A device buffer of :data:`HEADER` size holding ``data`` (a send's header), or
+        one to receive a header into (``None``)."""
+
+    @abc.abstractmethod
+    def header_bytes(self, buf: Buffer) -> bytes:
+        """The bytes of a received header buffer (after its launch completed)."""
 
     @abc.abstractmethod
     def launch(self, comm: Any, ops: Sequence[P2POp]) -> Any:
@@ -240,6 +264,16 @@ class CtypesNccl(NcclApi):
             raise ConfigError(f"the NCCL transport needs contiguous CUDA tensors on {self.device}")
         return buf.data_ptr(), buf.numel() * buf.element_size()
 
+    def header(self, data: bytes | None) -> Buffer:
+        t = self.torch
+        if data is None:
+            return t.zeros(HEADER.size, dtype=t.uint8, device=self.device)
+        return t.frombuffer(bytearray(data), dtype=t.uint8).to(self.device)
+
+    def header_bytes(self, buf: Buffer) -> bytes:
+        assert isinstance(buf, self.torch.Tensor)
+        return bytes(buf.cpu().numpy().tobytes())
+
     def launch(self, comm: Any, ops: Sequence[P2POp]) -> Any:
         t, lib = self.torch, self.lib
         self.stream.wait_stream(t.cuda.current_stream(self.device))
@@ -286,6 +320,8 @@ class NcclRequest(Request):
     tag: int
     ptr: int
     buf: Any
+    header: Any = None
+    digest: int = 0
     launch: Any = None
     _done: bool = False
     _error: BaseException | None = None
@@ -335,7 +371,9 @@ class NcclTransport(OpLayer):
         self._comm: Any = None
         self._comm_epoch = -1
         self._ready = False
-        self._uid: tuple[int, bytes] | None = None   # (epoch, unique id) once exchanged
+        self._uid: tuple[int, str, bytes] | None = None   # (epoch, name, unique id) once exchanged
+        self._uid_name = UID_NAME                 # nccl-uid; nccl-uid-g<n> after restart(n)
+        self._newest_seen = -1                    # newest epoch on_epoch saw
         self._abort_reason: str | None = None
         self._failed: str | None = None           # the communicator of this epoch failed
         self._pending: list[NcclRequest] = []     # posted, not completed (launched or not)
@@ -385,6 +423,7 @@ class NcclTransport(OpLayer):
                 r._error = TransportAborted(f"epoch changed to {epoch} before the request completed")
             self._pending.clear()
             self._epoch, self._members = int(epoch), members
+            self._uid_name = UID_NAME
             self._abort_reason = None
             self._failed = None
             self._ops.reset()
@@ -400,10 +439,32 @@ class NcclTransport(OpLayer):
                 log.exception("ncclCommAbort failed")
         self._comm, self._ready, self._comm_epoch = None, False, -1
 
+    def restart(self, generation: int) -> bool:
+        """After an abort within the epoch (an op given up: a mismatch, a peer's ERROR), a
+        fresh communicator over the same members, its unique id exchanged as
+        ``nccl-uid-g<generation>``: every member calls it with the same ``generation``
+        (the Communicator passes the next op's sequence number). Returns False, changing
+        nothing, when a newer epoch was seen already (the next :meth:`configure` rebuilds)
+        or the transport is closed."""
+        with self._lock:
+            if self._closed or self._epoch < 0 or self._newest_seen > self._epoch:
+                return False
+            self._drop_comm(f"restart {generation} within epoch {self._epoch}")
+            for r in self._pending:
+                r._error = r._error or TransportAborted(f"the NCCL communicator restarted ({generation})")
+            self._pending.clear()
+            self._uid_name = f"{UID_NAME}-g{int(generation)}"
+            self._abort_reason = self._failed = None
+            self._ops.reset()
+            self._wake.clear()
+            self.state = "configured"
+            return True
+
     def on_epoch(self, epoch: EpochLike) -> None:
         """Epoch-watcher callback: abort at once when ``epoch`` is newer than ours and
         removes one of our members (or us). Epochs that only add members do not abort:
         joiners are admitted at an op boundary, and :meth:`configure` rebuilds then."""
+        self._newest_seen = max(self._newest_seen, epoch.number)
         if epoch.number <= self._epoch or not self._members:
             return
         gone = sorted(set(self._members) - set(epoch.members))
@@ -429,50 +490,54 @@ class NcclTransport(OpLayer):
 
     # -- communicator setup -----------------------------------------------------------------
 
-    def _exchange_uid(self, timeout: float) -> bytes:
+    def _exchange_uid(self, timeout: float, tick: Callable[[], None]) -> bytes:
         """The epoch's unique id: created and put by the first member, awaited by the
         others. Cached per epoch, so a wait that timed out and is retried never makes a
         second id. Raises :class:`_SetupTimeout` when ``timeout`` passes first and
         :class:`~resilient.errors.TransportAborted` when a newer epoch superseded ours."""
-        if self._uid is not None and self._uid[0] == self._epoch:
-            return self._uid[1]
+        if self._uid is not None and self._uid[:2] == (self._epoch, self._uid_name):
+            return self._uid[2]
         creator = self._members[0]
         if creator == self.member_id:
             uid = self.api.unique_id()
-            self.rendezvous.publish(self._epoch, UID_NAME, self.member_id, uid)
+            self.rendezvous.publish(self._epoch, self._uid_name, self.member_id, uid)
         else:
-            uid = self._fetch_uid(creator, timeout)
+            uid = self._fetch_uid(creator, timeout, tick)
             if len(uid) != UID_BYTES:
                 raise TransportError(f"malformed NCCL unique id from member {creator}: {len(uid)} bytes, "
                                      f"expected {UID_BYTES}")
-        self._uid = (self._epoch, uid)
+        self._uid = (self._epoch, self._uid_name, uid)
         return uid
 
-    def _fetch_uid(self, creator: str, timeout: float) -> bytes:
+    def _fetch_uid(self, creator: str, timeout: float, tick: Callable[[], None]) -> bytes:
         """``creator``'s unique id of this epoch, fetched in slices of at most
-        :data:`UID_SLICE_S` so that :meth:`abort` ends the wait within one slice."""
+        :data:`UID_SLICE_S` so that :meth:`abort` ends the wait within one slice (``tick``
+        runs between slices)."""
         deadline = time.monotonic() + timeout
         while True:
+            tick()
             self._raise_if_aborted()
             left = deadline - time.monotonic()
             try:
-                return self.rendezvous.fetch(self._epoch, UID_NAME, creator, max(0.0, min(UID_SLICE_S, left)))
+                return self.rendezvous.fetch(self._epoch, self._uid_name, creator, max(0.0, min(UID_SLICE_S, left)))
             except TimeoutError:
                 if left <= UID_SLICE_S:
                     raise _SetupTimeout(f"member {creator} did not publish the NCCL unique id of epoch "
                                         f"{self._epoch} within {timeout:.1f}s (is it alive?)") from None
 
-    def _ensure_comm(self, deadline: float) -> None:
+    def _ensure_comm(self, deadline: float, tick: Callable[[], None]) -> None:
+        """Set up the epoch's communicator (``tick`` runs while waiting for peers)."""
         if self._ready:
             return
         if self._comm is None:
-            uid = self._exchange_uid(max(0.1, deadline - time.monotonic()))
+            uid = self._exchange_uid(max(0.1, deadline - time.monotonic()), tick)
             self._raise_if_aborted()
             with self._lock:
                 self._raise_if_aborted()
                 self._comm = self.api.init_comm(len(self._members), uid, self._members.index(self.member_id))
                 self._comm_epoch = self._epoch
         while not self.api.comm_ready(self._comm):
+            tick()
             self._raise_if_aborted()
             if time.monotonic() > deadline:
                 raise _SetupTimeout(f"NCCL communicator of epoch {self._epoch} not ready in time; "
@@ -488,32 +553,34 @@ class NcclTransport(OpLayer):
 
     # -- requests -----------------------------------------------------------------------------
 
-    def _post(self, kind: str, peer: str, buf: Buffer, op_seq: int, tag: int) -> NcclRequest:
+    def _post(self, kind: str, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int) -> NcclRequest:
         if self._epoch < 0:
             raise TransportError("post before configure(): the NCCL transport has no epoch yet")
         if peer not in self._members or peer == self.member_id:
             raise ConfigError(f"{kind} to {peer!r}: not another member of epoch {self._epoch} "
                               f"({list(self._members)})")
         ptr, nbytes = self.api.buffer(buf)
-        req = NcclRequest(peer=peer, nbytes=nbytes, kind=kind, op_seq=op_seq, tag=tag, ptr=ptr, buf=buf)
+        head = HEADER.pack(int(op_seq), int(tag), int(digest) & (2**64 - 1), nbytes) if kind == "send" else None
+        req = NcclRequest(peer=peer, nbytes=nbytes, kind=kind, op_seq=op_seq, tag=tag, ptr=ptr, buf=buf,
+                          header=self.api.header(head), digest=int(digest) & (2**64 - 1))
         req.is_send = kind == "send"
         with self._lock:
             op_error = self._op_failure(op_seq)
             if self._closed:
                 req._error = TransportError("transport is closed")
-            elif self._abort_reason is not None:
-                req._error = TransportAborted(self._abort_reason)
             elif op_error is not None:
                 req._error = op_error
+            elif self._abort_reason is not None:
+                req._error = TransportAborted(self._abort_reason)
             else:
                 self._pending.append(req)
         return req
 
     def isend(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request:
-        return self._post("send", peer, buf, op_seq, tag)
+        return self._post("send", peer, buf, op_seq, tag, digest)
 
     def irecv(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request:
-        return self._post("recv", peer, buf, op_seq, tag)
+        return self._post("recv", peer, buf, op_seq, tag, digest)
 
     def _drop_op(self, op_seq: int, exc: BaseException) -> None:
         """Drops requests of ``op_seq`` that were not launched yet. Launched NCCL operations
@@ -536,14 +603,63 @@ class NcclTransport(OpLayer):
         except Exception as exc:  # noqa: BLE001 - best effort by contract
             log.warning("post_error for op #%d not recorded: %s", op_seq, exc)
 
-    def _launch_pending(self) -> None:
-        todo = [r for r in self._pending if r.launch is None and r._error is None]
+    def _launch_pending(self, waited: Sequence[NcclRequest]) -> None:
+        """Launch every pending send and each peer's pending receives up to the last one
+        in ``waited`` (see the module docstring), header before payload."""
+        pending = [r for r in self._pending if r.launch is None and r._error is None]
+        ids = {id(r) for r in waited}
+        last: dict[str, int] = {}
+        for i, r in enumerate(pending):
+            if r.kind == "recv" and id(r) in ids:
+                last[r.peer] = i
+        todo = [r for i, r in enumerate(pending) if r.kind == "send" or i <= last.get(r.peer, -1)]
         if not todo:
             return
-        ops = [P2POp(r.kind, r.ptr, r.nbytes, self._members.index(r.peer), r.buf) for r in todo]
+        ops: list[P2POp] = []
+        for r in todo:
+            rank = self._members.index(r.peer)
+            hptr, hbytes = self.api.buffer(r.header)
+            ops.append(P2POp(r.kind, hptr, hbytes, rank, r.header))
+            ops.append(P2POp(r.kind, r.ptr, r.nbytes, rank, r.buf))
         handle = self.api.launch(self._comm, ops)
         for r in todo:
             r.launch = handle
+
+    def _check_header(self, r: NcclRequest) -> None:
+        """Compare a completed receive's header with what it was posted with (failing
+        ``r`` and, for a digest, its op)."""
+        op_seq, tag, digest, nbytes = HEADER.unpack(self.api.header_bytes(r.header))
+        r._error = self._ops.check_digest(r.peer, r.op_seq, digest, r.digest)   # a different op first
+        if r._error is None and (op_seq, tag, nbytes) != (r.op_seq, r.tag, r.nbytes):
+            r._error = TransportError(
+                f"message from {r.peer} is op #{op_seq} tag {tag} ({nbytes} bytes) but the receive posted in its "
+                f"place is op #{r.op_seq} tag {r.tag} ({r.nbytes} bytes): the members posted in different orders "
+                "(NCCL matches by posting order)")
+
+    def _poll_errors(self, reqs: Sequence[NcclRequest]) -> None:
+        """Look for peers' ERROR reports on the ops of ``reqs`` in the rendezvous; a report
+        fails that op's requests (aborting the communicator if any is in flight)."""
+        in_flight = False
+        with self._lock:
+            for peer, seq in sorted({(r.peer, r.op_seq) for r in reqs if not r._done}):
+                if self._ops.error_of(seq) is not None:
+                    continue
+                try:
+                    frame = self.rendezvous.peek(self._epoch, f"op-error-{int(seq)}", peer)
+                except Exception as exc:  # noqa: BLE001 - the store is asked again at the next poll
+                    log.debug("ERROR poll for op #%d failed: %s", seq, exc)
+                    continue
+                if frame is None:
+                    continue
+                self._ops.peer_reported(peer, seq, frame)
+                err = self._ops.error_of(seq)
+                for r in self._pending:
+                    if r.op_seq == seq and not r._done:
+                        in_flight = in_flight or r.launch is not None
+                        r._error = err
+                self._pending = [r for r in self._pending if r.op_seq != seq or r._done]
+        if in_flight:
+            self.abort("a peer reported an error on an op with NCCL operations in flight")
 
     def wait(self, requests: Sequence[Request], timeout: float | None = None) -> bool:
         start = time.monotonic()
@@ -559,18 +675,30 @@ class NcclTransport(OpLayer):
             raise TransportError(f"the NCCL communicator of epoch {self._epoch} failed ({self._failed}); "
                                  "it is usable again after the next epoch")
         setup_deadline = start + self.connect_timeout
+        next_poll = 0.0
+
+        def tick() -> None:
+            nonlocal next_poll
+            if time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + ERROR_POLL_S
+                self._poll_errors(reqs)
+                self._raise_failed(reqs)
+
         try:
-            self._ensure_comm(min(deadline, setup_deadline))
+            self._ensure_comm(min(deadline, setup_deadline), tick)
         except _SetupTimeout as exc:
             if deadline < setup_deadline:
                 return False                   # the caller's timeout, not a failed setup
             raise TransportError(f"{exc} (connect_timeout {self.connect_timeout:.0f}s)") from None
         try:
+            next_poll = 0.0
+            tick()
             with self._lock:
                 self._raise_if_aborted()
-                self._launch_pending()
+                self._launch_pending(reqs)
             handles = {id(r.launch): r.launch for r in reqs if not r._done}
             while True:
+                tick()
                 self._raise_if_aborted()
                 for key, h in list(handles.items()):
                     if self.api.progress(self._comm, h):
@@ -581,7 +709,7 @@ class NcclTransport(OpLayer):
                 if time.monotonic() > deadline:
                     return False
                 self._wake.wait(POLL_S)
-        except TransportAborted:
+        except (TransportAborted, PeerReportedError, OpMismatch):
             raise
         except TransportError as exc:
             with self._lock:
@@ -595,17 +723,23 @@ class NcclTransport(OpLayer):
             waited = time.monotonic() - start
             for peer in {r.peer for r in reqs}:
                 self._stats.add_wait(peer, waited)
+        self._raise_failed(reqs)
+        return True
+
+    @staticmethod
+    def _raise_failed(reqs: Sequence[NcclRequest]) -> None:
         for r in reqs:
             if r._error is not None:
                 raise r._error
-        return True
 
     def _complete(self, handle: Any) -> None:
         with self._lock:
             for r in self._pending:
                 if r.launch is handle:
                     r._done = True
-                    r.buf = None
+                    if r.kind == "recv":
+                        self._check_header(r)
+                    r.buf = r.header = None
                     (self._stats.add_sent if r.kind == "send" else self._stats.add_received)(r.peer, r.nbytes)
             self._pending = [r for r in self._pending if not r._done]
 

@@ -1,10 +1,11 @@
 """Per-epoch rendezvous for transports that need an out-of-band exchange (NCCL's unique id).
 
 One responsibility: the small :class:`Rendezvous` protocol a transport is given (publish
-this member's bytes under a name for an epoch; fetch another member's) and its two
-implementations: :class:`EpochDataRendezvous` over the job's ``epochs/<n>/data/`` keys
-in etcd (what members use) and :class:`LocalRendezvous`, in one process (several
-transports of one test or one process).
+this member's bytes under a name for an epoch; fetch another member's, or peek whether it
+is there) and its implementations: :class:`EpochDataRendezvous` over the job's
+``epochs/<n>/data/`` keys in etcd, :class:`ViewRendezvous` over the same keys through a
+Communicator's group view (what members use), and :class:`LocalRendezvous`, in one
+process (several transports of one test or one process).
 
 Failure behaviour (every implementation): :meth:`Rendezvous.fetch` raises
 :class:`~resilient.errors.TransportAborted` naming the newer epoch when one supersedes
@@ -16,12 +17,12 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Protocol
+from typing import Iterable, Protocol
 
+from resilient.coordinator import keys
 from resilient.coordinator.epoch import EpochData
-from resilient.errors import EpochChanged
 from resilient.coordinator.store import Store
-from resilient.errors import TransportAborted
+from resilient.errors import ConfigError, EpochChanged, TransportAborted
 
 
 class Rendezvous(Protocol):
@@ -32,6 +33,9 @@ class Rendezvous(Protocol):
 
     def fetch(self, epoch: int, name: str, member: str, timeout: float) -> bytes:
         """``member``'s ``name`` of ``epoch``, waiting up to ``timeout`` seconds for it."""
+
+    def peek(self, epoch: int, name: str, member: str) -> bytes | None:
+        """``member``'s ``name`` of ``epoch`` if it was published, else None (no wait)."""
 
 
 class EpochDataRendezvous:
@@ -49,6 +53,57 @@ class EpochDataRendezvous:
             return bytes(EpochData(self.store, self.job, epoch).wait_all(name, [member], timeout)[member])
         except EpochChanged as exc:
             raise TransportAborted(f"epoch {exc.newest} superseded epoch {epoch} during the rendezvous") from None
+
+    def peek(self, epoch: int, name: str, member: str) -> bytes | None:
+        kv = self.store.get(keys.epoch_data_of(self.job, epoch, name, member))
+        return None if kv is None else bytes(kv.value)
+
+
+class BlobStore(Protocol):
+    """The epoch-data part of a group view (:class:`~resilient.collectives.group.GroupView`)."""
+
+    member_id: str
+
+    def put_blob(self, epoch: int, name: str, payload: bytes) -> None: ...
+
+    def wait_blobs(self, epoch: int, name: str, members: Iterable[str], timeout: float) -> dict[str, bytes]: ...
+
+
+class ViewRendezvous:
+    """:class:`Rendezvous` over a group view's epoch data (``epochs/<n>/data/`` of the job
+    for :class:`~resilient.collectives.group.EtcdGroupView`); this member publishes only
+    its own entries (ConfigError for another member's)."""
+
+    #: a view has no cheap point read (a peek is a snapshot plus watches): at most one
+    #: peek per entry per this many seconds; the others answer None at once
+    PEEK_EVERY_S = 0.5
+
+    def __init__(self, view: BlobStore) -> None:
+        self.view = view
+        self._peeked: dict[tuple[int, str, str], float] = {}
+
+    def publish(self, epoch: int, name: str, member: str, payload: bytes) -> None:
+        if member != self.view.member_id:
+            raise ConfigError(f"member {self.view.member_id} cannot publish {name!r} as member {member}")
+        self.view.put_blob(epoch, name, payload)
+
+    def fetch(self, epoch: int, name: str, member: str, timeout: float) -> bytes:
+        try:
+            return bytes(self.view.wait_blobs(epoch, name, [member], timeout)[member])
+        except EpochChanged as exc:
+            raise TransportAborted(f"epoch {exc.newest} superseded epoch {epoch} during the rendezvous") from None
+
+    def peek(self, epoch: int, name: str, member: str) -> bytes | None:
+        now, key = time.monotonic(), (epoch, name, member)
+        if now - self._peeked.get(key, -self.PEEK_EVERY_S) < self.PEEK_EVERY_S:
+            return None
+        if len(self._peeked) > 1024:
+            self._peeked.clear()
+        self._peeked[key] = now
+        try:
+            return self.fetch(epoch, name, member, 0.0)
+        except (TimeoutError, TransportAborted):
+            return None
 
 
 class LocalRendezvous:
@@ -81,3 +136,7 @@ class LocalRendezvous:
                     raise TimeoutError(f"member {member} did not publish {name!r} of epoch {epoch} within {timeout:.1f}s")
                 self._cond.wait(left)
             return self._data[(epoch, name, member)]
+
+    def peek(self, epoch: int, name: str, member: str) -> bytes | None:
+        with self._cond:
+            return self._data.get((epoch, name, member))

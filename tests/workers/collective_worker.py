@@ -45,6 +45,8 @@ def main() -> int:
     import numpy as np
     import torch
 
+    from resilient.device.whole import COUNTS as WHOLE
+
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -126,6 +128,7 @@ def main() -> int:
 
                     pieces, algo = select.allreduce(list(kept.members), comm.epoch, n_in, x.element_size(), comm.sizing)
                     rec["algorithm"] = type(algo).__name__ if pieces == kept.pieces else None
+                rec["whole_staged"] = WHOLE.d2h   # whole-tensor host copies so far (resilient/device/whole.py)
                 arr = out.to(torch.float32) if out.dtype in (torch.float16, torch.bfloat16) else out
                 np.save(os.path.join(args.out, f"{args.id}.{seq}.npy"), arr.numpy(), allow_pickle=False)
             except RemovedFromGroup as exc:
