@@ -126,3 +126,21 @@ def test_member_record_takes_a_given_record_only_for_its_own_member_and_cpu_has_
     assert cpu == DeviceRecord("m0", "node0", "cpu") and cpu.labels() == {}
     if not torch.cuda.is_available():
         assert this_device() == "cpu"
+
+
+@pytest.mark.parametrize("current,count,local,expected", [
+    (0, 4, "2", "cuda:2"),      # set_device(local_rank) comes after init: LOCAL_RANK names the GPU
+    (0, 4, "6", "cuda:2"),      # more local ranks than GPUs: shared round-robin
+    (3, 4, "1", "cuda:3"),      # the script already chose a device: that one
+    (0, 1, "3", "cuda:0"),      # one GPU: every rank on it
+    (0, 4, "", "cuda:0"),       # no launcher rank: the current device
+])
+def test_this_device_follows_the_current_device_or_the_launchers_local_rank(monkeypatch, current, count, local,
+                                                                           expected):
+    from resilient.device import probe
+
+    monkeypatch.setattr(probe.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(probe.torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(probe.torch.cuda, "device_count", lambda: count)
+    monkeypatch.setenv("LOCAL_RANK", local)
+    assert probe.this_device() == expected

@@ -12,6 +12,8 @@ other than CPU/CUDA raises ``ConfigError``; nothing else raises.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from resilient.device.cuda import INSTALL_HINT
@@ -54,10 +56,19 @@ def nccl_loadable() -> bool:
 
 
 def this_device() -> str:
-    """``cuda:<current device>`` where this torch sees a GPU, else ``cpu``."""
-    if torch.cuda.is_available():
-        return f"cuda:{torch.cuda.current_device()}"
-    return "cpu"
+    """``cuda:<current device>`` where this torch sees a GPU, else ``cpu``. Scripts often
+    call ``torch.cuda.set_device(local_rank)`` only *after* ``init_process_group`` (when
+    this is read): so on a machine with several GPUs where the current device is still 0,
+    a launcher's ``LOCAL_RANK`` names the GPU (``cuda:<LOCAL_RANK mod device count>``),
+    as torchrun's one-process-per-GPU convention has it. A wrong guess only costs speed:
+    two members naming one GPU get the host-staged path, never NCCL (docs/cuda.md)."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    current, count = torch.cuda.current_device(), torch.cuda.device_count()
+    local = os.environ.get("LOCAL_RANK", "")
+    if current == 0 and count > 1 and local.isdigit():
+        return f"cuda:{int(local) % count}"
+    return f"cuda:{current}"
 
 
 def member_record(member: str, host: str, device: torch.device | str | DeviceRecord) -> DeviceRecord:
