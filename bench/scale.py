@@ -31,13 +31,14 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.calibrate_sim import DEFAULT_OUT as DEFAULT_PARAMS, load_params  # noqa: E402
-from bench.sim_store import Clock, Latency, SimStore  # noqa: E402
+from bench.sim_store import EXPIRY_TICK, Clock, Latency, SimStore  # noqa: E402
 from resilient.coordinator import keys  # noqa: E402
 from resilient.coordinator.delta import EpochState, is_delta, parse_delta, resolve  # noqa: E402
 from resilient.coordinator.directory import NodeRecord  # noqa: E402
 from resilient.coordinator.health import DemotionRule, StragglerPolicy, make_record, write_health  # noqa: E402
 from resilient.coordinator.membership import MemberInfo  # noqa: E402
 from resilient.coordinator.service import Coordinator, CoordinatorConfig  # noqa: E402
+from resilient.coordinator.store import WatchEvent  # noqa: E402
 from resilient.coordinator.straggler import StragglerConfig  # noqa: E402
 
 JOB = "scale"
@@ -103,6 +104,8 @@ class Sim:
         self.held_states: dict[str, EpochState] = {}
         self.coord: Coordinator | None = None
         self.leader_lease = 0
+        #: virtual time of the coordinator's last watch event (its debounce starts there)
+        self.last_event_at = 0.0
 
     # -- coordinator driving ---------------------------------------------------------------
 
@@ -123,7 +126,12 @@ class Sim:
         c.election.lease_id = self.leader_lease
         c.election.leader_revision = self.store.get(keys.leader(JOB)).create_revision
         handler = c._on_member_events
-        c._on_member_events = lambda evs: self._timed(handler, evs)   # the watch thread's CPU counts too
+
+        def on_events(evs: list[WatchEvent]) -> None:   # the watch thread's CPU counts too
+            self.last_event_at = self.clock.now
+            self._timed(handler, evs)
+
+        c._on_member_events = on_events
         t0 = time.process_time()
         self._timed(c.start_leading)
         self.coord = c
@@ -232,13 +240,14 @@ class Sim:
         return self.clock.now
 
     def wait_removed(self, nodes: list[Agent], limit: float) -> float:
-        """Run the clock until every node's record is gone; the virtual time it happened."""
+        """Run the clock until every node's record is gone (1 ms steps); the virtual time
+        the coordinator's watch saw the last removal."""
         deadline = self.clock.now + limit
         while any(self.store._kv.get(keys.node(JOB, a.node)) for a in nodes):
             if self.clock.now > deadline:
                 raise AssertionError("lease expiry did not remove the nodes")
-            self.clock.run_until(self.clock.now + 0.01)
-        return self.clock.now
+            self.clock.run_until(self.clock.now + 0.001)
+        return self.last_event_at
 
 
 def run_sim(args: argparse.Namespace) -> dict:
@@ -322,11 +331,18 @@ def run_sim(args: argparse.Namespace) -> dict:
         sim.clock.run_until(sim.clock.now + 0.002)
     t_loss = sim.kill_node_silently(b)
     t_gone = sim.wait_removed([b], args.ttl * 3)
-    sim.clock.advance(sim.store.lat.watch)
-    loss = sim.publish_after(t_loss, "silent node loss", late_reader=True)
+    # the debounce runs from the watch event (plus its delivery), not from the 1 ms poll
+    debounce = t_gone + sim.store.lat.watch + coord.config.debounce - sim.clock.now
+    loss = sim.publish_after(t_loss, "silent node loss", debounce=max(0.0, debounce), late_reader=True)
     assert loss["cause"] == "lease_expired" and loss["removed"] == args.gpus_per_node, loss
     out["epoch_bytes_node_loss"] = loss["bytes"]
-    out["lease_expiry_to_delete_ms"] = round((t_gone - (sim.last_keepalive[b.idx] + args.ttl)) * 1000, 1)
+    # etcd's part: its lessor revokes expired leases on a 0.5 s tick (0-500 ms after the
+    # TTL, by the tick's phase); the coordinator's part: watch, debounce, reconcile, txn
+    tick_wait = t_gone - (sim.last_keepalive[b.idx] + args.ttl)
+    out["lease_expiry_to_delete_ms"] = round(tick_wait * 1000, 1)
+    reaction_ms = loss["publish_ms"] - (args.ttl + tick_wait) * 1000
+    out["silent_loss_reaction_ms"] = round(reaction_ms, 1)
+    out["publish_ms_after_silent_loss_worst_tick"] = round((args.ttl + EXPIRY_TICK) * 1000 + reaction_ms, 1)
 
     # -- a rack loss: every node of one rack (power)
     rack = racks[len(racks) // 3]

@@ -33,6 +33,12 @@ def test_small_simulation_runs_every_scenario_and_agrees_on_the_plan():
     assert [e["agents_checked"] for e in out["epochs"]] == [64, 63, 55, 55, 55, 54]
     assert out["epoch_bytes_node_loss"] < 2048 and out["writes_per_epoch"] <= 4
     assert out["keepalives_per_s"] == pytest.approx(64 / (5.0 / 3), rel=0.05)   # one lease per node
+    # the silent loss = TTL + etcd's expiry tick wait (0-500 ms, virtual) + the coordinator's reaction
+    assert 0 <= out["lease_expiry_to_delete_ms"] <= 500
+    assert out["publish_ms_after_silent_loss"] == pytest.approx(
+        5000 + out["lease_expiry_to_delete_ms"] + out["silent_loss_reaction_ms"], abs=0.2)
+    assert out["publish_ms_after_silent_loss_worst_tick"] == pytest.approx(5500 + out["silent_loss_reaction_ms"],
+                                                                          abs=0.2)
 
 
 def test_small_simulation_with_the_straggler_policy_probes_then_demotes():
