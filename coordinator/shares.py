@@ -42,7 +42,7 @@ from typing import Callable, Collection, Iterable, Mapping, Sequence, TypedDict
 
 from resilient.coordinator import keys, records
 from resilient.coordinator.directory import paged_snapshot
-from resilient.coordinator.store import Store, WatchEvent, WatchHandle
+from resilient.coordinator.store import KV, Store, WatchEvent, WatchHandle
 from resilient.errors import ConfigError, RecordError
 
 log = logging.getLogger(__name__)
@@ -85,10 +85,11 @@ def parse_rate(raw: bytes, key: str = "") -> tuple[str, float]:
     return member, rate
 
 
-def read_rates(store: Store, job: str) -> dict[str, float]:
-    """Every member's published samples/s (malformed records skipped, logged, counted)."""
+def parse_rates(kvs: Iterable[KV]) -> dict[str, float]:
+    """member -> samples/s of the rate records ``kvs`` (malformed ones skipped, logged,
+    counted)."""
     out: dict[str, float] = {}
-    for kv in store.get_prefix(rates_prefix(job)):
+    for kv in kvs:
         try:
             member, rate = parse_rate(kv.value, kv.key)
         except RecordError as exc:
@@ -96,6 +97,11 @@ def read_rates(store: Store, job: str) -> dict[str, float]:
             continue
         out[member] = rate
     return out
+
+
+def read_rates(store: Store, job: str) -> dict[str, float]:
+    """Every member's published samples/s (malformed records skipped, logged, counted)."""
+    return parse_rates(store.get_prefix(rates_prefix(job)))
 
 
 #: seconds between the rate cache's paged re-reads of ``rates/`` (a safety net: the watch
@@ -136,14 +142,7 @@ class RateCache:
 
     def _read(self) -> None:
         kvs, rev = paged_snapshot(self.store, self._prefix)
-        fresh: dict[str, float] = {}
-        for kv in kvs:
-            try:
-                member, rate = parse_rate(kv.value, kv.key)
-            except RecordError as exc:
-                records.skip(exc, kv.key)
-                continue
-            fresh[member] = rate
+        fresh = parse_rates(kvs)
         with self._lock:
             self._rates, self._rev, self._due = fresh, rev, False
             self._next_read = self._clock() + self.resync_interval
