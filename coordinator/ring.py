@@ -102,7 +102,7 @@ class IncrementalRing:
         out_keys: list[tuple[str, int, str]] = []
         out_ids: list[str] = []
         prev = 0
-        for i, is_drop, k in cuts:
+        for i, _, k in cuts:
             out_keys += keys_[prev:i]
             out_ids += ids[prev:i]
             if k is None:
