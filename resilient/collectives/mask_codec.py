@@ -13,9 +13,9 @@ mask becomes whichever of two forms is shorter:
   endian (bit ``i`` is bit ``i % 8`` of byte ``i // 8``). At most
   :func:`max_encoded_chars` characters, whatever the mask.
 
-Encoding never scans more than it can use: the run search stops as soon as the arcs
-would be longer than the bitmap, so a mask costs O(min(runs, N / 40) · N / 64) word
-operations.
+Encoding costs O(N / 64) word operations for a mask of a few runs (a ring's arcs) and
+at most one O(N) scan otherwise; a mask with more runs than the bitmap's length allows
+is sent as the bitmap without a scan (~0.3 ms per mask at 100k members).
 
 Failure behaviour: :func:`decode_mask` raises :class:`~resilient.errors.CollectiveError`
 naming the cause (wrong type, odd or oversized arc list, an arc out of range, bad base64,
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 
 from resilient.errors import CollectiveError
 
@@ -48,23 +49,33 @@ def _arcs_chars(arcs: list[int]) -> int:
     return 2 + sum(len(str(v)) for v in arcs) + max(len(arcs) - 1, 0)
 
 
+#: up to this many runs the arcs are found with big-integer operations (each O(N / 64));
+#: beyond, by one regular-expression scan of the mask's binary digits (O(N), in C)
+_FEW_RUNS = 8
+_ONES = re.compile("1+")
+
+
 def _runs(mask: int, n: int, budget: int) -> list[int] | None:
     """Runs of set bits of ``mask`` as ``[start, length, ...]`` (a run over bit n-1 and
-    bit 0 merged into one wrapping arc), or None once they exceed ``budget`` chars."""
+    bit 0 merged into one wrapping arc), or None when they take more than ``budget``
+    chars. Cost: O(N / 64) to count the runs, then O(runs · N / 64) for a few runs or one
+    O(N) scan for more; a mask whose runs cannot fit ``budget`` is not scanned at all."""
+    runs = ((mask ^ (mask << 1)).bit_count() + 1) // 2   # run boundaries / 2
+    if 4 * (runs - 1) + 1 > budget:    # each arc but a merged one takes >= 4 chars (",a,b")
+        return None
     out: list[int] = []
-    chars, offset, x = 2, 0, mask
-    slack = 2 * len(str(n)) + 2     # the last run may still merge into the first
-    while x:
-        low = (x & -x).bit_length() - 1
-        y = x >> low
-        run = (~y & (y + 1)).bit_length() - 1   # trailing ones of y
-        start = offset + low
-        out += (start, run)
-        chars += len(str(start)) + len(str(run)) + 2
-        if chars > budget + slack:
-            return None
-        offset = start + run
-        x = y >> run
+    if runs <= _FEW_RUNS:
+        offset, x = 0, mask
+        while x:
+            low = (x & -x).bit_length() - 1
+            y = x >> low
+            run = (~y & (y + 1)).bit_length() - 1   # trailing ones of y
+            out += (offset + low, run)
+            offset += low + run
+            x = y >> run
+    else:
+        for m in _ONES.finditer(format(mask, "b")[::-1]):   # digit i is bit i
+            out += (m.start(), m.end() - m.start())
     if len(out) >= 4 and out[0] == 0 and out[-2] + out[-1] == n:
         out[-1] += out[1]        # the last run wraps into the first
         del out[:2]
