@@ -21,7 +21,7 @@ batch = st.tuples(st.sets(st.integers(0, 120), max_size=3 * BATCH),
 @settings(max_examples=60, deadline=None)
 @given(st.lists(batch, min_size=1, max_size=6))
 def test_batched_updates_give_the_planners_ring(batches: list[tuple[set[int], dict[int, bool]]]) -> None:
-    ring, present = IncrementalRing(), {}
+    ring, present = IncrementalRing(), dict[int, bool]()
     for remove, upsert in batches:
         gone = [i for i in remove if i in present and i not in upsert]
         ring.update(remove=[f"r{i}" for i in gone], upsert=[(_info(i), d) for i, d in upsert.items()])
