@@ -27,17 +27,24 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Mapping
+from typing import Any, Callable, ParamSpec, TypeVar, cast
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.calibrate_sim import DEFAULT_OUT as DEFAULT_PARAMS, load_params  # noqa: E402
-from bench.sim_store import Clock, Latency, SimStore  # noqa: E402
+from bench.sim_store import EXPIRY_TICK, Clock, Latency, SimStore  # noqa: E402
 from resilient.coordinator import keys  # noqa: E402
-from resilient.coordinator.delta import EpochState, is_delta, parse_delta, resolve  # noqa: E402
+from resilient.coordinator.delta import EpochDelta, EpochState, is_delta, parse_delta, resolve  # noqa: E402
 from resilient.coordinator.directory import NodeRecord  # noqa: E402
-from resilient.coordinator.health import DemotionRule, StragglerPolicy, make_record, write_health  # noqa: E402
+from resilient.coordinator.health import (  # noqa: E402
+    DemotionRule, StragglerPolicy, make_record, no_demotion, write_health,
+)
 from resilient.coordinator.membership import MemberInfo  # noqa: E402
 from resilient.coordinator.service import Coordinator, CoordinatorConfig  # noqa: E402
+from resilient.coordinator.policy import HealthPolicy  # noqa: E402
+from resilient.coordinator.store import KV, Store, WatchEvent  # noqa: E402
+from resilient.coordinator.straggler import HealthRecord  # noqa: E402
 from resilient.coordinator.straggler import StragglerConfig  # noqa: E402
 
 JOB = "scale"
@@ -45,6 +52,33 @@ JOB = "scale"
 PROXY_SEND = 15e-6
 NET = 0.0002            # one hop on the cluster network
 LOCAL_FANOUT = 0.0001   # agent -> its ranks over a unix socket
+#: one epoch's figures, and the JSON line (mixed JSON values)
+Record = dict[str, Any]
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def as_store(sim: SimStore) -> Store:
+    """The simulated etcd where the coordinator code takes a :class:`Store`. ``Store`` is
+    the concrete etcd client class, not a Protocol, so mypy cannot match SimStore to it
+    structurally; SimStore implements each of its methods the coordinator calls with the
+    same parameters (``tests/test_scale_bench.py`` checks every one), which is what this
+    cast states."""
+    return cast(Store, sim)
+
+
+class SimCoordinator(Coordinator):
+    """The real coordinator, whose watch handler's CPU is counted into the virtual clock
+    (the watch thread's CPU is the coordinator's too) and whose last event time is noted
+    (a debounce starts there)."""
+
+    def __init__(self, sim: "Sim", cid: str, config: CoordinatorConfig, policy: HealthPolicy) -> None:
+        super().__init__(sim.etcd, JOB, cid, config, health_policy=policy)
+        self.sim = sim
+
+    def _on_member_events(self, events: list[WatchEvent]) -> None:
+        self.sim.last_event_at = self.sim.clock.now
+        self.sim._timed(super()._on_member_events, events)
 
 
 class Agent:
@@ -93,37 +127,38 @@ class Sim:
         self.latency_source = args.sim_params or (DEFAULT_PARAMS if os.path.exists(DEFAULT_PARAMS) else "defaults")
         self.store = SimStore(self.clock, None if self.latency_source == "defaults" else load_params(
             self.latency_source))
+        self.etcd = as_store(self.store)
         n = args.gpus // args.gpus_per_node
         self.agents = [Agent(self, i) for i in range(n)]
         self.last_keepalive: dict[int, float] = {}
         self.coord_cpu = 0.0
-        self.epochs: list[dict] = []
+        self.epochs: list[Record] = []
         self.samples: list[Agent] = []
         #: the state every agent whose input digest (Agent.held) is the key holds
         self.held_states: dict[str, EpochState] = {}
         self.coord: Coordinator | None = None
         self.leader_lease = 0
+        #: virtual time of the coordinator's last watch event (its debounce starts there)
+        self.last_event_at = 0.0
 
     # -- coordinator driving ---------------------------------------------------------------
 
-    def _timed(self, fn, *a):
+    def _timed(self, fn: Callable[P, T], *a: P.args, **kw: P.kwargs) -> T:
         t0 = time.process_time()
         try:
-            return fn(*a)
+            return fn(*a, **kw)
         finally:
             dt = time.process_time() - t0
             self.coord_cpu += dt
             self.clock.advance(dt)
 
-    def become_leader(self, cid: str, policy=None) -> tuple[Coordinator, float]:
+    def become_leader(self, cid: str, policy: HealthPolicy | None = None) -> tuple[Coordinator, float]:
         cfg = CoordinatorConfig(ttl=self.args.ttl, reload_interval=self.args.reload_interval, delta_min_members=1)
-        c = Coordinator(self.store, JOB, cid, cfg, **({"health_policy": policy} if policy else {}))
+        c = SimCoordinator(self, cid, cfg, policy or no_demotion)
         self.leader_lease = self.store.grant(self.args.ttl)
-        assert self.store.create(keys.leader(JOB), cid.encode(), lease=self.leader_lease)
+        assert self.etcd.create(keys.leader(JOB), cid.encode(), lease=self.leader_lease)
         c.election.lease_id = self.leader_lease
-        c.election.leader_revision = self.store.get(keys.leader(JOB)).create_revision
-        handler = c._on_member_events
-        c._on_member_events = lambda evs: self._timed(handler, evs)   # the watch thread's CPU counts too
+        c.election.leader_revision = self.kv(keys.leader(JOB)).create_revision
         t0 = time.process_time()
         self._timed(c.start_leading)
         self.coord = c
@@ -136,9 +171,20 @@ class Sim:
         self.store.keepalive(self.leader_lease)
         self.clock.at(self.clock.now + self.args.ttl / 3, lambda: self._leader_keepalive(c))
 
+    def leader(self) -> Coordinator:
+        """The leading coordinator (AssertionError between leaders)."""
+        assert self.coord is not None, "no coordinator leads"
+        return self.coord
+
+    def kv(self, key: str) -> KV:
+        """The record at ``key`` (AssertionError when absent)."""
+        kv = self.store.get(key)
+        assert kv is not None, f"{key} is absent"
+        return kv
+
     def reconcile(self) -> tuple[str, float, int]:
         """One pass of the coordinator loop body: (outcome, cpu seconds, key writes)."""
-        c = self.coord
+        c = self.leader()
         with c._cond:
             p = c._pending
             lost_seen, join_seen = dict(p.lost_seen), dict(p.join_seen)
@@ -152,24 +198,24 @@ class Sim:
         return outcome, self.coord_cpu - cpu0, self.store.c.main_key_writes - w0
 
     def publish_after(self, t_event: float, what: str, debounce: float | None = None,
-                      late_reader: bool = False) -> dict:
+                      late_reader: bool = False) -> Record:
         """Run the clock to the debounce, reconcile, and record the epoch (virtual ms)."""
         rec = self.maybe_publish(t_event, what, debounce, late_reader)
         assert rec is not None, f"{what}: the coordinator published nothing"
         return rec
 
     def maybe_publish(self, t_event: float, what: str, debounce: float | None = None,
-                      late_reader: bool = False) -> dict | None:
+                      late_reader: bool = False) -> Record | None:
         """:meth:`publish_after`, or None when the pass published nothing."""
-        debounce = self.coord.config.debounce if debounce is None else debounce
+        debounce = self.leader().config.debounce if debounce is None else debounce
         self.clock.run_until(self.clock.now + debounce)
         outcome, cpu, writes = self.reconcile()
         if outcome != "published":
             return None
         t_commit = self.clock.now
-        raw = self.store.get(keys.epoch(JOB)).value
+        raw = self.kv(keys.epoch(JOB)).value
         d = parse_delta(raw)
-        rec = {"what": what, "number": d.number, "bytes": len(raw), "cpu_ms": cpu * 1000, "writes": writes,
+        rec: Record = {"what": what, "number": d.number, "bytes": len(raw), "cpu_ms": cpu * 1000, "writes": writes,
                "publish_ms": (t_commit - t_event) * 1000, "removed": len(d.removed), "added": len(d.added),
                "cause": d.cause, "snapshot_epoch": d.snapshot == d.number,
                "avoid_links": len(d.extras.get("avoid") or [])}
@@ -179,7 +225,7 @@ class Sim:
 
     # -- agents ----------------------------------------------------------------------------
 
-    def deliver(self, raw: bytes, d, t_commit: float, late_reader: bool = False) -> dict:
+    def deliver(self, raw: bytes, d: EpochDelta, t_commit: float, late_reader: bool = False) -> Record:
         """Every agent gets ``raw`` through a grpc-proxy and checks the plan hash it
         derives. Sample agents derive from their own copy of the state. Every other live
         agent's derivation is shared with the agents of equal input: its state is a pure,
@@ -192,12 +238,12 @@ class Sim:
         cpu = []
         for a in self.samples:
             t0 = time.process_time()
-            a.state = resolve(self.store, JOB, d, a.state)
+            a.state = resolve(self.etcd, JOB, d, a.state)
             got = a.state.derive_hash()
             cpu.append(time.process_time() - t0)
             assert got == d.plan_hash, f"agent {a.node} derived {got}, the epoch says {d.plan_hash}"
         if late_reader:
-            late = resolve(self.store, JOB, d, None)
+            late = resolve(self.etcd, JOB, d, None)
             assert late.derive_hash() == d.plan_hash, "a late reader (snapshot + history) derived another plan"
         rec_digest = hashlib.sha256(raw).hexdigest()
         derived: dict[str, tuple[str, EpochState, str]] = {}
@@ -208,7 +254,7 @@ class Sim:
             res = derived.get(a.held)
             if res is None:
                 nxt = hashlib.sha256(f"{a.held}:{rec_digest}".encode()).hexdigest()
-                state = resolve(self.store, JOB, d, self.held_states.get(a.held))
+                state = resolve(self.etcd, JOB, d, self.held_states.get(a.held))
                 res = derived[a.held] = (nxt, state, state.derive_hash())
             assert res[2] == d.plan_hash, f"agent {a.node} derived {res[2]}, the epoch says {d.plan_hash}"
             a.held = res[0]
@@ -232,16 +278,17 @@ class Sim:
         return self.clock.now
 
     def wait_removed(self, nodes: list[Agent], limit: float) -> float:
-        """Run the clock until every node's record is gone; the virtual time it happened."""
+        """Run the clock until every node's record is gone (1 ms steps); the virtual time
+        the coordinator's watch saw the last removal."""
         deadline = self.clock.now + limit
         while any(self.store._kv.get(keys.node(JOB, a.node)) for a in nodes):
             if self.clock.now > deadline:
                 raise AssertionError("lease expiry did not remove the nodes")
-            self.clock.run_until(self.clock.now + 0.01)
-        return self.clock.now
+            self.clock.run_until(self.clock.now + 0.001)
+        return self.last_event_at
 
 
-def run_sim(args: argparse.Namespace) -> dict:
+def run_sim(args: argparse.Namespace) -> Record:
     sim = Sim(args)
     t_setup = time.monotonic()
     lat, sim.store.lat = sim.store.lat, Latency(0, 0, 0, 0, 0, 0, 0)   # agents register in parallel
@@ -251,11 +298,11 @@ def run_sim(args: argparse.Namespace) -> dict:
     coord, _ = sim.become_leader("coord-a", StragglerPolicy() if args.straggler_policy else None)
     outcome, init_cpu, init_writes = sim.reconcile()
     assert outcome == "published", outcome
-    raw = sim.store.get(keys.epoch(JOB)).value
+    raw = sim.kv(keys.epoch(JOB)).value
     assert is_delta(raw)
     d0 = parse_delta(raw)
     sim.samples = sim.rng.sample(sim.agents, min(args.derive_sample, len(sim.agents)))
-    first = resolve(sim.store, JOB, d0, None)     # one snapshot read; each sample agent then holds
+    first = resolve(sim.etcd, JOB, d0, None)     # one snapshot read; each sample agent then holds
     for a in sim.samples:                         # its own copy and builds its own ring
         a.state = EpochState(first.number, first.infos, first.roles, first.extras, first.token)
         assert a.state.derive_hash() == d0.plan_hash
@@ -263,7 +310,7 @@ def run_sim(args: argparse.Namespace) -> dict:
     for a in sim.agents:
         a.held = loaded
     sim.held_states = {loaded: first}
-    out: dict = {"gpus": args.gpus, "nodes": len(sim.agents), "initial_epoch_cpu_ms": round(init_cpu * 1000, 1),
+    out: Record = {"gpus": args.gpus, "nodes": len(sim.agents), "initial_epoch_cpu_ms": round(init_cpu * 1000, 1),
                  "initial_epoch_writes": init_writes}
 
     # -- steady state: keep-alives, rack health summaries, idle coordinator passes
@@ -272,7 +319,7 @@ def run_sim(args: argparse.Namespace) -> dict:
     t0 = sim.clock.now
     racks = sorted({a.rack for a in sim.agents})
     for k, rack in enumerate(racks):   # one summary per rack, written by its lowest live agent
-        def summary(rack=rack) -> None:
+        def summary(rack: int = rack) -> None:
             body = json.dumps({"v": 1, "rack": rack, "at": sim.clock.now, "nodes": args.nodes_per_rack,
                                "slow": [], "score_max": 1.0}).encode()
             sim.store.put(keys.root(JOB) + f"health-summary/rack{rack:04d}", body)
@@ -322,11 +369,18 @@ def run_sim(args: argparse.Namespace) -> dict:
         sim.clock.run_until(sim.clock.now + 0.002)
     t_loss = sim.kill_node_silently(b)
     t_gone = sim.wait_removed([b], args.ttl * 3)
-    sim.clock.advance(sim.store.lat.watch)
-    loss = sim.publish_after(t_loss, "silent node loss", late_reader=True)
+    # the debounce runs from the watch event (plus its delivery), not from the 1 ms poll
+    debounce = t_gone + sim.store.lat.watch + coord.config.debounce - sim.clock.now
+    loss = sim.publish_after(t_loss, "silent node loss", debounce=max(0.0, debounce), late_reader=True)
     assert loss["cause"] == "lease_expired" and loss["removed"] == args.gpus_per_node, loss
     out["epoch_bytes_node_loss"] = loss["bytes"]
-    out["lease_expiry_to_delete_ms"] = round((t_gone - (sim.last_keepalive[b.idx] + args.ttl)) * 1000, 1)
+    # etcd's part: its lessor revokes expired leases on a 0.5 s tick (0-500 ms after the
+    # TTL, by the tick's phase); the coordinator's part: watch, debounce, reconcile, txn
+    tick_wait = t_gone - (sim.last_keepalive[b.idx] + args.ttl)
+    out["lease_expiry_to_delete_ms"] = round(tick_wait * 1000, 1)
+    reaction_ms = loss["publish_ms"] - (args.ttl + tick_wait) * 1000
+    out["silent_loss_reaction_ms"] = round(reaction_ms, 1)
+    out["publish_ms_after_silent_loss_worst_tick"] = round((args.ttl + EXPIRY_TICK) * 1000 + reaction_ms, 1)
 
     # -- a rack loss: every node of one rack (power)
     rack = racks[len(racks) // 3]
@@ -355,7 +409,7 @@ def run_sim(args: argparse.Namespace) -> dict:
             number = coord._pub.number
             for r in s.ranks:
                 m = f"{s.node}-g{r}"
-                write_health(sim.store, JOB, m, make_record(m, number, w, ops=10, window_s=1.0,
+                write_health(sim.etcd, JOB, m, make_record(m, number, w, ops=10, window_s=1.0,
                                                             wait_s={} if m == slow_id else {"x": 0.5}),
                              s.lease)
             sim.clock.advance(1.0)
@@ -367,7 +421,10 @@ def run_sim(args: argparse.Namespace) -> dict:
         else:
             raise AssertionError("the straggler policy did not demote the slow rank")
     else:
-        coord.health_policy = DemotionRule(lambda records, m=slow_id: {m})
+        def demote_slow(records: Mapping[str, HealthRecord]) -> set[str]:
+            return {slow_id}
+
+        coord.health_policy = DemotionRule(demote_slow)
         slow = sim.publish_after(t_slow, "straggler demoted")
         assert slow["cause"] == "health", slow
 

@@ -23,6 +23,10 @@ from typing import Callable, Collection, Iterable, Sequence
 
 from resilient.coordinator.planner import TOPOLOGY_LABELS, PlanMember
 
+#: from this many members changed in one update the ring list is rebuilt once (see
+#: :meth:`IncrementalRing.update`)
+BATCH = 16
+
 #: what the ring orders: the planner's member shape (read-only, so MemberInfo matches)
 RingMember = PlanMember
 
@@ -45,10 +49,14 @@ def plan_hash(ring: Sequence[str], demoted_count: int, avoid: Iterable[Sequence[
 
 class IncrementalRing:
     """Members in planner order, updated by bisection. ``update`` raises
-    :class:`ValueError` on removing an id it does not hold (a caller bug)."""
+    :class:`ValueError` on removing an id it does not hold (a caller bug).
+
+    The sort keys and the ids are kept in two parallel lists, so :meth:`hash` and
+    :meth:`ring` read the ids without building a list per call."""
 
     def __init__(self) -> None:
         self._keys: list[tuple[str, int, str]] = []
+        self._ids: list[str] = []
         self._key_of: dict[str, tuple[str, int, str]] = {}
         self._demoted = 0
 
@@ -59,24 +67,70 @@ class IncrementalRing:
         return member_id in self._key_of
 
     def update(self, remove: Iterable[str] = (), upsert: Iterable[tuple[RingMember, bool]] = ()) -> None:
-        """Drop ``remove`` ids, then insert (or move) each ``(member, demoted)``."""
-        for mid in remove:
-            self._drop(mid)
-        for m, demoted in upsert:
-            if m.member_id in self._key_of:
-                self._drop(m.member_id)
-            k = sort_key(m, demoted)
-            bisect.insort(self._keys, k)
-            self._key_of[m.member_id] = k
-            self._demoted += demoted
+        """Drop ``remove`` ids, then insert (or move) each ``(member, demoted)``.
 
-    def _drop(self, mid: str) -> None:
+        A few changes go by bisection and one list insert/delete each (a memmove of the
+        list per change); from :data:`BATCH` changes on (a rack loss, a large join) the
+        lists are rebuilt once from slices around the changed positions, so a change of
+        k members costs O(k log N) comparisons plus one O(N) copy, not k memmoves."""
+        gone = list(dict.fromkeys(remove))
+        latest = {m.member_id: (m, demoted) for m, demoted in upsert}   # the last one of an id wins
+        dropping = set(gone)
+        gone += [mid for mid in latest if mid in self._key_of and mid not in dropping]
+        if len(gone) + len(latest) >= BATCH:
+            self._rebuild(gone, latest)
+            return
+        for mid in gone:
+            i = self._find(mid)
+            del self._keys[i], self._ids[i]
+            self._forget(mid)
+        for mid, (m, demoted) in latest.items():
+            k = self._remember(m, demoted)
+            i = bisect.bisect_left(self._keys, k)
+            self._keys.insert(i, k)
+            self._ids.insert(i, mid)
+
+    def _rebuild(self, gone: list[str], latest: dict[str, tuple[RingMember, bool]]) -> None:
+        """:meth:`update` for many changes: one pass over the lists."""
+        keys_, ids = self._keys, self._ids
+        cuts: list[tuple[int, int, tuple[str, int, str] | None]] = [(self._find(mid), 1, None) for mid in gone]
+        for mid in gone:
+            self._forget(mid)
+        new = sorted(self._remember(m, demoted) for m, demoted in latest.values())
+        cuts += [(bisect.bisect_left(keys_, k), 0, k) for k in new]   # positions in the old list
+        cuts.sort(key=lambda c: (c[0], c[1]))    # at one position: inserts (in key order) before the drop
+        out_keys: list[tuple[str, int, str]] = []
+        out_ids: list[str] = []
+        prev = 0
+        for i, _, k in cuts:
+            out_keys += keys_[prev:i]
+            out_ids += ids[prev:i]
+            if k is None:
+                prev = i + 1
+            else:
+                out_keys.append(k)
+                out_ids.append(k[2])
+                prev = i
+        out_keys += keys_[prev:]
+        out_ids += ids[prev:]
+        self._keys, self._ids = out_keys, out_ids
+
+    def _remember(self, m: RingMember, demoted: bool) -> tuple[str, int, str]:
+        k = self._key_of[m.member_id] = sort_key(m, demoted)
+        self._demoted += demoted
+        return k
+
+    def _forget(self, mid: str) -> None:
         k = self._key_of.pop(mid)
+        self._demoted -= k[0][0] == "1"
+
+    def _find(self, mid: str) -> int:
+        """The position of ``mid``'s key (:class:`KeyError` if absent)."""
+        k = self._key_of[mid]
         i = bisect.bisect_left(self._keys, k)
         if i >= len(self._keys) or self._keys[i] != k:   # pragma: no cover - invariant
             raise ValueError(f"ring lost track of member {mid!r}")
-        del self._keys[i]
-        self._demoted -= k[0][0] == "1"
+        return i
 
     def position(self, member_id: str) -> int:
         """The member's index in :meth:`ring` (O(log N)); :class:`KeyError` if absent."""
@@ -84,17 +138,17 @@ class IncrementalRing:
 
     def at(self, index: int) -> str:
         """The member id at ring ``index`` (negative counts from the end)."""
-        return self._keys[index][2]
+        return self._ids[index]
 
     def ring(self) -> tuple[str, ...]:
-        return tuple([k[2] for k in self._keys])
+        return tuple(self._ids)
 
     @property
     def demoted_count(self) -> int:
         return self._demoted
 
     def hash(self, avoid: Iterable[Sequence[str]] = ()) -> str:
-        return plan_hash([k[2] for k in self._keys], self._demoted, avoid)
+        return plan_hash(self._ids, self._demoted, avoid)
 
 
 def separate(n: int, healthy: int, avoid: Collection[frozenset[str]], at: Callable[[int], str],

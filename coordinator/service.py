@@ -413,6 +413,7 @@ class Coordinator:
         finally:
             for w in watches:
                 w.cancel()
+            self.shares.stop()   # its rate watch: a standby keeps none open
 
     def _check_suspects(self, members: Mapping[str, Entry]) -> tuple[dict[str, float], list[str], bool]:
         """Judge the suspect reports (:attr:`liveness_policy`); a confirmed suspect's lease

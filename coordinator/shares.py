@@ -36,11 +36,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 import time
-from typing import Collection, Iterable, Mapping, Sequence, TypedDict
+from typing import Callable, Collection, Iterable, Mapping, Sequence, TypedDict
 
 from resilient.coordinator import keys, records
-from resilient.coordinator.store import Store
+from resilient.coordinator.directory import paged_snapshot
+from resilient.coordinator.store import KV, Store, WatchEvent, WatchHandle
 from resilient.errors import ConfigError, RecordError
 
 log = logging.getLogger(__name__)
@@ -83,10 +85,11 @@ def parse_rate(raw: bytes, key: str = "") -> tuple[str, float]:
     return member, rate
 
 
-def read_rates(store: Store, job: str) -> dict[str, float]:
-    """Every member's published samples/s (malformed records skipped, logged, counted)."""
+def parse_rates(kvs: Iterable[KV]) -> dict[str, float]:
+    """member -> samples/s of the rate records ``kvs`` (malformed ones skipped, logged,
+    counted)."""
     out: dict[str, float] = {}
-    for kv in store.get_prefix(rates_prefix(job)):
+    for kv in kvs:
         try:
             member, rate = parse_rate(kv.value, kv.key)
         except RecordError as exc:
@@ -94,6 +97,86 @@ def read_rates(store: Store, job: str) -> dict[str, float]:
             continue
         out[member] = rate
     return out
+
+
+def read_rates(store: Store, job: str) -> dict[str, float]:
+    """Every member's published samples/s (malformed records skipped, logged, counted)."""
+    return parse_rates(store.get_prefix(rates_prefix(job)))
+
+
+#: seconds between the rate cache's paged re-reads of ``rates/`` (a safety net: the watch
+#: keeps it current)
+RATES_RESYNC_S = 300.0
+
+
+class RateCache:
+    """Every member's rate, kept in memory from a watch on ``rates/``: loaded once by a
+    paged read (1,000 keys per request, under gRPC's receive limit at any size), then
+    updated by the watch's events, O(change); re-read (paged) every ``resync_interval``
+    seconds and after the watch reports a compaction (``resync`` event).
+
+    Events at or below the revision of the last read are ignored, so a re-read and the
+    watch never apply an older value over a newer one. A malformed record is skipped
+    (logged, counted) and forgets that member's earlier rate. Store errors of a read
+    propagate to the caller of :meth:`rates` (the watch itself reconnects on its own)."""
+
+    def __init__(self, store: Store, job: str, resync_interval: float = RATES_RESYNC_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store, self.job, self.resync_interval, self._clock = store, job, resync_interval, clock
+        self._prefix = rates_prefix(job)
+        self._lock = threading.Lock()
+        self._rates: dict[str, float] = {}
+        self._rev = 0                 # revision of the last paged read
+        self._due = True              # next rates() re-reads
+        self._next_read = 0.0
+        self._watch: WatchHandle | None = None
+        self.reads = 0                # paged reads done (tests and the bench count them)
+
+    def rates(self) -> dict[str, float]:
+        """A copy of the current rates (member -> samples/s); starts the watch on first
+        use and re-reads when due. Store errors propagate (the next call retries)."""
+        if self._due or self._clock() >= self._next_read:
+            self._read()
+        with self._lock:
+            return dict(self._rates)
+
+    def _read(self) -> None:
+        kvs, rev = paged_snapshot(self.store, self._prefix)
+        fresh = parse_rates(kvs)
+        with self._lock:
+            self._rates, self._rev, self._due = fresh, rev, False
+            self._next_read = self._clock() + self.resync_interval
+            self.reads += 1
+        if self._watch is None:
+            self._watch = self.store.watch_prefix(self._prefix, rev + 1, self._on_events)
+
+    def _on_events(self, events: list[WatchEvent]) -> None:
+        with self._lock:
+            for ev in events:
+                if ev.type == "resync":
+                    self._due = True
+                    continue
+                if ev.mod_revision <= self._rev:
+                    continue
+                member = keys.last_segment(ev.key)
+                if ev.type == "delete":
+                    self._rates.pop(member, None)
+                    continue
+                try:
+                    _, rate = parse_rate(ev.value, ev.key)
+                except RecordError as exc:
+                    records.skip(exc, ev.key)
+                    self._rates.pop(member, None)
+                    continue
+                self._rates[member] = rate
+
+    def close(self) -> None:
+        """Stop the watch (idempotent); the next :meth:`rates` starts over with a read."""
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.cancel()
+        with self._lock:
+            self._rates, self._rev, self._due = {}, 0, True
 
 
 def compute_shares(rates: Mapping[str, float], members: Iterable[str],
@@ -175,28 +258,35 @@ def batch_sizes(shares: Mapping[str, float], order: Sequence[str], global_batch:
 
 
 class SharePublisher:
-    """The leader side: after each reconcile pass, :meth:`publish` reads the rates and
-    writes new shares when :func:`compute_shares` says they moved (hysteresis). State
-    (the last published shares and version) is re-read from etcd on first use, so a new
-    leader continues the version sequence."""
+    """The leader side: after each reconcile pass, :meth:`publish` takes the rates (kept
+    in memory by a :class:`RateCache`: no read of ``rates/`` per pass) and writes new
+    shares when :func:`compute_shares` says they moved (hysteresis). State (the last
+    published shares and version) is re-read from etcd on first use, so a new leader
+    continues the version sequence. :meth:`stop` (leadership ends) closes the watch."""
 
-    def __init__(self, store: Store, job: str, hysteresis: float = HYSTERESIS) -> None:
+    def __init__(self, store: Store, job: str, hysteresis: float = HYSTERESIS,
+                 resync_interval: float = RATES_RESYNC_S) -> None:
         if not 0 <= hysteresis < 1:
             raise ConfigError(f"share hysteresis must be in [0, 1), got {hysteresis}")
         self.store, self.job, self.hysteresis = store, job, hysteresis
         self._last: SharesRecord | None = None
         self._loaded = False
+        self.rate_cache = RateCache(store, job, resync_interval)
+
+    def stop(self) -> None:
+        """Close the rate watch (the coordinator calls it when its leadership ends)."""
+        self.rate_cache.close()
 
     def after_pass(self, members: Collection[str] | None) -> bool:
         """The coordinator's hook, after each reconcile pass: :meth:`publish` for
         ``members``, the current epoch's members as the coordinator holds them in memory
-        (None: no epoch yet, nothing to do). It reads the rates (one range read per
-        pass) and never the epoch. Never raises (a failure is logged and the shares are
+        (None: no epoch yet, nothing to do). It takes the rates from the watch-kept
+        :class:`RateCache` and never reads the epoch. Never raises (a failure is logged and the shares are
         retried next pass; batches stay as last published). Returns whether it wrote."""
         if members is None:
             return False
         try:
-            rates = read_rates(self.store, self.job)
+            rates = self.rate_cache.rates()
             if not rates:   # nobody measures: nothing to do
                 return False
             return self.publish(members, rates)

@@ -8,7 +8,7 @@ import pytest
 
 from bench.scale import run_sim
 from bench.sim_store import MAX_REQUEST, Clock, SimStore
-from resilient.coordinator.store import Put
+from resilient.coordinator.store import Put, Store
 from resilient.errors import ConfigError, LeaseExpired, StoreError
 
 KEYS = ("epoch_bytes_node_loss", "writes_per_epoch", "coordinator_cpu_ms_per_epoch", "coordinator_idle_core_fraction",
@@ -33,6 +33,12 @@ def test_small_simulation_runs_every_scenario_and_agrees_on_the_plan():
     assert [e["agents_checked"] for e in out["epochs"]] == [64, 63, 55, 55, 55, 54]
     assert out["epoch_bytes_node_loss"] < 2048 and out["writes_per_epoch"] <= 4
     assert out["keepalives_per_s"] == pytest.approx(64 / (5.0 / 3), rel=0.05)   # one lease per node
+    # the silent loss = TTL + etcd's expiry tick wait (0-500 ms, virtual) + the coordinator's reaction
+    assert 0 <= out["lease_expiry_to_delete_ms"] <= 500
+    assert out["publish_ms_after_silent_loss"] == pytest.approx(
+        5000 + out["lease_expiry_to_delete_ms"] + out["silent_loss_reaction_ms"], abs=0.2)
+    assert out["publish_ms_after_silent_loss_worst_tick"] == pytest.approx(5500 + out["silent_loss_reaction_ms"],
+                                                                          abs=0.2)
 
 
 def test_small_simulation_with_the_straggler_policy_probes_then_demotes():
@@ -87,3 +93,19 @@ def test_calibration_measures_a_real_etcd_and_the_sim_loads_its_file(etcd_sessio
     path.write_text(json.dumps({"v": 1, "fitted": {**fitted, "watch": -1}}))
     with pytest.raises(ConfigError, match="fitted.watch .*rerun bench/calibrate_sim.py"):
         load_params(str(path))
+
+
+def test_sim_store_implements_every_store_method_with_its_parameters():
+    """bench/scale.py hands the SimStore to the coordinator code as a Store (a cast:
+    Store is the concrete etcd client, not a Protocol); that holds only while every
+    Store method (but etcd's auth administration, which the coordinator never calls)
+    exists on SimStore with the same parameters."""
+    import inspect
+
+    admin = {"add_role", "add_user", "enable_auth"}
+    for name, fn in vars(Store).items():
+        if name.startswith("_") or not callable(fn) or name in admin:
+            continue
+        sim = vars(SimStore).get(name)
+        assert sim is not None, f"SimStore lacks Store.{name}"
+        assert list(inspect.signature(sim).parameters) == list(inspect.signature(fn).parameters), name

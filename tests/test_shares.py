@@ -109,6 +109,7 @@ class _CountingStore(Store):
     def __init__(self, endpoints) -> None:
         super().__init__(endpoints)
         self.reads: list[str] = []
+        self.watches: list[str] = []
 
     def get(self, key, *a, **kw):
         self.reads.append(key)
@@ -118,31 +119,52 @@ class _CountingStore(Store):
         self.reads.append(prefix)
         return super().get_prefix(prefix, *a, **kw)
 
+    def snapshot_page(self, prefix, *a, **kw):
+        self.reads.append(prefix)
+        return super().snapshot_page(prefix, *a, **kw)
 
-def test_the_publisher_reads_rates_not_the_epoch_each_pass(etcd_session, job_name):
-    """Real etcd, a real coordinator leader, members reporting rates: over several passes
-    the share publisher reads only ``rates/`` (plus the ``shares`` record once), never
-    the epoch: it takes the members from the coordinator's in-memory state."""
+    def watch_prefix(self, prefix, *a, **kw):
+        self.watches.append(prefix)
+        return super().watch_prefix(prefix, *a, **kw)
+
+
+def test_the_publisher_keeps_rates_from_a_watch_not_a_read_per_pass(etcd_session, job_name):
+    """Real etcd, a real coordinator leader, members reporting rates: the share
+    publisher reads ``rates/`` once (paged) and opens one watch on it; over further
+    passes it reads nothing (neither ``rates/`` nor the epoch: its members come from the
+    coordinator's memory), and a changed rate reaches the shares through the watch."""
     from resilient.coordinator import keys
 
     store = Store(etcd_session.endpoints)
     coord = CoordinatorThread(etcd_session.endpoints, job_name, join_debounce=0.05, resync_interval=0.1)
     counting = _CountingStore(etcd_session.endpoints)
-    coord.coordinator.shares.store = counting
+    pub = coord.coordinator.shares
+    pub.store = pub.rate_cache.store = counting
+    sessions: list[MemberSession] = []
     try:
-        a, b = (MemberSession.register(store, job_name, MemberInfo(member_id=m), ttl=5) for m in ("a", "b"))
+        for m in ("a", "b"):
+            sessions.append(MemberSession.register(store, job_name, MemberInfo(member_id=m), ttl=5))
+        a, b = sessions
         EpochWatcher(store, job_name).wait_for(lambda e: set(e.members) == {"a", "b"}, 20)
         sh.write_rate(store, job_name, "a", 200.0, a.lease_id)
         sh.write_rate(store, job_name, "b", 100.0, b.lease_id)
-        wait_until(lambda: sh.read_shares(store, job_name) is not None, 20, "shares from both rates")
+        rec = wait_until(lambda: (r := sh.read_shares(store, job_name)) and r["members"].get("b", 1) < 0.4 and r,
+                         20, "shares from both rates")
+        assert rec["members"] == pytest.approx({"a": 2 / 3, "b": 1 / 3})
+        assert counting.watches == [sh.rates_prefix(job_name)]
+        assert pub.rate_cache.reads == 1
         counting.reads.clear()
         coord.wait_reconciles(5)
-        reads = list(counting.reads)
-        assert len(reads) >= 4 and set(reads) == {sh.rates_prefix(job_name)}, reads
-        assert not any(r.startswith(keys.epoch(job_name)) for r in reads)
-        a.close(revoke=True, reason="test")
-        b.close(revoke=True, reason="test")
+        assert counting.reads == []            # five passes, no read at all
+        sh.write_rate(store, job_name, "b", 200.0, b.lease_id)   # seen through the watch
+        rec2 = wait_until(lambda: (r := sh.read_shares(store, job_name)) and r["version"] > rec["version"] and r,
+                          20, "shares after b's new rate")
+        assert rec2["members"] == pytest.approx({"a": 0.5, "b": 0.5})
+        assert not any(r.startswith(keys.epoch(job_name)) or r == sh.rates_prefix(job_name) for r in counting.reads)
+        assert pub.rate_cache.reads == 1 and counting.watches == [sh.rates_prefix(job_name)]
     finally:
+        for m in sessions:
+            m.close(revoke=True, reason="test")
         coord.close()
         counting.close()
         store.close()

@@ -11,7 +11,11 @@ may have written part of a region clears the mask first (see
 :meth:`~resilient.transport.base.Request.touched`). So whatever moment a peer dies or
 the transport is aborted, ``masks`` describe ``out`` exactly.
 
-Summaries are JSON (no pickle) published under ``epochs/<n>/data/ledger/<member>``.
+Summaries are JSON (no pickle) published under ``epochs/<n>/data/ledger/<member>``;
+their masks are in :mod:`.mask_codec` form (run-length arcs or a base64 bitmap), so a
+summary encodes at any group size. :func:`decode_status` validates a peer's summary and
+reads the older integer masks too; a member of an older release cannot read the new
+form, so one job runs one release (a job's members are started from one image).
 """
 from __future__ import annotations
 
@@ -21,8 +25,10 @@ from typing import Any
 
 import torch
 
+from resilient.collectives.mask_codec import decode_mask, encode_mask
 from resilient.collectives.recovery import PieceKind
 from resilient.device import DeviceOps, device_ops
+from resilient.errors import CollectiveError
 
 
 def split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -127,20 +133,90 @@ def _bytes_of(t: torch.Tensor) -> memoryview | bool:
     return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
+#: bounds a decoded summary must respect (a corrupt or hostile peer cannot make a
+#: survivor allocate beyond them): members of one op, and pieces of one op's buffer
+MAX_STATUS_MEMBERS = 1 << 20
+MAX_STATUS_PIECES = 1 << 24
+#: the summary format: 2 = masks in :mod:`.mask_codec` form (1, implicit: JSON integers)
+STATUS_VERSION = 2
+
+
+def _wire_summary(L: Ledger) -> dict[str, Any]:
+    """``L.summary()`` with every mask in :mod:`.mask_codec` form (arcs or a bitmap)."""
+    s, n = L.summary(), len(L.members)
+    s["masks"] = [encode_mask(m, n) for m in L.masks]
+    if s["need"] is not None:
+        s["need"] = [encode_mask(int(m), n) for m in s["need"]]
+    return s
+
+
 def encode_status(member: str, inflight: Ledger | None, retained: Ledger | None) -> bytes:
+    """This member's ledger summary as compact JSON (masks in :mod:`.mask_codec` form:
+    no N-digit integers, so it encodes at any group size; each mask is at most
+    :func:`~.mask_codec.max_encoded_chars` characters)."""
     return json.dumps({
+        "v": STATUS_VERSION,
         "member": member,
-        "inflight": inflight.summary() if inflight is not None else None,
-        "retained": retained.summary() if retained is not None else None,
+        "inflight": _wire_summary(inflight) if inflight is not None else None,
+        "retained": _wire_summary(retained) if retained is not None else None,
     }, separators=(",", ":")).encode()
 
 
-def decode_status(raw: bytes) -> dict[str, Any]:
-    from resilient.errors import CollectiveError
+def _field(obj: dict[str, Any], key: str, typ: type, where: str) -> Any:
+    """``obj[key]`` when it is a ``typ`` (a bool is no int here); CollectiveError otherwise."""
+    v = obj.get(key)
+    if not isinstance(v, typ) or (isinstance(v, bool) and typ is int):
+        raise CollectiveError(f"{where}: field {key!r} is {type(v).__name__}, expected {typ.__name__}")
+    return v
 
+
+def _decode_summary(obj: object, where: str) -> dict[str, Any] | None:
+    """A validated summary with its masks as ints, or None; CollectiveError otherwise."""
+    if obj is None:
+        return None
+    if not isinstance(obj, dict):
+        raise CollectiveError(f"{where}: a summary must be an object, got {type(obj).__name__}")
+    for key in ("seq", "epoch", "digest", "n_pieces"):
+        _field(obj, key, int, where)
+    _field(obj, "kind", str, where)
+    for key in ("has_input", "done"):
+        _field(obj, key, bool, where)
+    members = _field(obj, "members", list, where)
+    if len(members) > MAX_STATUS_MEMBERS or not all(isinstance(m, str) for m in members):
+        raise CollectiveError(f"{where}: 'members' must be at most {MAX_STATUS_MEMBERS} member ids")
+    n, pieces = len(members), obj["n_pieces"]
+    if not 0 <= pieces <= MAX_STATUS_PIECES:
+        raise CollectiveError(f"{where}: n_pieces {pieces} is out of range (0..{MAX_STATUS_PIECES})")
+    out = dict(obj)
+    for key in ("masks", "need"):
+        vals = obj.get(key)
+        if key == "need" and vals is None:
+            continue
+        if not isinstance(vals, list) or len(vals) != pieces:
+            raise CollectiveError(f"{where}: {key!r} must list one mask per piece ({pieces})")
+        out[key] = [decode_mask(v, n, f"{where} {key}[{p}]") for p, v in enumerate(vals)]
+    return out
+
+
+def decode_status(raw: bytes) -> dict[str, Any]:
+    """A peer's ledger summary (:func:`encode_status`, or the older form with integer
+    masks), validated, with every mask as an int. Raises
+    :class:`~resilient.errors.CollectiveError` naming the field and the cause when it is
+    not valid JSON or not a well-formed summary (types, sizes, masks out of range);
+    nothing is unpickled or evaluated."""
     try:
         obj = json.loads(raw.decode("utf-8"))
-        assert isinstance(obj, dict)
-        return obj
-    except (UnicodeDecodeError, ValueError, AssertionError) as exc:
+    except (UnicodeDecodeError, ValueError) as exc:
         raise CollectiveError(f"a peer's ledger summary is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise CollectiveError(f"a peer's ledger summary must be a JSON object, got {type(obj).__name__}")
+    member = obj.get("member")
+    if not isinstance(member, str):
+        raise CollectiveError("a peer's ledger summary names no member: corrupt or foreign data")
+    where = f"the ledger summary of {member}"
+    version = obj.get("v", 1)
+    if version not in (1, STATUS_VERSION):
+        raise CollectiveError(f"{where} has format version {version!r}; this release reads 1 and "
+                              f"{STATUS_VERSION}: run one release of resilient in the whole job")
+    return {**obj, "inflight": _decode_summary(obj.get("inflight"), f"{where} (in flight)"),
+            "retained": _decode_summary(obj.get("retained"), f"{where} (retained)")}

@@ -1,0 +1,146 @@
+"""Compact contributor masks (resilient/collectives/mask_codec.py) and the ledger
+summaries that carry them (ledger.encode_status / decode_status)."""
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from resilient.collectives.ledger import Ledger, decode_status, encode_status, split
+from resilient.collectives.mask_codec import decode_mask, encode_mask, max_encoded_chars
+from resilient.errors import CollectiveError
+
+BIG = 100_000
+
+
+@st.composite
+def masks(draw: st.DrawFn, max_n: int = BIG) -> tuple[int, int]:
+    """(n, mask): arbitrary bitmaps, sets of arcs (wrapping too), empty and full masks."""
+    n = draw(st.integers(1, max_n))
+    kind = draw(st.sampled_from(["bits", "arcs", "empty", "full"]))
+    if kind == "empty":
+        return n, 0
+    if kind == "full":
+        return n, (1 << n) - 1
+    if kind == "bits":
+        return n, draw(st.integers(0, (1 << min(n, 4096)) - 1)) << draw(st.integers(0, max(n - 4096, 0)))
+    mask = 0
+    for _ in range(draw(st.integers(1, 6))):
+        start, length = draw(st.integers(0, n - 1)), draw(st.integers(1, n))
+        run = ((1 << length) - 1) << start
+        mask |= (run | (run >> n)) & ((1 << n) - 1)
+    return n, mask
+
+
+@settings(max_examples=150, deadline=None)
+@given(masks())
+def test_masks_round_trip_up_to_100k_members(nm: tuple[int, int]) -> None:
+    n, mask = nm
+    enc = encode_mask(mask, n)
+    assert decode_mask(json.loads(json.dumps(enc)), n) == mask
+    assert len(json.dumps(enc, separators=(",", ":"))) <= max_encoded_chars(n)
+
+
+@settings(max_examples=60, deadline=None)
+@given(masks(max_n=300))
+def test_the_shorter_form_is_chosen(nm: tuple[int, int]) -> None:
+    n, mask = nm
+    enc = json.dumps(encode_mask(mask, n), separators=(",", ":"))
+    bitmap = json.dumps(base64.b64encode(mask.to_bytes((n + 7) // 8, "little")).decode())
+    runs, i = [], 0
+    while i < n:
+        if mask >> i & 1:
+            j = i
+            while j < n and mask >> j & 1:
+                j += 1
+            runs += [i, j - i]
+            i = j
+        else:
+            i += 1
+    if len(runs) >= 4 and runs[0] == 0 and runs[-2] + runs[-1] == n:
+        runs = runs[2:-1] + [runs[-1] + runs[1]]
+    assert len(enc) <= min(len(bitmap), len(json.dumps(runs, separators=(",", ":"))))
+
+
+def test_a_wrapping_arc_is_one_arc() -> None:
+    n = 10
+    mask = 0b1100000111   # members 8, 9, 0, 1, 2
+    assert encode_mask(mask, n) == [8, 5]
+    assert decode_mask([8, 5], n) == mask
+    assert encode_mask((1 << n) - 1, n) == [0, 10]
+    assert encode_mask(0, n) == []
+
+
+def _ledger(n: int, pieces: int) -> Ledger:
+    members = tuple(f"m{i:06d}" for i in range(n))
+    L = Ledger(seq=7, kind="allreduce", members=members, me=3, epoch=2, digest=12345,
+               inp=torch.zeros(pieces), out=torch.zeros(pieces), pieces=split(pieces, pieces))
+    return L
+
+
+def test_100k_member_summary_encodes_within_its_bound() -> None:
+    n, pieces = BIG, 64
+    L = _ledger(n, pieces)
+    full = L.full
+    # ring-like arcs (some wrapping), the full mask, a scattered bitmap, empty
+    L.masks = [((((1 << (p * 997 + 1)) - 1) << (p * 1531 % n)) | 0) & full for p in range(pieces - 3)]
+    L.masks += [full, int.from_bytes(bytes(range(256)) * (n // 2048), "little") & full, 0]
+    L.done, L.need = True, [full] * pieces
+    raw = encode_status("m000003", L, None)     # as JSON integers this raised ValueError
+    members_json = len(json.dumps(list(L.members), separators=(",", ":")))
+    assert len(raw) <= 1024 + members_json + 2 * pieces * (max_encoded_chars(n) + 1)
+    # contiguous masks are arcs: a few bytes each, not n / 8
+    assert len(raw) <= members_json + 4096 + max_encoded_chars(n)
+    got = decode_status(raw)["inflight"]
+    assert got["masks"] == L.masks and got["need"] == L.need and got["members"] == list(L.members)
+
+
+def test_summary_round_trip_small() -> None:
+    L = _ledger(5, 4)
+    L.masks = [0b00111, 0b10001, 0, 0b11111]
+    st_ = decode_status(encode_status("m000003", L, L))
+    assert st_["member"] == "m000003"
+    for key in ("inflight", "retained"):
+        assert st_[key]["masks"] == L.masks and st_[key]["need"] is None
+        assert st_[key]["seq"] == 7 and st_[key]["n_pieces"] == 4
+
+
+def test_older_integer_masks_are_still_read() -> None:
+    old = {"member": "a", "retained": None, "inflight": {
+        "seq": 1, "kind": "allreduce", "members": ["a", "b", "c"], "epoch": 1, "digest": 9, "n_pieces": 2,
+        "masks": [5, 7], "has_input": True, "done": False, "need": None}}
+    assert decode_status(json.dumps(old).encode())["inflight"]["masks"] == [5, 7]
+
+
+@pytest.mark.parametrize("value, cause", [
+    ([0], "pairs"), ([0, 0], "out of range"), ([3, 1], "out of range"), ([0, 4], "out of range"),
+    ([0, True], "integers"), ("!!!!", "base64"), (base64.b64encode(b"\x00\x00").decode(), "bytes"),
+    (base64.b64encode(b"\xf0").decode(), "beyond"), (8, "out of range"), (-1, "out of range"),
+    (True, "boolean"), (1.5, "expected"), ({"a": 1}, "expected"), ([0, 1] * 4, "arcs"),
+])
+def test_bad_masks_are_clear_errors(value: object, cause: str) -> None:
+    with pytest.raises(CollectiveError, match=cause):
+        decode_mask(value, 3)
+
+
+def _summary(**over: object) -> bytes:
+    s: dict[str, object] = {"seq": 1, "kind": "allreduce", "members": ["a", "b"], "epoch": 1, "digest": 3,
+                            "n_pieces": 1, "masks": [[0, 2]], "has_input": True, "done": False, "need": None}
+    s.update(over)
+    return json.dumps({"v": 2, "member": "a", "inflight": s, "retained": None}).encode()
+
+
+@pytest.mark.parametrize("raw, cause", [
+    (b"\xff", "not valid JSON"), (b"[1]", "JSON object"), (b'{"member": 3}', "names no member"),
+    (b'{"member": "a", "v": 9}', "format version"),
+    (_summary(seq="1"), "'seq'"), (_summary(done=1), "'done'"), (_summary(members=[1, 2]), "member ids"),
+    (_summary(n_pieces=-1), "n_pieces"), (_summary(masks=[]), "one mask per piece"),
+    (_summary(masks=[[0, 3]]), "out of range"), (_summary(need=[1, 2]), "one mask per piece"),
+    (_summary(seq=True), "'seq'"),
+])
+def test_bad_summaries_are_clear_errors(raw: bytes, cause: str) -> None:
+    with pytest.raises(CollectiveError, match=cause):
+        decode_status(raw)
