@@ -79,6 +79,16 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
+def pid_state(pid: int) -> str | None:
+    """The kernel's one-letter state of any process (``R``, ``S``, ``T`` stopped, ``Z``
+    zombie...) from ``/proc``; ``None`` when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 @dataclass(frozen=True)
 class Spec:
     """How to start one child. ``env`` is its whole environment (``None``: this process's);
@@ -132,13 +142,7 @@ class Child:
     def state(self) -> str | None:
         """The kernel's one-letter state (``R``, ``S``, ``T`` stopped, ``Z``...), ``None``
         once reaped or unreadable."""
-        if self.returncode is not None:
-            return None
-        try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return None
+        return None if self.returncode is not None else pid_state(self.pid)
 
     def stopped(self) -> bool:
         """The child is SIGSTOPped (state ``T``)."""
@@ -291,14 +295,16 @@ class ProcessPool:
 
     # -- stopping ------------------------------------------------------------------------
 
-    def stop(self, grace: float = 5.0, sig: int = _signal.SIGTERM,
+    def stop(self, grace: float = 5.0, sig: int | None = _signal.SIGTERM,
              children: Sequence[Child] | None = None) -> list[int]:
         """Send ``sig`` (and SIGCONT) to every running child (or each of ``children``), give
         them ``grace`` seconds, SIGKILL the rest (their process group if they have one) and
-        reap them all; their exit codes in order. See the module docstring for failures."""
+        reap them all; their exit codes in order. ``sig=None``: send nothing first (the
+        children were asked to leave another way, e.g. stdin closed). See the module
+        docstring for failures."""
         targets = self.children if children is None else [self.child(c) for c in children]
         for c in targets:
-            if self.signal(c, sig) and sig not in (_signal.SIGKILL, _signal.SIGCONT):
+            if sig is not None and self.signal(c, sig) and sig not in (_signal.SIGKILL, _signal.SIGCONT):
                 self.signal(c, _signal.SIGCONT)
         try:
             return self.wait(grace, targets)
@@ -306,8 +312,8 @@ class ProcessPool:
             pass
         for c in targets:
             if c.alive():
-                log.warning("%s (pid %d) did not exit within %gs of %s; SIGKILL", c.name, c.pid, grace,
-                            signal_name(sig))
+                log.warning("%s (pid %d) did not exit within %gs%s; SIGKILL", c.name, c.pid, grace,
+                            "" if sig is None else f" of {signal_name(sig)}")
                 self.signal(c, _signal.SIGKILL, group=True)
         return self.wait(KILL_REAP_S, targets)
 

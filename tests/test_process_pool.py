@@ -10,7 +10,7 @@ import pytest
 from cp_helpers import wait_until
 
 from resilient.errors import ResilientTimeout
-from resilient.process_pool import PIPE, ProcessPool, Spec, describe_exit, signal_name
+from resilient.process_pool import PIPE, ProcessPool, Spec, describe_exit, pid_state, signal_name
 
 PY = sys.executable
 SLEEPER = [PY, "-c", "import time; time.sleep(60)"]
@@ -26,11 +26,7 @@ STUBBORN = [PY, "-c", (
 
 def _gone(pid: int) -> bool:
     """No live process with this pid (a zombie awaiting its reaper counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
+    return pid_state(pid) in (None, "Z", "X")
 
 
 def test_wait_returns_each_childs_exit_code_with_its_own_argv_env_cwd_and_output_file(tmp_path):
