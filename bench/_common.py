@@ -59,7 +59,14 @@ def median(xs: list[float]) -> float:
 
 
 class BenchCluster:
-    """etcd + coordinator + ``world`` worker processes of ``script --worker``."""
+    """etcd + coordinator + ``world`` worker processes of ``script --worker``. A subclass
+    may place etcd (:attr:`etcd_host`) and each member (:meth:`member_prefix`, e.g. ``ip
+    netns exec``; :meth:`member_args`) elsewhere; :attr:`ready` holds every member's
+    ``ready`` message."""
+
+    etcd_host = "127.0.0.1"
+    join_debounce_ms = 100
+    ready_timeout = 120.0
 
     def __init__(self, script: str, world: int, job: str = "bench", ttl: float = 30.0,
                  worker_args: list[str] | None = None, env_for: Callable[[str], dict[str, str]] | None = None) -> None:
@@ -67,6 +74,7 @@ class BenchCluster:
         self.worker_args = worker_args or []
         self.env_for = env_for or (lambda mid: {})
         self.procs: dict[str, subprocess.Popen[str]] = {}   # member -> its process (as subprocess sees it)
+        self.ready: dict[str, dict[str, Any]] = {}
         self._children: dict[str, Child] = {}
         self.leases: dict[str, int] = {}
         self.exit_at: dict[str, float] = {}
@@ -82,19 +90,18 @@ class BenchCluster:
         from resilient.coordinator import LocalEtcd
 
         try:
-            self._etcd = LocalEtcd().start()
+            self._etcd = LocalEtcd(host=self.etcd_host).start()
             self.store = self._etcd.access.open_store(self._etcd.endpoints)
             self._reaper = LeaseReaper(self.job, store=self.store)
             self._coord = self._pool.start(Spec(
                 [sys.executable, "-c", "import sys; from resilient.cli import main; sys.exit(main())",
                  "coordinator", "--etcd", self._etcd.endpoint_arg, "--job", self.job, "--ttl", str(self.ttl),
-                 "--metrics-port", "-1", "--log-level", "WARNING", "--join-debounce-ms", "100"],
+                 "--metrics-port", "-1", "--log-level", "WARNING", "--join-debounce-ms", str(self.join_debounce_ms)],
                 stdout=DEVNULL, stderr=self._path("coordinator.stderr"), cwd=ROOT,
                 env={**os.environ, **self._etcd.access.child_env()}, name="coordinator"))
             for i in range(self.world):
                 self._spawn(f"m{i}")
-            for mid in self.procs:
-                self.expect(mid, "ready", timeout=120)
+            self.ready = {mid: self.expect(mid, "ready", timeout=self.ready_timeout) for mid in self.procs}
         except BaseException:
             self.close()
             raise
@@ -112,11 +119,20 @@ class BenchCluster:
         env = dict(os.environ, PYTHONPATH=str(ROOT), **self._etcd.access.child_env(), **self.env_for(mid))
         if "RESILIENT_FAILPOINTS" not in self.env_for(mid):
             env.pop("RESILIENT_FAILPOINTS", None)
-        cmd = [sys.executable, self.script, "--worker", "--etcd", self._etcd.endpoint_arg, "--job", self.job,
-               "--id", mid, "--lease-id", str(lease), "--world", str(self.world), *self.worker_args]
+        cmd = [*self.member_prefix(mid), sys.executable, self.script, "--worker", "--etcd", self._etcd.endpoint_arg,
+               "--job", self.job, "--id", mid, "--lease-id", str(lease), "--world", str(self.world),
+               *self.member_args(mid)]
         child = self._pool.start(Spec(cmd, stdin=PIPE, stdout=PIPE, stderr=self._path(f"{mid}.stderr"),
                                       cwd=ROOT, env=env, name=mid))
         self._children[mid], self.procs[mid] = child, child.popen
+
+    def member_prefix(self, mid: str) -> list[str]:
+        """What member ``mid``'s command line starts with (nothing: this host)."""
+        return []
+
+    def member_args(self, mid: str) -> list[str]:
+        """Member ``mid``'s extra arguments (``worker_args``)."""
+        return self.worker_args
 
     def watch_exit(self, mid: str, on_exit: Callable[[str, float], None] | None = None) -> None:
         """Like the node agent: when ``mid``'s process exits, record the wall time and

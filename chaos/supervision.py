@@ -37,7 +37,7 @@ class Proc:
         return self.child.pid
 
     @property
-    def popen(self) -> "subprocess.Popen[str]":
+    def popen(self) -> subprocess.Popen[str]:
         return self.child.popen
 
     def alive(self) -> bool:
