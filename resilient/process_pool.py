@@ -304,7 +304,8 @@ class ProcessPool:
         docstring for failures."""
         targets = self.children if children is None else [self.child(c) for c in children]
         for c in targets:
-            if sig is not None and self.signal(c, sig) and sig not in (_signal.SIGKILL, _signal.SIGCONT):
+            if sig is not None and self.signal(c, sig, group=sig == _signal.SIGKILL) \
+                    and sig not in (_signal.SIGKILL, _signal.SIGCONT):
                 self.signal(c, _signal.SIGCONT)
         try:
             return self.wait(grace, targets)
