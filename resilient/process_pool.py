@@ -307,6 +307,8 @@ class ProcessPool:
             if sig is not None and self.signal(c, sig, group=sig == _signal.SIGKILL) \
                     and sig not in (_signal.SIGKILL, _signal.SIGCONT):
                 self.signal(c, _signal.SIGCONT)
+        if sig == _signal.SIGKILL:
+            return self.wait(KILL_REAP_S, targets)
         try:
             return self.wait(grace, targets)
         except ResilientTimeout:
