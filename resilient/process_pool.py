@@ -139,6 +139,15 @@ class Child:
         """Not yet reaped (a zombie not yet collected by its waiter counts as alive)."""
         return self.returncode is None
 
+    def signal(self, sig: int) -> bool:
+        """:meth:`ProcessPool.signal` of this child."""
+        return self.pool.signal(self, sig)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """:meth:`ProcessPool.wait` for this child alone: its exit code."""
+        (rc,) = self.pool.wait(timeout, [self])
+        return rc
+
     def state(self) -> str | None:
         """The kernel's one-letter state (``R``, ``S``, ``T`` stopped, ``Z``...), ``None``
         once reaped or unreadable."""
