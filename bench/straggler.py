@@ -198,13 +198,18 @@ class Run:
                  "--late-ms", str(late_ms), "--report-s", str(args.report_s), "--ops", str(args.ops)],
                 stdout=DEVNULL, stderr=self.dir / f"{mid}.stderr", cwd=ROOT, env=env, name=mid))
 
+    @property
+    def procs(self) -> list:
+        """The coordinator, then the members m0, m1, ... (ProcessPool children)."""
+        return self.pool.children
+
     def _wait_files(self, prefix: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:
             have = [f"m{i}" for i in range(self.args.world) if (self.dir / f"{prefix}-m{i}").exists()]
             if len(have) == self.args.world:
                 return
-            dead = [p.pid for p in self.pool.children if p.returncode not in (None, 0)]
+            dead = [p.pid for p in self.procs if p.returncode not in (None, 0)]
             if dead or time.monotonic() > deadline:
                 tails = {p.name: p.read_text()[-1500:] for p in self.dir.glob("*.stderr")}
                 raise RuntimeError(f"members not {prefix} (have {have}, exited {dead}): {tails}")

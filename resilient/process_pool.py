@@ -9,9 +9,8 @@ agent of ``resilient-run``, the chaos runner, the benchmarks and the multi-proce
 all start their processes through it.
 
 Each child gets one waiter thread that blocks in ``wait()``; when the child exits the
-thread records its exit code and the time, runs the child's ``on_exit`` callback (if
-any) and then wakes :meth:`ProcessPool.wait` / :meth:`ProcessPool.wait_any`. So when a
-wait returns a child, its ``on_exit`` has finished (e.g. its etcd lease was revoked).
+thread records its exit code and the time and wakes :meth:`ProcessPool.wait` /
+:meth:`ProcessPool.wait_any` (no polling: an exit is seen at once).
 
 Exit codes are ``subprocess``'s: ``>= 0`` the code the child exited with, ``< 0`` minus
 the signal that killed it; :func:`describe_exit` and :func:`signal_name` word them.
@@ -32,8 +31,7 @@ Failure behaviour:
   SIGKILL; after 30 s more ``stop`` raises ``ResilientTimeout`` naming it;
 * leaving a ``with ProcessPool()`` block, by an exception too, stops every child;
 * signalling a child that already exited does nothing and returns ``False``; a child of
-  another pool (or a PID this pool did not start) raises ``ValueError``;
-* an exception from an ``on_exit`` callback is logged and does not stop the waits.
+  another pool (or a PID this pool did not start) raises ``ValueError``.
 """
 from __future__ import annotations
 
@@ -93,8 +91,7 @@ def pid_state(pid: int) -> str | None:
 class Spec:
     """How to start one child. ``env`` is its whole environment (``None``: this process's);
     ``new_session`` puts it in a session and process group of its own (signals for this
-    process's terminal do not reach it, and :meth:`ProcessPool.stop` SIGKILLs its group);
-    ``on_exit`` runs in the child's waiter thread once it is reaped (keep it bounded)."""
+    process's terminal do not reach it, and :meth:`ProcessPool.stop` SIGKILLs its group)."""
 
     argv: Sequence[str]
     env: Mapping[str, str] | None = None
@@ -105,23 +102,19 @@ class Spec:
     new_session: bool = True
     name: str = ""
     preexec_fn: Callable[[], None] | None = None
-    on_exit: Callable[[Child], None] | None = None
 
 
 class Child:
-    """One started process. ``returncode`` and ``exited_at`` (``time.monotonic()``) are set
-    by its waiter thread when it has been reaped; ``stdin``/``stdout``/``stderr`` are the
+    """One started process. ``returncode`` and ``exit_time`` (``time.time()``) are set by
+    its waiter thread when it has been reaped; ``stdin``/``stdout``/``stderr`` are the
     text pipes asked for with ``PIPE`` (else ``None``)."""
 
     def __init__(self, pool: ProcessPool, index: int, spec: Spec, popen: subprocess.Popen[str]) -> None:
         self.pool, self.index, self.spec, self.popen = pool, index, spec, popen
         self.name = spec.name or f"child{index}"
         self.pid = popen.pid
-        self.returncode: int | None = None
-        self.exited_at: float | None = None
-        self.exit_time: float | None = None   # time.time() of the exit, for logs and records
-        #: reaped and its ``on_exit`` done (set under the pool's lock; what the waits wait for)
-        self.finished = False
+        self.returncode: int | None = None   # set under the pool's lock: what the waits wait for
+        self.exit_time: float | None = None
 
     @property
     def stdin(self) -> IO[str] | None:
@@ -169,7 +162,6 @@ class ProcessPool:
         self._children: list[Child] = []
         self._cond = threading.Condition()
         self._exited: deque[Child] = deque()    # reaped, not yet reported by wait_any
-        self._threads: list[threading.Thread] = []
 
     # -- starting -------------------------------------------------------------------------
 
@@ -190,9 +182,7 @@ class ProcessPool:
         with self._cond:
             child = Child(self, len(self._children), spec, popen)
             self._children.append(child)
-        t = threading.Thread(target=self._reap, args=(child,), name=f"reap-{child.name}", daemon=True)
-        self._threads.append(t)
-        t.start()
+        threading.Thread(target=self._reap, args=(child,), name=f"reap-{child.name}", daemon=True).start()
         return child
 
     def start_all(self, specs: Iterable[Spec]) -> list[Child]:
@@ -209,16 +199,8 @@ class ProcessPool:
 
     def _reap(self, child: Child) -> None:
         rc = child.popen.wait()
-        child.exit_time = time.time()
-        child.exited_at = time.monotonic()
-        child.returncode = rc
-        if child.spec.on_exit is not None:
-            try:
-                child.spec.on_exit(child)
-            except Exception:  # noqa: BLE001 - a callback's failure must not lose the exit
-                log.exception("on_exit of %s (pid %d) failed", child.name, child.pid)
         with self._cond:
-            child.finished = True
+            child.exit_time, child.returncode = time.time(), rc
             self._exited.append(child)
             self._cond.notify_all()
 
@@ -278,7 +260,7 @@ class ProcessPool:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
-                left = [c for c in targets if not c.finished]
+                left = [c for c in targets if c.returncode is None]
                 if not left:
                     break
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -329,17 +311,11 @@ class ProcessPool:
                 self.signal(c, _signal.SIGKILL, group=True)
         return self.wait(KILL_REAP_S, targets)
 
-    def close(self) -> None:
-        """:meth:`stop` every child (the default grace) and join the waiter threads."""
-        self.stop()
-        for t in self._threads:
-            t.join(KILL_REAP_S)
-
     def __enter__(self) -> ProcessPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.stop()
 
 
 def _open(out: Output, opened: list[IO[Any]]) -> int | IO[Any] | None:

@@ -94,19 +94,6 @@ def test_signal_goes_only_to_children_of_this_pool_and_not_to_exited_ones():
         assert other.signal(0, signal.SIGTERM) is False
 
 
-def test_on_exit_has_run_when_a_wait_returns_the_child_and_its_failure_does_not_lose_the_exit():
-    seen: list[int | None] = []
-
-    def boom(c):
-        raise RuntimeError("callback failed")
-
-    with ProcessPool() as pool:
-        a = pool.start(Spec([PY, "-c", "import sys; sys.exit(2)"], on_exit=lambda c: seen.append(c.returncode)))
-        b = pool.start(Spec([PY, "-c", "pass"], on_exit=boom))
-        assert pool.wait(timeout=60, children=[a, b]) == [2, 0]
-        assert seen == [2]
-
-
 def test_leaving_the_block_by_an_exception_stops_every_child():
     with pytest.raises(KeyError):
         with ProcessPool() as pool:
