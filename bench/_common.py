@@ -2,9 +2,11 @@
 
 Driver side: :class:`BenchCluster` starts a real local etcd, a real coordinator process
 (``resilient coordinator``) and N real member processes (the bench script itself in
-``--worker`` mode). Like the node agent, the driver grants each member's lease and
-revokes it the moment it sees that process exit (:meth:`BenchCluster.watch_exit`).
-Every process started here is ended here, by PID (its own session), also on errors.
+``--worker`` mode), children of one :class:`~resilient.process_pool.ProcessPool`. Like the
+node agent, the driver grants each member's lease and revokes it the moment it sees that
+process exit (:meth:`BenchCluster.watch_exit`, a
+:class:`~resilient.launcher.lease_reaper.LeaseReaper`). Every process started here is
+ended here, by PID (its own session), also on errors.
 
 Worker side: :func:`join` registers the member on the lease it was given, waits for the
 epoch with the whole world and returns a :class:`Communicator` over a TCP transport.
@@ -19,15 +21,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable
+
+from resilient.launcher.lease_reaper import LeaseReaper
+from resilient.process_pool import DEVNULL, PIPE, Child, ProcessPool, Spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,21 +59,30 @@ def median(xs: list[float]) -> float:
 
 
 class BenchCluster:
-    """etcd + coordinator + ``world`` worker processes of ``script --worker``."""
+    """etcd + coordinator + ``world`` worker processes of ``script --worker``. A subclass
+    may place etcd (:attr:`etcd_host`) and each member (:meth:`member_prefix`, e.g. ``ip
+    netns exec``; :meth:`member_args`) elsewhere; :attr:`ready` holds every member's
+    ``ready`` message."""
+
+    etcd_host = "127.0.0.1"
+    join_debounce_ms = 100
+    ready_timeout = 120.0
 
     def __init__(self, script: str, world: int, job: str = "bench", ttl: float = 30.0,
                  worker_args: list[str] | None = None, env_for: Callable[[str], dict[str, str]] | None = None) -> None:
         self.script, self.world, self.job, self.ttl = script, world, job, ttl
         self.worker_args = worker_args or []
         self.env_for = env_for or (lambda mid: {})
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen[str]] = {}   # member -> its process (as subprocess sees it)
+        self.ready: dict[str, dict[str, Any]] = {}
+        self._children: dict[str, Child] = {}
         self.leases: dict[str, int] = {}
         self.exit_at: dict[str, float] = {}
         self._tmp = tempfile.TemporaryDirectory(prefix="resilient-bench-")
         self._etcd = None
-        self._coord: subprocess.Popen | None = None
-        self._threads: list[threading.Thread] = []
-        self._files: list[Any] = []
+        self._pool = ProcessPool()
+        self._coord: Child | None = None
+        self._reaper: LeaseReaper | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -78,18 +90,18 @@ class BenchCluster:
         from resilient.coordinator import LocalEtcd
 
         try:
-            self._etcd = LocalEtcd().start()
+            self._etcd = LocalEtcd(host=self.etcd_host).start()
             self.store = self._etcd.access.open_store(self._etcd.endpoints)
-            self._coord = subprocess.Popen(
+            self._reaper = LeaseReaper(self.job, store=self.store)
+            self._coord = self._pool.start(Spec(
                 [sys.executable, "-c", "import sys; from resilient.cli import main; sys.exit(main())",
                  "coordinator", "--etcd", self._etcd.endpoint_arg, "--job", self.job, "--ttl", str(self.ttl),
-                 "--metrics-port", "-1", "--log-level", "WARNING", "--join-debounce-ms", "100"],
-                stdout=subprocess.DEVNULL, stderr=self._open("coordinator.stderr"), cwd=ROOT, start_new_session=True,
-                env={**os.environ, **self._etcd.access.child_env()})
+                 "--metrics-port", "-1", "--log-level", "WARNING", "--join-debounce-ms", str(self.join_debounce_ms)],
+                stdout=DEVNULL, stderr=self._path("coordinator.stderr"), cwd=ROOT,
+                env={**os.environ, **self._etcd.access.child_env()}, name="coordinator"))
             for i in range(self.world):
                 self._spawn(f"m{i}")
-            for mid in self.procs:
-                self.expect(mid, "ready", timeout=120)
+            self.ready = {mid: self.expect(mid, "ready", timeout=self.ready_timeout) for mid in self.procs}
         except BaseException:
             self.close()
             raise
@@ -98,10 +110,8 @@ class BenchCluster:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _open(self, name: str) -> Any:
-        f = open(Path(self._tmp.name) / name, "w")
-        self._files.append(f)
-        return f
+    def _path(self, name: str) -> Path:
+        return Path(self._tmp.name) / name
 
     def _spawn(self, mid: str) -> None:
         lease = self.store.grant(self.ttl)
@@ -109,59 +119,51 @@ class BenchCluster:
         env = dict(os.environ, PYTHONPATH=str(ROOT), **self._etcd.access.child_env(), **self.env_for(mid))
         if "RESILIENT_FAILPOINTS" not in self.env_for(mid):
             env.pop("RESILIENT_FAILPOINTS", None)
-        cmd = [sys.executable, self.script, "--worker", "--etcd", self._etcd.endpoint_arg, "--job", self.job,
-               "--id", mid, "--lease-id", str(lease), "--world", str(self.world), *self.worker_args]
-        self.procs[mid] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                           stderr=self._open(f"{mid}.stderr"),
-                                           cwd=ROOT, env=env, text=True, bufsize=1, start_new_session=True)
+        cmd = [*self.member_prefix(mid), sys.executable, self.script, "--worker", "--etcd", self._etcd.endpoint_arg,
+               "--job", self.job, "--id", mid, "--lease-id", str(lease), "--world", str(self.world),
+               *self.member_args(mid)]
+        child = self._pool.start(Spec(cmd, stdin=PIPE, stdout=PIPE, stderr=self._path(f"{mid}.stderr"),
+                                      cwd=ROOT, env=env, name=mid))
+        self._children[mid], self.procs[mid] = child, child.popen
+
+    def member_prefix(self, mid: str) -> list[str]:
+        """What member ``mid``'s command line starts with (nothing: this host)."""
+        return []
+
+    def member_args(self, mid: str) -> list[str]:
+        """Member ``mid``'s extra arguments (``worker_args``)."""
+        return self.worker_args
 
     def watch_exit(self, mid: str, on_exit: Callable[[str, float], None] | None = None) -> None:
         """Like the node agent: when ``mid``'s process exits, record the wall time and
         revoke its lease at once (then call ``on_exit(mid, t_exit)``)."""
-        def run() -> None:
-            from resilient.coordinator.membership import revoke_member
-
-            self.procs[mid].wait()
-            t = time.time()
+        def record(child: Child) -> None:
+            t = child.exit_time
+            assert t is not None   # set when the child was reaped
             self.exit_at[mid] = t
-            try:
-                revoke_member(self.store, self.job, mid, self.leases[mid], reason="bench: process exited")
-            except Exception as exc:  # noqa: BLE001 - the lease then expires after its TTL
-                print(f"bench: could not revoke {mid}: {exc}", file=sys.stderr)
             if on_exit is not None:
                 on_exit(mid, t)
 
-        th = threading.Thread(target=run, name=f"agent:{mid}", daemon=True)
-        th.start()
-        self._threads.append(th)
+        assert self._reaper is not None   # made on __enter__
+        self._reaper.watch(self._children[mid], mid, self.leases[mid], then=record)
 
     def close(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
+        """Members: stdin closed (they leave), SIGKILL (their group) 10 s later; then the
+        coordinator (SIGTERM, SIGKILL 10 s later) and etcd."""
+        members = list(self._children.values())
+        for c in members:
+            if c.alive() and c.stdin is not None:
                 try:
-                    p.stdin.close()
+                    c.stdin.close()
                 except OSError:
                     pass
-        deadline = time.monotonic() + 10
-        for p in self.procs.values():
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGCONT)
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        if self._coord is not None and self._coord.poll() is None:
-            self._coord.terminate()
-            try:
-                self._coord.wait(10)
-            except subprocess.TimeoutExpired:
-                self._coord.kill()
-                self._coord.wait()
+        self._pool.stop(grace=10, sig=None, children=members)
+        self._pool.stop(grace=10)
+        if self._reaper is not None:
+            self._reaper.close()
         if self._etcd is not None:
             self._etcd.stop()
             self._etcd = None
-        for f in self._files:
-            f.close()
         self._tmp.cleanup()
 
     # -- talking to workers -------------------------------------------------------------
@@ -174,18 +176,22 @@ class BenchCluster:
 
     def send(self, mids: list[str], line: str) -> None:
         for mid in mids:
-            self.procs[mid].stdin.write(line + "\n")
-            self.procs[mid].stdin.flush()
+            stdin = self.procs[mid].stdin
+            assert stdin is not None   # members are started with a stdin pipe
+            stdin.write(line + "\n")
+            stdin.flush()
 
     def expect(self, mid: str, event: str, timeout: float = 300) -> dict[str, Any]:
         """The next JSON line of ``mid`` (must carry ``"event": event``)."""
-        p = self.procs[mid]
+        p = self._children[mid]
+        stdout = p.stdout
+        assert stdout is not None   # members are started with a stdout pipe
         result: list[str] = []
-        th = threading.Thread(target=lambda: result.append(p.stdout.readline()), daemon=True)
+        th = threading.Thread(target=lambda: result.append(stdout.readline()), daemon=True)
         th.start()
         th.join(timeout)
         if not result or not result[0]:
-            raise BenchError(f"member {mid} sent no {event!r} within {timeout}s (exit code {p.poll()}): "
+            raise BenchError(f"member {mid} sent no {event!r} within {timeout}s (exit code {p.returncode}): "
                              f"{self.stderr_tail(mid)}")
         try:
             msg = json.loads(result[0])

@@ -39,6 +39,8 @@ from _common import rank_worker_argparser  # noqa: E402
 PY = sys.executable
 WORLD = 4
 
+from resilient.process_pool import DEVNULL, PIPE, ProcessPool, Spec  # noqa: E402 - after the path insert
+
 
 def _input(rank: int, numel: int, step: int):
     import torch
@@ -162,31 +164,24 @@ def run_cap(lab, etcd: str, mb_s: float, args: argparse.Namespace) -> list[dict]
     job = f"compress-{uuid.uuid4().hex[:8]}"
     for i in range(WORLD):
         _cap(lab, i, mb_s)
-    coord = subprocess.Popen([PY, "-c", "import sys; from resilient.cli import main; sys.exit(main())", "coordinator",
-                              "--etcd", etcd, "--job", job, "--ttl", "10", "--metrics-port", "-1",
-                              "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-    procs = []
-    try:
+    with ProcessPool() as pool:   # every process stopped by PID on the way out
+        pool.start(Spec([PY, "-c", "import sys; from resilient.cli import main; sys.exit(main())", "coordinator",
+                         "--etcd", etcd, "--job", job, "--ttl", "10", "--metrics-port", "-1",
+                         "--log-level", "WARNING"], stdout=DEVNULL, stderr=DEVNULL, cwd=ROOT, name="coordinator"))
+        procs = []
         port = 29500 + int(uuid.uuid4().int % 1000)
         for i in range(WORLD):
             cmd = [*lab.exec_prefix(i), PY, str(Path(__file__).resolve()), "--worker", "--rank", str(i),
                    "--ip", lab.ips[i], "--ip0", lab.ips[0], "--ifname", lab.ns_veths[i], "--gloo-port", str(port),
                    "--etcd", etcd, "--job", job, "--sizes", args.sizes, "--iters", str(args.iters)]
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                          env=dict(os.environ, PYTHONPATH=str(ROOT))))
+            procs.append(pool.start(Spec(cmd, stdout=PIPE, stderr=PIPE, cwd=ROOT,
+                                         env=dict(os.environ, PYTHONPATH=str(ROOT)), name=f"m{i}")).popen)
         outs = []
         for p in procs:
             out, err = p.communicate(timeout=args.timeout)
             if p.returncode != 0:
                 raise RuntimeError(f"worker failed ({p.returncode}): {err[-3000:]}")
             outs.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        coord.terminate()
-        coord.wait(10)
     lines = []
     for s in [int(x) for x in args.sizes.split(",")]:
         per = [o["results"][str(s)] for o in outs]

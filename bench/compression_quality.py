@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
+
+from resilient.launcher.lease_reaper import LeaseReaper
+from resilient.process_pool import DEVNULL, PIPE, ProcessPool, Spec
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -130,7 +130,7 @@ def worker(args: argparse.Namespace) -> int:
         store = Store(args.etcd)
         tr = TcpTransport(mid, args.job)
         session = MemberSession.register(store, args.job, MemberInfo(member_id=mid, address=tr.address), ttl=2.0)
-        print(f"LEASE {session.lease_id}", flush=True)
+        print(f"LEASE {mid} {session.lease_id}", flush=True)  # the driver revokes it if we are killed
         watcher = EpochWatcher(store, args.job)
         watcher.wait_for(lambda e: len(e.members) == WORLD and mid in e.members, 60)
         comm = Communicator(EtcdGroupView(store, args.job, session, watcher), tr, op_timeout=30)
@@ -169,57 +169,28 @@ def worker(args: argparse.Namespace) -> int:
     os._exit(0)
 
 
-def _revoke_on_exit(proc: subprocess.Popen, etcd: str, job: str, mid: str, lines: list) -> None:
-    """Read the worker's stdout; when it dies by a signal revoke its lease (the node agent's fast path)."""
-    lease = None
-    for line in proc.stdout:
-        if line.startswith("LEASE "):
-            lease = int(line.split()[1])
-        else:
-            lines.append(line)
-    if proc.wait() < 0 and lease is not None:
-        from resilient.coordinator import Store
-        from resilient.coordinator.membership import revoke_member
-
-        s = Store(etcd)
-        try:
-            revoke_member(s, job, mid, lease, reason="killed")
-        finally:
-            s.close()
-
-
 def run_arm(arm: str, etcd: str, args: argparse.Namespace) -> list[dict]:
     job = f"cq-{uuid.uuid4().hex[:8]}"
-    coord = None
-    if arm.startswith("res"):
-        coord = subprocess.Popen([PY, "-c", "import sys; from resilient.cli import main; sys.exit(main())",
-                                  "coordinator", "--etcd", etcd, "--job", job, "--ttl", "2", "--metrics-port", "-1",
-                                  "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                 cwd=ROOT)
     port = 20000 + uuid.uuid4().int % 20000
-    procs, outs, ths = [], [[] for _ in range(WORLD)], []
-    try:
+    outs: list[list[str]] = [[] for _ in range(WORLD)]
+    reaper = LeaseReaper(job, endpoints=etcd)   # the node agent's fast path when a worker is killed
+    with ProcessPool() as pool:   # on the way out, by an error too: every process stopped by PID
+        if arm.startswith("res"):
+            pool.start(Spec([PY, "-c", "import sys; from resilient.cli import main; sys.exit(main())",
+                             "coordinator", "--etcd", etcd, "--job", job, "--ttl", "2", "--metrics-port", "-1",
+                             "--log-level", "WARNING"], stdout=DEVNULL, stderr=DEVNULL, cwd=ROOT, name="coordinator"))
+        workers = []
         for i in range(WORLD):
             cmd = [PY, str(Path(__file__).resolve()), "--worker", "--rank", str(i), "--arm", arm, "--etcd", etcd,
                    "--job", job, "--port", str(port), "--steps", str(args.steps)] + (["--kill"] if args.kill else [])
-            p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
-                                 env=dict(os.environ, PYTHONPATH=str(ROOT)))
-            procs.append(p)
-            th = threading.Thread(target=_revoke_on_exit, args=(p, etcd, job, f"m{i}", outs[i]), daemon=True)
-            th.start()
-            ths.append(th)
-        for p in procs:
-            p.wait(timeout=args.timeout)
-        for th in ths:
-            th.join(10)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        if coord is not None:
-            coord.send_signal(signal.SIGTERM)
-            coord.wait(10)
+            child = pool.start(Spec(cmd, stdout=PIPE, stderr=DEVNULL, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                                    name=f"m{i}"))
+            reaper.watch(child, failures_only=True, lines=outs[i])
+            workers.append(child)
+        try:
+            pool.wait(args.timeout, workers)
+        finally:
+            reaper.close(10)
     res = []
     for lines in outs:
         for line in lines:

@@ -15,25 +15,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 
 from resilient.coordinator import EpochWatcher, LocalEtcd, Store
 from resilient.coordinator.membership import revoke_member
+from resilient.launcher.lease_reaper import LeaseReaper
+from resilient.process_pool import DEVNULL, PIPE, Child, ProcessPool, Spec
 
 
-def spawn_member(endpoints: str, job: str, mid: str, lease: int) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-m", "resilient.coordinator.member_process", "--etcd", endpoints,
-                          "--job", job, "--id", mid, "--lease-id", str(lease)],
-                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+def spawn_member(pool: ProcessPool, endpoints: str, job: str, mid: str, lease: int) -> Child:
+    p = pool.start(Spec([sys.executable, "-m", "resilient.coordinator.member_process", "--etcd", endpoints,
+                         "--job", job, "--id", mid, "--lease-id", str(lease)], stdout=PIPE, stderr=DEVNULL, name=mid))
+    assert p.stdout is not None
     line = p.stdout.readline()
     if not line.startswith("READY"):
-        p.kill()
+        pool.signal(p, signal.SIGKILL)
         raise RuntimeError(f"member {mid} did not start: {line!r}")
     return p
 
@@ -45,17 +44,15 @@ def main() -> None:
     ap.add_argument("--ttl", type=float, default=5.0, help="member lease TTL, seconds")
     args = ap.parse_args()
     job = "bench"
-    procs: dict[str, subprocess.Popen] = {}
+    procs: dict[str, Child] = {}
     leases: dict[str, int] = {}
-    coord = None
-    with LocalEtcd() as etcd:
+    with LocalEtcd() as etcd, ProcessPool() as pool:   # every process stopped by PID on the way out
         store = Store(etcd.endpoints)
+        reaper = LeaseReaper(job, store=store)
         try:
-            coord = subprocess.Popen(
-                [sys.executable, "-c", "import sys; from resilient.cli import main; sys.exit(main())",
-                 "coordinator", "--etcd", etcd.endpoint_arg, "--job", job, "--metrics-port", "-1",
-                 "--log-level", "WARNING", "--join-debounce-ms", "100"],
-                stdout=subprocess.DEVNULL, start_new_session=True)
+            pool.start(Spec([sys.executable, "-c", "import sys; from resilient.cli import main; sys.exit(main())",
+                             "coordinator", "--etcd", etcd.endpoint_arg, "--job", job, "--metrics-port", "-1",
+                             "--log-level", "WARNING", "--join-debounce-ms", "100"], stdout=DEVNULL, name="coordinator"))
             watcher = EpochWatcher(store, job)
             counter = [0]
 
@@ -63,7 +60,7 @@ def main() -> None:
                 mid = f"m{counter[0]}"
                 counter[0] += 1
                 leases[mid] = store.grant(args.ttl)
-                procs[mid] = spawn_member(etcd.endpoint_arg, job, mid, leases[mid])
+                procs[mid] = spawn_member(pool, etcd.endpoint_arg, job, mid, leases[mid])
 
             for _ in range(args.members):
                 add_member()
@@ -76,19 +73,13 @@ def main() -> None:
                 revoke_member(store, job, victim, leases[victim], reason="bench")
                 watcher.wait_for(lambda e: victim not in e.members, 10)
                 revoke_ms.append((time.perf_counter() - t0) * 1000)
-                procs.pop(victim).wait(timeout=10)   # it notices it lost its lease and exits
+                pool.wait(10, [procs.pop(victim)])   # it notices it lost its lease and exits
                 # 2. SIGKILL, then the agent (this process) revokes on seeing the exit
                 victim = sorted(procs)[0]
                 proc = procs.pop(victim)
-
-                def agent(p: subprocess.Popen = proc, mid: str = victim) -> None:
-                    p.wait()
-                    revoke_member(store, job, mid, leases[mid], reason="exited")
-
-                watch_exit = threading.Thread(target=agent)
-                watch_exit.start()
+                watch_exit = reaper.watch(proc, victim, leases[victim])
                 t0 = time.perf_counter()
-                os.kill(proc.pid, signal.SIGKILL)
+                pool.signal(proc, signal.SIGKILL)
                 watcher.wait_for(lambda e: victim not in e.members, 10)
                 kill_ms.append((time.perf_counter() - t0) * 1000)
                 watch_exit.join()
@@ -104,18 +95,7 @@ def main() -> None:
             }))
             watcher.close()
         finally:
-            for p in procs.values():
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-            if coord is not None:
-                if coord.poll() is None:
-                    coord.terminate()
-                try:
-                    coord.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    coord.kill()
-                    coord.wait()
+            pool.stop(grace=0, sig=signal.SIGKILL, children=list(procs.values()))
             store.close()
 
 

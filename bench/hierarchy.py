@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -127,41 +126,20 @@ class NetnsCluster(BenchCluster):
     """:class:`BenchCluster` with etcd on the lab's bridge and member ``m<i>`` started
     inside namespace ``ns_of[m]`` with its own extra arguments."""
 
+    join_debounce_ms = 300
+    ready_timeout = 180.0
+
     def __init__(self, lab: Any, ns_of: dict[str, int], extra: dict[str, list[str]], env: dict[str, dict[str, str]],
                  job: str, world: int) -> None:
-        super().__init__(__file__, world, job=job, ttl=10.0)
-        self.lab, self.ns_of, self.extra, self.env = lab, ns_of, extra, env
+        super().__init__(__file__, world, job=job, ttl=10.0, env_for=lambda mid: env.get(mid, {}))
+        self.lab, self.ns_of, self.extra = lab, ns_of, extra
+        self.etcd_host = lab.host_ip
 
-    def __enter__(self) -> "NetnsCluster":
-        from resilient.coordinator import LocalEtcd
+    def member_prefix(self, mid: str) -> list[str]:
+        return list(self.lab.exec_prefix(self.ns_of[mid]))
 
-        try:
-            self._etcd = LocalEtcd(host=self.lab.host_ip).start()
-            self.store = self._etcd.access.open_store(self._etcd.endpoints)
-            self._coord = subprocess.Popen(
-                [PY, "-c", "import sys; from resilient.cli import main; sys.exit(main())",
-                 "coordinator", "--etcd", self._etcd.endpoint_arg, "--job", self.job, "--ttl", str(self.ttl),
-                 "--metrics-port", "-1", "--log-level", "WARNING", "--join-debounce-ms", "300"],
-                stdout=subprocess.DEVNULL, stderr=self._open("coordinator.stderr"), cwd=ROOT, start_new_session=True,
-                env={**os.environ, **self._etcd.access.child_env()})
-            for i in range(self.world):
-                self._spawn(f"m{i}")
-            self.ready = {mid: self.expect(mid, "ready", timeout=180) for mid in self.procs}
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def _spawn(self, mid: str) -> None:
-        lease = self.store.grant(self.ttl)
-        self.leases[mid] = lease
-        env = dict(os.environ, PYTHONPATH=str(ROOT), **self._etcd.access.child_env(), **self.env.get(mid, {}))
-        env.pop("RESILIENT_FAILPOINTS", None)
-        cmd = [*self.lab.exec_prefix(self.ns_of[mid]), PY, self.script, "--worker", "--etcd", self._etcd.endpoint_arg,
-               "--job", self.job, "--id", mid, "--lease-id", str(lease), "--world", str(self.world), *self.extra[mid]]
-        self.procs[mid] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                           stderr=self._open(f"{mid}.stderr"), cwd=ROOT, env=env, text=True,
-                                           bufsize=1, start_new_session=True)
+    def member_args(self, mid: str) -> list[str]:
+        return self.extra[mid]
 
     def run_batches(self, rounds: int, modes: list[str]) -> dict[str, Any]:
         """Let the workers go; per mode the median over batches of the slowest member's

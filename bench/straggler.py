@@ -41,7 +41,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -52,6 +51,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PY = sys.executable
+
+from resilient.process_pool import DEVNULL, ProcessPool, Spec  # noqa: E402 - after the path insert
 VICTIM = "m2"
 
 
@@ -175,28 +176,32 @@ class Run:
         self.dir = Path(tempfile.mkdtemp(prefix="straggler-"))
         self.job = f"strag-{uuid.uuid4().hex[:8]}"
         self.etcd, self.args = etcd, args
-        self.procs: list[subprocess.Popen] = []
+        self.pool = ProcessPool()   # the coordinator and the members, ended by PID in close()
         self.epochs: list[dict] = []
-        self.coord = subprocess.Popen(
+        self.pool.start(Spec(
             [PY, "-c", "import sys; from resilient.cli import main; sys.exit(main())", "coordinator", "--etcd", etcd,
              "--job", self.job, "--ttl", "3", "--metrics-port", "-1", "--log-level", "WARNING",
              "--straggler-policy", policy]
             + (["--leaf-deadline-ms", str(leaf_deadline_ms)] if policy == "deadline" and leaf_deadline_ms is not None
                else [])
             + (["--evict-hold-s", str(evict_hold_s)] if policy == "evict" and evict_hold_s is not None else []),
-            stdout=subprocess.DEVNULL, stderr=open(self.dir / "coordinator.stderr", "w"), cwd=ROOT)
-        self.procs.append(self.coord)
+            stdout=DEVNULL, stderr=self.dir / "coordinator.stderr", cwd=ROOT, name="coordinator"))
         for i in range(args.world):
             mid = f"m{i}"
             spec = self.dir / f"shape-{mid}"
             spec.write_text(specs.get(mid, ""))
             env = dict(os.environ, PYTHONPATH=str(ROOT), RESILIENT_SHAPING_FILE=str(spec))
             env.pop("RESILIENT_SHAPING", None)
-            self.procs.append(subprocess.Popen(
+            self.pool.start(Spec(
                 [PY, str(Path(__file__).resolve()), "--worker", "--etcd", etcd, "--job", self.job, "--id", mid,
                  "--world", str(args.world), "--numel", str(args.numel), "--out", str(self.dir),
                  "--late-ms", str(late_ms), "--report-s", str(args.report_s), "--ops", str(args.ops)],
-                stdout=subprocess.DEVNULL, stderr=open(self.dir / f"{mid}.stderr", "w"), cwd=ROOT, env=env))
+                stdout=DEVNULL, stderr=self.dir / f"{mid}.stderr", cwd=ROOT, env=env, name=mid))
+
+    @property
+    def procs(self) -> list:
+        """The coordinator, then the members m0, m1, ... (ProcessPool children)."""
+        return self.pool.children
 
     def _wait_files(self, prefix: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -204,7 +209,7 @@ class Run:
             have = [f"m{i}" for i in range(self.args.world) if (self.dir / f"{prefix}-m{i}").exists()]
             if len(have) == self.args.world:
                 return
-            dead = [p.pid for p in self.procs if p.poll() not in (None, 0)]
+            dead = [p.pid for p in self.procs if p.returncode not in (None, 0)]
             if dead or time.monotonic() > deadline:
                 tails = {p.name: p.read_text()[-1500:] for p in self.dir.glob("*.stderr")}
                 raise RuntimeError(f"members not {prefix} (have {have}, exited {dead}): {tails}")
@@ -253,16 +258,7 @@ class Run:
                 for i in range(self.args.world)}
 
     def close(self) -> None:
-        for p in self.procs:           # ours, by PID
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for p in self.procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        self.pool.stop(grace=10)   # ours, by PID: SIGTERM, SIGKILL 10 s later
         try:
             self.watcher.close()
             self.store.close()

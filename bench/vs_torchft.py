@@ -61,13 +61,15 @@ import shutil
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from resilient.errors import ResilientTimeout
+from resilient.process_pool import STDOUT, Child, ProcessPool, Spec
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {"small": (1, 512, 0.05), "realistic": (4, 2048, 0.5)}
@@ -292,23 +294,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _popen(cmd: list[str], env: dict | None = None, out: Any = None) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out or subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def _end(procs: list[subprocess.Popen]) -> None:
-    """SIGKILL each process's own session (we started it with start_new_session), by PID."""
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
+def _spec(cmd: list[str], out: Path, env: dict | None = None) -> Spec:
+    """``cmd`` in its own session, stdout and stderr to the file ``out``."""
+    return Spec(cmd, cwd=ROOT, env=env, stdout=out, stderr=STDOUT)
 
 
 def _worker_args(a: argparse.Namespace, case: str, log_dir: Path, layers: int, dim: int, compute: float) -> list[str]:
@@ -321,50 +309,45 @@ def run_resilient(a: argparse.Namespace, case: str, log_dir: Path, size: tuple) 
     cmd = [sys.executable, "-c", "import sys; from resilient.launcher.cli import main; sys.exit(main())",
            "--standalone", "--nproc-per-node", str(REPLICAS), "--max-restarts", "1", __file__,
            "--worker", "resilient", *_worker_args(a, case, log_dir, *size)]
-    with open(log_dir / "launcher.out", "w") as out:
-        p = _popen(cmd, out=out)
-        try:
-            p.wait(a.run_timeout)
-            return True
-        except subprocess.TimeoutExpired:
-            return False
-        finally:
-            _end([p])
+    pool = ProcessPool()
+    pool.start(_spec(cmd, log_dir / "launcher.out"))
+    try:
+        pool.wait(a.run_timeout)
+        return True
+    except ResilientTimeout:
+        return False
+    finally:
+        pool.stop(grace=0, sig=signal.SIGKILL)   # its whole session, by PID
 
 
 def run_torchft(a: argparse.Namespace, case: str, log_dir: Path, size: tuple, config: str) -> bool:
     cfg = TORCHFT[config]
     port = _free_port()
     lh_bin = shutil.which("torchft_lighthouse") or str(Path(sys.executable).with_name("torchft_lighthouse"))
-    lh = _popen([lh_bin, "--bind", f"127.0.0.1:{port}", "--min_replicas", "2",
-                 "--join_timeout_ms", str(cfg["join_timeout_ms"]), "--quorum_tick_ms", str(cfg["quorum_tick_ms"]),
-                 "--heartbeat_timeout_ms", str(cfg["heartbeat_timeout_ms"])],
-                out=open(log_dir / "lighthouse.out", "w"))  # noqa: SIM115
-    procs = [lh]
+    pool = ProcessPool()
+    pool.start(_spec([lh_bin, "--bind", f"127.0.0.1:{port}", "--min_replicas", "2",
+                      "--join_timeout_ms", str(cfg["join_timeout_ms"]), "--quorum_tick_ms", str(cfg["quorum_tick_ms"]),
+                      "--heartbeat_timeout_ms", str(cfg["heartbeat_timeout_ms"])], log_dir / "lighthouse.out"))
     env = dict(os.environ, TORCHFT_USE_OTEL="false", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
 
-    def start(i: int, restart: int) -> subprocess.Popen:
+    def start(i: int, restart: int) -> Child:
         cmd = [sys.executable, __file__, "--worker", "torchft", "--replica", str(i), "--config", config,
                "--lighthouse", f"http://127.0.0.1:{port}", *_worker_args(a, case, log_dir, *size)]
-        p = _popen(cmd, env=dict(env, BENCH_RESTART=str(restart)),
-                   out=open(log_dir / f"replica{i}-{restart}.out", "w"))  # noqa: SIM115
-        procs.append(p)
-        return p
+        return pool.start(_spec(cmd, log_dir / f"replica{i}-{restart}.out", env=dict(env, BENCH_RESTART=str(restart))))
 
     try:
         workers = {i: start(i, 0) for i in range(REPLICAS)}
         restarted = False
         deadline = time.monotonic() + a.run_timeout
-        while time.monotonic() < deadline:
-            if not restarted and workers[VICTIM].poll() is not None and workers[VICTIM].returncode != 0:
+        while (ended := pool.wait_any(max(0.0, deadline - time.monotonic()))) is not None:
+            if not restarted and ended is workers[VICTIM] and ended.returncode != 0:
                 workers[VICTIM] = start(VICTIM, 1)  # restarted at once, as torchelastic would
                 restarted = True
-            if all(p.poll() is not None for p in workers.values()):
+            if not any(c.alive() for c in workers.values()):
                 return True
-            time.sleep(0.05)
         return False
     finally:
-        _end(procs)
+        pool.stop(grace=0, sig=signal.SIGKILL)   # every session started here, by PID
 
 
 def _records(log_dir: Path, prefix: str) -> list[dict]:

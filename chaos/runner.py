@@ -71,6 +71,7 @@ from resilient.chaos.members import member_id, member_index
 from resilient.chaos.monitor import MemberMonitor
 from resilient.chaos.scenario import Scenario, resolve_faults
 from resilient.chaos.supervision import Proc, spawn, stop_all, watch_ready
+from resilient.process_pool import ProcessPool
 from resilient.chaos.verifier import NEVER_FIRED, EpochEvent, FaultEvent, RunLog
 from resilient.errors import ConfigError, ResilientError
 
@@ -166,6 +167,7 @@ class ChaosRunner:
         self.faults: tuple[Fault, ...] = resolve_faults(scenario, seed)
         self.workers: dict[int, Proc] = {}
         self.coordinators: dict[str, Proc] = {}
+        self.pool = ProcessPool()   # every process of the run (members, coordinators)
         self.log = FaultLog()
         self.epochs: list[EpochEvent] = []
         self._lock = threading.Lock()
@@ -184,7 +186,7 @@ class ChaosRunner:
 
     def _spawn(self, etcd: LocalEtcd, name: str, args: list[str], env: dict[str, str] | None = None,
                pipe: bool = False, prefix: Sequence[str] = ()) -> Proc:
-        return spawn(name, args, self.workdir / "logs", {**os.environ, **etcd.access.child_env(), **(env or {})},
+        return spawn(self.pool, name, args, self.workdir / "logs", {**os.environ, **etcd.access.child_env(), **(env or {})},
                      pipe=pipe, prefix=prefix)
 
     def _start_coordinator(self, etcd: LocalEtcd, cid: str) -> None:
@@ -369,7 +371,7 @@ class ChaosRunner:
                 self.epochs.append(EpochEvent(epoch.number, max(at, 0.0), members))
 
     def _teardown(self) -> None:
-        stop_all(list(self.workers.values()), list(self.coordinators.values()),
+        stop_all(self.pool, list(self.workers.values()),
                  lambda p: (self.records / f"done-{p.name.split('-')[1]}").exists())
         for server in self._metrics_servers.values():
             server.close()

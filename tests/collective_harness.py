@@ -1,18 +1,20 @@
 """Runs N collective_worker processes against a real etcd + coordinator (helpers for the
-multi-process tests; every process started here is ended here, by PID)."""
+multi-process tests; every process started here is a ProcessPool child, ended here by PID)."""
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
+
+from resilient.launcher.lease_reaper import LeaseReaper
+from resilient.process_pool import DEVNULL, PIPE, STDOUT, ProcessPool, Spec
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "collective_worker.py"
@@ -20,31 +22,26 @@ PY = sys.executable
 
 
 @contextmanager
-def coordinator(etcd_endpoint: str, job: str, ttl: float = 2.0):
-    proc = subprocess.Popen([PY, "-c", "import sys; from resilient.cli import main; sys.exit(main())", "coordinator", "--etcd", etcd_endpoint, "--job", job,
-                             "--ttl", str(ttl), "--metrics-port", "-1", "--log-level", "WARNING"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, text=True)
-    try:
+def coordinator(etcd_endpoint: str, job: str, ttl: float = 2.0) -> Iterator[subprocess.Popen[str]]:
+    """A ``resilient coordinator`` process for ``job``, up when this yields; stopped on exit."""
+    with ProcessPool() as pool:
+        proc = pool.start(Spec([PY, "-c", "import sys; from resilient.cli import main; sys.exit(main())",
+                                "coordinator", "--etcd", etcd_endpoint, "--job", job, "--ttl", str(ttl),
+                                "--metrics-port", "-1", "--log-level", "WARNING"],
+                               stdout=PIPE, stderr=STDOUT, cwd=ROOT, name=f"coordinator-{job}"))
+        assert proc.stdout is not None
         line = proc.stdout.readline()
         assert line.startswith("coordinator"), f"coordinator did not start: {line}"
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        yield proc.popen
 
 
 class Workers:
     """``world`` workers ``m0..m{world-1}``; :meth:`start` adds more (joiners).
 
-    Fast detection, as the node agent does it: a thread per worker reads the lease id the
-    worker prints and, the moment the process exits, revokes that lease
-    (``resilient.coordinator.membership.revoke_member``), so a SIGKILL costs milliseconds
-    instead of the TTL. A SIGSTOPped worker does not exit: it is found by lease expiry."""
+    Fast detection, as the node agent does it: a :class:`LeaseReaper` reads the lease id
+    each worker prints and, the moment the process exits with a failure, revokes that
+    lease, so a SIGKILL costs milliseconds instead of the TTL. A SIGSTOPped worker does
+    not exit: it is found by lease expiry."""
 
     def __init__(self, etcd_endpoint: str, job: str, world: int, ops: list, out: Path, seed: int = 0,
                  failpoints: dict[str, str] | None = None, ttl: float = 2.0, policy: str = "default",
@@ -57,14 +54,13 @@ class Workers:
         self.etcd, self.job, self.ttl, self.policy = etcd_endpoint, job, ttl, policy
         self.failpoints = failpoints or {}
         self.revoke_on_exit = revoke_on_exit
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.exited_at: dict[str, float] = {}
-        self._threads: list[threading.Thread] = []
-        self._store = None
+        self.procs: dict[str, subprocess.Popen[str]] = {}
+        self.pool = ProcessPool()
+        self.reaper = LeaseReaper(job, endpoints=etcd_endpoint)
         for i in range(world):
             self.start(f"m{i}")
 
-    def start(self, mid: str, world: int | None = None, join: bool = False) -> subprocess.Popen:
+    def start(self, mid: str, world: int | None = None, join: bool = False) -> subprocess.Popen[str]:
         env = dict(os.environ, PYTHONPATH=str(ROOT), **self.env, **self.member_env.get(mid, {}))
         env.pop("RESILIENT_FAILPOINTS", None)
         if mid in self.failpoints:
@@ -77,33 +73,13 @@ class Workers:
                "--seed", str(self.seed), "--ttl", str(self.ttl), "--policy", self.policy]
         if join:
             cmd.append("--join")
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=open(self.out / f"{mid}.stderr", "w"), cwd=ROOT, env=env, text=True)
-        self.procs[mid] = proc
-        t = threading.Thread(target=self._watch, args=(mid, proc), daemon=True, name=f"watch:{mid}")
-        t.start()
-        self._threads.append(t)
-        return proc
-
-    def _watch(self, mid: str, proc: subprocess.Popen) -> None:
-        """Read the worker's stdout; when it exits, revoke its lease at once."""
-        lease = None
-        for line in proc.stdout:
-            if line.startswith("LEASE "):
-                lease = int(line.split()[2])
-        rc = proc.wait()
-        self.exited_at[mid] = time.monotonic()
-        if lease is None or not self.revoke_on_exit or rc == 0:
-            return
-        from resilient.coordinator import Store
-        from resilient.coordinator.membership import revoke_member
-
-        try:
-            if self._store is None:
-                self._store = Store(self.etcd)
-            revoke_member(self._store, self.job, mid, lease, reason=f"exited with {rc}")
-        except Exception:  # noqa: BLE001 - the TTL path still removes it
-            pass
+        (self.out / f"{mid}.stderr").unlink(missing_ok=True)
+        child = self.pool.start(Spec(cmd, env=env, stdin=PIPE, stdout=PIPE if self.revoke_on_exit else DEVNULL,
+                                     stderr=self.out / f"{mid}.stderr", cwd=ROOT, new_session=False, name=mid))
+        self.procs[mid] = child.popen
+        if self.revoke_on_exit:
+            self.reaper.watch(child, mid, failures_only=True)
+        return child.popen
 
     def records(self, mid: str) -> list[dict]:
         p = self.out / f"{mid}.jsonl"
@@ -131,25 +107,13 @@ class Workers:
         return np.load(self.out / f"{mid}.{seq}.npy", allow_pickle=False)
 
     def close(self) -> None:
-        """Tell every live worker to go (stdin EOF), then end stragglers by PID."""
-        for p in self.procs.values():
-            if p.poll() is None:
+        """Tell every live worker to go (stdin EOF), give them 10 s, then end stragglers by
+        PID (SIGKILL); reap them all."""
+        for c in self.pool.running():
+            if c.stdin is not None:
                 try:
-                    p.stdin.close()
+                    c.stdin.close()
                 except OSError:
                     pass
-        deadline = time.monotonic() + 10
-        for p in self.procs.values():
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-                p.wait()
-        for t in self._threads:
-            t.join(5)
-        if self._store is not None:
-            try:
-                self._store.close()
-            except Exception:  # noqa: BLE001
-                pass
+        self.pool.stop(grace=10, sig=None)
+        self.reaper.close()

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
 import time
 from typing import Callable, TypeVar
+
+from resilient.process_pool import PIPE, ProcessPool, Spec
 
 T = TypeVar("T")
 PY = sys.executable
@@ -29,17 +30,18 @@ def wait_until(pred: Callable[[], T], timeout: float, what: str, interval: float
 
 
 class Proc:
-    """A child process whose stdout lines are collected by a thread."""
+    """A child process (a :class:`ProcessPool` child of its own) whose stdout and stderr
+    lines are collected by threads."""
 
     def __init__(self, args: list[str], env: dict | None = None) -> None:
         self.args = args
-        self.popen = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env={**os.environ, **(env or {})}, start_new_session=True)
-        self.pid = self.popen.pid
+        self._pool = ProcessPool()
+        self.child = self._pool.start(Spec(args, env={**os.environ, **(env or {})}, stdout=PIPE, stderr=PIPE))
+        self.popen, self.pid = self.child.popen, self.child.pid
         self.lines: list[str] = []
         self.err: list[str] = []
-        self._t = threading.Thread(target=self._pump, args=(self.popen.stdout, self.lines), daemon=True)
-        self._e = threading.Thread(target=self._pump, args=(self.popen.stderr, self.err), daemon=True)
+        self._t = threading.Thread(target=self._pump, args=(self.child.stdout, self.lines), daemon=True)
+        self._e = threading.Thread(target=self._pump, args=(self.child.stderr, self.err), daemon=True)
         self._t.start()
         self._e.start()
 
@@ -63,21 +65,11 @@ class Proc:
         return wait_until(find, timeout, f"{pattern!r} from {self.args[:4]}")
 
     def signal(self, sig: int) -> None:
-        if self.popen.poll() is None:
-            os.kill(self.pid, sig)
+        self._pool.signal(self.child, sig)
 
     def stop(self, timeout: float = 10) -> int:
-        """SIGCONT (in case it is stopped) + SIGTERM, then SIGKILL; reaps it."""
-        if self.popen.poll() is None:
-            try:
-                os.kill(self.pid, signal.SIGCONT)
-                os.kill(self.pid, signal.SIGTERM)
-                self.popen.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        rc = self.popen.wait(timeout=timeout)
+        """SIGTERM (+ SIGCONT, in case it is stopped), then SIGKILL after ``timeout``; reaps it."""
+        (rc,) = self._pool.stop(grace=timeout)
         self._t.join(timeout=2)
         self._e.join(timeout=2)
         return rc

@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Callable
 
+from resilient.process_pool import STDOUT, ProcessPool, Spec, pid_state
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 RESILIENT_RUN = os.path.join(os.path.dirname(sys.executable), "resilient-run")
@@ -35,19 +37,13 @@ def read_dump(dump_dir: str, local_rank: int, restart: int) -> dict | None:
 
 
 def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is not alive
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
+    """A process with this pid exists and is not a zombie."""
+    return pid_state(pid) not in (None, "Z", "X")
 
 
 class Launcher:
-    """``resilient-run`` in its own process group; :meth:`close` ends it and its workers by PID."""
+    """``resilient-run`` in its own process group (a :class:`ProcessPool` child);
+    :meth:`close` ends it and its workers by PID."""
 
     def __init__(self, args: list[str], dump_dir: str, extra_env: dict[str, str] | None = None) -> None:
         os.makedirs(dump_dir, exist_ok=True)
@@ -56,8 +52,8 @@ class Launcher:
         env.update(extra_env or {})
         self.log_path = os.path.join(dump_dir, "agent.log")
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([RESILIENT_RUN, *args], env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self._pool = ProcessPool()
+        self.proc = self._pool.start(Spec([RESILIENT_RUN, *args], env=env, stdout=self._log, stderr=STDOUT)).popen
         self.worker_pids: set[int] = set()
 
     def dump(self, local_rank: int, restart: int = 0, timeout: float = 60) -> dict:
@@ -78,10 +74,8 @@ class Launcher:
             raise AssertionError(f"resilient-run did not exit within {timeout}s:\n{self.output()}") from None
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        for pid in self.worker_pids:
+        self._pool.stop(grace=0, sig=signal.SIGKILL)
+        for pid in self.worker_pids:   # the agent's children, in sessions of their own
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         self._log.close()

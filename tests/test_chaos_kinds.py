@@ -6,7 +6,6 @@ knowing about it."""
 from __future__ import annotations
 
 import signal
-import subprocess
 import sys
 import textwrap
 import threading
@@ -24,6 +23,7 @@ from resilient.chaos.k8s import to_manifests
 from resilient.chaos.mesh import MeshObject, Selectors
 from resilient.chaos.scenario import parse_scenario
 from resilient.chaos.supervision import Proc
+from resilient.process_pool import ProcessPool, Spec
 from resilient.chaos.verifier import FaultEvent, OpRecord, RunLog, verify
 from resilient.chaos.workload import expected_output, op_spec_for
 from resilient.errors import ScenarioError
@@ -163,8 +163,8 @@ def test_a_registered_kind_is_injected_through_the_runners_injector(stall, tmp_p
     sc = parse_scenario(_yaml("stall", extra="for_s: 0.3"), "s.yaml")
     (fault,) = sc.faults
     log_path = tmp_path / "sleeper.log"
-    popen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], text=True)
-    proc = Proc("member-3", popen, log_path)
+    pool = ProcessPool()
+    proc = Proc("member-3", pool.start(Spec([sys.executable, "-c", "import time; time.sleep(60)"])), log_path)
     stop = threading.Event()
     log = FaultLog()
     # what this kind uses is real: a process and its signals, timers, the log (no etcd, no store)
@@ -182,8 +182,7 @@ def test_a_registered_kind_is_injected_through_the_runners_injector(stall, tmp_p
         assert proc.alive()
     finally:
         stop.set()
-        popen.kill()
-        popen.wait(timeout=10)
+        pool.stop(grace=0)
 
 
 def test_a_kind_whose_injection_raises_is_recorded_as_failed_not_lost(tmp_path: Path):

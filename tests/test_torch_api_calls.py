@@ -14,15 +14,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
 from collective_harness import coordinator
-from torch_proc_helpers import revoke_lease_on_exit, wait_then_kill
+from torch_proc_helpers import RankProcs
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "torch_api_worker.py"
@@ -43,21 +41,14 @@ def _run(etcd: str, job: str, call: str, tmp: Path) -> tuple[dict, list[int], st
                RESILIENT_LEASE_TTL="2", OMP_NUM_THREADS="1")
     for k in ("RESILIENT_MEMBER_ID", "RESILIENT_FAILPOINTS", "RANK", "WORLD_SIZE"):
         env.pop(k, None)
-    procs = [subprocess.Popen([sys.executable, str(WORKER), call, str(r), str(WORLD), str(tmp / "init"), str(out)],
-                              stdout=subprocess.PIPE, stderr=open(tmp / f"{r}.err", "w"), text=True, env=env, cwd=ROOT)
-             for r in range(WORLD)]
-
-    threads = [threading.Thread(target=revoke_lease_on_exit, args=(p, etcd, job), daemon=True) for p in procs]
-    for t in threads:
-        t.start()
-    try:
-        wait_then_kill(procs, 120)
-    finally:
-        for t in threads:
-            t.join(10)
+    with RankProcs(etcd, job) as procs:
+        for r in range(WORLD):
+            procs.start([sys.executable, str(WORKER), call, str(r), str(WORLD), str(tmp / "init"), str(out)],
+                        env=env, cwd=ROOT, stderr=tmp / f"{r}.err")
+        codes = procs.wait(120)
     logs = "\n".join(f"--- rank {r}\n" + (tmp / f"{r}.err").read_text()[-2500:] for r in range(WORLD))
     res = {int(f.stem): json.loads(f.read_text()) for f in out.glob("*.json")}
-    return res, [p.returncode for p in procs], logs
+    return res, codes, logs
 
 
 @pytest.mark.slow

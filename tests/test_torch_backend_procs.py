@@ -10,12 +10,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
-from torch_proc_helpers import revoke_lease_on_exit, wait_then_kill
+from torch_proc_helpers import RankProcs
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = [sys.executable, "-c", "import sys; from resilient.launcher.cli import main; sys.exit(main())"]
@@ -135,26 +134,21 @@ def test_a_joiner_s_first_all_reduce_is_never_spliced_into_the_survivors_ops(etc
                RESILIENT_LEASE_TTL="2", OMP_NUM_THREADS="1")
     for k in ("RESILIENT_MEMBER_ID", "RESILIENT_FAILPOINTS", "RANK", "WORLD_SIZE", "RESILIENT_JOINER"):
         env.pop(k, None)
-    procs: list[subprocess.Popen] = []
+    procs = RankProcs(etcd, job_name)
 
     def start(role: str, rank: int, extra: dict[str, str]) -> None:
-        p = subprocess.Popen([sys.executable, str(SPLICE_WORKER), role, str(rank), "3", str(tmp_path)],
-                             stdout=subprocess.PIPE, stderr=open(tmp_path / f"{role}{rank}.err", "w"),  # noqa: SIM115
-                             text=True, env={**env, **extra}, cwd=ROOT)
-        procs.append(p)
-        threading.Thread(target=revoke_lease_on_exit, args=(p, etcd, job_name), daemon=True).start()
+        procs.start([sys.executable, str(SPLICE_WORKER), role, str(rank), "3", str(tmp_path)],
+                    env={**env, **extra}, cwd=ROOT, stderr=tmp_path / f"{role}{rank}.err")
 
     def logs() -> str:
         return "\n".join(f"--- {f.name}\n{f.read_text()[-2000:]}" for f in sorted(tmp_path.glob("*.err")))
 
-    with coordinator(etcd, job_name, ttl=2.0):
-        try:
-            for r in range(3):
-                start("survivor", r, {})
-            start("joiner", 3, {"RESILIENT_JOINER": "1"})  # registers once the survivors' epoch of 3 exists
-        finally:
-            wait_then_kill(procs, 120)
-    assert [p.returncode for p in procs] == [0, 0, 0, 0], logs()
+    with coordinator(etcd, job_name, ttl=2.0), procs:
+        for r in range(3):
+            start("survivor", r, {})
+        start("joiner", 3, {"RESILIENT_JOINER": "1"})  # registers once the survivors' epoch of 3 exists
+        codes = procs.wait(120)
+    assert codes == [0, 0, 0, 0], logs()
     res = {r: json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)}
     joiner = json.loads((tmp_path / "joiner.json").read_text())
     survivors = {d["member"] for d in res.values()}

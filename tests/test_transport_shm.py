@@ -7,11 +7,11 @@ the requests naming the peer) and SIGSTOPped mid-message (only completely writte
 ever received; the abort wakes the waiting member). No segment is left in /dev/shm."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -26,7 +26,7 @@ from resilient.transport.hybrid import HybridTransport, make_transport, split_ad
 from resilient.transport.tcp import TcpTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from transport_helpers import both, link_child, transport_pair  # noqa: E402
+from transport_helpers import both, linked_child, transport_pair  # noqa: E402
 from test_transport_tcp import (  # noqa: E402,F401  (rerun over shared memory: see the `pair` fixture)
     test_kept_connection_resyncs_after_mid_frame_abort, test_roundtrip_into_preallocated_buffer,
 )
@@ -194,56 +194,50 @@ _CHILD = (
     "a.send('b', x, 1, 1); time.sleep(600)\n")
 
 
+@contextlib.contextmanager
 def _child(b: HybridTransport, **env: str):
-    p = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), **env))
-    link_child(b, p)
-    assert isinstance(b._conns["a"].sock, shm.ShmChannel)
-    return p
+    with linked_child(b, _CHILD, env=dict(os.environ, PYTHONPATH=str(ROOT), **env), cwd=ROOT) as p:
+        assert isinstance(b._conns["a"].sock, shm.ShmChannel)
+        yield p
 
 
 def test_sigkilled_shm_peer_fails_requests_naming_it():
     b = HybridTransport("b", "job")
-    p = _child(b)
     try:
-        p.kill()
-        p.wait()
-        y = np.zeros(32 << 20, np.uint8)
-        with pytest.raises(TransportError, match="member a"):
-            b.recv_into("a", y, 1, 1)
-        # whatever arrived before the kill is exact: a prefix of the message, never a torn byte
-        x = np.resize(np.arange(1, 256, dtype=np.uint8), 32 << 20)   # no zero byte
-        k = b.stats.received_by_peer["a"] - 64
-        assert (y[:k] == x[:k]).all() and not y[k:].any()
+        with _child(b) as p:
+            p.signal(signal.SIGKILL)
+            p.wait(30)
+            y = np.zeros(32 << 20, np.uint8)
+            with pytest.raises(TransportError, match="member a"):
+                b.recv_into("a", y, 1, 1)
+            # whatever arrived before the kill is exact: a prefix of the message, never a torn byte
+            x = np.resize(np.arange(1, 256, dtype=np.uint8), 32 << 20)   # no zero byte
+            k = b.stats.received_by_peer["a"] - 64
+            assert (y[:k] == x[:k]).all() and not y[k:].any()
     finally:
-        p.kill()
-        p.wait()
         b.close()
 
 
 def test_sigstopped_shm_peer_never_tears_a_chunk_and_abort_wakes_the_wait():
     b = HybridTransport("b", "job")
     n = 256 << 20   # a 1 MiB ring and a 256 MiB message: far more than can pass before the stop
-    p = _child(b, MSG_BYTES=str(n), RESILIENT_SHM_RING=str(1 << 20))
     try:
-        y = np.zeros(n, np.uint8)
-        r = b.irecv("a", y, 1, 1)
-        deadline = time.monotonic() + 30
-        while b.stats.received_by_peer["a"] <= 64 and time.monotonic() < deadline:
-            b.wait([r], timeout=1e-4)   # short rounds: stop reading as soon as bytes arrive
-        os.kill(p.pid, signal.SIGSTOP)      # wherever it is in copying into the ring
-        b.wait([r], timeout=0.3)            # drains what was announced before the stop
-        got = b.stats.received_by_peer["a"] - 64
-        x = np.resize(np.arange(1, 256, dtype=np.uint8), n)   # no zero byte
-        assert (y[:got] == x[:got]).all() and not y[got:].any()
-        assert 0 < got < len(y) and not r.done()   # the stopped writer holds the op, no more
-        threading.Timer(0.2, b.abort, args=("epoch 2 removed a",)).start()
-        with pytest.raises(TransportAborted, match="epoch 2"):
-            b.wait([r])
+        with _child(b, MSG_BYTES=str(n), RESILIENT_SHM_RING=str(1 << 20)) as p:
+            y = np.zeros(n, np.uint8)
+            r = b.irecv("a", y, 1, 1)
+            deadline = time.monotonic() + 30
+            while b.stats.received_by_peer["a"] <= 64 and time.monotonic() < deadline:
+                b.wait([r], timeout=1e-4)   # short rounds: stop reading as soon as bytes arrive
+            p.signal(signal.SIGSTOP)            # wherever it is in copying into the ring
+            b.wait([r], timeout=0.3)            # drains what was announced before the stop
+            got = b.stats.received_by_peer["a"] - 64
+            x = np.resize(np.arange(1, 256, dtype=np.uint8), n)   # no zero byte
+            assert (y[:got] == x[:got]).all() and not y[got:].any()
+            assert 0 < got < len(y) and not r.done()   # the stopped writer holds the op, no more
+            threading.Timer(0.2, b.abort, args=("epoch 2 removed a",)).start()
+            with pytest.raises(TransportAborted, match="epoch 2"):
+                b.wait([r])
     finally:
-        os.kill(p.pid, signal.SIGCONT)
-        p.kill()
-        p.wait()
         b.close()
 
 

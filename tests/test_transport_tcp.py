@@ -5,7 +5,7 @@ cancel_op, post_error, digests) is in tests/test_transport_contract.py."""
 from __future__ import annotations
 
 import socket
-import subprocess
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -19,7 +19,7 @@ from resilient.transport import frames
 from resilient.transport.tcp import TcpTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from transport_helpers import both, link_child, transport_pair  # noqa: E402
+from transport_helpers import both, linked_child, transport_pair  # noqa: E402
 
 
 @pytest.fixture
@@ -125,13 +125,10 @@ def test_peer_killed_fails_requests_naming_it(tmp_path):
         "baddr = sys.stdin.readline().strip()\n"
         "a.configure(1, 't', {'a': a.address, 'b': baddr})\n"
         "a.send('b', np.zeros(8), 1, 0); print('SENT', flush=True); time.sleep(600)\n")
-    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        link_child(b, p)
-        p.kill()
-        with pytest.raises(TransportError, match="member a"):
-            b.recv_into("a", np.zeros(8), 1, 1)
+        with linked_child(b, code) as p:
+            p.signal(signal.SIGKILL)
+            with pytest.raises(TransportError, match="member a"):
+                b.recv_into("a", np.zeros(8), 1, 1)
     finally:
-        p.kill()
-        p.wait()
         b.close()

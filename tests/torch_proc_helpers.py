@@ -1,40 +1,43 @@
 """Helpers of the torch backend's multi-process tests (tests/test_torch_*.py)."""
 from __future__ import annotations
 
-import subprocess
+import os
+import signal
+from typing import Mapping, Sequence
+
+from resilient.launcher.lease_reaper import LeaseReaper
+from resilient.process_pool import PIPE, Child, ProcessPool, Spec
 
 
-def revoke_lease_on_exit(p: subprocess.Popen, etcd: str, job: str) -> None:
-    """Read ``p``'s stdout for its ``LEASE <member> <lease>`` line and revoke that lease the
-    moment ``p`` exits (what resilient-run's agent does), so the coordinator removes the
-    member at once. Best effort: if the revoke fails, the lease TTL removes it."""
-    lease = None
-    assert p.stdout is not None
-    for line in p.stdout:
-        if line.startswith("LEASE "):
-            lease = line.split()[1:]
-    p.wait()
-    if lease:
-        from resilient.coordinator import Store
-        from resilient.coordinator.membership import revoke_member
+class RankProcs:
+    """Rank processes of one job, each followed by a :class:`LeaseReaper` (what
+    resilient-run's agent does): the ``LEASE <member> <lease>`` line a rank prints names
+    the lease revoked the moment it exits, so the coordinator removes the member at once
+    (best effort: if the revoke fails, the lease TTL removes it). Leaving the ``with``
+    block SIGKILLs and reaps whichever rank still runs."""
 
-        st = Store(etcd)
-        try:
-            revoke_member(st, job, lease[0], int(lease[1]), reason=f"exited {p.returncode}")
-        except Exception:  # noqa: BLE001 - the TTL removes it anyway
-            pass
-        finally:
-            st.close()
+    def __init__(self, etcd: str, job: str) -> None:
+        self.pool = ProcessPool()
+        self.reaper = LeaseReaper(job, endpoints=etcd)
+        self.children: list[Child] = []
 
+    def start(self, argv: Sequence[str], env: Mapping[str, str], cwd: str | os.PathLike[str],
+              stderr: str | os.PathLike[str]) -> Child:
+        """Start one rank (stderr to the file ``stderr``, written afresh)."""
+        if os.path.exists(stderr):
+            os.unlink(stderr)
+        child = self.pool.start(Spec(argv, env=env, cwd=cwd, stdout=PIPE, stderr=stderr, new_session=False))
+        self.reaper.watch(child)
+        self.children.append(child)
+        return child
 
-def wait_then_kill(procs: list[subprocess.Popen], timeout: float) -> None:
-    """Wait for every process (``timeout`` s each, TimeoutExpired propagates); SIGKILL and
-    reap whichever of them is still running on the way out."""
-    try:
-        for p in procs:
-            p.wait(timeout=timeout)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    def wait(self, timeout: float) -> list[int]:
+        """Every rank's exit code (``ResilientTimeout`` if one still runs after ``timeout`` s)."""
+        return self.pool.wait(timeout)
+
+    def __enter__(self) -> RankProcs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.stop(grace=0, sig=signal.SIGKILL)
+        self.reaper.close(10)

@@ -3,12 +3,15 @@ loopback, and a send/receive completed on both sides at once."""
 from __future__ import annotations
 
 import contextlib
-import subprocess
+import os
+import signal
+import sys
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from resilient.process_pool import PIPE, Child, ProcessPool, Spec
 from resilient.transport.tcp import TcpTransport
 
 
@@ -27,7 +30,23 @@ def transport_pair(cls: type = TcpTransport, **kw: Any) -> Iterator[tuple[TcpTra
         b.close()
 
 
-def link_child(b: Any, p: subprocess.Popen[str]) -> None:
+@contextlib.contextmanager
+def linked_child(b: Any, code: str, env: Mapping[str, str] | None = None,
+                 cwd: str | os.PathLike[str] | None = None) -> Iterator[Child]:
+    """``python -c code`` as the peer "a" of ``b``, linked (see :func:`link_child`); the
+    child is SIGKILLed (SIGCONT first, should the test have stopped it) and reaped on exit."""
+    with ProcessPool() as pool:
+        child = pool.start(Spec([sys.executable, "-c", code], env=env, cwd=cwd, stdin=PIPE, stdout=PIPE,
+                                new_session=False, name="peer a"))
+        try:
+            link_child(b, child)
+            yield child
+        finally:
+            child.signal(signal.SIGCONT)
+            pool.stop(grace=0, sig=signal.SIGKILL)
+
+
+def link_child(b: Any, p: Child) -> None:
     """Configure ``b`` with the child peer "a" (``p`` prints its address, reads ``b``'s on
     stdin, sends one 8-double message as op 1 tag 0 and prints ``SENT``) and receive that
     message: the link is up when this returns."""

@@ -6,8 +6,9 @@ id in ``RESILIENT_LEASE_ID``; until the worker's ``MemberSession`` has registere
 must not look like a hang), then it stops and the worker's own keep-alive is the only one
 (so a SIGSTOPped worker is removed when the lease expires).
 
-One waiter thread per worker blocks in ``wait()`` and hands the exit to the main loop, which
-at once writes ``departed/<member id>`` and revokes the lease
+The workers are children of one :class:`~resilient.process_pool.ProcessPool` (each in its
+own session); its waiter threads hand each exit to the main loop, which at once writes
+``departed/<member id>`` and revokes the lease
 (:func:`resilient.coordinator.membership.revoke_member`: the fast detection path; the
 member's keys vanish in the same etcd revision). Then:
 
@@ -50,12 +51,9 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -66,7 +64,8 @@ from resilient.errors import ResilientError, StoreError
 from resilient.launcher.args import LaunchConfig
 from resilient.launcher.env import Placement, ResilientIds, agent_process_env, worker_env
 from resilient.launcher.logs import WorkerLogs, WorkerStreams
-from resilient.launcher.summary import Death, format_summary, job_exit_code, shrink_epoch, signal_name
+from resilient.launcher.summary import Death, format_summary, job_exit_code, shrink_epoch
+from resilient.process_pool import DEVNULL, Child, ProcessPool, Spec, signal_name
 from resilient.settings import Settings
 
 if TYPE_CHECKING:  # pragma: no cover - the launcher imports the etcd client only with --etcd
@@ -110,7 +109,7 @@ class Worker:
     local_rank: int
     rank: int
     restart_count: int = 0
-    proc: subprocess.Popen[bytes] | None = None
+    proc: Child | None = None
     lease_id: int | None = None
     member_id: str | None = None
     streams: WorkerStreams | None = None
@@ -139,7 +138,8 @@ class Agent:
         self.failures: list[Failure] = []
         self.deaths: list[Death] = []
         self.restarts = 0
-        self._exits: queue.Queue[tuple[Worker, subprocess.Popen[bytes], int]] = queue.Queue()
+        self.pool = ProcessPool()
+        self._worker_of: dict[Child, Worker] = {}
         self._signal: int | None = None
         self._hb_dir: str | None = None
         if control is not None and Settings.from_env().node_lease:
@@ -198,17 +198,13 @@ class Agent:
             from resilient.metrics import worker_env as metrics_env
 
             env.update(metrics_env(self.metrics_dir))
-        w.proc = subprocess.Popen(
-            self.cfg.cmd, env=env, stdout=w.streams.stdout, stderr=w.streams.stderr,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )
+        w.proc = self.pool.start(Spec(self.cfg.cmd, env=env, stdin=DEVNULL, stdout=w.streams.stdout,
+                                      stderr=w.streams.stderr, name=f"local rank {w.local_rank}"))
+        self._worker_of[w.proc] = w
         w.pids.append(w.proc.pid)
         log.info("started local rank %d (rank %d, restart %d, pid %d, member %s, lease %s)",
                  w.local_rank, w.rank, w.restart_count, w.proc.pid, w.member_id,
                  f"{w.lease_id:x}" if w.lease_id is not None else "-")
-        proc = w.proc
-        threading.Thread(target=lambda: self._exits.put((w, proc, proc.wait())),
-                         name=f"wait-{w.local_rank}", daemon=True).start()
 
     def _release(self, w: Worker, rc: int) -> None:
         """The worker's process has exited: revoke its lease at once, close its logs."""
@@ -255,7 +251,7 @@ class Agent:
             return
         now = time.time()
         for w in self.workers:
-            if w.done or w.vouched_out or w.heartbeat is None or w.proc is None or w.proc.poll() is not None:
+            if w.done or w.vouched_out or w.heartbeat is None or w.proc is None or not w.proc.alive():
                 continue
             try:
                 age = now - os.stat(w.heartbeat).st_mtime
@@ -276,10 +272,10 @@ class Agent:
                 if self._signal is not None:
                     return self._shutdown(self._signal)
                 self._check_heartbeats()
-                try:
-                    w, proc, rc = self._exits.get(timeout=min(self.cfg.monitor_interval, 0.5))
-                except queue.Empty:
+                proc = self.pool.wait_any(timeout=min(self.cfg.monitor_interval, 0.5))
+                if proc is None or proc.returncode is None:
                     continue
+                w, rc = self._worker_of[proc], proc.returncode
                 if proc is not w.proc:
                     continue
                 self._release(w, rc)
@@ -363,27 +359,12 @@ class Agent:
         (their process groups), reap them and revoke their leases."""
         running = [(w, w.proc) for w in self._running() if w.proc is not None]
         for w, proc in running:
-            if proc.poll() is None:
-                log.info("sending %s to local rank %d (pid %d)", signal.Signals(sig).name, w.local_rank, proc.pid)
-                try:
-                    proc.send_signal(sig)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + self.cfg.shutdown_timeout
-        for w, proc in running:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("local rank %d (pid %d) did not exit within %gs; SIGKILL",
-                            w.local_rank, proc.pid, self.cfg.shutdown_timeout)
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    proc.kill()
-                proc.wait()
-        for w, proc in running:
-            w.done, w.exitcode = True, proc.returncode
-            self._release(w, proc.returncode)
+            if proc.alive():
+                log.info("sending %s to local rank %d (pid %d)", signal_name(sig), w.local_rank, proc.pid)
+        codes = self.pool.stop(self.cfg.shutdown_timeout, sig, [proc for _, proc in running])
+        for (w, _), rc in zip(running, codes):
+            w.done, w.exitcode = True, rc
+            self._release(w, rc)
 
     def _print_summary(self, root: Failure) -> None:
         """torchrun's ``ChildFailedError`` layout."""

@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 from resilient.coordinator.etcd_access import EtcdAccess
 from resilient.coordinator.local_etcd import LocalEtcd, die_with_parent
-from resilient.errors import ResilientError
+from resilient.errors import ResilientError, ResilientTimeout
+from resilient.process_pool import STDOUT, Child, ProcessPool, Spec
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +54,8 @@ class StandaloneControlPlane:
         self.job = job
         self.min_members = min_members
         self.etcd = LocalEtcd(auth=True)
-        self.coordinator: subprocess.Popen[bytes] | None = None
+        self._pool = ProcessPool()
+        self.coordinator: Child | None = None
         self.coordinator_log = ""
         self._startup_check_s = startup_check_s
 
@@ -72,22 +72,21 @@ class StandaloneControlPlane:
         self.etcd.start()
         try:
             fd, self.coordinator_log = tempfile.mkstemp(prefix="resilient-coordinator-", suffix=".log")
-            with os.fdopen(fd, "wb") as out:
-                self.coordinator = subprocess.Popen(
-                    coordinator_command(self.etcd.endpoint_arg, self.job, self.min_members),
-                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    start_new_session=True, env={**os.environ, **self.access.child_env()},
-                    # the coordinator dies with the agent, even a SIGKILLed one (its etcd does too)
-                    preexec_fn=die_with_parent if threading.current_thread() is threading.main_thread() else None,
-                )
-            deadline = time.monotonic() + self._startup_check_s
-            while time.monotonic() < deadline:
-                if self.coordinator.poll() is not None:
-                    raise ResilientError(
-                        f"the standalone coordinator exited with code {self.coordinator.returncode} "
-                        f"during start-up:\n{self._log_tail()}"
-                    )
-                time.sleep(0.05)
+            os.close(fd)
+            self.coordinator = self._pool.start(Spec(
+                coordinator_command(self.etcd.endpoint_arg, self.job, self.min_members),
+                env={**os.environ, **self.access.child_env()}, stdout=self.coordinator_log, stderr=STDOUT,
+                name="standalone coordinator",
+                # the coordinator dies with the agent, even a SIGKILLed one (its etcd does too)
+                preexec_fn=die_with_parent if threading.current_thread() is threading.main_thread() else None,
+            ))
+            try:
+                (code,) = self._pool.wait(self._startup_check_s, [self.coordinator])
+            except ResilientTimeout:
+                pass   # still running after the start-up check: up
+            else:
+                raise ResilientError(f"the standalone coordinator exited with code {code} "
+                                     f"during start-up:\n{self._log_tail()}")
         except BaseException:
             self.stop()
             raise
@@ -106,15 +105,8 @@ class StandaloneControlPlane:
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Stop the coordinator and etcd started here (by PID) and remove their files."""
-        proc, self.coordinator = self.coordinator, None
-        if proc is not None:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=grace_s)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=5)
+        self.coordinator = None
+        self._pool.stop(grace_s)
         self.etcd.stop()
         if self.coordinator_log:
             try:

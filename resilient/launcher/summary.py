@@ -18,18 +18,11 @@ published epoch removed the member yet (the summary then says so); it never rais
 """
 from __future__ import annotations
 
-import signal
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Iterable
 
-
-def signal_name(signum: int) -> str:
-    """``9`` -> ``"SIGKILL"`` (``"signal 99"`` for a number with no name)."""
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
+from resilient.process_pool import describe_exit
 
 
 @dataclass
@@ -47,9 +40,7 @@ class Death:
     epoch: int | None = None
 
     def how(self) -> str:
-        if self.exitcode < 0:
-            return f"killed by {signal_name(-self.exitcode)}"
-        return f"exited with code {self.exitcode}"
+        return describe_exit(self.exitcode)
 
 
 def job_exit_code(last_exit_codes: Iterable[int | None]) -> int:
