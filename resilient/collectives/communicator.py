@@ -249,6 +249,13 @@ class Communicator:
         backend's point-to-point, ``resilient/torch_backend/p2p.py``)."""
         return self._submit(fn, async_op)
 
+    def catch_up(self) -> None:
+        """Op thread only (inside :meth:`run_on_op_thread`): adopt the newest epoch between
+        ops, as the next collective would (:meth:`.recovery_path.RecoveryPath.catch_up`,
+        whose errors it raises). The torch backend's point-to-point calls it when the
+        epoch moved under a send/recv, so the transport runs again between live peers."""
+        self._recovery.catch_up()
+
     def close(self, linger: float = 0.0, leave: bool = False) -> None:
         """Finish the queued ops, then make leaving safe for the peers.
 

@@ -153,6 +153,46 @@ class RecoveryPath:
             r.xchg.wait_published()   # observers (resilient status, chaos verifier) read it from etcd
             return "done"
 
+    # -- between ops: a point-to-point op that finds the epoch moved ---------------------------
+
+    def catch_up(self) -> None:
+        """Outside any collective (the torch backend's point-to-point): adopt the newest
+        epoch as a collective's boundary would. A growing epoch is adopted by
+        :meth:`.epochs.EpochTracker.boundary`; one that removed members of ours is entered
+        with its ledger-status round among the survivors (which the survivors' next
+        collectives would otherwise wait for), finishing our retained op from its result
+        when a survivor is still in it. Returns at once when the epoch did not move.
+        Failure behaviour: a survivor whose status does not arrive within
+        ``recovery_timeout`` -> :class:`~resilient.errors.CollectiveError` naming the epoch
+        (the survivor runs no op: every survivor must reach some op for the group to move
+        on); this member removed -> RemovedFromGroup; an aborted transport with no newer
+        epoch within ``epoch_timeout`` -> CollectiveError (from ``await_newer_epoch``)."""
+        while True:
+            if not self.epochs.boundary():
+                if not self.transport.aborted:
+                    return
+                self.epochs.await_newer_epoch()  # aborted by an epoch not visible yet
+                continue
+            e = self.view.current()
+            if e is None:
+                continue
+            if self.member_id not in e.members:
+                raise removed_error(self.member_id, e, f"member {self.member_id} is not in epoch {e.number}: removed from the job")
+            R = self.retained
+            try:
+                r = self._round(e, None, R.members if R is not None else tuple(self.epochs.members()),
+                                self.recovery_timeout)
+            except TimeoutError as exc:
+                raise CollectiveError(f"epoch {e.number}: the survivors' ledger statuses did not all arrive within "
+                                      f"{self.recovery_timeout}s (a survivor that issues no op holds the group "
+                                      f"back): {exc}") from None
+            if r is None:
+                continue
+            if R is not None and r.lowest == R.seq:
+                self._finish(R, r, ReduceOp.SUM)
+            r.xchg.wait_published()
+            return
+
     # -- the retained result, on the way out --------------------------------------------------
 
     def serve_retained(self, linger: float) -> None:

@@ -17,18 +17,34 @@ its own transfer keeps posting ops registered meanwhile (polling every 1–50 ms
 op's handle completes when its own transfer does; a batch is complete when all of its
 handles are.
 
-Failure behaviour: a peer that dies mid-transfer ends the wait with a named
-:class:`~resilient.errors.TransportError`: :class:`~resilient.errors.TransportAborted`
-naming the epoch that removed it (the Communicator aborts the transport when an epoch
-removes a member: every pending request then fails, on every link), or a TransportError
-naming the peer when its link breaks first. A receive that did not complete is never
-reported done, so a partly written tensor is never handed out as a result (its
-``wait()`` raises). Until a collective (``dist.barrier()`` will do) takes the survivors
-into the new epoch, later point-to-point ops fail at once with the same
-TransportAborted. A peer rank outside the group -> ConfigError. A transfer with no
-progress for ``op_timeout`` seconds gets its peer reported suspect (as the
-Communicator's own point-to-point does) and keeps waiting: the coordinator's verdict
-(an epoch that removes the peer, or none) ends it.
+Across an epoch change (a member died): the Communicator aborts the transport when an
+epoch removes a member, which fails every pending request, those between live peers too.
+The op-thread job that sees it (or finds the Communicator's epoch moved under it) **adopts
+the new epoch itself** (:meth:`~resilient.collectives.Communicator.catch_up`: the entry
+the next collective would make, ledger-status round among the survivors included), puts
+its sent marks (:mod:`.p2p_marks`) and posts again, in the new epoch and under the same
+sequence numbers, every op that had not finished; so both peers agree on the numbering
+whatever each had finished, and a pipeline that only runs send/recv after a death keeps
+going. Per op:
+
+* its peer is not in the new epoch -> :class:`~resilient.errors.PeerLost` naming the peer
+  and the epoch (a receive posted on a peer that then dies included: it never hangs);
+* a receive whose message the sender had finished in the old epoch but that had not
+  arrived (the transport drops an older epoch's frames) ->
+  :class:`~resilient.errors.DataLost` naming the pair and the message number; the pair's
+  later messages are unaffected;
+* otherwise it completes in the new epoch.
+
+A receive that did not complete is never reported done, so a partly written tensor is never
+handed out as a result (its ``wait()`` raises). A link that breaks before the epoch comes
+(:class:`~resilient.errors.TransportError` naming the peer) waits for the coordinator's
+verdict up to ``epoch_timeout``: an epoch without the peer -> PeerLost; none -> the
+TransportError. A sender's marks not published within ``epoch_timeout`` (it runs no
+point-to-point op in the new epoch) -> :class:`~resilient.errors.CollectiveError` naming
+it. A peer rank outside the group -> ConfigError. A transfer with no progress for
+``op_timeout`` seconds gets its peer reported suspect (as the Communicator's own
+point-to-point does) and keeps waiting: the coordinator's verdict (an epoch that removes
+the peer, or none) ends it.
 """
 from __future__ import annotations
 
@@ -37,13 +53,18 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
 
 from resilient.collectives.communicator import OpResult
+from resilient.collectives.group import EpochLike
 from resilient.collectives.work import Work
-from resilient.errors import ConfigError
+from resilient.errors import (
+    CollectiveError, ConfigError, EpochChanged, FrameError, OpMismatch, PeerLost, PeerReportedError, RecordError,
+    TransportAborted, TransportError,
+)
+from resilient.torch_backend import p2p_marks
 from resilient.transport.base import Request, Transport
 
 #: first sequence number of point-to-point ops (the Communicator's own p2p space; the
@@ -53,37 +74,56 @@ _SEQ_MASK = (1 << 40) - 1
 _POLL_MIN_S, _POLL_MAX_S = 0.001, 0.05
 
 
-class _SuspectSink(Protocol):
+class _P2PView(Protocol):
+    """The group view as point-to-point uses it (suspects, the sent-marks blobs)."""
+
     def report_suspect(self, suspect_id: str, reason: str) -> None: ...
+
+    def current(self) -> EpochLike | None: ...
+
+    def put_blob(self, epoch: int, name: str, payload: bytes) -> None: ...
+
+    def wait_blobs(self, epoch: int, name: str, members: Iterable[str], timeout: float) -> dict[str, bytes]: ...
 
 
 class P2PHost(Protocol):
-    """What :class:`PointToPoint` needs from the Communicator (read-only)."""
+    """What :class:`PointToPoint` needs from the Communicator."""
 
     @property
     def member_id(self) -> str: ...
     @property
     def op_timeout(self) -> float | None: ...
     @property
+    def epoch_timeout(self) -> float: ...
+    @property
     def transport(self) -> Transport: ...
     @property
-    def view(self) -> _SuspectSink: ...
+    def view(self) -> _P2PView: ...
+    @property
+    def epoch(self) -> EpochLike: ...
 
     @property
     def members(self) -> list[str]: ...
 
     def run_on_op_thread(self, fn: Callable[[], OpResult], async_op: bool = True) -> Work: ...
 
+    def catch_up(self) -> None: ...
+
 
 @dataclass
 class _Op:
     peer: str
     buf: torch.Tensor
-    seq: int
+    n: int          # the pair's message number (program order)
     tag: int
     digest: int
     is_send: bool
     req: Request | None = None
+    error: BaseException | None = None
+
+    @property
+    def seq(self) -> int:
+        return P2P_SEQ_BASE | (self.n & _SEQ_MASK)
 
 
 def _digest(t: torch.Tensor) -> int:
@@ -101,6 +141,11 @@ class PointToPoint:
         self._lock = threading.Lock()
         self._registered: list[_Op] = []
         self._counts: dict[tuple[str, str], int] = {}
+        #: op thread only: ops posted and not known finished; the epoch they are posted in;
+        #: the peers' sent marks in that epoch (None: the first epoch, where none are needed)
+        self._posted: list[_Op] = []
+        self._epoch = host.epoch.number
+        self._marks: dict[str, int] | None = None
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
         """Send ``tensor`` to rank ``dst`` of the live group (``tensor`` must not change
@@ -115,7 +160,8 @@ class PointToPoint:
     def _register(self, tensor: torch.Tensor, peer_rank: int, tag: int, is_send: bool) -> Work:
         members: Sequence[str] = self.host.members
         if not 0 <= peer_rank < len(members):
-            raise ConfigError(f"rank {peer_rank} is not in this {len(members)}-member group")
+            raise ConfigError(f"rank {peer_rank} is not in this {len(members)}-member group (epoch "
+                              f"{self.host.epoch.number}; ranks are those of the live group, dist.get_rank())")
         peer, me = members[peer_rank], self.host.member_id
         if tensor.is_contiguous() and tensor.device.type == "cpu":
             buf = tensor.detach()
@@ -125,32 +171,144 @@ class PointToPoint:
         with self._lock:
             n = self._counts.get(key, 0)
             self._counts[key] = n + 1
-            op = _Op(peer, buf, P2P_SEQ_BASE | (n & _SEQ_MASK), int(tag), _digest(tensor), is_send)
+            op = _Op(peer, buf, n, int(tag), _digest(tensor), is_send)
             self._registered.append(op)
         return self.host.run_on_op_thread(lambda: self._drive(op, tensor), async_op=True)
 
+    # -- op thread -----------------------------------------------------------------------
+
     def _post_registered(self) -> bool:
-        """Op thread: post every registered op (in registration order); True if any."""
+        """Post every registered op (in registration order); True if any. An op whose peer
+        left the epoch, or a receive whose message was lost in an epoch change, gets its
+        error instead. TransportAborted/EpochChanged (the epoch moved while reading a
+        peer's marks) leave the unposted ops registered."""
         with self._lock:
             ops, self._registered = self._registered, []
-        tr = self.host.transport
-        for op in ops:
-            op.req = (tr.isend(op.peer, op.buf, op.seq, op.tag, op.digest) if op.is_send
-                      else tr.irecv(op.peer, op.buf, op.seq, op.tag, op.digest))
-        return bool(ops)
+        tr, members = self.host.transport, set(self.host.epoch.members)
+        try:
+            while ops:
+                op = ops[0]
+                if op.error is None:
+                    op.error = self._refusal(op, members)
+                if op.error is None:
+                    op.req = (tr.isend(op.peer, op.buf, op.seq, op.tag, op.digest) if op.is_send
+                              else tr.irecv(op.peer, op.buf, op.seq, op.tag, op.digest))
+                    self._posted.append(op)
+                ops.pop(0)
+        finally:
+            if ops:
+                with self._lock:
+                    self._registered[:0] = ops
+        return True
+
+    def _refusal(self, op: _Op, members: set[str]) -> BaseException | None:
+        """Why ``op`` cannot run in the current epoch (None: it can)."""
+        if op.peer not in members:
+            return PeerLost(f"point-to-point {'send to' if op.is_send else 'receive from'} {op.peer}: it is not in "
+                            f"epoch {self._epoch} (it died or was removed from the job)", op.peer, self._epoch)
+        if op.is_send or self._marks is None:
+            return None
+        if op.peer not in self._marks:
+            try:
+                self._marks[op.peer] = self._read_marks(op.peer).get(self.host.member_id, 0)
+            except CollectiveError as exc:
+                return exc
+        return p2p_marks.lost_message(op.peer, self.host.member_id, op.n, self._marks[op.peer], self._epoch)
+
+    def _read_marks(self, peer: str) -> dict[str, int]:
+        """``peer``'s sent marks in the current epoch. Raises TransportAborted when the
+        epoch moves meanwhile, CollectiveError after ``epoch_timeout``."""
+        timeout = self.host.epoch_timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                raw = self.host.view.wait_blobs(self._epoch, p2p_marks.BLOB, [peer], max(0.0, deadline - time.monotonic()))
+                return p2p_marks.decode(raw[peer], f"epochs/{self._epoch}/data/{p2p_marks.BLOB}/{peer}")
+            except EpochChanged:
+                if self.host.transport.aborted:
+                    raise TransportAborted(f"epoch {self._epoch} was superseded") from None
+                # a newer epoch that only adds members (not ours yet): keep waiting
+            except RecordError as exc:
+                raise CollectiveError(f"the point-to-point marks of {peer} in epoch {self._epoch} are malformed: "
+                                      f"{exc}") from None
+            except TimeoutError:
+                raise CollectiveError(f"{peer} did not publish its point-to-point marks for epoch {self._epoch} "
+                                      f"within {timeout}s: it runs no send/recv in that epoch, so a receive from "
+                                      "it cannot be matched; send/recv again after both ran a collective") from None
+
+    def _adopt(self) -> None:
+        """The epoch moved (the transport was aborted, or a collective entered a newer
+        one): enter the newest epoch, publish our sent marks there and queue every op that
+        did not finish to be posted again (same numbers)."""
+        self.host.catch_up()
+        e = self.host.epoch
+        if e.number == self._epoch:
+            return
+        me = self.host.member_id
+        with self._lock:
+            unfinished = [op for op in self._posted if op.error is None and not (op.req is not None and op.req.done())]
+            for op in unfinished:
+                op.req = None
+            self._registered[:0] = unfinished
+            marks = {peer: n for (src, peer), n in self._counts.items() if src == me}
+            for op in self._registered:
+                if op.is_send and op.error is None:
+                    marks[op.peer] = min(marks[op.peer], op.n)
+        self._posted = []
+        self._epoch, self._marks = e.number, {}
+        self.host.view.put_blob(e.number, p2p_marks.BLOB,
+                                p2p_marks.encode({p: n for p, n in marks.items() if p in e.members}))
+
+    def _await_verdict(self, op: _Op, exc: TransportError) -> None:
+        """A link to ``op.peer`` failed before any epoch said so: wait (up to
+        ``epoch_timeout``) for the coordinator's verdict, an epoch without the peer
+        (returns: the caller adopts it); none -> re-raise ``exc``."""
+        deadline = time.monotonic() + self.host.epoch_timeout
+        while time.monotonic() < deadline:
+            newest = self.host.view.current()
+            if self.host.transport.aborted or (newest is not None and newest.number > self._epoch
+                                               and op.peer not in newest.members):
+                return
+            time.sleep(0.01)
+        raise exc
 
     def _drive(self, op: _Op, target: torch.Tensor) -> OpResult:
-        """Op thread: wait for ``op``'s transfer, posting ops registered meanwhile."""
+        """Op thread: wait for ``op``'s transfer, posting ops registered meanwhile and
+        following the epoch (see the module docstring)."""
+        try:
+            self._wait(op)
+        finally:
+            self._posted = [o for o in self._posted if o is not op]
+        if not op.is_send and op.buf is not target:
+            target.copy_(op.buf)
+        return OpResult((op.peer,))
+
+    def _wait(self, op: _Op) -> None:
         tr, timeout = self.host.transport, self.host.op_timeout
         poll = _POLL_MIN_S
         last_progress = time.monotonic()
         while True:
-            if self._post_registered():
-                poll = _POLL_MIN_S
-            if op.req is None:  # registered on the caller's thread before this job was queued
-                raise AssertionError("point-to-point op was not posted")
-            if tr.wait([op.req], timeout=poll):
-                break
+            try:
+                if tr.aborted or self.host.epoch.number != self._epoch:
+                    self._adopt()
+                if self._registered:
+                    self._post_registered()
+                    poll = _POLL_MIN_S
+                if op.error is not None:
+                    raise op.error
+                if op.req is None:  # registered on the caller's thread before this job was queued
+                    raise AssertionError("point-to-point op was not posted")
+                if tr.wait([op.req], timeout=poll):
+                    return
+            except TransportAborted:
+                continue  # the next pass adopts the new epoch and posts again
+            except (OpMismatch, PeerReportedError, FrameError):
+                raise
+            except TransportError as exc:  # the link to a peer broke: wait for the coordinator's verdict
+                if op.req is None or op.req.error is None:
+                    raise
+                self._await_verdict(op, exc)
+                continue
             poll = min(_POLL_MAX_S, poll * 2)
             if timeout is not None and time.monotonic() - last_progress >= timeout:
                 last_progress = time.monotonic()
@@ -158,6 +316,3 @@ class PointToPoint:
                     self.host.view.report_suspect(op.peer, f"point-to-point with {op.peer} waited more than {timeout}s")
                 except Exception:  # noqa: BLE001 - the report is advisory; keep waiting
                     pass
-        if not op.is_send and op.buf is not target:
-            target.copy_(op.buf)
-        return OpResult((op.peer,))

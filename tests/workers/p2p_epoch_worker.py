@@ -1,0 +1,113 @@
+"""One process of tests/test_torch_p2p_epochs.py: send/recv across a member's death.
+
+    python tests/workers/p2p_epoch_worker.py RANK DIR
+
+``init_process_group("resilient", rank=RANK, world_size=3)``; an exact int64 all_reduce
+(so every member retains a ledger), then one message each way between every pair (values
+checked). Then, with every rank's ``DIR/warm<r>`` written:
+
+* rank 2 blocks in ``recv`` from rank 0 (which never sends): the test SIGKILLs it there;
+* rank 1 posts ``irecv`` from rank 2 (never sent), writes ``DIR/posted1`` and waits on it:
+  it must fail with PeerLost (time and error recorded);
+* rank 0 blocks in ``recv`` from rank 1, which rank 1 sends only after its irecv failed.
+
+Then ranks 0 and 1 exchange only send/recv (``ROUNDS`` ping-pongs, a ``batch_isend_irecv``
+swap and an isend/irecv of a non-contiguous tensor), every value checked exactly, then
+a barrier and an all_reduce (the collectives still agree with the point-to-point epoch
+change). Writes ``DIR/<r>.json`` {"member", "checks": [[name, ok]], "peer_lost": {...}}.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import resilient  # noqa: F401 - registers the backend
+from resilient.errors import PeerLost
+from resilient.torch_backend import current_engine
+
+RANK, DIR = int(sys.argv[1]), Path(sys.argv[2])
+ROUNDS = 20
+
+
+def wait_files(*names: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not all((DIR / n).exists() for n in names):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {RANK}: {names} not all written within {timeout}s")
+        time.sleep(0.01)
+
+
+def main() -> None:
+    dist.init_process_group("resilient", init_method=f"file://{DIR / 'init'}", rank=RANK, world_size=3)
+    eng = current_engine()
+    print(f"LEASE {eng.member_id} {eng.session.lease_id}", flush=True)
+    checks: list[tuple[str, bool]] = []
+    res: dict[str, object] = {"member": eng.member_id, "checks": checks}
+    t = torch.full((1000,), RANK + 1, dtype=torch.int64)
+    dist.all_reduce(t)
+    checks.append(("all_reduce", bool((t == 6).all())))
+    for a, b in [(0, 1), (1, 0), (0, 2), (2, 0), (1, 2), (2, 1)]:
+        if RANK == a:
+            dist.send(torch.full((500,), 10 * a + b, dtype=torch.int64), b)
+        elif RANK == b:
+            got = torch.zeros(500, dtype=torch.int64)
+            dist.recv(got, a)
+            checks.append((f"warm {a}->{b}", bool((got == 10 * a + b).all())))
+    (DIR / f"warm{RANK}").touch()
+    wait_files("warm0", "warm1", "warm2")
+    if RANK == 2:
+        dist.recv(torch.zeros(1), 0)  # never sent: SIGKILLed here
+        raise AssertionError("rank 2 was not killed")
+    if RANK == 1:
+        w = dist.irecv(torch.zeros(4), 2)
+        (DIR / "posted1").touch()
+        try:
+            w.wait()
+            res["peer_lost"] = {"error": None}
+        except PeerLost as exc:
+            res["peer_lost"] = {"error": type(exc).__name__, "peer": exc.peer, "epoch": exc.epoch,
+                                "message": str(exc), "at": time.time()}
+        dist.send(torch.arange(7, dtype=torch.int64) + 100, 0)
+    else:
+        got = torch.zeros(7, dtype=torch.int64)
+        dist.recv(got, 1)
+        checks.append(("first after death", got.tolist() == list(range(100, 107))))
+    peer = 1 - RANK
+    for i in range(ROUNDS):
+        x = torch.full((256 + i,), 1000 * i + RANK, dtype=torch.float64)
+        got = torch.zeros_like(x)
+        if RANK == 0:
+            dist.send(x, peer)
+            dist.recv(got, peer)
+        else:
+            dist.recv(got, peer)
+            dist.send(x, peer)
+        checks.append((f"pingpong {i}", bool((got == 1000 * i + peer).all())))
+    mine = torch.full((3000,), 7 + RANK, dtype=torch.int32)
+    theirs = torch.zeros(3000, dtype=torch.int32)
+    for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, theirs, peer), dist.P2POp(dist.isend, mine, peer)]):
+        w.wait()
+    checks.append(("batch swap", bool((theirs == 7 + peer).all())))
+    src = torch.arange(24, dtype=torch.float32).view(4, 6) * (RANK + 1)
+    dst = torch.zeros(6, 4).t()  # non-contiguous receive
+    ws = [dist.isend(src, peer), dist.irecv(dst, peer)]
+    for w in ws:
+        w.wait()
+    checks.append(("non-contiguous", bool((dst == torch.arange(24, dtype=torch.float32).view(4, 6) * (peer + 1)).all())))
+    dist.barrier()
+    s = torch.full((10,), RANK + 1, dtype=torch.int64)
+    aw = dist.all_reduce(s, async_op=True)
+    aw.wait()
+    checks.append(("all_reduce after", bool((s == 3).all()) and len(aw.contributors) == 2))
+    res["size"] = dist.get_world_size()
+    (DIR / f"{RANK}.json").write_text(json.dumps(res))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
