@@ -34,6 +34,7 @@ def _wait_files(d: Path, names: list[str], procs: list[subprocess.Popen], timeou
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_send_recv_between_survivors_after_a_death_and_peer_lost_for_the_dead(etcd_session, job_name, tmp_path):
     from collective_harness import coordinator
@@ -71,7 +72,6 @@ def test_send_recv_between_survivors_after_a_death_and_peer_lost_for_the_dead(et
         assert d["size"] == 2
     lost = res[1]["peer_lost"]
     assert lost["error"] == "PeerLost", lost
-    dead = (tmp_path / "2.err").read_text()  # the dead member's id is in no survivor's result; find it by elimination
-    assert lost["peer"] not in (res[0]["member"], res[1]["member"]) and lost["peer"] in lost["message"], (lost, dead[-500:])
+    assert lost["peer"] not in (res[0]["member"], res[1]["member"]) and lost["peer"] in lost["message"], lost
     assert f"epoch {lost['epoch']}" in lost["message"]
     assert lost["at"] - killed_at < PEER_LOST_DEADLINE_S, lost
