@@ -277,6 +277,12 @@ class PointToPoint:
         following the epoch (see the module docstring)."""
         try:
             self._wait(op)
+        except BaseException as exc:
+            if op.error is None:  # never posted again: its handle failed (the peer's marks say so)
+                op.error = exc
+            with self._lock:
+                self._registered = [o for o in self._registered if o is not op]
+            raise
         finally:
             self._posted = [o for o in self._posted if o is not op]
         if not op.is_send and op.buf is not target:
