@@ -1,9 +1,10 @@
 """Point-to-point across a member's death (issue 12, gap 1), in real processes with a real
 etcd, coordinator and SIGKILL: 3 ranks started as ``init_process_group("resilient",
-rank=r, world_size=3)``; rank 2 is SIGKILLed while blocked in a ``recv``; rank 1's pending
-``irecv`` from it fails with PeerLost naming it and the new epoch within a deadline; ranks
-0 and 1 then run only send/recv (a receive posted before the death and re-posted in the
-new epoch, ping-pongs, a batch_isend_irecv swap, a non-contiguous receive), every value
+rank=r, world_size=3)``; rank 2 is SIGKILLed while blocked in a ``recv``; rank 0's pending
+``irecv`` from it fails with PeerLost naming it and the new epoch within a deadline (rank 0
+adopts the epoch from point-to-point, rank 1 from its all_reduce: the all_reduce and a
+send/recv after it agree); then ranks 0 and 1 run only
+send/recv (ping-pongs, a batch_isend_irecv swap, a non-contiguous receive), every value
 exact, and a barrier + all_reduce afterwards still agree (the worker:
 tests/workers/p2p_epoch_worker.py)."""
 from __future__ import annotations
@@ -57,9 +58,10 @@ def test_send_recv_between_survivors_after_a_death_and_peer_lost_for_the_dead(et
                                      text=True, env=env, cwd=ROOT)
                 procs.append(p)
                 threading.Thread(target=revoke_lease_on_exit, args=(p, etcd, job_name), daemon=True).start()
-            _wait_files(tmp_path, ["warm0", "warm1", "warm2", "posted1"], procs, 90)
+            _wait_files(tmp_path, ["warm0", "warm1", "warm2", "posted0"], procs, 90)
             killed_at = time.time()
             procs[2].send_signal(signal.SIGKILL)
+            (tmp_path / "killed").touch()
             wait_then_kill(procs[:2], 90)
             procs[2].wait(10)
         finally:
@@ -70,7 +72,7 @@ def test_send_recv_between_survivors_after_a_death_and_peer_lost_for_the_dead(et
         bad = [name for name, ok in d["checks"] if not ok]
         assert not bad and len(d["checks"]) > 20, (r, bad, d["checks"])
         assert d["size"] == 2
-    lost = res[1]["peer_lost"]
+    lost = res[0]["peer_lost"]
     assert lost["error"] == "PeerLost", lost
     assert lost["peer"] not in (res[0]["member"], res[1]["member"]) and lost["peer"] in lost["message"], lost
     assert f"epoch {lost['epoch']}" in lost["message"]

@@ -127,12 +127,18 @@ def _bytes_of(t: torch.Tensor) -> memoryview | bool:
     return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
-def encode_status(member: str, inflight: Ledger | None, retained: Ledger | None) -> bytes:
-    return json.dumps({
+def encode_status(member: str, inflight: Ledger | None, retained: Ledger | None, next_seq: int | None = None) -> bytes:
+    """A member's ledger summary for a recovery round; ``next_seq``: set by a member in no
+    collective (the torch backend's point-to-point catching up): the first op seq it has
+    not started, so survivors in that op rerun it with it instead of finishing without it."""
+    status: dict[str, Any] = {
         "member": member,
         "inflight": inflight.summary() if inflight is not None else None,
         "retained": retained.summary() if retained is not None else None,
-    }, separators=(",", ":")).encode()
+    }
+    if next_seq is not None:
+        status["next"] = int(next_seq)
+    return json.dumps(status, separators=(",", ":")).encode()
 
 
 def decode_status(raw: bytes) -> dict[str, Any]:

@@ -51,6 +51,17 @@ class _Round:
     t_status: float
 
 
+def _not_started_by_some(statuses: dict[str, dict[str, Any]], seq: int) -> bool:
+    """Whether a survivor said it has not started op ``seq`` yet (a member between ops,
+    :meth:`RecoveryPath.catch_up`): it runs the op later, in this epoch, so the others
+    rerun it with it rather than finish it without its input."""
+    for s in statuses.values():
+        nxt = s.get("next")
+        if s.get("inflight") is None and isinstance(nxt, int) and not isinstance(nxt, bool) and nxt <= seq:
+            return True
+    return False
+
+
 class RecoveryPath:
     def __init__(self, view: GroupView, transport: Transport, op_transport: RetryingTransport,
                  epochs: EpochTracker, policy: Callable[[], Policy], op_timeout: float | None,
@@ -65,14 +76,15 @@ class RecoveryPath:
 
     # -- one round ------------------------------------------------------------------------
 
-    def _round(self, e: EpochLike, ledger: Ledger | None, members: tuple[str, ...], timeout: float) -> _Round | None:
+    def _round(self, e: EpochLike, ledger: Ledger | None, members: tuple[str, ...], timeout: float,
+               next_seq: int | None = None) -> _Round | None:
         """Adopt ``e`` and exchange statuses; None when a newer epoch or an abort
         interrupted the exchange (start again). TimeoutError propagates."""
         self.epochs.enter(e)
         survivors = [m for m in e.members if m in members]
         wall_epoch = time.time()
         xchg = StatusExchange(self.view, self.op_transport, e.number, survivors, self.member_id,
-                              encode_status(self.member_id, ledger, self.retained))
+                              encode_status(self.member_id, ledger, self.retained, next_seq))
         try:
             raw = xchg.run(timeout, self.epochs.newer_than(e.number))
         except EpochChanged:
@@ -117,7 +129,7 @@ class RecoveryPath:
             ctx.epoch = e.number
             k = L.seq if r.lowest is None else r.lowest
             try:
-                if L.seq > k:
+                if L.seq > k or _not_started_by_some(r.statuses, L.seq):
                     R = self.retained
                     if R is not None and R.seq == k:
                         self._finish(R, r, ctx.op)
@@ -181,7 +193,7 @@ class RecoveryPath:
             R = self.retained
             try:
                 r = self._round(e, None, R.members if R is not None else tuple(self.epochs.members()),
-                                self.recovery_timeout)
+                                self.recovery_timeout, next_seq=self.epochs.seq)
             except TimeoutError as exc:
                 raise CollectiveError(f"epoch {e.number}: the survivors' ledger statuses did not all arrive within "
                                       f"{self.recovery_timeout}s (a survivor that issues no op holds the group "

@@ -7,9 +7,14 @@
 checked). Then, with every rank's ``DIR/warm<r>`` written:
 
 * rank 2 blocks in ``recv`` from rank 0 (which never sends): the test SIGKILLs it there;
-* rank 1 posts ``irecv`` from rank 2 (never sent), writes ``DIR/posted1`` and waits on it:
-  it must fail with PeerLost (time and error recorded);
-* rank 0 blocks in ``recv`` from rank 1, which rank 1 sends only after its irecv failed.
+* rank 0 posts ``irecv`` from rank 2 (never sent), writes ``DIR/posted0`` and waits on it:
+  it must fail with PeerLost (time and error recorded): its first op after the death is
+  point-to-point, which adopts the new epoch; then an all_reduce and a send to rank 1;
+* rank 1 waits for ``DIR/killed`` (written by the test after the SIGKILL), runs the
+  all_reduce (its first op after the death: a collective) and receives the message.
+
+(Both sides keep one order of point-to-point and collective ops between a pair: the
+transport matches a pair's frames in posting order, collectives' and send/recv's alike.)
 
 Then ranks 0 and 1 exchange only send/recv (``ROUNDS`` ping-pongs, a ``batch_isend_irecv``
 swap and an isend/irecv of a non-contiguous tensor), every value checked exactly, then
@@ -63,20 +68,27 @@ def main() -> None:
     if RANK == 2:
         dist.recv(torch.zeros(1), 0)  # never sent: SIGKILLed here
         raise AssertionError("rank 2 was not killed")
-    if RANK == 1:
+    if RANK == 0:
         w = dist.irecv(torch.zeros(4), 2)
-        (DIR / "posted1").touch()
+        (DIR / "posted0").touch()
         try:
             w.wait()
             res["peer_lost"] = {"error": None}
         except PeerLost as exc:
             res["peer_lost"] = {"error": type(exc).__name__, "peer": exc.peer, "epoch": exc.epoch,
                                 "message": str(exc), "at": time.time()}
-        dist.send(torch.arange(7, dtype=torch.int64) + 100, 0)
+    s = torch.full((10,), RANK + 1, dtype=torch.int64)
+    if RANK == 1:  # its first op after the death is a collective, rank 0's a send/recv
+        wait_files("killed")
+    aw = dist.all_reduce(s, async_op=True)
+    aw.wait()
+    checks.append(("all_reduce first after death", bool((s == 3).all()) and len(aw.contributors) == 2))
+    if RANK == 0:
+        dist.send(torch.arange(7, dtype=torch.int64) + 100, 1)
     else:
         got = torch.zeros(7, dtype=torch.int64)
-        dist.recv(got, 1)
-        checks.append(("first after death", got.tolist() == list(range(100, 107))))
+        dist.recv(got, 0)
+        checks.append(("first send/recv after death", got.tolist() == list(range(100, 107))))
     peer = 1 - RANK
     for i in range(ROUNDS):
         x = torch.full((256 + i,), 1000 * i + RANK, dtype=torch.float64)
