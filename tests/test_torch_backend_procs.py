@@ -10,12 +10,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
-from torch_proc_helpers import revoke_lease_on_exit, wait_then_kill
+from torch_proc_helpers import err_logs, start_worker, wait_then_kill, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = [sys.executable, "-c", "import sys; from resilient.launcher.cli import main; sys.exit(main())"]
@@ -131,21 +130,15 @@ def test_a_joiner_s_first_all_reduce_is_never_spliced_into_the_survivors_ops(etc
     from collective_harness import coordinator
 
     etcd = etcd_session.endpoint_arg
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}", RESILIENT_ETCD=etcd, RESILIENT_JOB=job_name,
-               RESILIENT_LEASE_TTL="2", OMP_NUM_THREADS="1")
-    for k in ("RESILIENT_MEMBER_ID", "RESILIENT_FAILPOINTS", "RANK", "WORLD_SIZE", "RESILIENT_JOINER"):
-        env.pop(k, None)
+    env = worker_env(ROOT, etcd, job_name)
     procs: list[subprocess.Popen] = []
 
     def start(role: str, rank: int, extra: dict[str, str]) -> None:
-        p = subprocess.Popen([sys.executable, str(SPLICE_WORKER), role, str(rank), "3", str(tmp_path)],
-                             stdout=subprocess.PIPE, stderr=open(tmp_path / f"{role}{rank}.err", "w"),  # noqa: SIM115
-                             text=True, env={**env, **extra}, cwd=ROOT)
-        procs.append(p)
-        threading.Thread(target=revoke_lease_on_exit, args=(p, etcd, job_name), daemon=True).start()
+        procs.append(start_worker([sys.executable, str(SPLICE_WORKER), role, str(rank), "3", str(tmp_path)],
+                                  tmp_path / f"{role}{rank}.err", {**env, **extra}, ROOT, etcd, job_name))
 
     def logs() -> str:
-        return "\n".join(f"--- {f.name}\n{f.read_text()[-2000:]}" for f in sorted(tmp_path.glob("*.err")))
+        return err_logs(tmp_path, 2000)
 
     with coordinator(etcd, job_name, ttl=2.0):
         try:

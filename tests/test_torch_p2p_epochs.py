@@ -10,29 +10,19 @@ tests/workers/p2p_epoch_worker.py)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from torch_proc_helpers import revoke_lease_on_exit, wait_then_kill
+from torch_proc_helpers import err_logs, start_worker, wait_files, wait_then_kill, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "p2p_epoch_worker.py"
 PEER_LOST_DEADLINE_S = 30.0
-
-
-def _wait_files(d: Path, names: list[str], procs: list[subprocess.Popen], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not all((d / n).exists() for n in names):
-        assert all(p.poll() is None for p in procs), "a worker exited early"
-        assert time.monotonic() < deadline, f"{names} not all written within {timeout}s"
-        time.sleep(0.02)
 
 
 @pytest.mark.slow
@@ -41,24 +31,15 @@ def test_send_recv_between_survivors_after_a_death_and_peer_lost_for_the_dead(et
     from collective_harness import coordinator
 
     etcd = etcd_session.endpoint_arg
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}", RESILIENT_ETCD=etcd, RESILIENT_JOB=job_name,
-               RESILIENT_LEASE_TTL="2", OMP_NUM_THREADS="1")
-    for k in ("RESILIENT_MEMBER_ID", "RESILIENT_FAILPOINTS", "RANK", "WORLD_SIZE", "RESILIENT_JOINER"):
-        env.pop(k, None)
+    env = worker_env(ROOT, etcd, job_name)
     procs: list[subprocess.Popen] = []
-
-    def logs() -> str:
-        return "\n".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted(tmp_path.glob("*.err")))
 
     with coordinator(etcd, job_name, ttl=2.0):
         try:
             for r in range(3):
-                p = subprocess.Popen([sys.executable, str(WORKER), str(r), str(tmp_path)], stdout=subprocess.PIPE,
-                                     stderr=open(tmp_path / f"{r}.err", "w"),  # noqa: SIM115
-                                     text=True, env=env, cwd=ROOT)
-                procs.append(p)
-                threading.Thread(target=revoke_lease_on_exit, args=(p, etcd, job_name), daemon=True).start()
-            _wait_files(tmp_path, ["warm0", "warm1", "warm2", "posted0"], procs, 90)
+                procs.append(start_worker([sys.executable, str(WORKER), str(r), str(tmp_path)], tmp_path / f"{r}.err",
+                                          env, ROOT, etcd, job_name))
+            wait_files(tmp_path, ["warm0", "warm1", "warm2", "posted0"], procs, 90)
             killed_at = time.time()
             procs[2].send_signal(signal.SIGKILL)
             (tmp_path / "killed").touch()
@@ -66,7 +47,7 @@ def test_send_recv_between_survivors_after_a_death_and_peer_lost_for_the_dead(et
             procs[2].wait(10)
         finally:
             wait_then_kill(procs, 1)
-    assert [p.returncode for p in procs[:2]] == [0, 0], logs()
+    assert [p.returncode for p in procs[:2]] == [0, 0], err_logs(tmp_path)
     res = {r: json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)}
     for r, d in res.items():
         bad = [name for name, ok in d["checks"] if not ok]

@@ -8,17 +8,14 @@ over contributors that never include it (the worker: tests/workers/restart_worke
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from torch_proc_helpers import revoke_lease_on_exit, wait_then_kill
+from torch_proc_helpers import err_logs, start_worker, wait_files, wait_then_kill, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "restart_worker.py"
@@ -30,31 +27,20 @@ def test_a_rank_restarted_with_plain_init_process_group_is_gated_not_spliced(etc
     from collective_harness import coordinator
 
     etcd = etcd_session.endpoint_arg
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}", RESILIENT_ETCD=etcd, RESILIENT_JOB=job_name,
-               RESILIENT_LEASE_TTL="2", OMP_NUM_THREADS="1")
-    for k in ("RESILIENT_MEMBER_ID", "RESILIENT_FAILPOINTS", "RANK", "WORLD_SIZE", "RESILIENT_JOINER", "RESTARTED"):
-        env.pop(k, None)
+    env = worker_env(ROOT, etcd, job_name)
     procs: list[subprocess.Popen] = []
 
     def start(rank: int, name: str, extra: dict[str, str]) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, str(WORKER), str(rank), str(tmp_path)], stdout=subprocess.PIPE,
-                             stderr=open(tmp_path / f"{name}.err", "w"),  # noqa: SIM115
-                             text=True, env={**env, **extra}, cwd=ROOT)
+        p = start_worker([sys.executable, str(WORKER), str(rank), str(tmp_path)], tmp_path / f"{name}.err",
+                         {**env, **extra}, ROOT, etcd, job_name)
         procs.append(p)
-        threading.Thread(target=revoke_lease_on_exit, args=(p, etcd, job_name), daemon=True).start()
         return p
-
-    def logs() -> str:
-        return "\n".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted(tmp_path.glob("*.err")))
 
     with coordinator(etcd, job_name, ttl=2.0):
         try:
             for r in range(3):
                 start(r, str(r), {})
-            deadline = time.monotonic() + 90
-            while not all((tmp_path / f"up{r}").exists() for r in range(3)):
-                assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, logs()
-                time.sleep(0.02)
+            wait_files(tmp_path, [f"up{r}" for r in range(3)], procs, 90)
             procs[2].send_signal(signal.SIGKILL)
             procs[2].wait(10)
             again = start(2, "restarted", {"RESTARTED": "1"})
@@ -64,11 +50,11 @@ def test_a_rank_restarted_with_plain_init_process_group_is_gated_not_spliced(etc
         finally:
             wait_then_kill(procs, 1)
     err = (tmp_path / "restarted.err").read_text()
-    assert again.returncode == 0 and not (tmp_path / "restarted.json").exists(), logs()
+    assert again.returncode == 0 and not (tmp_path / "restarted.json").exists(), err_logs(tmp_path)
     assert (tmp_path / "restarted_init").exists(), err  # init_process_group returned
     assert "is not admitted to the running job" in err and "state.sync()" in err, err
     restarted = (tmp_path / "restarted_init").read_text()
-    assert [p.returncode for p in procs[:2]] == [0, 0], logs()
+    assert [p.returncode for p in procs[:2]] == [0, 0], err_logs(tmp_path)
     for r in (0, 1):
         d = json.loads((tmp_path / f"{r}.json").read_text())
         assert len(d["ops"]) > 3
