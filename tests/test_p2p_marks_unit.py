@@ -1,5 +1,5 @@
 """Pure logic of the torch backend's epoch-change records: the point-to-point sent marks
-(resilient/torch_backend/p2p_marks.py) and the start markers that tell a restarted rank
+(resilient/collectives/p2p_marks.py) and the start markers that tell a restarted rank
 from a starting one (resilient/torch_backend/start_markers.py), over an in-memory store."""
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import pytest
 
 from resilient.errors import DataLost, RecordError
-from resilient.torch_backend import p2p_marks, start_markers
+from resilient.collectives import p2p_marks
+from resilient.torch_backend import start_markers
 
 
 def test_marks_round_trip_and_the_lost_message_rule():

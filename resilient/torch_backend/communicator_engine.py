@@ -21,8 +21,9 @@ the job's control plane, built from the environment ``resilient-run`` gives a wo
    it a joiner, as below;
 4. the Communicator is built on the etcd-backed group view behind an
    :class:`AdmittedView`, with per-op health reports (and rank metrics where the node
-   agent serves them). ``send``/``recv`` run through
-   :mod:`.p2p` on that Communicator's op thread (ops of a batch posted together).
+   agent serves them). ``send``/``recv`` are the Communicator's
+   (:mod:`resilient.collectives.p2p`: ops of a batch posted together, carried across an
+   epoch change).
 
 The torch ``store`` (the launcher's TCPStore) is not used: etcd is the rendezvous.
 
@@ -62,7 +63,6 @@ from resilient.coordinator import keys
 from resilient.errors import ConfigError, ResilientTimeout
 from resilient.live_world import World
 from resilient.settings import Settings
-from resilient.torch_backend.p2p import PointToPoint
 from resilient.torch_backend.views import FilteredView, replace_epoch
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -98,7 +98,6 @@ class CommunicatorEngine:
         self._store, self.job, self._transport = store, job, transport
         #: False on a joiner until :meth:`wait_admitted` returns (ops go through the gate)
         self.admitted = not isinstance(comm, NotAdmittedGate)
-        self._p2p: PointToPoint | None = None
 
     @property
     def store(self) -> Store:
@@ -278,21 +277,11 @@ class CommunicatorEngine:
     def barrier(self) -> Work:
         return self.comm.barrier(async_op=True)
 
-    def _point_to_point(self, comm: Communicator) -> PointToPoint:
-        """The p2p ops of the current Communicator (fresh sequence numbers with each one)."""
-        if self._p2p is None or self._p2p.host is not comm:
-            self._p2p = PointToPoint(comm)
-        return self._p2p
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
+        return self.comm.send(tensor, dst, tag=tag, async_op=True)  # a joiner's gate refuses it (leave_unadmitted)
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
-        if isinstance(self.comm, NotAdmittedGate):
-            return self.comm.send(tensor, dst, tag=tag, async_op=True)  # refused (leave_unadmitted)
-        return self._point_to_point(self.comm).send(tensor, dst, tag)
-
-    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
-        if isinstance(self.comm, NotAdmittedGate):
-            return self.comm.recv(tensor, src, tag=tag, async_op=True)
-        return self._point_to_point(self.comm).recv(tensor, src, tag)
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Work:
+        return self.comm.recv(tensor, src, tag=tag, async_op=True)
 
     def close(self) -> None:
         for c in [self.comm, *self._closers]:
