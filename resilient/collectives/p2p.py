@@ -233,8 +233,9 @@ class PointToPoint:
                                       f"{exc}") from None
             except TimeoutError:
                 raise CollectiveError(f"{peer} did not publish its point-to-point marks for epoch {self._epoch} "
-                                      f"within {timeout}s: it runs no send/recv in that epoch, so a receive from "
-                                      "it cannot be matched; send/recv again after both ran a collective") from None
+                                      f"within {timeout}s: it has run no send/recv since the group changed, so this "
+                                      f"receive cannot tell whether its message was lost with the old epoch; the "
+                                      f"receive must be matched by a send {peer} issues after the change") from None
 
     def _adopt(self) -> None:
         """The epoch moved (the transport was aborted, or a collective entered a newer
