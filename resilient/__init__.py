@@ -6,7 +6,7 @@ from typing import Any
 from resilient import errors
 from resilient.errors import (
     Cancelled, ClosedError, CollectiveAborted, CollectiveError, ConfigError, DataLost, EpochChanged, Evicted, FrameError,
-    GroupChanged, InputMismatch, LeaseExpired, MetricLabelError, OpMismatch, PeerReportedError, PeerUnreachable,
+    GroupChanged, InputMismatch, LeaseExpired, MetricLabelError, OpMismatch, PeerLost, PeerReportedError, PeerUnreachable,
     RecordError, RemovedFromGroup, RendezvousTimeout, ResilientError, ResilientTimeout, ScenarioError, StoreError,
     StoreUnavailable, TrainingFinished, TransportAborted, TransportError, UnsupportedOperation,
 )

@@ -24,6 +24,7 @@ swallow them; catch them by name where the recovery path handles them.
     │   ├── DataLost                a piece of a broadcast/allgather exists nowhere
     │   ├── GroupChanged            per-member buffers sized for a group that changed; call again
     │   ├── PeerUnreachable         a link to a live member stayed down past the op timeout
+    │   ├── PeerLost                the peer of a send/recv was removed from the job (it died)
     │   └── RemovedFromGroup        this member was removed from the epoch (e.g. after SIGSTOP)
     │       └── Evicted             removed as a straggler (--straggler-policy evict); may rejoin
     ├── UnsupportedOperation        a torch.distributed op the resilient backend lacks (also a NotImplementedError)
@@ -130,7 +131,9 @@ class InputMismatch(CollectiveError, ValueError):
 
 
 class DataLost(CollectiveError):
-    """A chunk of a broadcast/allgather exists on no survivor; names the lost member."""
+    """A chunk of a broadcast/allgather exists on no survivor; names the lost member. Also
+    a point-to-point message its sender finished in an older epoch that the receiver had
+    not received when the group moved on (the transport drops an older epoch's frames)."""
 
 
 class GroupChanged(CollectiveError):
@@ -153,6 +156,16 @@ class PeerUnreachable(CollectiveError):
     def __init__(self, peer: str, message: str) -> None:
         super().__init__(message)
         self.peer = peer
+
+
+class PeerLost(CollectiveError):
+    """The peer of a point-to-point ``send``/``recv`` (``peer``, a member id) is not in
+    epoch ``epoch``: it died or was removed, so the transfer can never complete. Nothing
+    was handed out as a result (a receive's tensor may hold part of the message)."""
+
+    def __init__(self, message: str, peer: str = "", epoch: int | None = None) -> None:
+        super().__init__(message)
+        self.peer, self.epoch = peer, epoch
 
 
 class RemovedFromGroup(CollectiveError):
@@ -223,6 +236,6 @@ __all__ = [
     "ResilientError", "Cancelled", "ConfigError", "ScenarioError", "MetricLabelError", "ClosedError",
     "ResilientTimeout", "RendezvousTimeout", "StoreError", "StoreUnavailable", "LeaseExpired", "RecordError",
     "EpochChanged", "CollectiveError", "CollectiveAborted", "InputMismatch", "DataLost", "GroupChanged",
-    "PeerUnreachable", "RemovedFromGroup", "Evicted", "UnsupportedOperation", "TrainingFinished", "TransportError", "FrameError",
+    "PeerUnreachable", "PeerLost", "RemovedFromGroup", "Evicted", "UnsupportedOperation", "TrainingFinished", "TransportError", "FrameError",
     "OpMismatch", "PeerReportedError", "TransportAborted",
 ]

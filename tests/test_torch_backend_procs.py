@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from torch_proc_helpers import RankProcs
+from torch_proc_helpers import RankProcs, err_logs, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = [sys.executable, "-c", "import sys; from resilient.launcher.cli import main; sys.exit(main())"]
@@ -130,10 +130,7 @@ def test_a_joiner_s_first_all_reduce_is_never_spliced_into_the_survivors_ops(etc
     from collective_harness import coordinator
 
     etcd = etcd_session.endpoint_arg
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}", RESILIENT_ETCD=etcd, RESILIENT_JOB=job_name,
-               RESILIENT_LEASE_TTL="2", OMP_NUM_THREADS="1")
-    for k in ("RESILIENT_MEMBER_ID", "RESILIENT_FAILPOINTS", "RANK", "WORLD_SIZE", "RESILIENT_JOINER"):
-        env.pop(k, None)
+    env = worker_env(ROOT, etcd, job_name)
     procs = RankProcs(etcd, job_name)
 
     def start(role: str, rank: int, extra: dict[str, str]) -> None:
@@ -141,7 +138,7 @@ def test_a_joiner_s_first_all_reduce_is_never_spliced_into_the_survivors_ops(etc
                     env={**env, **extra}, cwd=ROOT, stderr=tmp_path / f"{role}{rank}.err")
 
     def logs() -> str:
-        return "\n".join(f"--- {f.name}\n{f.read_text()[-2000:]}" for f in sorted(tmp_path.glob("*.err")))
+        return err_logs(tmp_path, 2000)
 
     with coordinator(etcd, job_name, ttl=2.0), procs:
         for r in range(3):

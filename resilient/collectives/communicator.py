@@ -110,7 +110,7 @@ class Communicator:
         self._route = device_route if device_route is not None else default_route(view)
         self._errors = OpErrors(self.member_id, ErrorsToNccl(transport, self._route),
                                 ErrorsToNccl(self._op_transport, self._route), self._epochs.members)
-        self._p2p = PointToPoint(self.member_id, transport, op_timeout, self._suspect)
+        self._p2p = PointToPoint(self)
         self._buffers = BufferPool()
         self._loop = OpLoop(self.member_id, self._op_transport, self._epochs, self._recovery, self._errors,
                             self._buffers, self.metrics, op_timeout, self._suspect, self._route)
@@ -163,12 +163,19 @@ class Communicator:
         return self._ops.submit(lambda: self.reduce_now(t, ReduceOp.SUM, {"k": "barrier"}, None), async_op, "barrier")
 
     def send(self, tensor: Any, dst: int, tag: int = 0, async_op: bool = False) -> Work:
-        t = as_tensor(tensor, "send tensor")
-        return self._ops.submit(lambda: self._p2p_op(t, dst, tag, True), async_op)
+        """Send to rank ``dst`` of the live group (:mod:`.p2p`: matched in program order per
+        pair, carried across an epoch change; ``tensor`` unchanged until the Work is done)."""
+        work = self._p2p.send(as_tensor(tensor, "send tensor"), int(dst), int(tag))
+        if not async_op:
+            work.wait()
+        return work
 
     def recv(self, tensor: Any, src: int, tag: int = 0, async_op: bool = False) -> Work:
-        t = as_tensor(tensor, "recv tensor")
-        return self._ops.submit(lambda: self._p2p_op(t, src, tag, False), async_op)
+        """Receive from rank ``src`` into ``tensor`` (see :meth:`send` and :mod:`.p2p`)."""
+        work = self._p2p.recv(as_tensor(tensor, "recv tensor"), int(src), int(tag))
+        if not async_op:
+            work.wait()
+        return work
 
     @property
     def members(self) -> list[str]:
@@ -247,9 +254,16 @@ class Communicator:
     def run_on_op_thread(self, fn: Callable[[], OpResult], async_op: bool = True) -> Any:
         """Run ``fn`` on the op thread, after the ops queued before it, as an op of its own
         (a :class:`Work`; ``fn``'s exception fails it). The transport has one user at a
-        time, this thread: this is how a caller outside this class drives it (the torch
-        backend's point-to-point, ``resilient/torch_backend/p2p.py``)."""
+        time, this thread: this is how a caller outside this class drives it (the
+        point-to-point ops, :mod:`.p2p`)."""
         return self._ops.submit(fn, async_op)
+
+    def catch_up(self) -> None:
+        """Op thread only (inside :meth:`run_on_op_thread`): adopt the newest epoch between
+        ops, as the next collective would (:meth:`.recovery_path.RecoveryPath.catch_up`,
+        whose errors it raises). The point-to-point ops (:mod:`.p2p`) call it when the
+        epoch moved under a send/recv, so the transport runs again between live peers."""
+        self._recovery.catch_up()
 
     def close(self, linger: float = 0.0, leave: bool = False) -> None:
         """Finish the queued ops, then make leaving safe for the peers.
@@ -309,10 +323,3 @@ class Communicator:
             self.view.report_suspect(peer, reason)
         except Exception as exc:  # noqa: BLE001 - the report is advisory
             log.warning("could not report %s as suspect: %s", peer, exc)
-
-    def _p2p_op(self, t: torch.Tensor, peer_rank: int, tag: int, is_send: bool) -> OpResult:
-        members = self.members
-        if not 0 <= peer_rank < len(members):
-            raise ConfigError(f"rank {peer_rank} is not in this {len(members)}-member group")
-        self._p2p.run(t, members[peer_rank], tag, is_send)
-        return OpResult((members[peer_rank],))

@@ -150,16 +150,21 @@ def _wire_summary(L: Ledger) -> dict[str, Any]:
     return s
 
 
-def encode_status(member: str, inflight: Ledger | None, retained: Ledger | None) -> bytes:
+def encode_status(member: str, inflight: Ledger | None, retained: Ledger | None, next_seq: int | None = None) -> bytes:
     """This member's ledger summary as compact JSON (masks in :mod:`.mask_codec` form:
     no N-digit integers, so it encodes at any group size; each mask is at most
-    :func:`~.mask_codec.max_encoded_chars` characters)."""
-    return json.dumps({
+    :func:`~.mask_codec.max_encoded_chars` characters). ``next_seq``: set by a member in
+    no collective (point-to-point catching up, :mod:`.p2p`): the first op seq it has not
+    started, so survivors in that op rerun it with it instead of finishing without it."""
+    status: dict[str, Any] = {
         "v": STATUS_VERSION,
         "member": member,
         "inflight": _wire_summary(inflight) if inflight is not None else None,
         "retained": _wire_summary(retained) if retained is not None else None,
-    }, separators=(",", ":")).encode()
+    }
+    if next_seq is not None:
+        status["next"] = int(next_seq)
+    return json.dumps(status, separators=(",", ":")).encode()
 
 
 def _field(obj: dict[str, Any], key: str, typ: type, where: str) -> Any:

@@ -51,6 +51,17 @@ class _Round:
     t_status: float
 
 
+def _not_started_by_some(statuses: dict[str, dict[str, Any]], seq: int) -> bool:
+    """Whether a survivor said it has not started op ``seq`` yet (a member between ops,
+    :meth:`RecoveryPath.catch_up`): it runs the op later, in this epoch, so the others
+    rerun it with it rather than finish it without its input."""
+    for s in statuses.values():
+        nxt = s.get("next")
+        if s.get("inflight") is None and isinstance(nxt, int) and not isinstance(nxt, bool) and nxt <= seq:
+            return True
+    return False
+
+
 class RecoveryPath:
     def __init__(self, view: GroupView, transport: Transport, op_transport: RetryingTransport,
                  epochs: EpochTracker, op_timeout: float | None, recovery_timeout: float,
@@ -65,14 +76,15 @@ class RecoveryPath:
 
     # -- one round ------------------------------------------------------------------------
 
-    def _round(self, e: EpochLike, ledger: Ledger | None, members: tuple[str, ...], timeout: float) -> _Round | None:
+    def _round(self, e: EpochLike, ledger: Ledger | None, members: tuple[str, ...], timeout: float,
+               next_seq: int | None = None) -> _Round | None:
         """Adopt ``e`` and exchange statuses; None when a newer epoch or an abort
         interrupted the exchange (start again). TimeoutError propagates."""
         self.epochs.enter(e)
         survivors = [m for m in e.members if m in members]
         wall_epoch = time.time()
         xchg = StatusExchange(self.view, self.op_transport, e.number, survivors, self.member_id,
-                              encode_status(self.member_id, ledger, self.retained))
+                              encode_status(self.member_id, ledger, self.retained, next_seq))
         try:
             raw = xchg.run(timeout, self.epochs.newer_than(e.number))
         except EpochChanged:
@@ -119,7 +131,7 @@ class RecoveryPath:
             ctx.epoch = e.number
             k = L.seq if r.lowest is None else r.lowest
             try:
-                if L.seq > k:
+                if L.seq > k or _not_started_by_some(r.statuses, L.seq):
                     R = self.retained
                     if R is not None and R.seq == k:
                         self._finish(R, r, ctx.op, policy)
@@ -154,6 +166,46 @@ class RecoveryPath:
                 reduce_s=stats.pop("reduce_s", 0.0), extra=stats)
             r.xchg.wait_published()   # observers (resilient status, chaos verifier) read it from etcd
             return "done"
+
+    # -- between ops: a point-to-point op that finds the epoch moved ---------------------------
+
+    def catch_up(self) -> None:
+        """Outside any collective (the torch backend's point-to-point): adopt the newest
+        epoch as a collective's boundary would. A growing epoch is adopted by
+        :meth:`.epochs.EpochTracker.boundary`; one that removed members of ours is entered
+        with its ledger-status round among the survivors (which the survivors' next
+        collectives would otherwise wait for), finishing our retained op from its result
+        when a survivor is still in it. Returns at once when the epoch did not move.
+        Failure behaviour: a survivor whose status does not arrive within
+        ``recovery_timeout`` -> :class:`~resilient.errors.CollectiveError` naming the epoch
+        (the survivor runs no op: every survivor must reach some op for the group to move
+        on); this member removed -> RemovedFromGroup; an aborted transport with no newer
+        epoch within ``epoch_timeout`` -> CollectiveError (from ``await_newer_epoch``)."""
+        while True:
+            if not self.epochs.boundary():
+                if not self.transport.aborted:
+                    return
+                self.epochs.await_newer_epoch()  # aborted by an epoch not visible yet
+                continue
+            e = self.view.current()
+            if e is None:
+                continue
+            if self.member_id not in e.members:
+                raise removed_error(self.member_id, e, f"member {self.member_id} is not in epoch {e.number}: removed from the job")
+            R = self.retained
+            try:
+                r = self._round(e, None, R.members if R is not None else tuple(self.epochs.members()),
+                                self.recovery_timeout, next_seq=self.epochs.seq)
+            except TimeoutError as exc:
+                raise CollectiveError(f"epoch {e.number}: the survivors' ledger statuses did not all arrive within "
+                                      f"{self.recovery_timeout}s (a survivor that issues no op holds the group "
+                                      f"back): {exc}") from None
+            if r is None:
+                continue
+            if R is not None and r.lowest == R.seq:
+                self._finish(R, r, ReduceOp.SUM)
+            r.xchg.wait_published()
+            return
 
     # -- the retained result, on the way out --------------------------------------------------
 

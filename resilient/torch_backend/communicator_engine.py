@@ -16,16 +16,20 @@ the job's control plane, built from the environment ``resilient-run`` gives a wo
    Outside ``resilient-run`` (no ``RESILIENT_MEMBER_ID``: mp.spawn, torchrun, torch's test
    suite) the member registers with ``local_rank`` = the ``rank`` given to
    ``init_process_group`` (the planner orders a host's members by it), waits for an epoch
-   of exactly ``world_size`` members, and checks that it sits at that rank;
+   of exactly ``world_size`` members, and checks that it sits at that rank — unless members
+   of that epoch started before it (a restarted rank: :mod:`.start_markers`), which makes
+   it a joiner, as below;
 4. the Communicator is built on the etcd-backed group view behind an
    :class:`AdmittedView`, with per-op health reports (and rank metrics where the node
-   agent serves them). ``send``/``recv`` run through
-   :mod:`.p2p` on that Communicator's op thread (ops of a batch posted together).
+   agent serves them). ``send``/``recv`` are the Communicator's
+   (:mod:`resilient.collectives.p2p`: ops of a batch posted together, carried across an
+   epoch change).
 
 The torch ``store`` (the launcher's TCPStore) is not used: etcd is the rendezvous.
 
-Joiners (``RESILIENT_JOINER=1``: a restarted worker, or one on a node that joined later)
-start **not admitted**: their Communicator is behind a :class:`NotAdmittedGate`. They are
+Joiners (``RESILIENT_JOINER=1``: a restarted worker, or one on a node that joined later;
+outside ``resilient-run``, a process restarted with ``init_process_group(rank=, world_size=)``
+while its peers are past their start) start **not admitted**: their Communicator is behind a :class:`NotAdmittedGate`. They are
 admitted at ``resilient.elastic.State.sync()`` (:meth:`CommunicatorEngine.wait_admitted`,
 after which the gate is gone and the first op is the state transfer, at op seq 0 on every
 member). A joiner whose script issues any other collective first (an unchanged
@@ -59,12 +63,12 @@ from resilient.coordinator import keys
 from resilient.errors import ConfigError, ResilientTimeout
 from resilient.live_world import World
 from resilient.settings import Settings
-from resilient.torch_backend.p2p import PointToPoint
 from resilient.torch_backend.views import FilteredView, replace_epoch
 
 if TYPE_CHECKING:  # pragma: no cover
     from resilient.collectives.communicator import Communicator
     from resilient.collectives.work import Work
+    from resilient.connection import ConnectedCommunicator
     from resilient.coordinator.epoch import EpochWatcher
     from resilient.coordinator.membership import MemberSession
     from resilient.coordinator.store import Store
@@ -94,7 +98,6 @@ class CommunicatorEngine:
         self._store, self.job, self._transport = store, job, transport
         #: False on a joiner until :meth:`wait_admitted` returns (ops go through the gate)
         self.admitted = not isinstance(comm, NotAdmittedGate)
-        self._p2p: PointToPoint | None = None
 
     @property
     def admits_by_rebuild(self) -> bool:
@@ -279,21 +282,11 @@ class CommunicatorEngine:
     def barrier(self) -> Work:
         return self.comm.barrier(async_op=True)
 
-    def _point_to_point(self, comm: Communicator) -> PointToPoint:
-        """The p2p ops of the current Communicator (fresh sequence numbers with each one)."""
-        if self._p2p is None or self._p2p.host is not comm:
-            self._p2p = PointToPoint(comm)
-        return self._p2p
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
+        return self.comm.send(tensor, dst, tag=tag, async_op=True)  # a joiner's gate refuses it (leave_unadmitted)
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
-        if isinstance(self.comm, NotAdmittedGate):
-            return self.comm.send(tensor, dst, tag=tag, async_op=True)  # refused (leave_unadmitted)
-        return self._point_to_point(self.comm).send(tensor, dst, tag)
-
-    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
-        if isinstance(self.comm, NotAdmittedGate):
-            return self.comm.recv(tensor, src, tag=tag, async_op=True)
-        return self._point_to_point(self.comm).recv(tensor, src, tag)
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Work:
+        return self.comm.recv(tensor, src, tag=tag, async_op=True)
 
     def close(self) -> None:
         for c in [self.comm, *self._closers]:
@@ -339,16 +332,30 @@ def from_environment(store: Any = None, rank: int = 0, size: int = 1,
                         host=settings.host, local_rank=rank if explicit else int(os.environ.get("LOCAL_RANK", "0")),
                         wrap_view=AdmittedView.of_current, health_reports=True, joining=False,
                         device=this_device(), **extra)
-    comm: Comm = NotAdmittedGate(connected, member_id) if settings.joiner else connected
+    # outside resilient-run, a process whose peers started before it (a restarted rank) is a
+    # joiner too (start_markers.py): gated like RESILIENT_JOINER=1, never run into their ops
+    joiner = settings.joiner or (explicit and _joins_running_job(connected, job, member_id))
+    comm: Comm = NotAdmittedGate(connected, member_id) if joiner else connected
     engine = CommunicatorEngine(comm, connected.watcher, connected.session, member_id,
                                 store=connected.store, job=job, transport=connected.transport)
-    if explicit and engine.world().rank != rank:
+    if explicit and not joiner and engine.world().rank != rank:
         got = engine.world()
         engine.close()
         raise ConfigError(f"init_process_group asked for rank {rank}, but epoch {got.epoch} of job {job!r} puts this "
                           f"member at rank {got.rank} of {list(got.members)}: two processes asked for the same rank, "
                           "or they run on hosts whose names do not sort in rank order (use resilient-run there)")
     return engine
+
+
+def _joins_running_job(connected: ConnectedCommunicator, job: str, member_id: str) -> bool:
+    """Explicit-rank start: mark this member started and say whether members of its epoch
+    started before it (:mod:`.start_markers`; etcd errors propagate)."""
+    from resilient.torch_backend import start_markers
+
+    members = connected.epoch.members
+    before = start_markers.started_without(connected.store, job, member_id, members)
+    start_markers.mark_started(connected.store, job, member_id, members, connected.session.lease_id)
+    return bool(before)
 
 
 def leave_unadmitted(member_id: str, op: str) -> NoReturn:

@@ -41,7 +41,7 @@ from resilient.device.whole import WholeStaging
 from resilient.errors import UnsupportedOperation as UnsupportedOperation  # re-export: its old import path
 from resilient.settings import Settings
 from resilient.torch_backend import composed
-from resilient.torch_backend.dtypes import Packed, for_reduce
+from resilient.torch_backend.dtypes import NATIVE, Packed, for_reduce
 from resilient.torch_backend.composed import Then
 from resilient.torch_backend.engine import ElasticEngine, Handle
 from resilient.torch_backend.work import ResilientWork, batch_work
@@ -338,16 +338,19 @@ class ResilientProcessGroup(dist.ProcessGroup):
         t = _one(tensors, "send")
         if int(dst_rank) == self.rank():
             return self._issued(ResilientWork(self._mailbox().send(t, int(tag)), list(tensors)))
-        p = Packed(t)
-        return self._issued(ResilientWork(self.engine.send(p.wire, int(dst_rank), int(tag)), list(tensors)))
+        # a native dtype goes as itself, contiguous or not (the point-to-point layer copies), so a
+        # strided send matches a contiguous receive; other dtypes as bytes on both sides
+        wire = t if t.dtype in NATIVE else Packed(t).wire
+        return self._issued(ResilientWork(self.engine.send(wire, int(dst_rank), int(tag)), list(tensors)))
 
     def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> ResilientWork:
         t = _one(tensors, "recv")
         if int(src_rank) == self.rank():
             return self._issued(ResilientWork(self._mailbox().recv(t, int(tag)), list(tensors)))
+        if t.dtype in NATIVE:  # as in send: written in place, or copied in when complete (strided)
+            return self._issued(ResilientWork(self.engine.recv(t, int(src_rank), int(tag)), list(tensors)))
         p = Packed(t, fill=False)
-        return self._issued(ResilientWork(self.engine.recv(p.wire, int(src_rank), int(tag)), list(tensors),
-                             None if p.native else p.unpack))
+        return self._issued(ResilientWork(self.engine.recv(p.wire, int(src_rank), int(tag)), list(tensors), p.unpack))
 
     # -- not supported: name the op ----------------------------------------------------
 
