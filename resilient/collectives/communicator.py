@@ -263,7 +263,7 @@ class Communicator:
         ops, as the next collective would (:meth:`.recovery_path.RecoveryPath.catch_up`,
         whose errors it raises). The point-to-point ops (:mod:`.p2p`) call it when the
         epoch moved under a send/recv, so the transport runs again between live peers."""
-        self._recovery.catch_up()
+        self._recovery.catch_up(self.policy)
 
     def close(self, linger: float = 0.0, leave: bool = False) -> None:
         """Finish the queued ops, then make leaving safe for the peers.

@@ -169,7 +169,7 @@ class RecoveryPath:
 
     # -- between ops: a point-to-point op that finds the epoch moved ---------------------------
 
-    def catch_up(self) -> None:
+    def catch_up(self, policy: Policy) -> None:
         """Outside any collective (the torch backend's point-to-point): adopt the newest
         epoch as a collective's boundary would. A growing epoch is adopted by
         :meth:`.epochs.EpochTracker.boundary`; one that removed members of ours is entered
@@ -203,7 +203,7 @@ class RecoveryPath:
             if r is None:
                 continue
             if R is not None and r.lowest == R.seq:
-                self._finish(R, r, ReduceOp.SUM)
+                self._finish(R, r, ReduceOp.SUM, policy)
             r.xchg.wait_published()
             return
 
