@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from collective_harness import coordinator
 from resilient.process_pool import Child
 from torch_proc_helpers import RankProcs, err_logs, wait_files, worker_env
 
@@ -24,12 +25,8 @@ WORKER = ROOT / "tests" / "workers" / "restart_worker.py"
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_rank_restarted_with_plain_init_process_group_is_gated_not_spliced(etcd_session, job_name, tmp_path):
-    from collective_harness import coordinator
-
     etcd = etcd_session.endpoint_arg
-    env = worker_env(ROOT, etcd, job_name)
-    ranks = RankProcs(etcd, job_name)
-    procs: list[Child] = []
+    ranks, env, procs = RankProcs(etcd, job_name), worker_env(ROOT, etcd, job_name), list[Child]()
 
     def start(rank: int, name: str, extra: dict[str, str]) -> Child:
         p = ranks.start([sys.executable, str(WORKER), str(rank), str(tmp_path)], env={**env, **extra}, cwd=ROOT,
