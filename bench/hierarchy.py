@@ -107,7 +107,7 @@ def worker(args: argparse.Namespace) -> int:
     watcher.wait_for(lambda e: len(e.members) == args.world and args.id in e.members, 120)
     reporter = HealthReporter(store, args.job, args.id, session.lease_id, transport.stats, interval=0.5)
     comm = Communicator(EtcdGroupView(store, args.job, session, watcher), transport, health_reporter=reporter)
-    emit("ready", plan=watcher.current().plan)
+    emit("ready", plan=watcher.current().plan.to_dict())   # the typed EpochPlan, as its JSON record
     wait_go()
     for _ in range(args.rounds):
         for mode in args.modes.split(","):
