@@ -14,4 +14,5 @@ work.wait()
 # every element is the exact sum over the members in work.contributors
 print(f"rank {dist.get_rank()}/{dist.get_world_size()}: {t.tolist()} from {len(work.contributors)} members "
       f"(epoch {resilient.world().epoch})", flush=True)
+dist.barrier()  # leave together: a peer still reading the op's last bytes is not left alone
 dist.destroy_process_group()
