@@ -101,7 +101,11 @@ class WholeStaging:
         return done
 
     def run(self, body: Callable[[], R]) -> Callable[[], R]:
-        """``body`` followed by :meth:`write_back` (for a synchronous op body)."""
+        """``body`` followed by :meth:`write_back` (for a synchronous op body); ``body``
+        itself when nothing was staged."""
+        if not self._outputs:
+            return body
+
         def go() -> R:
             res = body()
             self.write_back()

@@ -76,13 +76,8 @@ def _root(opts: _RootOpts | None) -> int:
 
 
 #: what takes CUDA tensors natively (host-staged per chunk or over NCCL; docs/cuda.md); the
-#: others take them through whole-tensor host copies (:func:`_staging`)
+#: others take them through whole-tensor host copies (:meth:`ResilientProcessGroup._staging`)
 CUDA_OPS = "all_reduce, broadcast, all_gather(_into_tensor), reduce_scatter(_tensor), send/recv"
-
-
-def _staging() -> WholeStaging:
-    """Host copies for a composed op (CUDA tensors; CPU ones too with RESILIENT_STAGING=1)."""
-    return WholeStaging(Settings.from_env().staging)
 
 
 def _check_cpu(tensors: Sequence[torch.Tensor], where: str, cuda: bool = False) -> None:
@@ -124,6 +119,12 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self._group_name: str | None = None
         #: the Works issued since ``_start_coalescing`` (None: not coalescing)
         self._coalesced: list[ResilientWork] | None = None
+        #: RESILIENT_STAGING, read once here rather than on every op
+        self._stage_forced = Settings.from_env().staging
+
+    def _staging(self) -> WholeStaging:
+        """Host copies for a composed op (CUDA tensors; CPU ones too with RESILIENT_STAGING=1)."""
+        return WholeStaging(self._stage_forced)
 
     # -- coalescing (``dist._coalescing_manager(group, device)``) ------------------------
 
@@ -243,13 +244,13 @@ class ResilientProcessGroup(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # torch: other param names
 
     def reduce(self, tensors: list[torch.Tensor], opts: dist.ReduceOptions | None = None) -> ResilientWork:  # type: ignore[override]  # torch: overloads
-        t, st = _one(tensors, "reduce", cuda=True), _staging()
+        t, st = _one(tensors, "reduce", cuda=True), self._staging()
         pair = composed.reduce(self.engine, st.host(t, True), _op_of(opts, "reduce"), _root(opts), self.rank())
         return self._issued(self._work(pair, list(tensors), st))
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]  # torch: overloads
                opts: dist.GatherOptions | None = None) -> ResilientWork:
-        inp, st = _one(input_tensors, "gather", cuda=True), _staging()
+        inp, st = _one(input_tensors, "gather", cuda=True), self._staging()
         outs = output_tensors[0] if output_tensors else []
         _check_cpu([inp, *outs], "gather", cuda=True)
         pair = composed.gather(self.engine, st.hosts(outs, True), st.host(inp), _root(opts), self.rank(), self.size())
@@ -257,7 +258,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],  # type: ignore[override]  # torch: overloads
                 opts: dist.ScatterOptions | None = None) -> ResilientWork:
-        out, st = _one(output_tensors, "scatter", cuda=True), _staging()
+        out, st = _one(output_tensors, "scatter", cuda=True), self._staging()
         ins = input_tensors[0] if input_tensors else []
         _check_cpu([out, *ins], "scatter", cuda=True)
         pair = composed.scatter(self.engine, st.host(out, True), st.hosts(ins), _root(opts), self.rank(), self.size())
@@ -266,7 +267,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None,  # type: ignore[override]  # torch: overloads
                       input_split_sizes: list[int] | None, opts: dist.AllToAllOptions | None = None) -> ResilientWork:  # noqa: A002
         _check_cpu([output, input], "all_to_all_single", cuda=True)
-        st = _staging()
+        st = self._staging()
         pair = composed.all_to_all_single(self.engine, st.host(output, True), st.host(input),
                                           list(output_split_sizes or []), list(input_split_sizes or []),
                                           self.rank(), self.size())
@@ -277,21 +278,21 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],  # type: ignore[override]  # torch: overloads
                  opts: dist.AllToAllOptions | None = None) -> ResilientWork:
         _check_cpu([*output_tensors, *input_tensors], "all_to_all", cuda=True)
-        st = _staging()
+        st = self._staging()
         pair = composed.all_to_all(self.engine, st.hosts(output_tensors, True), st.hosts(input_tensors),
                                    self.rank(), self.size())
         return self._issued(self._work(pair, output_tensors, st))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: dist.AllreduceCoalescedOptions | None = None) -> ResilientWork:
         _check_cpu(tensors, "all_reduce_coalesced", cuda=True)
-        st = _staging()
+        st = self._staging()
         pair = composed.allreduce_coalesced(self.engine, st.hosts(tensors, True), _op_of(opts, "all_reduce_coalesced"))
         return self._issued(self._work(pair, list(tensors), st))
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
                             opts: AllgatherOptions | None = None) -> ResilientWork:
         _check_cpu([*input_list, *[t for lst in output_lists for t in lst]], "all_gather_coalesced", cuda=True)
-        st = _staging()
+        st = self._staging()
         n = self.size()
         if len(output_lists) != n or any(len(lst) != len(input_list) for lst in output_lists):
             raise ValueError(f"all_gather_coalesced: need world size {n} output lists (one per rank) of "
@@ -303,7 +304,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: AllgatherOptions | None = None) -> ResilientWork:
         _check_cpu([*outputs, *inputs], "all_gather_into_tensor_coalesced", cuda=True)
-        st = _staging()
+        st = self._staging()
         n = self.size()
         for o, i in zip(outputs, inputs):
             if o.numel() != n * i.numel() or not o.is_contiguous():
@@ -318,7 +319,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: dist.ReduceScatterOptions | None = None) -> ResilientWork:
         _check_cpu([*outputs, *inputs], "reduce_scatter_tensor_coalesced", cuda=True)
-        st = _staging()
+        st = self._staging()
         pair = composed.reduce_scatter_coalesced(self.engine, st.hosts(outputs, True), st.hosts(inputs),
                                                  _op_of(opts, "reduce_scatter_tensor_coalesced"), self.size())
         return self._issued(self._work(pair, list(outputs), st))
