@@ -11,9 +11,12 @@ checked). Then, with every rank's ``DIR/warm<r>`` written:
   is under way across the death) and an ``irecv`` from rank 3 (never sent), writes
   ``DIR/posted0`` and waits: the irecv must fail with PeerLost (time and error recorded),
   the isend must complete;
-* ranks 1 and 2 wait for ``DIR/killed`` (written by the test after the SIGKILL); rank 1's
-  first op after the death is the 64 MiB receive (value checked exactly), rank 2's is a
-  collective.
+* ranks 1 and 2 wait for ``DIR/killed`` (written by the test after the SIGKILL) and then
+  for the coordinator's epoch without rank 3; rank 1's first op after the death is the
+  64 MiB receive (value checked exactly), rank 2's is a collective. (Waiting for the epoch
+  is what makes the receive cross the change: posted right after the SIGKILL, it could run
+  in the old epoch, the sender finish and the abort then cut the receiver's last bytes,
+  which is DataLost by contract — seen once in CI.)
 
 Then an all_reduce of ranks 0-2 (exact, 3 contributors): members that entered the new
 epoch from point-to-point and one that entered it from the collective agree. Ranks 0
@@ -69,6 +72,7 @@ def main() -> None:
             checks.append((f"warm {a}->{b}", bool((got == 10 * a + b).all())))
     (DIR / f"warm{RANK}").touch()
     wait_files(*(f"warm{r}" for r in range(WORLD)))
+    victim_id = eng.comm.members[VICTIM]
     if RANK == VICTIM:
         dist.recv(torch.zeros(1), 0)  # never sent: SIGKILLed here
         raise AssertionError(f"rank {VICTIM} was not killed")
@@ -86,6 +90,7 @@ def main() -> None:
         w_big.wait()
     else:
         wait_files("killed")
+        eng.watcher.wait_for(lambda e: victim_id not in e.members, 90.0)
     if RANK == 1:  # its first op after the death: the receive the sender had under way
         got = torch.zeros(BIG, dtype=torch.int32)
         dist.recv(got, 0)
