@@ -42,10 +42,20 @@ class NodeRecord:
     ttl: float = 0.0
 
     def to_json(self) -> bytes:
+        """The record; a rank's ``host`` and ``labels`` are written only where they differ
+        from the node's (``labels``: the rank's own entries beyond the node's)."""
+        ranks: list[dict[str, object]] = []
+        for r in self.ranks:
+            d: dict[str, object] = {"member_id": r.member_id, "local_rank": r.local_rank, "address": r.address,
+                                    "pid": r.pid, "device": r.device, "state": r.state}
+            if r.host != self.host:
+                d["host"] = r.host
+            own = {k: v for k, v in r.labels.items() if self.labels.get(k) != v}
+            if own:
+                d["labels"] = own
+            ranks.append(d)
         return json.dumps({"node": self.node, "host": self.host, "labels": self.labels, "ttl": self.ttl,
-                           "ranks": [{"member_id": r.member_id, "local_rank": r.local_rank, "address": r.address,
-                                      "pid": r.pid, "device": r.device, "state": r.state} for r in self.ranks]},
-                          separators=(",", ":")).encode()
+                           "ranks": ranks}, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, raw: bytes, key: str = "") -> "NodeRecord":
@@ -57,9 +67,11 @@ class NodeRecord:
         ranks = []
         for i, r in enumerate(f.items("ranks")):
             rf = records.Fields("node", r, key, f"ranks[{i}]")
-            ranks.append(MemberInfo(member_id=rf.name("member_id"), host=host, local_rank=rf.int("local_rank", 0),
-                                    device=rf.str("device", "cpu", max_len=64),
-                                    address=rf.str("address", "", max_len=300), labels=labels,
+            own = rf.str_map("labels", {}, max_len=255)
+            ranks.append(MemberInfo(member_id=rf.name("member_id"), host=rf.str("host", host, max_len=255),
+                                    local_rank=rf.int("local_rank", 0), device=rf.str("device", "cpu", max_len=64),
+                                    address=rf.str("address", "", max_len=300),
+                                    labels={**labels, **own} if own else labels,
                                     pid=rf.int("pid", 0), state=rf.str("state", "joining", max_len=32), ttl=ttl))
         if key and keys.last_segment(key) != node:
             f.fail(f"its node is {node!r}, not the key's")

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable
 from resilient.coordinator import keys, records
 from resilient.coordinator.host_slots import slots_problem
 from resilient.coordinator.membership import MemberInfo
-from resilient.coordinator.store import Store, WatchEvent
+from resilient.coordinator.store import Store, WatchEvent, WatchHandle
 from resilient.errors import Cancelled, EpochChanged, RecordError, ResilientTimeout
 
 log = logging.getLogger(__name__)
@@ -331,7 +331,7 @@ class EpochWatcher:
     the newest. ``close()`` stops the watch.
     """
 
-    def __init__(self, store: Store, job: str) -> None:
+    def __init__(self, store: Store, job: str, watch: bool = True) -> None:
         self.store = store
         self.job = job
         self._key = keys.epoch(job)
@@ -340,10 +340,36 @@ class EpochWatcher:
         self._closed = False
         self._state: object = None    # the delta state of the current epoch (resilient.coordinator.delta)
         self._current: Epoch | None = None
-        kv, revision = store.get_with_revision(self._key)
-        self._current = self._parse(kv.value) if kv else None
-        start = revision + 1
-        self._watch = store.watch_key(self._key, start, self._on_events)
+        self._watch: WatchHandle | None = None
+        #: etcd watches this watcher opened (0 while it is fed by a node agent)
+        self.watches_opened = 0
+        if watch:
+            self.open_watch()
+
+    def open_watch(self) -> None:
+        """Read ``epoch`` and follow it with an etcd watch (done by the constructor unless
+        ``watch=False``: a watcher fed by :meth:`feed`, e.g. from the node agent's relay,
+        calls this when that source is gone). Idempotent."""
+        with self._cond:
+            if self._watch is not None or self._closed:
+                return
+        kv, revision = self.store.get_with_revision(self._key)
+        if kv is not None:
+            self.feed(kv.value, kv.mod_revision)
+        handle = self.store.watch_key(self._key, revision + 1, self._on_events)
+        with self._cond:
+            self._watch, closed = handle, self._closed
+            self.watches_opened += 1
+        if closed:
+            handle.cancel()
+
+    def feed(self, raw: bytes, revision: int = 0) -> None:
+        """Take one ``epoch`` record value from another source than this watcher's own
+        watch (the node agent's relay): parsed and validated exactly like a watch event
+        (a malformed one is skipped and logged; the last good epoch stays)."""
+        epoch = self._parse(raw, revision)
+        if epoch is not None:
+            self._deliver(epoch)
 
     def _parse(self, raw: bytes, revision: int = 0) -> Epoch | None:
         """A malformed epoch record is skipped (logged as an error, counted): the worker
@@ -426,10 +452,12 @@ class EpochWatcher:
         return unsubscribe
 
     def close(self) -> None:
-        self._watch.cancel()
         with self._cond:
             self._closed = True
+            handle = self._watch
             self._cond.notify_all()
+        if handle is not None:
+            handle.cancel()
 
     def __enter__(self) -> "EpochWatcher":
         return self

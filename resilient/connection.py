@@ -174,6 +174,7 @@ def connect(etcd: str | Sequence[str] | None = None, job: str | None = None, mem
     on this member's lease). Other keyword arguments go to
     :class:`~resilient.Communicator` (``op_timeout``, ``policy``, ``joining``, ...).
     See the module docstring for the failure behaviour."""
+    from resilient.agent_channel import AgentSession, agent_socket, join_via_agent
     from resilient.coordinator.epoch import EpochWatcher
     from resilient.coordinator.etcd_access import open_store_from_env
     from resilient.coordinator.membership import MemberInfo, MemberSession
@@ -206,17 +207,23 @@ def connect(etcd: str | Sequence[str] | None = None, job: str | None = None, mem
         if device is not None:
             rec = member_record(mid, info.host, device)
             info = dataclasses.replace(info, device=rec.device, labels={**info.labels, **rec.labels()})
-        session = MemberSession.register(store, job, info, ttl=ttl or settings.lease_ttl,
-                                         lease_id=lease_id if lease_id is not None else settings.lease_id)
-        built.append(_SessionCloser(session))
-        watcher = EpochWatcher(store, job)
-        built.append(watcher)
+        agent_path = agent_socket()   # resilient-run's node-lease mode: join through the node agent
+        session: MemberSession
+        if agent_path is not None:
+            session, watcher = join_via_agent(store, job, info, agent_path, timeout)
+        else:
+            session = MemberSession.register(store, job, info, ttl=ttl or settings.lease_ttl,
+                                             lease_id=lease_id if lease_id is not None else settings.lease_id)
+            watcher = EpochWatcher(store, job)
+        built += [_SessionCloser(session), watcher]
         if on_registered is not None:
             on_registered(session)
         if health_reports:
             from resilient.health_reporter import HealthReporter
 
-            communicator_kwargs["health_reporter"] = HealthReporter(store, job, mid, session.lease_id, transport.stats)
+            communicator_kwargs["health_reporter"] = HealthReporter(
+                store, job, mid, session.lease_id, transport.stats,
+                sink=session.send_health if isinstance(session, AgentSession) else None)
 
         def ready(e: Epoch) -> bool:
             return mid in e.members and (world is None or len(e.members) == world)

@@ -10,7 +10,7 @@ import pytest
 
 from launcher_util import SCRIPTS, Launcher, alive, wait_for
 from resilient.coordinator.store import Store
-from resilient.launcher.rendezvous import nodes_prefix
+from resilient.launcher.rendezvous import slots_prefix
 
 WORKER = os.path.join(SCRIPTS, "worker.py")
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ def test_nodes_wait_for_min_admit_up_to_max_and_survive_node_loss(etcd_session, 
         return a
 
     def slots() -> dict[int, dict]:
-        pre = nodes_prefix(job_name)
+        pre = slots_prefix(job_name)
         return {int(kv.key[len(pre):]): json.loads(kv.value) for kv in store.get_prefix(pre)}
 
     try:

@@ -34,13 +34,21 @@ every running worker; the agent waits ``--shutdown-timeout`` seconds, SIGKILLs w
 (torchrun exits 1 with a traceback; the shell convention says which signal it was).
 
 **Node lease** (``RESILIENT_NODE_LEASE=1``, docs/scale.md): instead of a lease per worker,
-the agent grants one lease for the node, kept alive by its keeper, and every worker
-registers on it without a keep-alive of its own (``RESILIENT_LEASE_KEEPER=agent``); the
-agent vouches for its ranks: an exit is handled at once by one transaction
-(``departed/<member id>`` + delete of ``members/<member id>``, siblings untouched), and a
-hung worker — its heartbeat file (``RESILIENT_HEARTBEAT_FILE``, touched every ttl/3)
-older than ``--lease-ttl`` — is removed the same way (reason ``heartbeat stale``). At
-100,000 GPUs this turns 100,000 leases into one per node.
+the agent grants one lease for the node, refreshed over one multiplexed keep-alive stream
+(:class:`~resilient.coordinator.lease_mux.LeaseMux`), and serves a local channel
+(:class:`~.node_channel.NodeChannel`, a unix socket in its run directory, passed as
+``RESILIENT_AGENT_SOCKET``) through which :func:`resilient.connect` registers each worker:
+the agent writes **one** ``nodes/<node>`` record (:class:`~.node_members.NodeMembers`)
+listing its ranks, relays every ``epoch`` record from its one etcd watch to them (they
+open no watch of their own), takes their health windows into one ``health/<node>``
+summary (``--node-health-interval``) and their beats. The agent vouches for its ranks: an
+exit is handled at once by one transaction (the node record without the rank +
+``departed/<member id>``, siblings untouched), and a hung worker — no beat for
+``--lease-ttl`` seconds (SIGSTOP) — is removed the same way (reason ``heartbeat stale``)
+and told so. A worker that registers itself on the node lease (``MemberSession`` with
+``RESILIENT_LEASE_ID``, no channel) still gets its ``members/<id>`` key removed when it
+exits. At 100,000 GPUs this turns 100,000 leases, keep-alive streams and epoch watchers
+into one per node.
 
 Failure behaviour: if etcd is unreachable when a worker exits, the revoke is logged and the
 lease expires after ``--lease-ttl``; the restart still happens (a new lease needs etcd, so
@@ -69,7 +77,10 @@ from resilient.process_pool import DEVNULL, Child, ProcessPool, Spec, signal_nam
 from resilient.settings import Settings
 
 if TYPE_CHECKING:  # pragma: no cover - the launcher imports the etcd client only with --etcd
+    from resilient.coordinator.lease_mux import LeaseMux
     from resilient.coordinator.store import Store
+    from resilient.launcher.node_channel import NodeChannel
+    from resilient.launcher.node_members import NodeMembers
     from resilient.launcher.rendezvous import LeaseKeeper
 
 log = logging.getLogger("resilient.launcher")
@@ -86,6 +97,17 @@ class ControlPlane:
     keeper: LeaseKeeper
     #: the node lease every worker shares (RESILIENT_NODE_LEASE=1), else None
     node_lease: int | None = None
+
+
+@dataclass
+class NodeMode:
+    """Node-lease mode's parts: the node lease's keep-alive stream, the node record, the
+    ranks' channel, and the run directory holding its socket."""
+
+    mux: LeaseMux
+    members: NodeMembers
+    channel: NodeChannel
+    run_dir: str
 
 
 @dataclass
@@ -116,8 +138,7 @@ class Worker:
     done: bool = False
     exitcode: int | None = None
     pids: list[int] = field(default_factory=list)
-    heartbeat: str | None = None      # node-lease mode: the worker's heartbeat file
-    vouched_out: bool = False         # node-lease mode: removed for a stale heartbeat
+    vouched_out: bool = False         # node-lease mode: removed (stale beats, or its exit handled)
 
 
 class Agent:
@@ -141,14 +162,35 @@ class Agent:
         self.pool = ProcessPool()
         self._worker_of: dict[Child, Worker] = {}
         self._signal: int | None = None
-        self._hb_dir: str | None = None
+        self.node: NodeMode | None = None
         if control is not None and Settings.from_env().node_lease:
-            import tempfile
+            self.node = self._start_node_mode(control)
 
-            control.node_lease = control.store.grant(control.lease_ttl)
-            control.keeper.add(control.node_lease)
-            self._hb_dir = tempfile.mkdtemp(prefix="resilient-hb-")
-            log.info("node lease %x: the agent vouches for its %d ranks", control.node_lease, cfg.nproc_per_node)
+    def _start_node_mode(self, c: ControlPlane) -> NodeMode:
+        """Grant the node lease (kept over one LeaseMux stream), open the channel."""
+        import tempfile
+
+        from resilient.coordinator.lease_mux import LeaseMux
+        from resilient.launcher.node_channel import NodeChannel
+        from resilient.launcher.node_members import NodeMembers
+
+        c.node_lease = c.store.grant(c.lease_ttl)
+        mux = LeaseMux(c.store)
+        mux.add(c.node_lease, c.lease_ttl, on_lost=lambda lid: log.error(
+            "node lease %x is gone (expired: etcd unreachable or this agent stalled); the coordinator "
+            "drops every rank of this node", lid))
+        node_id = f"n{self.placement.group_rank}-{self.token}"
+        members = NodeMembers(c.store, c.job, node_id, socket.gethostname(), c.node_lease, c.lease_ttl)
+        run_dir = tempfile.mkdtemp(prefix="resilient-agent-")
+        channel = NodeChannel(os.path.join(run_dir, "agent.sock"), c.store, c.job, members, self._expects,
+                              self.cfg.node_health_interval)
+        log.info("node lease %x, node record %s: the agent vouches for its %d ranks",
+                 c.node_lease, node_id, self.cfg.nproc_per_node)
+        return NodeMode(mux, members, channel, run_dir)
+
+    def _expects(self, member_id: str) -> bool:
+        """Whether ``member_id`` is the id of a running worker (a channel hello's check)."""
+        return any(w.member_id == member_id and not w.done and not w.vouched_out for w in self.workers)
 
     # -- signals --------------------------------------------------------------------------
 
@@ -166,9 +208,6 @@ class Agent:
             w.member_id = f"g{self.placement.group_rank}-l{w.local_rank}-a{w.restart_count}-{self.token}"
             if c.node_lease is not None:
                 w.lease_id, w.vouched_out = c.node_lease, False
-                assert self._hb_dir is not None  # made with the node lease
-                w.heartbeat = os.path.join(self._hb_dir, f"{w.local_rank}.{w.restart_count}")
-                open(w.heartbeat, "w").close()
             else:
                 w.lease_id = c.store.grant(c.lease_ttl)
                 from resilient.coordinator import keys
@@ -188,10 +227,10 @@ class Agent:
             self.cfg.max_restarts, w.streams.error_file, ids, self.cfg.job, joiner,
             self.cfg.virtual_local_rank,
         )
-        if w.heartbeat is not None:
-            from resilient.coordinator.membership import HEARTBEAT_ENV, LEASE_KEEPER_ENV
+        if self.node is not None:
+            from resilient.launcher.channel_wire import SOCKET_ENV
 
-            env[LEASE_KEEPER_ENV], env[HEARTBEAT_ENV] = "agent", w.heartbeat
+            env[SOCKET_ENV] = self.node.channel.path
         if self.cfg.local_addr and "RESILIENT_HOST" not in env:
             env["RESILIENT_HOST"] = self.cfg.local_addr  # the data-plane listener binds where the node lives
         if self.metrics_dir:
@@ -208,7 +247,7 @@ class Agent:
 
     def _release(self, w: Worker, rc: int) -> None:
         """The worker's process has exited: revoke its lease at once, close its logs."""
-        if self.control is not None and w.heartbeat is not None:
+        if self.node is not None:
             if not w.vouched_out:
                 self._vouch_out(w, f"exit code {rc}" if rc >= 0 else f"signal {-rc}")
         elif self.control is not None and w.lease_id is not None and w.member_id is not None:
@@ -230,36 +269,35 @@ class Agent:
         if w.streams is not None:
             w.streams.close()
 
-    def _vouch_out(self, w: Worker, reason: str) -> None:
-        """Node-lease mode: remove one worker's membership (its siblings keep theirs)."""
+    def _vouch_out(self, w: Worker, reason: str, tell: bool = False) -> None:
+        """Node-lease mode: remove one worker's membership (its siblings keep theirs):
+        from the node record, or — a worker that registered itself — its members/ key."""
         from resilient.coordinator.membership import depart_member
 
-        c = self.control
-        assert c is not None and c.node_lease is not None and w.member_id is not None  # node-lease mode only
+        c, node = self.control, self.node
+        assert c is not None and node is not None and w.member_id is not None  # node-lease mode only
         w.vouched_out = True
         try:
-            depart_member(c.store, c.job, w.member_id, reason, c.node_lease)
-            log.info("local rank %d (%s): removed member %s from the node lease", w.local_rank, reason, w.member_id)
+            if not node.members.remove(w.member_id, reason):
+                depart_member(c.store, c.job, w.member_id, reason, node.members.lease)
+            log.info("local rank %d (%s): removed member %s from node %s", w.local_rank, reason, w.member_id,
+                     node.members.node)
         except StoreError as exc:
             w.vouched_out = False   # tried again on the next check / exit
             log.error("could not remove member %s of local rank %d: %s", w.member_id, w.local_rank, exc)
+            return
+        node.channel.forget(w.member_id, reason if tell else None)
 
     def _check_heartbeats(self) -> None:
-        """Node-lease mode: a running worker whose heartbeat is older than the lease TTL
-        is hung (SIGSTOP, deadlock in C): vouch it out, as its own lease would expire."""
-        if self.control is None or self.control.node_lease is None:
+        """Node-lease mode: a running worker that sent no beat for the lease TTL is hung
+        (SIGSTOP, deadlock in C): vouch it out, as its own lease would expire."""
+        if self.node is None or self.control is None:
             return
-        now = time.time()
+        stale = set(self.node.channel.stale(self.control.lease_ttl))
         for w in self.workers:
-            if w.done or w.vouched_out or w.heartbeat is None or w.proc is None or not w.proc.alive():
-                continue
-            try:
-                age = now - os.stat(w.heartbeat).st_mtime
-            except OSError:
-                continue
-            if age > self.control.lease_ttl:
-                log.warning("local rank %d: no heartbeat for %.1fs (hung?)", w.local_rank, age)
-                self._vouch_out(w, f"heartbeat stale for {age:.1f}s")
+            if w.member_id in stale and not w.done and not w.vouched_out and w.proc is not None and w.proc.alive():
+                log.warning("local rank %d: no beat for more than %gs (hung?)", w.local_rank, self.control.lease_ttl)
+                self._vouch_out(w, f"heartbeat stale for more than {self.control.lease_ttl:g}s", tell=True)
 
     # -- main loop ------------------------------------------------------------------------
 
@@ -316,20 +354,21 @@ class Agent:
             self._drop_node_lease()
 
     def _drop_node_lease(self) -> None:
-        """Node-lease mode: every worker is gone; revoke the node lease, drop heartbeats."""
-        c = self.control
-        if c is None or c.node_lease is None:
-            return
+        """Node-lease mode: every worker is gone; close the channel, revoke the node lease."""
         import shutil
 
-        c.keeper.remove(c.node_lease)
+        c, node = self.control, self.node
+        if c is None or node is None or c.node_lease is None:
+            return
+        node.channel.close()
+        node.mux.remove(c.node_lease)
+        node.mux.close()
         try:
             c.store.revoke(c.node_lease)
         except StoreError as exc:
             log.warning("could not revoke node lease %x (%s); it expires after %gs", c.node_lease, exc, c.lease_ttl)
         c.node_lease = None
-        if self._hb_dir:
-            shutil.rmtree(self._hb_dir, ignore_errors=True)
+        shutil.rmtree(node.run_dir, ignore_errors=True)
 
     def _finish(self) -> int:
         """Every worker ended: the exit code from their last incarnations and, if any worker

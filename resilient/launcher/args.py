@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("size (torchrun)")
     add("nnodes", type=str, default="1:1",
         help="Number of nodes, or MIN:MAX. With --rdzv-backend etcd the agents register under "
-             "/resilient/<job>/nodes/ in etcd, wait for MIN nodes and admit later ones up to MAX.")
+             "/resilient/<job>/slots/ in etcd, wait for MIN nodes and admit later ones up to MAX.")
     add("nproc-per-node", type=str, default="1",
         help="Workers per node: an int, or auto, cpu, gpu, xpu.")
 
@@ -195,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("lease-ttl", type=float, default=DEFAULT_LEASE_TTL,
         help="Seconds a worker's etcd lease lives without keep-alive (a hung/SIGSTOPped worker "
              "is removed after this); RESILIENT_LEASE_TTL.")
+    add("node-health-interval", type=float, default=15.0,
+        help="With RESILIENT_NODE_LEASE=1: seconds between the agent's health/<node> summaries of "
+             "its ranks' health windows (sooner when a rank turns slow; docs/scale.md).")
     add("metrics-port", type=int, default=None,
         help="Serve Prometheus /metrics of this agent on this port (0: a free port; default: off).")
     add("metrics-host", type=str, default=None,
@@ -247,6 +250,7 @@ class LaunchConfig:
     lease_ttl: float
     metrics_port: int | None
     metrics_host: str = "0.0.0.0"
+    node_health_interval: float = 15.0
     cmd: list[str] = field(default_factory=list)
     etcd_access: EtcdAccess = field(default_factory=EtcdAccess)  # TLS files, credentials
     fail_fast: bool = False
@@ -368,6 +372,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         raise ConfigError(f"--monitor-interval {args.monitor_interval} must be > 0")
     if args.lease_ttl <= 0:
         raise ConfigError(f"--lease-ttl {args.lease_ttl} must be > 0 seconds")
+    if not args.node_health_interval > 0:
+        raise ConfigError(f"--node-health-interval {args.node_health_interval} must be > 0 seconds")
     backend = args.rdzv_backend
     endpoint = args.rdzv_endpoint
     run_id = args.rdzv_id
@@ -436,6 +442,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         lease_ttl=args.lease_ttl,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host or ("127.0.0.1" if args.standalone else "0.0.0.0"),
+        node_health_interval=args.node_health_interval,
         cmd=worker_command(args),
         etcd_access=EtcdAccess.from_args(args),
         fail_fast=args.fail_fast,

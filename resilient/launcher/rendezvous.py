@@ -2,7 +2,7 @@
 
 **Node ranks (``--nnodes MIN:MAX`` with etcd).** Every agent holds one *node lease*
 (``--lease-ttl``, kept alive by :class:`LeaseKeeper`) and claims the lowest free slot
-``/resilient/<job>/nodes/<i>`` for ``i`` in ``0..MAX-1`` with a create-if-absent
+``/resilient/<job>/slots/<i>`` for ``i`` in ``0..MAX-1`` with a create-if-absent
 transaction attached to that lease; the slot number is its ``GROUP_RANK``. Slots of dead
 agents free themselves when their lease expires (or is revoked on a clean exit), so a
 replacement node gets the lost node's rank. No slot free -> wait (up to ``join_timeout``)
@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 
 
 class NodeRecord(TypedDict):
-    """A ``nodes/<i>`` record: the agent holding node slot ``i``."""
+    """A ``slots/<i>`` record: the agent holding node slot ``i`` (not under ``nodes/``,
+    which holds the node agents' membership records, docs/scale.md)."""
 
     addr: str
     store_port: int
@@ -62,7 +63,7 @@ class StartedRecord(TypedDict):
 
 
 def parse_node(raw: bytes, key: str = "") -> NodeRecord:
-    """Validate a ``nodes/<i>`` record ({addr, store_port, nproc, host, agent});
+    """Validate a ``slots/<i>`` record ({addr, store_port, nproc, host, agent});
     :class:`~resilient.errors.RecordError` if malformed."""
     f = records.fields("node", raw, key)
     return {"addr": f.str("addr", max_len=255), "store_port": f.int("store_port", hi=65535),
@@ -79,8 +80,8 @@ def parse_started(raw: bytes, key: str = "") -> StartedRecord:
             "time": f.float("time", 0.0)}
 
 
-def nodes_prefix(job: str) -> str:
-    return f"/resilient/{job}/nodes/"
+def slots_prefix(job: str) -> str:
+    return f"/resilient/{job}/slots/"
 
 
 def started_key(job: str) -> str:
@@ -171,7 +172,7 @@ class NodeRendezvous:
         info = {"addr": addr, "store_port": store_port, "nproc": nproc, "host": socket.gethostname(),
                 "agent": self.agent_id}
         payload = json.dumps(info).encode()
-        prefix = nodes_prefix(self.job)
+        prefix = slots_prefix(self.job)
         while self.group_rank is None:
             for i in range(max_nodes):
                 if self.store.create(f"{prefix}{i}", payload, lease=self.lease):
@@ -230,7 +231,7 @@ class NodeRendezvous:
 
     def _nodes(self) -> dict[int, NodeRecord]:
         """Every node slot's record; malformed ones skipped (logged, counted as ``node``)."""
-        prefix = nodes_prefix(self.job)
+        prefix = slots_prefix(self.job)
         out: dict[int, NodeRecord] = {}
         for kv in self.store.get_prefix(prefix):
             try:
