@@ -83,7 +83,10 @@ def test_delta_record_rules():
 def test_node_record_roundtrip_and_rules():
     rec = NodeRecord("n1", "host1", {"rack": "k1"}, (_info(0), _info(1)), 5.0)
     back = NodeRecord.from_json(rec.to_json(), "/resilient/j/nodes/n1")
-    assert [r.member_id for r in back.ranks] == ["r0", "r1"] and back.ranks[0].labels == {"rack": "k1"}
+    assert [r.member_id for r in back.ranks] == ["r0", "r1"]
+    assert back.ranks[0].labels == {"rack": "k0"} and back.ranks[0].host == "h0"   # a rank's own win
+    bare = NodeRecord("n1", "host1", {"rack": "k1"}, (MemberInfo("r0", host="host1"),))
+    assert NodeRecord.from_json(bare.to_json()).ranks[0].labels == {"rack": "k1"}   # else the node's
     with pytest.raises(RecordError, match="not the key's"):
         NodeRecord.from_json(rec.to_json(), "/resilient/j/nodes/n2")
     twice = NodeRecord("n1", "h", {}, (_info(0), _info(0)))
