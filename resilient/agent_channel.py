@@ -40,7 +40,7 @@ from resilient.coordinator.epoch import EpochWatcher
 from resilient.coordinator.membership import KEEPALIVE_FRACTION, MemberInfo, MemberSession
 from resilient.coordinator.store import Store
 from resilient.coordinator.straggler import HealthRecord
-from resilient.errors import ConfigError, RecordError, ResilientTimeout, StoreError
+from resilient.errors import ConfigError, ResilientTimeout, StoreError
 from resilient.launcher import channel_wire as wire
 
 log = logging.getLogger(__name__)
@@ -82,13 +82,7 @@ class _Link:
 
     def _read_loop(self) -> None:
         try:
-            while True:
-                payload = wire.read_frame(self.sock, wire.MAX_AGENT_FRAME)
-                try:
-                    msg = wire.decode(payload, wire.MAX_AGENT_FRAME)
-                except RecordError as exc:
-                    log.error("agent channel: dropped a message from the node agent: %s", exc)
-                    continue
+            for msg in wire.receive(self.sock, wire.MAX_AGENT_FRAME, lambda: "the node agent"):
                 self._dispatch(msg)
         except wire.ChannelClosed as exc:
             if not self._closing:

@@ -33,10 +33,11 @@ framed and the connection is closed.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import struct
 from dataclasses import dataclass
-from typing import Union
+from typing import Callable, Iterator, Union
 
 from resilient.coordinator import records
 from resilient.coordinator.membership import MemberInfo
@@ -50,6 +51,7 @@ MAX_AGENT_FRAME = 4 << 20
 #: env var naming the agent's socket in a worker's environment
 SOCKET_ENV = "RESILIENT_AGENT_SOCKET"
 _HEADER = struct.Struct(">I")
+log = logging.getLogger(__name__)
 KIND, KEY = "node", "agent channel"
 
 
@@ -183,6 +185,19 @@ def send(sock: socket.socket, msg: Message) -> None:
         sock.sendall(encode(msg))
     except OSError as exc:
         raise ChannelClosed(f"agent channel closed while sending: {exc}") from exc
+
+
+def receive(sock: socket.socket, limit: int, sender: Callable[[], str]) -> Iterator[Message]:
+    """The messages arriving on ``sock``, until :class:`ChannelClosed` is raised; a
+    malformed one is logged as an error (naming ``sender()``) and skipped."""
+    while True:
+        payload = read_frame(sock, limit)
+        try:
+            msg = decode(payload, limit)
+        except RecordError as exc:
+            log.error("agent channel: dropped a message from %s: %s", sender(), exc)
+            continue
+        yield msg
 
 
 def read_frame(sock: socket.socket, limit: int) -> bytes:

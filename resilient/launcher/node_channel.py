@@ -41,7 +41,7 @@ from typing import Callable
 from resilient.coordinator import keys
 from resilient.coordinator.health import NodeHealthAggregator
 from resilient.coordinator.store import Store, WatchEvent
-from resilient.errors import RecordError, StoreError
+from resilient.errors import StoreError
 from resilient.launcher import channel_wire as wire
 from resilient.launcher.node_members import NodeMembers
 
@@ -148,13 +148,7 @@ class NodeChannel:
 
     def _read_loop(self, rank: _Rank) -> None:
         try:
-            while True:
-                payload = wire.read_frame(rank.sock, wire.MAX_RANK_FRAME)
-                try:
-                    msg = wire.decode(payload, wire.MAX_RANK_FRAME)
-                except RecordError as exc:
-                    log.error("agent channel: dropped a message from %s: %s", rank.member_id or "a new rank", exc)
-                    continue
+            for msg in wire.receive(rank.sock, wire.MAX_RANK_FRAME, lambda: rank.member_id or "a new rank"):
                 self._handle(rank, msg)
         except wire.ChannelClosed as exc:
             if not self._closed:
