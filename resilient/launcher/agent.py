@@ -278,8 +278,8 @@ class Agent:
         assert c is not None and node is not None and w.member_id is not None  # node-lease mode only
         w.vouched_out = True
         try:
-            if not node.members.remove(w.member_id, reason):
-                depart_member(c.store, c.job, w.member_id, reason, node.members.lease)
+            if not node.members.remove(w.member_id, reason) and not node.members.registered_here(w.member_id):
+                depart_member(c.store, c.job, w.member_id, reason, node.members.lease)   # registered itself
             log.info("local rank %d (%s): removed member %s from node %s", w.local_rank, reason, w.member_id,
                      node.members.node)
         except StoreError as exc:

@@ -174,6 +174,8 @@ class NodeChannel:
             except StoreError as exc:
                 log.error("agent channel: could not remove %s on its leave: %s", rank.member_id, exc)
             rank.post(wire.Left())
+            with self._lock:   # no longer a member: not served epochs, not beat-checked
+                self._ranks = [r for r in self._ranks if r is not rank]
         else:
             log.error("agent channel: %s sent a %s (an agent-to-rank message); dropped",
                       rank.member_id, type(msg).__name__.lower())

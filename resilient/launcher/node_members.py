@@ -26,12 +26,14 @@ from resilient.coordinator.store import Put, Store
 
 
 class NodeMembers:
-    """``add(info)``, ``remove(member_id, reason) -> bool``, ``ids()``; ``writes``."""
+    """``add(info)``, ``remove(member_id, reason) -> bool``, ``ids()``,
+    ``registered_here(member_id)``; ``writes``."""
 
     def __init__(self, store: Store, job: str, node: str, host: str, lease: int, ttl: float) -> None:
         self.store, self.job, self.node, self.host = store, job, keys.check_name("node id", node), host
         self.lease, self.ttl = lease, float(ttl)
         self._ranks: dict[str, MemberInfo] = {}
+        self._seen: set[str] = set()   # every id ever registered here
         self._lock = threading.Lock()
         self.writes = 0
 
@@ -49,7 +51,13 @@ class NodeMembers:
             ranks = {**self._ranks, info.member_id: info}
             self.store.txn([], [self._record(ranks)])
             self._ranks = ranks
+            self._seen.add(info.member_id)
             self.writes += 1
+
+    def registered_here(self, member_id: str) -> bool:
+        """Whether ``member_id`` ever registered through this record (it may be gone)."""
+        with self._lock:
+            return member_id in self._seen
 
     def remove(self, member_id: str, reason: str) -> bool:
         """Drop ``member_id`` from the record and mark it departed (one transaction);
