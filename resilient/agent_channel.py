@@ -107,7 +107,10 @@ class _Link:
         if self.session is None:   # still joining: the hello fails with the cause
             self.answers.put(wire.Refused(f"the node agent closed the connection before answering ({why})"))
             return
-        log.warning("agent channel: the node agent is gone (%s); falling back to this rank's own etcd watch", why)
+        removed = self.session.lost.is_set()   # the agent removed this rank, then closed the channel
+        log.log(logging.INFO if removed else logging.WARNING, "agent channel: %s (%s); falling back to this "
+                "rank's own etcd watch", "closed after this rank's removal" if removed else "the node agent is gone",
+                why)
         self.left.set()
         try:
             self.watcher.open_watch()
