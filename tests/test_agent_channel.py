@@ -95,11 +95,11 @@ def test_channel_registers_relays_refuses_aggregates_and_rank_falls_back(etcd_se
     store = Store(etcd_session.endpoints)
     lease = store.grant(30)
     members = NodeMembers(store, job_name, "n0", "h", lease, 30)
+    store.put(keys.epoch(job_name), _epoch(1, ["r0"]))      # before the channel: relayed once, at registration
     chan = NodeChannel(str(tmp_path / "agent.sock"), store, job_name, members, lambda m: m in ("r0", "r1"),
                        health_interval=0.01)
     session = None
     try:
-        store.put(keys.epoch(job_name), _epoch(1, ["r0"]))
         session, watcher = join_via_agent(store, job_name, MemberInfo("r0", address="127.0.0.1:5"), chan.path, 10)
         assert session.lease_id == lease and session.node == "n0"
         node = NodeRecord.from_json(store.get(keys.node(job_name, "n0")).value, keys.node(job_name, "n0"))
