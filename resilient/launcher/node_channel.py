@@ -13,7 +13,7 @@ and a writer thread (a send queue, so a stopped rank never blocks the relay):
 * ``health``: a window of that rank only (another member id is refused), fed to the
   node's :class:`~resilient.coordinator.health.NodeHealthAggregator` (one
   ``health/<node>`` summary, no per-rank write reaches etcd);
-* ``leave``: removed from the node record now, answered ``left``.
+* ``leave``: removed from the node record now, answered ``left``, and no longer served.
 
 The node's one watch on ``epoch`` relays every value etcd delivers (the record as
 stored: full or delta; each rank resolves and validates it as any etcd record, so no
@@ -22,9 +22,10 @@ and relayed. ``relayed`` counts records sent.
 
 Failure behaviour: a malformed message is logged with its cause and dropped (the
 connection stays); a frame that cannot be read closes that rank's connection only (its
-beats stop, so it is removed after the TTL unless its process exits first). A failed
-etcd write for a hello is answered ``refused`` with the error (the rank's connect fails
-with it); a failed health summary write is logged and retried with the next window.
+beats stop, so it is removed after the TTL unless its process exits first). A socket
+that cannot be bound raises :class:`~resilient.errors.ConfigError` (TMPDIR too long). A
+failed etcd write for a hello is answered ``refused`` with the error (the rank's connect
+fails with it); a failed health summary write is logged and retried with the next window.
 :meth:`close` closes every connection and the watch and removes the socket.
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ from typing import Callable
 from resilient.coordinator import keys
 from resilient.coordinator.health import NodeHealthAggregator
 from resilient.coordinator.store import Store, WatchEvent
-from resilient.errors import StoreError
+from resilient.errors import ConfigError, StoreError
 from resilient.launcher import channel_wire as wire
 from resilient.launcher.node_members import NodeMembers
 
@@ -87,7 +88,12 @@ class NodeChannel:
         self.relayed = 0
         self._closed = False
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._server.bind(path)
+        try:
+            self._server.bind(path)
+        except OSError as exc:
+            self._server.close()
+            raise ConfigError(f"cannot open the agent channel at {path} ({exc}): unix socket paths are limited "
+                              "to 107 bytes; point TMPDIR at a shorter directory") from exc
         os.chmod(path, 0o600)
         self._server.listen(256)
         key = keys.epoch(job)
