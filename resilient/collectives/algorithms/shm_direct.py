@@ -78,7 +78,7 @@ log = logging.getLogger(__name__)
 #: bytes reduced per block (the destination block stays in cache while every input is added)
 BLOCK_BYTES = 256 << 10
 #: ops up to this size: every member reduces the whole buffer itself (one wait per op)
-ALL_MAX_BYTES = 4 << 20
+ALL_MAX_BYTES = 1 << 20
 #: longest futex sleep between checks of the transport's abort
 SLEEP_S = 0.002
 #: reads of a peer's word before the first sleep
