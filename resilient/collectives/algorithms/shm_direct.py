@@ -65,7 +65,7 @@ from resilient.collectives.algorithms.base import Capabilities, OpContext, OpTra
 from resilient.collectives.algorithms.ring import RingReduceScatterAllgather
 from resilient.collectives.group import EpochLike
 from resilient.errors import OpMismatch, TransportError
-from resilient.kernels import reduce_into
+from resilient.kernels import ReduceOp
 from resilient.transport.hybrid import split_address
 from resilient.transport.shm_segment import (
     A_DIGEST, A_IN, A_NBYTES, A_OFFSET, A_RED, AREAS, LOCATOR_BYTES, W_DONE, W_WAITING, Locator, OwnSegment,
@@ -76,7 +76,7 @@ log = logging.getLogger(__name__)
 
 
 #: bytes reduced per block (the destination block stays in cache while every input is added)
-BLOCK_BYTES = 256 << 10
+BLOCK_BYTES = 512 << 10
 #: ops up to this size: every member reduces the whole buffer itself (one wait per op)
 ALL_MAX_BYTES = 1 << 20
 #: longest futex sleep between checks of the transport's abort
@@ -97,6 +97,15 @@ class Counts:
 
 
 COUNTS = Counts()
+
+
+#: ``combine(a, b, out=)``: the elementwise op of each reduce op, as
+#: :func:`resilient.kernels.reduce_into` computes it (AVG sums; the op divides at the end),
+#: called without its per-call checks (the buffers are the op's own, checked once)
+_COMBINE: dict[ReduceOp, Callable[..., torch.Tensor]] = {
+    ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.PROD: torch.mul,
+    ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum,
+}
 
 
 def eligible(members: list[str], epoch: EpochLike) -> bool:
@@ -344,6 +353,10 @@ class ShmDirectAllreduce:
             for q, (seg, sid) in sess.peers.items():
                 self._await(ctx, sess, q, _done_with(seg, ticket(sid, prev)))
         if sess.stride < nbytes:
+            # the areas move (a new one may cover an old one): no old ticket stays valid
+            for a in range(AREAS):
+                sess.own.set(area_word(a, A_IN), 0)
+                sess.own.set(area_word(a, A_RED), 0)
             sess.stride = page_round(nbytes)
         return True
 
@@ -374,7 +387,7 @@ class ShmDirectAllreduce:
         cache-sized blocks, into ``out`` (and into ``region``). Failpoint ``phase`` at
         fractions ``frac0 .. frac0 + share`` of it."""
         a, b = self._chunk(ctx, ctx.me if c is None else c)
-        out, op = ctx.ledger.out, ctx.op
+        out, combine = ctx.ledger.out, _COMBINE[ctx.op]
         step = max(1, BLOCK_BYTES // max(1, out.element_size()))
         probe = failpoints.ACTIVE and ctx.ledger.enabled
         if probe:
@@ -384,9 +397,9 @@ class ShmDirectAllreduce:
             if probe:
                 ctx.failpoint(phase, frac0 + share * (x - a) / (b - a))
             dst = out[x:y]
-            dst.copy_(ins[0][x:y])
-            for src in ins[1:]:
-                reduce_into(dst, src[x:y], op)
+            combine(ins[0][x:y], ins[1][x:y], out=dst)
+            for src in ins[2:]:
+                combine(dst, src[x:y], out=dst)
             if region is not None:
                 region[x:y].copy_(dst)
 
