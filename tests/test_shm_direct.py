@@ -25,7 +25,7 @@ from resilient.transport import shm_segment
 from resilient.transport.hybrid import HybridTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from static_group import Info, StaticEpoch, StaticView, run_members  # noqa: E402
+from static_group import Info, StaticEpoch, run_communicators  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not shm_segment.supported(), reason="direct shared memory needs Linux on x86-64")]
@@ -60,32 +60,14 @@ def _run(n: int, specs: list[tuple[int, torch.dtype, str]], timeout: float = 90.
          **comm_kw: Any) -> dict[str, list[tuple[torch.Tensor, tuple[str, ...]]]]:
     """``n`` members over hybrid transports (shared memory between them), each running the
     allreduces ``specs`` = [(numel, dtype, op)]; their results and contributors."""
-    ids = [f"m{i}" for i in range(n)]
-    trs = {m: HybridTransport(m, "shmdjob") for m in ids}
-    epoch = StaticEpoch(1, tuple(ids), "tok", {m: Info(trs[m].address) for m in ids})
-    blobs: dict[Any, Any] = {"lock": threading.Condition()}
-    out: dict[str, list[tuple[torch.Tensor, tuple[str, ...]]]] = {m: [] for m in ids}
-    errors: list[BaseException] = []
+    def body(m: str, c: Communicator) -> list[tuple[torch.Tensor, tuple[str, ...]]]:
+        res = []
+        for seq, (numel, dtype, op) in enumerate(specs):
+            t = _input(int(m[1:]), seq, numel, dtype, op)
+            res.append((t, tuple(c.allreduce(t, op).contributors)))
+        return res
 
-    def member(m: str) -> None:
-        try:
-            c = Communicator(StaticView(m, epoch, blobs), trs[m], op_timeout=20, small_bytes=1024, **comm_kw)
-            try:
-                for seq, (numel, dtype, op) in enumerate(specs):
-                    t = _input(ids.index(m), seq, numel, dtype, op)
-                    w = c.allreduce(t, op)
-                    out[m].append((t, tuple(w.contributors)))
-            finally:
-                c.close()
-        except BaseException as exc:  # noqa: BLE001 - surfaced below
-            errors.append(exc)
-
-    try:
-        run_members(member, ids, timeout)
-    finally:
-        for t in trs.values():
-            t.close()
-    assert not errors, errors
+    _, out = run_communicators(n, "shmdjob", body, timeout, transport=HybridTransport, small_bytes=1024, **comm_kw)
     return out
 
 
