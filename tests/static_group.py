@@ -136,16 +136,18 @@ def run_allreduces(epoch: StaticEpoch, transports: dict[str, Any], ops: list[str
 
 
 def run_communicators(world: int, job: str, body: Callable[[str, Any], Any], timeout: float = 60.0,
+                      transport: Callable[[str, str], Any] | None = None,
                       **comm_kw: Any) -> tuple[list[str], dict[str, Any]]:
-    """``world`` members ``m0..`` over real TCP transports on loopback, one thread each
-    running ``body(member, communicator)`` (op_timeout 20 s, ``comm_kw``). Returns the
-    ids and each member's return value; raises the first member error, fails if one hangs.
-    Closes every communicator and transport, whatever happens."""
+    """``world`` members ``m0..`` over real TCP transports on loopback (``transport(member,
+    job)`` builds another kind), one thread each running ``body(member, communicator)``
+    (op_timeout 20 s, ``comm_kw``). Returns the ids and each member's return value; raises
+    the first member error, fails if one hangs. Closes every communicator and transport,
+    whatever happens."""
     from resilient.collectives.communicator import Communicator
     from resilient.transport.tcp import TcpTransport
 
     ids = [f"m{i}" for i in range(world)]
-    trs = {m: TcpTransport(m, job) for m in ids}
+    trs = {m: (transport or TcpTransport)(m, job) for m in ids}
     epoch = StaticEpoch(1, tuple(ids), "tok", {m: Info(trs[m].address) for m in ids})
     blobs: dict = {"lock": threading.Condition()}
     out: dict[str, Any] = {}

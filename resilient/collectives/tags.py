@@ -25,7 +25,8 @@ from resilient.transport.tags import (
 
 __all__ = [
     "CHAIN", "COLLECTIVE", "CONTROL", "LEAF", "P2P", "QUANTIZED_RING", "RECOVERY", "RECURSIVE_DOUBLING", "RING",
-    "SPACES", "STATUS_EXCHANGE", "control_seq", "in_namespace", "namespace_of", "p2p_seq", "same_namespace", "tag",
+    "SHM_DIRECT", "SPACES", "STATUS_EXCHANGE", "control_seq", "in_namespace", "namespace_of", "p2p_seq",
+    "same_namespace", "tag",
 ]
 
 #: op_seq namespaces (top two bits of the 64-bit op sequence number): defined once, by the
@@ -42,10 +43,12 @@ RECOVERY: Final = 3
 LEAF: Final = 4            # leaf path, lossless and deadline modes (disjoint steps)
 STATUS_EXCHANGE: Final = 5  # ledger summaries of a recovery (CONTROL namespace)
 QUANTIZED_RING: Final = 6
+SHM_DIRECT: Final = 7       # direct shared-memory allreduce: segment locators and votes (algorithms/shm_direct.py)
 
 SPACES: Final[dict[str, int]] = {
     "ring": RING, "recursive_doubling": RECURSIVE_DOUBLING, "chain": CHAIN, "recovery": RECOVERY,
     "leaf": LEAF, "status_exchange": STATUS_EXCHANGE, "quantized_ring": QUANTIZED_RING,
+    "shm_direct": SHM_DIRECT,
 }
 assert len(set(SPACES.values())) == len(SPACES), "two algorithms share a tag space"
 

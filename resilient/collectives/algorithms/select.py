@@ -1,7 +1,9 @@
 """Which algorithm runs an op, and its ledger layout (pieces): the one place that chooses.
 
 * allreduce: the leaf path when the epoch demoted members (:mod:`.leaf`, wrapping what
-  the active members run); else hierarchical by hosts when the plan groups them into
+  the active members run); else, above ``small_bytes`` with every member on one host
+  sharing memory (``Sizing.shm_direct``), the direct shared-memory allreduce
+  (:mod:`.shm_direct`, the ring's layout); else hierarchical by hosts when the plan groups them into
   equal hosts, or unequal ones its ``host_slots`` covers (:mod:`.hierarchical`,
   ``Sizing.hierarchical``); else the pipelined ring above
   ``small_bytes`` (:mod:`.ring`), recursive doubling below (:mod:`.recursive_doubling`);
@@ -24,6 +26,7 @@ from resilient.collectives.algorithms.hierarchical import select as select_hiera
 from resilient.collectives.algorithms.leaf import LeafPath
 from resilient.collectives.algorithms.recursive_doubling import RecursiveDoubling
 from resilient.collectives.algorithms.ring import RingReduceScatterAllgather
+from resilient.collectives.algorithms.shm_direct import ShmDirectAllreduce, eligible as shm_eligible
 from resilient.collectives.group import EpochLike
 from resilient.collectives.ledger import split
 
@@ -33,7 +36,8 @@ Pieces = list[tuple[int, int]]
 @dataclass(frozen=True)
 class Sizing:
     """The communicator's size settings: ring above ``small_bytes``, slices of about
-    ``slice_bytes`` (at most ``max_slices`` per chunk), hierarchical when allowed."""
+    ``slice_bytes`` (at most ``max_slices`` per chunk), hierarchical and direct shared
+    memory (one host) when allowed."""
 
     small_bytes: int = 64 << 10
     slice_bytes: int = 2 << 20
@@ -43,11 +47,14 @@ class Sizing:
     staging: bool = False
     #: bytes of one host staging slot (the staged transfers' chunk size)
     stage_bytes: int = 1 << 20
+    #: the direct shared-memory allreduce for members of one host (CPU, unstaged ops only)
+    shm_direct: bool = True
 
     def for_device(self, device: torch.device) -> "Sizing":
         """The sizing of an op on ``device``: a CUDA op is never hierarchical (that path
-        moves host buffers only; the flat ring / recursive doubling stage through the host)."""
-        return self if device.type == "cpu" else replace(self, hierarchical=False)
+        moves host buffers only; the flat ring / recursive doubling stage through the host),
+        nor direct shared memory."""
+        return self if device.type == "cpu" else replace(self, hierarchical=False, shm_direct=False)
 
     def stage_elems(self, device: torch.device, elem_bytes: int) -> int:
         """The staged transfers' chunk size in elements for an op on ``device`` (0: direct)."""
@@ -67,6 +74,11 @@ class Sizing:
         return nbytes > self.small_bytes and n > 1
 
 
+def ring_pieces(numel: int, n: int, S: int) -> Pieces:
+    """The ring's layout: ``n`` chunks (``split(numel, n)``) of ``S`` slices each."""
+    return [(s0 + a, s0 + b) for (s0, e0) in split(numel, n) for (a, b) in split(e0 - s0, S)]
+
+
 def allreduce(members: list[str], epoch: EpochLike, numel: int, elem_bytes: int,
               sizing: Sizing) -> tuple[Pieces, Algorithm]:
     """Pieces and algorithm of an allreduce of ``numel`` elements over ``members``."""
@@ -74,6 +86,10 @@ def allreduce(members: list[str], epoch: EpochLike, numel: int, elem_bytes: int,
     nbytes = numel * elem_bytes
     leaf = LeafPath.for_epoch(members, epoch)   # demoted members: leaf path (algorithms/leaf.py)
     nr = leaf.ring_size if leaf else n
+    if (sizing.shm_direct and not sizing.staging and not leaf and sizing.ring_or_rd(nbytes, n) and numel >= n
+            and shm_eligible(members, epoch)):
+        S = sizing.slices_for(nbytes, n)
+        return ring_pieces(numel, n, S), ShmDirectAllreduce(S)
     hier = (select_hierarchical(members, epoch, numel, elem_bytes, sizing.slices)
             if sizing.hierarchical and not leaf and sizing.ring_or_rd(nbytes, n) else None)
     algo: Algorithm
@@ -81,7 +97,7 @@ def allreduce(members: list[str], epoch: EpochLike, numel: int, elem_bytes: int,
         pieces, algo = hier
     elif sizing.ring_or_rd(nbytes, nr) and numel >= nr:
         S = sizing.slices_for(nbytes, nr)
-        pieces = [(s0 + a, s0 + b) for (s0, e0) in split(numel, nr) for (a, b) in split(e0 - s0, S)]
+        pieces = ring_pieces(numel, nr, S)
         algo = RingReduceScatterAllgather(S)
     else:
         pieces = [(0, numel)]

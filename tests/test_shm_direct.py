@@ -1,0 +1,166 @@
+"""The direct shared-memory allreduce (resilient/collectives/algorithms/shm_direct.py): which
+ops take it, exact results over every dtype and reduce op in both of its modes (every
+member reduces everything; each member reduces its chunk, then copies the others'), for
+sizes not divisible by the member count, the common fallback to the ring when one member
+cannot map a peer's segment, and the segments released afterwards. Real Communicators
+over real hybrid transports on loopback, one thread per member, one static epoch (kills:
+tests/test_shm_direct_procs.py)."""
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from resilient.collectives.algorithms import shm_direct
+from resilient.collectives.algorithms.select import Sizing, allreduce as select_allreduce
+from resilient.collectives.algorithms.shm_direct import ShmDirectAllreduce, eligible
+from resilient.collectives.communicator import Communicator
+from resilient.transport import shm_segment
+from resilient.transport.hybrid import HybridTransport
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from static_group import Info, StaticEpoch, run_communicators  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.skipif(not shm_segment.supported(), reason="direct shared memory needs Linux on x86-64")]
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
+OPS = ["sum", "avg", "min", "max", "prod"]
+
+
+def _input(i: int, seq: int, numel: int, dtype: torch.dtype, op: str) -> torch.Tensor:
+    """Small integers (exact in every dtype whatever the order of reduction)."""
+    g = torch.Generator().manual_seed(seq * 101 + i)
+    lo, hi = (1, 4) if op == "prod" else (-20, 21)
+    return torch.randint(lo, hi, (numel,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def _expected(n: int, seq: int, numel: int, dtype: torch.dtype, op: str) -> torch.Tensor:
+    xs = [_input(i, seq, numel, dtype, op) for i in range(n)]
+    wide = torch.stack([x.to(torch.int64) for x in xs])
+    if op in ("sum", "avg"):
+        acc = wide.sum(0)
+    elif op == "prod":
+        acc = wide.prod(0)
+    else:
+        acc = wide.amin(0) if op == "min" else wide.amax(0)
+    res = acc.to(dtype)
+    if op == "avg":   # the communicator divides the exact sum once, at the end
+        res = res.div_(n) if dtype.is_floating_point else torch.div(res, n, rounding_mode="trunc")
+    return res
+
+
+def _run(n: int, specs: list[tuple[int, torch.dtype, str]], timeout: float = 90.0,
+         **comm_kw: Any) -> dict[str, list[tuple[torch.Tensor, tuple[str, ...]]]]:
+    """``n`` members over hybrid transports (shared memory between them), each running the
+    allreduces ``specs`` = [(numel, dtype, op)]; their results and contributors."""
+    def body(m: str, c: Communicator) -> list[tuple[torch.Tensor, tuple[str, ...]]]:
+        res = []
+        for seq, (numel, dtype, op) in enumerate(specs):
+            t = _input(int(m[1:]), seq, numel, dtype, op)
+            res.append((t, tuple(c.allreduce(t, op).contributors)))
+        return res
+
+    _, out = run_communicators(n, "shmdjob", body, timeout, transport=HybridTransport, small_bytes=1024, **comm_kw)
+    return out
+
+
+def _check(n: int, specs: list[tuple[int, torch.dtype, str]], out: dict[str, list[Any]]) -> None:
+    for seq, (numel, dtype, op) in enumerate(specs):
+        exp = _expected(n, seq, numel, dtype, op)
+        for m, results in out.items():
+            got, contributors = results[seq]
+            assert contributors == tuple(sorted(out)), (m, seq, contributors)
+            assert torch.equal(got, exp), f"{m} op {seq} ({numel} x {dtype} {op}) differs"
+
+
+@pytest.mark.parametrize("mode", ["every", "chunks"])
+def test_exact_for_every_dtype_and_op_in_both_modes(monkeypatch, mode):
+    # n = 3 and odd sizes: chunks of unequal length; small blocks: several per chunk
+    monkeypatch.setattr(shm_direct, "BLOCK_BYTES", 4096)
+    monkeypatch.setattr(shm_direct, "ALL_MAX_BYTES", 1 << 30 if mode == "every" else 1024)
+    specs = [(numel, dt, op) for i, (dt, op) in enumerate((dt, op) for dt in DTYPES for op in OPS)
+             for numel in [(5_003, 20_011, 997)[i % 3]]]
+    before = shm_direct.COUNTS.direct
+    out = _run(3, specs)
+    _check(3, specs, out)
+    assert shm_direct.COUNTS.direct - before == 3 * len(specs), "not every op ran through shared memory"
+
+
+def test_a_member_that_cannot_map_a_segment_takes_every_member_to_the_ring(monkeypatch):
+    """m1 cannot open its peers' segments: the epoch's vote sends all four to the ring,
+    whose results are exact too."""
+    real = shm_segment.PeerSegment.open
+
+    def refuse_in_m1(loc):
+        if threading.current_thread().name.startswith("resilient-ops:m1"):
+            return None, "refused by the test"
+        return real(loc)
+
+    monkeypatch.setattr(shm_segment.PeerSegment, "open", staticmethod(refuse_in_m1))
+    specs = [(20_011, torch.float32, "sum"), (5_003, torch.int64, "max")]
+    direct, ring = shm_direct.COUNTS.direct, shm_direct.COUNTS.ring
+    out = _run(4, specs)
+    _check(4, specs, out)
+    assert shm_direct.COUNTS.direct == direct and shm_direct.COUNTS.ring - ring == 4 * len(specs)
+
+
+def _shmd_fds() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += "resilient-shmd" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return n
+
+
+def _shmd_maps() -> int:
+    with open("/proc/self/maps") as f:
+        return sum("resilient-shmd" in line for line in f)
+
+
+def test_segments_grow_and_are_released_with_their_communicators():
+    """Ops of growing sizes (the areas move), then nothing of ours stays open or mapped;
+    nothing is ever created in /dev/shm."""
+    dev_shm = set(os.listdir("/dev/shm"))
+    gc.collect()   # communicators of earlier tests (their segments go with them)
+    fds, maps = _shmd_fds(), _shmd_maps()
+    specs = [(997, torch.float32, "sum"), (300_007, torch.float32, "sum"), (20_011, torch.int32, "min"),
+             (400_001, torch.float64, "sum")]
+    _check(4, specs, _run(4, specs))
+    gc.collect()
+    assert (_shmd_fds(), _shmd_maps()) == (fds, maps)
+    assert set(os.listdir("/dev/shm")) == dev_shm
+
+
+# -- selection (pure) ---------------------------------------------------------------------
+
+def _epoch(addresses: dict[str, str], **plan: Any) -> StaticEpoch:
+    return StaticEpoch(3, tuple(addresses), "tok", {m: Info(a) for m, a in addresses.items()}, plan=plan)
+
+
+def test_selected_only_when_every_member_shares_memory_on_one_planned_host():
+    shm = {m: f"127.0.0.1:{9000 + i}#shm=boot.42/sock{i}" for i, m in enumerate(["a", "b", "c"])}
+    members = list(shm)
+    assert eligible(members, _epoch(shm))
+    assert eligible(members, _epoch(shm, host_groups=[[0, 3]]))
+    assert not eligible(members, _epoch(shm, host_groups=[[0, 2], [2, 1]]))   # emulated hosts
+    assert not eligible(members, _epoch({**shm, "c": "127.0.0.1:9002#shm=other.7/sock2"}))
+    assert not eligible(members, _epoch({**shm, "c": "127.0.0.1:9002"}))       # a TCP-only member
+    assert not eligible(["a"], _epoch(shm))
+    sizing = Sizing(small_bytes=1024)
+    pieces, algo = select_allreduce(members, _epoch(shm), 100_000, 4, sizing)
+    assert isinstance(algo, ShmDirectAllreduce) and pieces[0] == (0, pieces[0][1]) and pieces[-1][1] == 100_000
+    assert not isinstance(select_allreduce(members, _epoch(shm), 100, 4, sizing)[1], ShmDirectAllreduce)
+    assert not isinstance(select_allreduce(members, _epoch(shm), 100_000, 4, Sizing(small_bytes=1024, shm_direct=False))[1],
+                          ShmDirectAllreduce)
+    assert not isinstance(select_allreduce(members, _epoch(shm), 100_000, 4,
+                                           Sizing(small_bytes=1024).for_device(torch.device("meta")))[1],
+                          ShmDirectAllreduce)
