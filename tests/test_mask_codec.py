@@ -186,3 +186,26 @@ def test_a_current_summary_round_trips_the_members_by_count_and_digest() -> None
 def test_bad_summaries_are_clear_errors(raw: bytes, cause: str) -> None:
     with pytest.raises(CollectiveError, match=cause):
         decode_status(raw)
+
+
+def test_recovery_uses_a_peers_masks_only_when_its_member_order_digest_is_ours() -> None:
+    """The summary names the op's member order by digest, checked on read: a survivor
+    whose summary indexes another order (same count) holds nothing usable for the plan."""
+    from resilient.collectives.recovery import Policy
+    from resilient.collectives.resume import build_plan
+
+    def ledger(members: tuple[str, ...], masks: list[int]) -> Ledger:
+        L = Ledger(seq=1, kind="allreduce", members=members, me=0, epoch=1, digest=1,
+                   inp=torch.zeros(2), out=torch.zeros(2), pieces=split(2, 2))
+        L.masks = masks
+        return L
+
+    mine = ledger(("a", "b", "c"), [0b001, 0b001])
+
+    def need(peer_members: tuple[str, ...]) -> list[int]:
+        statuses = {"a": decode_status(encode_status("a", mine, None)),
+                    "b": decode_status(encode_status("b", ledger(peer_members, [0b111, 0b010]), None))}
+        return build_plan(mine, ["a", "b"], statuses, Policy.PER_SEGMENT).need
+
+    assert need(("a", "b", "c")) == [0b111, 0b011]   # b's full accumulator of piece 0 keeps c's part
+    assert need(("a", "b", "x")) == [0b011, 0b011]   # another order: only the survivors' inputs
