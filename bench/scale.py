@@ -40,7 +40,8 @@ from resilient.coordinator.directory import NodeRecord  # noqa: E402
 from resilient.coordinator.health import (  # noqa: E402
     DemotionRule, StragglerPolicy, make_record, no_demotion, write_health,
 )
-from resilient.coordinator.membership import MemberInfo  # noqa: E402
+from resilient.coordinator.liveness import node_lease_ttl  # noqa: E402
+from resilient.coordinator.membership import KEEPALIVE_FRACTION, MemberInfo  # noqa: E402
 from resilient.coordinator.service import Coordinator, CoordinatorConfig  # noqa: E402
 from resilient.coordinator.policy import HealthPolicy  # noqa: E402
 from resilient.coordinator.store import KV, Store, WatchEvent  # noqa: E402
@@ -105,10 +106,13 @@ class Agent:
                           self.sim.args.ttl).to_json()
 
     def register(self) -> None:
+        """Grant the node lease as the real agents do (:func:`node_lease_ttl` of the
+        liveness bound ``--ttl``), write the record on it, and keep it alive every
+        ``granted * KEEPALIVE_FRACTION`` s (:class:`LeaseMux`'s schedule), from a random phase."""
         st = self.sim.store
-        self.lease = st.grant(self.sim.args.ttl)
+        self.lease = st.grant(self.sim.node_ttl)
         st.put(keys.node(JOB, self.node), self.record(), lease=self.lease)
-        phase = self.sim.rng.random() * self.sim.args.ttl / 3
+        phase = self.sim.rng.random() * self.sim.refresh
         self.sim.clock.at(self.sim.clock.now + phase, self.keepalive)
 
     def keepalive(self) -> None:
@@ -116,7 +120,7 @@ class Agent:
             return
         self.sim.store.keepalive(self.lease)
         self.sim.last_keepalive[self.idx] = self.sim.clock.now
-        self.sim.clock.at(self.sim.clock.now + self.sim.args.ttl / 3, self.keepalive)
+        self.sim.clock.at(self.sim.clock.now + self.sim.refresh, self.keepalive)
 
 
 class Sim:
@@ -128,6 +132,9 @@ class Sim:
         self.store = SimStore(self.clock, None if self.latency_source == "defaults" else load_params(
             self.latency_source))
         self.etcd = as_store(self.store)
+        #: the node lease's TTL for the liveness bound ``--ttl``, and its refresh period
+        self.node_ttl = node_lease_ttl(args.ttl)
+        self.refresh = self.node_ttl * KEEPALIVE_FRACTION
         n = args.gpus // args.gpus_per_node
         self.agents = [Agent(self, i) for i in range(n)]
         self.last_keepalive: dict[int, float] = {}
@@ -375,12 +382,14 @@ def run_sim(args: argparse.Namespace) -> Record:
     assert loss["cause"] == "lease_expired" and loss["removed"] == args.gpus_per_node, loss
     out["epoch_bytes_node_loss"] = loss["bytes"]
     # etcd's part: its lessor revokes expired leases on a 0.5 s tick (0-500 ms after the
-    # TTL, by the tick's phase); the coordinator's part: watch, debounce, reconcile, txn
-    tick_wait = t_gone - (sim.last_keepalive[b.idx] + args.ttl)
+    # lease's TTL, by the tick's phase); the coordinator's part: watch, debounce, reconcile,
+    # txn. The lease's TTL is node_lease_ttl(--ttl) so that TTL + tick <= the bound --ttl.
+    out["node_lease_ttl_s"] = sim.node_ttl
+    tick_wait = t_gone - (sim.last_keepalive[b.idx] + sim.node_ttl)
     out["lease_expiry_to_delete_ms"] = round(tick_wait * 1000, 1)
-    reaction_ms = loss["publish_ms"] - (args.ttl + tick_wait) * 1000
+    reaction_ms = loss["publish_ms"] - (sim.node_ttl + tick_wait) * 1000
     out["silent_loss_reaction_ms"] = round(reaction_ms, 1)
-    out["publish_ms_after_silent_loss_worst_tick"] = round((args.ttl + EXPIRY_TICK) * 1000 + reaction_ms, 1)
+    out["publish_ms_after_silent_loss_worst_tick"] = round((sim.node_ttl + EXPIRY_TICK) * 1000 + reaction_ms, 1)
 
     # -- a rack loss: every node of one rack (power)
     rack = racks[len(racks) // 3]
@@ -497,7 +506,9 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=100_000)
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--nodes-per-rack", type=int, default=32)
-    ap.add_argument("--ttl", type=float, default=5.0, help="node lease TTL, seconds")
+    ap.add_argument("--ttl", type=float, default=5.0,
+                    help="liveness bound, seconds: a node silent this long is declared dead (its lease is granted "
+                         "node_lease_ttl(ttl) = floor(ttl - 0.5) s: etcd's expiry loop adds up to 0.5 s)")
     ap.add_argument("--proxies", type=int, default=16, help="etcd grpc-proxies between agents and etcd")
     ap.add_argument("--steady", type=float, default=60.0, help="simulated seconds of steady state")
     ap.add_argument("--summary-interval", type=float, default=15.0, help="rack health summary period, s")

@@ -3,7 +3,8 @@
 The parent starts etcd and ``--client-processes`` children; child ``i`` grants its share
 of the node leases, writes each node's record on its lease (batched: 64 puts per
 transaction) and keeps every lease alive over one :class:`~resilient.coordinator.lease_mux.LeaseMux`
-stream. A real :class:`~resilient.coordinator.service.Coordinator` (delta epochs) runs in
+stream (each lease granted :func:`~resilient.coordinator.liveness.node_lease_ttl` of the
+liveness bound ``--ttl``). A real :class:`~resilient.coordinator.service.Coordinator` (delta epochs) runs in
 the parent. After ``--hold`` seconds without a lost lease, child 0 stops refreshing one
 node; the parent measures when the epoch without that node's ranks is published.
 Children print ``READY``, ``LOST <n>`` when a lease goes, and ``DONE <json>`` at the end.
@@ -39,8 +40,11 @@ def node_record(idx: int, gpn: int, ttl: float) -> tuple[str, bytes]:
 def child(args: argparse.Namespace) -> None:
     from resilient.coordinator.lease_mux import LeaseMux
 
+    from resilient.coordinator.liveness import node_lease_ttl
+
     store = Store(args.etcd)
     mux = LeaseMux(store)
+    granted = node_lease_ttl(args.ttl)   # the lease TTL for the liveness bound --ttl
     lost = []
     mux_lock = threading.Lock()
 
@@ -66,15 +70,15 @@ def child(args: argparse.Namespace) -> None:
                 for n, _b in batch:
                     if store.lease_ttl(leases[n]) is None:
                         mux.remove(leases[n])
-                        leases[n] = store.grant(args.ttl)
-                        mux.add(leases[n], args.ttl, on_lost)
+                        leases[n] = store.grant(granted)
+                        mux.add(leases[n], granted, on_lost)
                         regrants += 1
         raise RuntimeError("could not register a batch of node records in 5 tries")
 
     batch: list[tuple[str, bytes]] = []
     for idx in range(args.lo, args.hi):
-        lid = store.grant(args.ttl)
-        mux.add(lid, args.ttl, on_lost)
+        lid = store.grant(granted)
+        mux.add(lid, granted, on_lost)
         node, body = node_record(idx, args.gpus_per_node, args.ttl)
         leases[node] = lid
         batch.append((node, body))
@@ -130,7 +134,10 @@ def run_real(args: argparse.Namespace) -> dict:
     from resilient.coordinator.delta import is_delta, parse_delta
     from resilient.coordinator.service import Coordinator, CoordinatorConfig
 
-    out: dict = {"nodes": args.nodes, "client_processes": args.client_processes}
+    from resilient.coordinator.liveness import node_lease_ttl
+
+    out: dict = {"nodes": args.nodes, "client_processes": args.client_processes,
+                 "node_lease_ttl_s": node_lease_ttl(args.ttl)}
     with LocalEtcd() as etcd:
         children: list[_Child] = []
         stop = threading.Event()

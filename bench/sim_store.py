@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -34,6 +35,8 @@ MAX_REQUEST = int(1.5 * 1024 * 1024)
 MAX_RESPONSE = 4 * 1024 * 1024
 REVOKES_PER_S = 1000
 EXPIRY_TICK = 0.5
+#: etcd's minimum lease TTL, seconds (ceil(1.5 x the default 1 s election timeout))
+MIN_LEASE_TTL = 2
 
 
 class Clock:
@@ -303,7 +306,8 @@ class SimStore:
 
     def grant(self, ttl: float) -> int:
         lid = next(self._lease_ids)
-        self._leases[lid] = _Lease(float(max(1, int(ttl + 0.999))), 0.0)
+        # the client rounds up to whole seconds (Store.grant), etcd raises it to its minimum
+        self._leases[lid] = _Lease(float(max(MIN_LEASE_TTL, math.ceil(ttl))), 0.0)
         self._leases[lid].expires = self.clock.now + self._leases[lid].ttl
         self.c.raft_writes += 1
         self._cost(self.lat.lease, 0, 0)

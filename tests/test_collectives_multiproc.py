@@ -65,7 +65,7 @@ def _sole_copy_lost(etcd_session, job: str, w, survivors: list[str]) -> bool:
         st = decode_status(raw[m]) if m in raw else {}
         for key in ("inflight", "retained"):
             if st.get(key) and st[key]["seq"] == 1:
-                full = (1 << len(st[key]["members"])) - 1
+                full = (1 << st[key]["n_members"]) - 1
                 held.append([mk == full for mk in st[key]["masks"]])
                 break
     return bool(held) and not all(any(h[q] for h in held) for q in range(len(held[0])))

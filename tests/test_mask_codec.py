@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from resilient.collectives.ledger import Ledger, decode_status, encode_status, split
+from resilient.collectives.ledger import Ledger, decode_status, encode_status, members_digest, split
 from resilient.collectives.mask_codec import decode_mask, encode_mask, max_encoded_chars
 from resilient.errors import CollectiveError
 
@@ -90,12 +90,29 @@ def test_100k_member_summary_encodes_within_its_bound() -> None:
     L.masks += [full, int.from_bytes(bytes(range(256)) * (n // 2048), "little") & full, 0]
     L.done, L.need = True, [full] * pieces
     raw = encode_status("m000003", L, None)     # as JSON integers this raised ValueError
-    members_json = len(json.dumps(list(L.members), separators=(",", ":")))
-    assert len(raw) <= 1024 + members_json + 2 * pieces * (max_encoded_chars(n) + 1)
-    # contiguous masks are arcs: a few bytes each, not n / 8
-    assert len(raw) <= members_json + 4096 + max_encoded_chars(n)
+    assert len(raw) <= 1024 + 2 * pieces * (max_encoded_chars(n) + 1)
+    # contiguous masks are arcs: a few bytes each, not n / 8; the members are a count and a digest
+    assert len(raw) <= 4096 + max_encoded_chars(n)
     got = decode_status(raw)["inflight"]
-    assert got["masks"] == L.masks and got["need"] == L.need and got["members"] == list(L.members)
+    assert got["masks"] == L.masks and got["need"] == L.need
+    assert got["n_members"] == n and got["members_sha"] == members_digest(L.members) == L.members_digest()
+
+
+def test_a_summary_does_not_grow_with_the_members_it_names() -> None:
+    """The op's members travel as (count, digest): a 100k-member summary of ring-like
+    masks is as long as a 5-member one, within the digits of the numbers in it."""
+    sizes = []
+    for n in (5, BIG):
+        L = _ledger(n, 4)
+        L.masks = [((1 << (n // 2)) - 1) << (p % 2) for p in range(4)]
+        sizes.append(len(encode_status("m000003", L, L)))
+    assert sizes[1] - sizes[0] <= 2 * 4 * 2 * 6 + 2 * 6   # arcs' and n_members' extra digits only
+
+
+def test_the_members_digest_names_the_order() -> None:
+    ids = [f"m{i:06d}" for i in range(6)]
+    assert members_digest(ids) != members_digest(ids[::-1]) != members_digest(ids[:5])
+    assert members_digest(ids) == members_digest(tuple(ids))
 
 
 def test_summary_round_trip_small() -> None:
@@ -112,7 +129,8 @@ def test_older_integer_masks_are_still_read() -> None:
     old = {"member": "a", "retained": None, "inflight": {
         "seq": 1, "kind": "allreduce", "members": ["a", "b", "c"], "epoch": 1, "digest": 9, "n_pieces": 2,
         "masks": [5, 7], "has_input": True, "done": False, "need": None}}
-    assert decode_status(json.dumps(old).encode())["inflight"]["masks"] == [5, 7]
+    got = decode_status(json.dumps(old).encode())["inflight"]
+    assert got["masks"] == [5, 7] and got["n_members"] == 3 and got["members_sha"] == members_digest("abc")
 
 
 @pytest.mark.parametrize("value, cause", [
@@ -133,6 +151,30 @@ def _summary(**over: object) -> bytes:
     return json.dumps({"v": 2, "member": "a", "inflight": s, "retained": None}).encode()
 
 
+def _summary3(**over: object) -> bytes:
+    s: dict[str, object] = {"seq": 1, "kind": "allreduce", "n_members": 2, "members_sha": members_digest("ab"),
+                            "epoch": 1, "digest": 3, "n_pieces": 1, "masks": [[0, 2]], "has_input": True,
+                            "done": False, "need": None}
+    s.update(over)
+    return json.dumps({"v": 3, "member": "a", "inflight": s, "retained": None}).encode()
+
+
+@pytest.mark.parametrize("raw, cause", [
+    (_summary3(n_members="2"), "'n_members'"), (_summary3(n_members=-1), "n_members -1 is out of range"),
+    (_summary3(n_members=(1 << 20) + 1), "out of range"), (_summary3(members_sha=5), "'members_sha'"),
+    (_summary3(members_sha="ABC"), "32 lowercase hex"), (_summary3(members=["a", "b"], n_members=None), "'n_members'"),
+    (_summary3(masks=[[0, 3]]), "out of range"), (_summary3(n_members=True), "'n_members'"),
+])
+def test_bad_current_summaries_are_clear_errors(raw: bytes, cause: str) -> None:
+    with pytest.raises(CollectiveError, match=cause):
+        decode_status(raw)
+
+
+def test_a_current_summary_round_trips_the_members_by_count_and_digest() -> None:
+    got = decode_status(_summary3())["inflight"]
+    assert got["n_members"] == 2 and got["members_sha"] == members_digest(["a", "b"]) and got["masks"] == [3]
+
+
 @pytest.mark.parametrize("raw, cause", [
     (b"\xff", "not valid JSON"), (b"[1]", "JSON object"), (b'{"member": 3}', "names no member"),
     (b'{"member": "a", "v": 9}', "format version"),
@@ -144,3 +186,26 @@ def _summary(**over: object) -> bytes:
 def test_bad_summaries_are_clear_errors(raw: bytes, cause: str) -> None:
     with pytest.raises(CollectiveError, match=cause):
         decode_status(raw)
+
+
+def test_recovery_uses_a_peers_masks_only_when_its_member_order_digest_is_ours() -> None:
+    """The summary names the op's member order by digest, checked on read: a survivor
+    whose summary indexes another order (same count) holds nothing usable for the plan."""
+    from resilient.collectives.recovery import Policy
+    from resilient.collectives.resume import build_plan
+
+    def ledger(members: tuple[str, ...], masks: list[int]) -> Ledger:
+        L = Ledger(seq=1, kind="allreduce", members=members, me=0, epoch=1, digest=1,
+                   inp=torch.zeros(2), out=torch.zeros(2), pieces=split(2, 2))
+        L.masks = masks
+        return L
+
+    mine = ledger(("a", "b", "c"), [0b001, 0b001])
+
+    def need(peer_members: tuple[str, ...]) -> list[int]:
+        statuses = {"a": decode_status(encode_status("a", mine, None)),
+                    "b": decode_status(encode_status("b", ledger(peer_members, [0b111, 0b010]), None))}
+        return build_plan(mine, ["a", "b"], statuses, Policy.PER_SEGMENT).need
+
+    assert need(("a", "b", "c")) == [0b111, 0b011]   # b's full accumulator of piece 0 keeps c's part
+    assert need(("a", "b", "x")) == [0b011, 0b011]   # another order: only the survivors' inputs

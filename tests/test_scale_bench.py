@@ -32,12 +32,15 @@ def test_small_simulation_runs_every_scenario_and_agrees_on_the_plan():
     # every live agent checked every epoch's hash: 64 nodes less the silent loss, a rack, the last loss
     assert [e["agents_checked"] for e in out["epochs"]] == [64, 63, 55, 55, 55, 54]
     assert out["epoch_bytes_node_loss"] < 2048 and out["writes_per_epoch"] <= 4
-    assert out["keepalives_per_s"] == pytest.approx(64 / (5.0 / 3), rel=0.05)   # one lease per node
-    # the silent loss = TTL + etcd's expiry tick wait (0-500 ms, virtual) + the coordinator's reaction
+    # one lease per node, granted node_lease_ttl(5 s) = 4 s and refreshed every third of it
+    assert out["node_lease_ttl_s"] == 4
+    assert out["keepalives_per_s"] == pytest.approx(64 / (4.0 / 3), rel=0.05)
+    # the silent loss = the lease's TTL + etcd's expiry tick wait (0-500 ms, virtual) + the
+    # coordinator's reaction; the TTL plus the longest tick wait is the bound --ttl
     assert 0 <= out["lease_expiry_to_delete_ms"] <= 500
     assert out["publish_ms_after_silent_loss"] == pytest.approx(
-        5000 + out["lease_expiry_to_delete_ms"] + out["silent_loss_reaction_ms"], abs=0.2)
-    assert out["publish_ms_after_silent_loss_worst_tick"] == pytest.approx(5500 + out["silent_loss_reaction_ms"],
+        4000 + out["lease_expiry_to_delete_ms"] + out["silent_loss_reaction_ms"], abs=0.2)
+    assert out["publish_ms_after_silent_loss_worst_tick"] == pytest.approx(4500 + out["silent_loss_reaction_ms"],
                                                                           abs=0.2)
 
 

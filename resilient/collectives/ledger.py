@@ -13,13 +13,22 @@ the transport is aborted, ``masks`` describe ``out`` exactly.
 
 Summaries are JSON (no pickle) published under ``epochs/<n>/data/ledger/<member>``;
 their masks are in :mod:`.mask_codec` form (run-length arcs or a base64 bitmap), so a
-summary encodes at any group size. :func:`decode_status` validates a peer's summary and
-reads the older integer masks too; a member of an older release cannot read the new
-form, so one job runs one release (a job's members are started from one image).
+summary encodes at any group size. A summary does not list the op's members: every
+reader holds its own ledger of the same op, whose member order (the ring order of the
+op's epoch, ``epoch``) the masks index, so the summary carries that order's count and
+digest (``n_members``, ``members_sha``: :func:`members_digest`), a constant ~60 bytes
+instead of ~11 bytes per member; a reader uses a peer's masks only when both match its
+own (:mod:`.resume`). :func:`decode_status` validates a peer's summary and reads the
+older forms too (integer masks, the member list); a member of an older release cannot
+read the new form, so one job runs one release (a job's members are started from one
+image).
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +78,7 @@ class Ledger:
     staged_posts: int = 0           # transfers posted through host staging (diagnostics, tests)
     #: byte views of ``out`` / ``inp`` made once per op (see :meth:`buf`)
     _views: dict[str, memoryview | bool] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _digest: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.masks:
@@ -117,9 +127,17 @@ class Ledger:
     def progressed(self) -> bool:
         return any(self.masks)
 
+    def members_digest(self) -> str:
+        """:func:`members_digest` of :attr:`members`, computed once per ledger (O(N) the
+        first time, then O(1): a recovery compares it with every survivor's summary)."""
+        if not self._digest:
+            self._digest = members_digest(self.members)
+        return self._digest
+
     def summary(self) -> dict[str, Any]:
         return {
-            "seq": self.seq, "kind": self.kind, "members": list(self.members), "epoch": self.epoch,
+            "seq": self.seq, "kind": self.kind, "n_members": len(self.members),
+            "members_sha": self.members_digest(), "epoch": self.epoch,
             "digest": self.digest, "n_pieces": len(self.pieces), "masks": list(self.masks),
             "has_input": self.has_input, "done": self.done,
             "need": list(self.need) if self.done and self.need is not None else None,
@@ -137,8 +155,17 @@ def _bytes_of(t: torch.Tensor) -> memoryview | bool:
 #: survivor allocate beyond them): members of one op, and pieces of one op's buffer
 MAX_STATUS_MEMBERS = 1 << 20
 MAX_STATUS_PIECES = 1 << 24
-#: the summary format: 2 = masks in :mod:`.mask_codec` form (1, implicit: JSON integers)
-STATUS_VERSION = 2
+#: the summary format: 3 = the op's members by count and digest; 2 = their ids, masks in
+#: :mod:`.mask_codec` form; 1 (implicit) = their ids, masks as JSON integers
+STATUS_VERSION = 3
+_DIGEST_RE = re.compile(r"[0-9a-f]{32}")
+
+
+def members_digest(members: Sequence[str]) -> str:
+    """The digest a summary names its op's member order by: the first 128 bits of the
+    sha256 of the ids in mask-bit order, one per line (ids hold no newline:
+    :func:`~resilient.coordinator.records.is_id`), as 32 hex digits."""
+    return hashlib.sha256("\n".join(members).encode()).hexdigest()[:32]
 
 
 def _wire_summary(L: Ledger) -> dict[str, Any]:
@@ -153,7 +180,8 @@ def _wire_summary(L: Ledger) -> dict[str, Any]:
 def encode_status(member: str, inflight: Ledger | None, retained: Ledger | None, next_seq: int | None = None) -> bytes:
     """This member's ledger summary as compact JSON (masks in :mod:`.mask_codec` form:
     no N-digit integers, so it encodes at any group size; each mask is at most
-    :func:`~.mask_codec.max_encoded_chars` characters). ``next_seq``: set by a member in
+    :func:`~.mask_codec.max_encoded_chars` characters; the op's members by count and
+    digest, not by id: the size does not grow with the group). ``next_seq``: set by a member in
     no collective (point-to-point catching up, :mod:`.p2p`): the first op seq it has not
     started, so survivors in that op rerun it with it instead of finishing without it."""
     status: dict[str, Any] = {
@@ -175,8 +203,10 @@ def _field(obj: dict[str, Any], key: str, typ: type, where: str) -> Any:
     return v
 
 
-def _decode_summary(obj: object, where: str) -> dict[str, Any] | None:
-    """A validated summary with its masks as ints, or None; CollectiveError otherwise."""
+def _decode_summary(obj: object, where: str, version: int) -> dict[str, Any] | None:
+    """A validated summary with its masks as ints and its op's members as ``n_members``
+    and ``members_sha`` (computed from the ids of an older form), or None;
+    CollectiveError otherwise."""
     if obj is None:
         return None
     if not isinstance(obj, dict):
@@ -186,13 +216,23 @@ def _decode_summary(obj: object, where: str) -> dict[str, Any] | None:
     _field(obj, "kind", str, where)
     for key in ("has_input", "done"):
         _field(obj, key, bool, where)
-    members = _field(obj, "members", list, where)
-    if len(members) > MAX_STATUS_MEMBERS or not all(isinstance(m, str) for m in members):
-        raise CollectiveError(f"{where}: 'members' must be at most {MAX_STATUS_MEMBERS} member ids")
-    n, pieces = len(members), obj["n_pieces"]
+    out = dict(obj)
+    if version < 3:   # the member ids listed (older releases)
+        members = _field(obj, "members", list, where)
+        if len(members) > MAX_STATUS_MEMBERS or not all(isinstance(m, str) for m in members):
+            raise CollectiveError(f"{where}: 'members' must be at most {MAX_STATUS_MEMBERS} member ids")
+        del out["members"]
+        n, out["members_sha"] = len(members), members_digest(members)
+    else:
+        n, sha = _field(obj, "n_members", int, where), _field(obj, "members_sha", str, where)
+        if not 0 <= n <= MAX_STATUS_MEMBERS:
+            raise CollectiveError(f"{where}: n_members {n} is out of range (0..{MAX_STATUS_MEMBERS})")
+        if not _DIGEST_RE.fullmatch(sha):
+            raise CollectiveError(f"{where}: 'members_sha' must be 32 lowercase hex digits (members_digest)")
+    out["n_members"] = n
+    pieces = obj["n_pieces"]
     if not 0 <= pieces <= MAX_STATUS_PIECES:
         raise CollectiveError(f"{where}: n_pieces {pieces} is out of range (0..{MAX_STATUS_PIECES})")
-    out = dict(obj)
     for key in ("masks", "need"):
         vals = obj.get(key)
         if key == "need" and vals is None:
@@ -204,8 +244,9 @@ def _decode_summary(obj: object, where: str) -> dict[str, Any] | None:
 
 
 def decode_status(raw: bytes) -> dict[str, Any]:
-    """A peer's ledger summary (:func:`encode_status`, or the older form with integer
-    masks), validated, with every mask as an int. Raises
+    """A peer's ledger summary (:func:`encode_status`, or an older form: integer masks,
+    the member ids listed), validated, with every mask as an int and the op's members
+    as ``n_members`` and ``members_sha``. Raises
     :class:`~resilient.errors.CollectiveError` naming the field and the cause when it is
     not valid JSON or not a well-formed summary (types, sizes, masks out of range);
     nothing is unpickled or evaluated."""
@@ -220,8 +261,8 @@ def decode_status(raw: bytes) -> dict[str, Any]:
         raise CollectiveError("a peer's ledger summary names no member: corrupt or foreign data")
     where = f"the ledger summary of {member}"
     version = obj.get("v", 1)
-    if version not in (1, STATUS_VERSION):
-        raise CollectiveError(f"{where} has format version {version!r}; this release reads 1 and "
+    if version not in (1, 2, STATUS_VERSION) or isinstance(version, bool):
+        raise CollectiveError(f"{where} has format version {version!r}; this release reads 1 to "
                               f"{STATUS_VERSION}: run one release of resilient in the whole job")
-    return {**obj, "inflight": _decode_summary(obj.get("inflight"), f"{where} (in flight)"),
-            "retained": _decode_summary(obj.get("retained"), f"{where} (retained)")}
+    return {**obj, "inflight": _decode_summary(obj.get("inflight"), f"{where} (in flight)", version),
+            "retained": _decode_summary(obj.get("retained"), f"{where} (retained)", version)}

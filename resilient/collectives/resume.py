@@ -58,7 +58,8 @@ def build_plan(ledger: Ledger, ring: list[str], statuses: dict[str, dict[str, An
             if s is not None and s["seq"] == seq:
                 summ = s
                 break
-        if summ is None or list(summ["members"]) != list(ledger.members) or summ["n_pieces"] != len(ledger.pieces):
+        if (summ is None or summ["n_members"] != len(ledger.members) or summ["members_sha"] != ledger.members_digest()
+                or summ["n_pieces"] != len(ledger.pieces)):
             # a member that started this op fresh in the new epoch (or whose layout
             # differs) holds nothing usable but its input
             held[m] = [0] * len(ledger.pieces)
