@@ -182,6 +182,13 @@ class ErrorFeedback:
             e = self.residuals.get(key)
         return e if e is not None and e.shape == like.shape and e.dtype == like.dtype else None
 
+    def input_for(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        """What the hook sends for bucket ``key`` this step: ``grad + e`` (a new tensor;
+        ``grad`` and the residual are left as they are). Pure: calling it twice gives the
+        same bits."""
+        e = self.residual(key, grad)
+        return grad + e if e is not None else grad.clone()
+
     def bits_for(self, key: str) -> int:
         return self.bucket_bits.get(key, self.bits) if self.adaptive else self.bits
 
@@ -250,8 +257,7 @@ def compression_hook(state: ErrorFeedback, bucket: GradBucket) -> torch.futures.
     state.member_id = engine.member_id or state.member_id
     buf = bucket.buffer()
     key = str(bucket.index())
-    e = state.residual(key, buf)
-    x = buf + e if e is not None else buf.clone()
+    x = state.input_for(key, buf)
     inp = x.clone()
     from resilient.collectives.compressed import Compression
 
