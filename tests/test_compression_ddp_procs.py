@@ -35,17 +35,16 @@ def floats(h: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(bytes.fromhex(h)), dtype=torch.float32)
 
 
+def _record(line: str) -> dict[str, Any] | None:
+    try:
+        return dict(json.loads(line))
+    except ValueError:
+        return None  # the line the kill cut
+
+
 def records(d: Path) -> dict[str, list[dict[str, Any]]]:
-    out: dict[str, list[dict[str, Any]]] = {}
-    for f in d.glob("*.jsonl"):
-        recs = []
-        for line in f.read_text().splitlines():
-            try:
-                recs.append(json.loads(line))
-            except ValueError:
-                pass  # the line the kill cut
-        out[f.stem] = recs
-    return out
+    """Each member's step records (``DIR/<member>.jsonl``)."""
+    return {f.stem: [r for r in map(_record, f.read_text().splitlines()) if r is not None] for f in d.glob("*.jsonl")}
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +53,10 @@ def run(etcd_session, tmp_path_factory) -> dict[str, Any]:
     restarted as a joiner; the survivors stop 4 steps after it is in."""
     d = tmp_path_factory.mktemp("ddpq")
     etcd, job = etcd_session.endpoint_arg, f"ddpq-{time.monotonic_ns() % 10**8}"
-    ranks, env, procs = RankProcs(etcd, job), worker_env(ROOT, etcd, job), list[Child]()
+    ranks, procs = RankProcs(etcd, job), list[Child]()
+    # the victim leaves at once (its lease is revoked when it exits); a longer TTL only
+    # keeps a loaded machine's late keep-alives from removing a live member
+    env = {**worker_env(ROOT, etcd, job), "RESILIENT_LEASE_TTL": "6"}
 
     def start(rank: int, name: str, extra: dict[str, str]) -> Child:
         p = ranks.start([sys.executable, str(WORKER), str(rank), str(WORLD), str(d)], env={**env, **extra},
