@@ -177,7 +177,9 @@ def worker(args: argparse.Namespace) -> int:
         if arm == "res_fp32":
             ddp.register_comm_hook((pg, ContributorTracker()), ddp_comm_hook)
         else:
-            ddp.register_comm_hook(ErrorFeedback(bits=int(arm[-1]), group=pg), compression_hook)
+            ef = ErrorFeedback(bits=int(arm[-1]), group=pg) if args.bucket is None else \
+                ErrorFeedback(bits=int(arm[-1]), bucket=args.bucket, group=pg)
+            ddp.register_comm_hook(ef, compression_hook)
         closers = [comm.close, session.close, watcher.close, tr.close, store.close]
     trace = []
     t0 = time.perf_counter()
@@ -227,7 +229,8 @@ def run_arm(arm: str, etcd: str, args: argparse.Namespace) -> list[dict]:
         for i in range(WORLD):
             cmd = [PY, str(Path(__file__).resolve()), "--worker", "--rank", str(i), "--arm", arm, "--etcd", etcd,
                    "--job", job, "--port", str(port), "--steps", str(args.steps),
-                   "--eval-windows", str(args.eval_windows)] + (["--kill"] if args.kill else [])
+                   "--eval-windows", str(args.eval_windows)] + (["--kill"] if args.kill else []) \
+                + ([] if args.bucket is None else ["--bucket", str(args.bucket)])
             child = pool.start(Spec(cmd, stdout=PIPE, stderr=DEVNULL, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                                     name=f"m{i}"))
             reaper.watch(child, failures_only=True, lines=outs[i])
@@ -242,6 +245,12 @@ def run_arm(arm: str, etcd: str, args: argparse.Namespace) -> list[dict]:
             if line.startswith("{"):
                 res.append(json.loads(line))
     return res
+
+
+def _default_bucket() -> int:
+    from resilient.ddp import ErrorFeedback
+
+    return ErrorFeedback().bucket
 
 
 def _time_to(trace: list, target: float) -> float | None:
@@ -259,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=3, help="fp32 runs with this many batch seeds (its own spread)")
     ap.add_argument("--eval-windows", type=int, default=2048, help="held-out windows of the final loss")
     ap.add_argument("--kill", action="store_true", help="SIGKILL member 3 mid-run in the resilient arms")
+    ap.add_argument("--bucket", type=int, default=None,
+                    help="elements per quantization scale in the compressed arms (default: ErrorFeedback's)")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--arms", default="res_fp32,res_q8,res_q4,gloo_powersgd,gloo_fp16",
                     help="comma-separated subset (res_fp32 is needed as the reference)")
@@ -293,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         "q4_within_1pct": None if q4 is None else abs(q4) <= 0.01,
         "q8_within_0_5pct": None if q8 is None else abs(q8) <= 0.005,
         "params_identical": identical, "survivors": {a: len(got[a]) for a in arms},
-        "eval_tokens": args.eval_windows * CTX,
+        "eval_tokens": args.eval_windows * CTX, "bucket": args.bucket or _default_bucket(),
         "time_to_fp32_loss_ratio": round(t32 / tq4, 3) if tq4 else None,
         "link": "loopback (uncapped)"}), flush=True)
     return 0
