@@ -11,12 +11,16 @@ checked bitwise, on every member, against ``fl32(sum_{i in C} s * q_i)`` recompu
 all contributors' inputs with the agreed scales (``exact``). One JSON line per (cap, size):
 ``cap_mb_s`` (null uncapped), ``size_mib``, ``q4_vs_fp32``, ``q8_vs_fp32``,
 ``q4_vs_gloo_fp16``, ``switch_choice``, ``switch_loss`` (auto's time over the best arm's,
-minus 1), ``exact``, and the median seconds per arm.
+minus 1; timed after the switch's probes, in its steady state), ``switch_vs_fp32`` (auto
+over plain resilient fp32, the two timed alternately call by call, ``iters * 64 / size``
+rounds; ``switch_vs_fp32_mean`` the same from mean times, which include the votes), ``switch_votes`` (votes held in those calls: one every ``revote_every`` = 64), ``exact``, and the median
+seconds per arm.
 
 Every member runs torch with one intra-op thread (``torch.set_num_threads(1)``, what
 ``resilient-run`` sets for several workers per node), for every arm alike.
 
-Needs root (namespaces, tc) and etcd; every process, namespace and the etcd it starts are
+``--loopback --caps 0`` runs the uncapped case without namespaces (no root): every
+member on 127.0.0.1. Otherwise it needs root (namespaces, tc) and etcd; every process, namespace and the etcd it starts are
 ended here. Figures depend on the machine's load: report ``/proc/loadavg`` with them.
 """
 from __future__ import annotations
@@ -135,9 +139,24 @@ def worker(args: argparse.Namespace) -> int:
             t.copy_(x)
             comm.allreduce(t, compression="auto")
             choices.append(comm.compression_switch.last_choice)
-        auto()  # the first call is the fp32 probe that measures the link
-        res[s]["res_auto"] = _timed(auto, args.iters)
+        sw = comm.compression_switch
+        for _ in range(8):   # the probes (fp32 measures the link, then q4 if the model predicts a gain)
+            if sw is not None and sw.plans and not sw.needs_vote(numel * 4, 4, comm.admitted_at):
+                break
+            auto()
+            sw = comm.compression_switch
+        votes0 = sw.votes if sw is not None else 0
+        # auto and plain fp32 alternate call by call, so a load change hits both alike;
+        # iters x (64 MiB / size) rounds: a small op gets more (and its share of the votes)
+        fp32_t, auto_t = [], []
+        for _ in range(args.iters * max(1, 64 // s)):
+            fp32_t.append(_timed(lambda: comm.allreduce(t.copy_(x)), 1))
+            auto_t.append(_timed(auto, 1))
+        res[s]["res_auto"] = statistics.median(auto_t)
+        res[s]["res_fp32_paired"] = statistics.median(fp32_t)
+        res[s]["res_auto_mean"], res[s]["res_fp32_paired_mean"] = statistics.mean(auto_t), statistics.mean(fp32_t)
         res[s]["switch_choice"] = choices[-1]
+        res[s]["switch_votes"] = (comm.compression_switch.votes - votes0) if comm.compression_switch else 0
         res[s]["exact"] = exact
     print(json.dumps({"rank": rank, "results": res}), flush=True)
     comm.close()
@@ -160,10 +179,22 @@ def _cap(lab, i: int, mb_s: float) -> None:
                         "ceil", rate, "burst", "256k", "cburst", "256k", "quantum", "60000"], check=True)
 
 
+class Loopback:
+    """``--loopback``: the members on 127.0.0.1 of this namespace (no root; uncapped only)."""
+
+    host_ip = "127.0.0.1"
+    ips = [host_ip] * WORLD
+    ns_veths = ["lo"] * WORLD
+
+    def exec_prefix(self, i: int) -> list[str]:
+        return []
+
+
 def run_cap(lab, etcd: str, mb_s: float, args: argparse.Namespace) -> list[dict]:
     job = f"compress-{uuid.uuid4().hex[:8]}"
-    for i in range(WORLD):
-        _cap(lab, i, mb_s)
+    if not isinstance(lab, Loopback):
+        for i in range(WORLD):
+            _cap(lab, i, mb_s)
     with ProcessPool() as pool:   # every process stopped by PID on the way out
         pool.start(Spec([PY, "-c", "import sys; from resilient.cli import main; sys.exit(main())", "coordinator",
                          "--etcd", etcd, "--job", job, "--ttl", "10", "--metrics-port", "-1",
@@ -193,6 +224,9 @@ def run_cap(lab, etcd: str, mb_s: float, args: argparse.Namespace) -> list[dict]
                       "switch_choice": per[0]["switch_choice"],
                       "switch_agreed": len({r["switch_choice"] for r in per}) == 1,
                       "switch_loss": round(t["res_auto"] / best - 1, 3),
+                      "switch_vs_fp32": round(t["res_auto"] / t["res_fp32_paired"] - 1, 3),
+                      "switch_vs_fp32_mean": round(t["res_auto_mean"] / t["res_fp32_paired_mean"] - 1, 3),
+                      "switch_votes": max(r["switch_votes"] for r in per),
                       "exact": all(r["exact"] for r in per), "seconds": {k: round(v, 4) for k, v in t.items()}})
     return lines
 
@@ -207,13 +241,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="4,16,64", help="MiB of float32 per allreduce")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--loopback", action="store_true",
+                    help="no namespaces (no root needed): members on 127.0.0.1, uncapped only (--caps 0)")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
+    from contextlib import nullcontext
+
     from resilient.chaos.netns import NetnsLab
     from resilient.coordinator.local_etcd import LocalEtcd
 
-    with NetnsLab(WORLD) as lab, LocalEtcd(host=lab.host_ip) as etcd:
+    if args.loopback and any(float(c) for c in args.caps.split(",")):
+        ap.error("--loopback runs uncapped only: pass --caps 0")
+    with (nullcontext(Loopback()) if args.loopback else NetnsLab(WORLD)) as lab, LocalEtcd(host=lab.host_ip) as etcd:
         for cap in [float(c) for c in args.caps.split(",")]:
             for line in run_cap(lab, etcd.endpoint_arg, cap, args):
                 print(json.dumps(line), flush=True)

@@ -196,6 +196,19 @@ class Communicator:
         return self._epochs.seq
 
     @property
+    def admitted_at(self) -> int:
+        """The op sequence number at which the newest admission (an epoch that grew the
+        group, or this member's own join) took effect; 0 when none. Every member of the
+        group has the same value once it has reached that op."""
+        return self._epochs.admitted_at
+
+    def reserve_seqs(self, count: int) -> int:
+        """Op thread only: take ``count`` consecutive op sequence numbers now, adopting a
+        newer epoch at this boundary as an op would (a joiner is admitted before or after
+        them, never between); the ops then run with ``seq=`` given. Returns the first."""
+        return self._epochs.reserve(None, count)[0]
+
+    @property
     def hierarchical(self) -> bool:
         """Whether ops run by host groups when the plan has them (settable between ops,
         the same on every member)."""

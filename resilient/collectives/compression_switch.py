@@ -9,23 +9,34 @@ decides whether the compressed arm is worth a first probe; after that measured t
 decide (a model cannot see how loaded the CPUs are). Members measure different things,
 and a decision that differs between members would desynchronise them, so the decision
 is **agreed**: a 3-float MAX allreduce of ``[need fp32 probe, need compressed probe,
--speedup]`` precedes the op (any probe request wins, then the slowest member's speedup).
+-speedup]`` (any probe request wins, then the slowest member's speedup). The agreed
+decision is kept as a :class:`Plan` per size class and followed **without a vote** for
+``revote_every`` calls (after a probe: for none), so in the steady state a call is the
+chosen op alone. Whether a call votes depends only on what every member has alike: the
+plan, and the op sequence number of the newest admission (a joiner has no plan, so at
+the first call after an admission every member votes). A member that nevertheless voted
+where another did not meets it at the same op number with a different descriptor: both
+raise :class:`~resilient.errors.InputMismatch`, never a wrong result.
 The chosen arm is logged when it changes and counted in
 ``resilient_compression_decisions_total{choice}``.
 
-One call takes three sequence numbers, reserved together: vote, then either the scale
-agreement + integer ring, or the plain fp32 allreduce (the third number stays unused).
+One call takes three sequence numbers, reserved together (a joiner is admitted before or
+after them): with a vote, vote then the op (scale agreement + integer ring, or the plain
+fp32 allreduce); without one, the op from the first number (the rest stay unused).
 
 :func:`compressed_body` is where ``Communicator.allreduce(..., compression=...)`` turns its
 argument into an op body: this switch, the fixed codec of :mod:`.compressed`, or none.
 
 Failure behaviour: the vote is an ordinary collective (recovered like any); a member that
-dies in it leaves the survivors' agreed decision intact. Measurement never raises.
+dies in it leaves the survivors' agreed decision intact; a member that dies between votes
+leaves the survivors' plans identical. Measurement never raises; ``revote_every`` < 1
+raises ConfigError.
 """
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -34,6 +45,7 @@ from resilient.collectives.compressed import Compression, run_compressed
 from resilient.collectives.recovery import Policy
 from resilient.collectives.quantization import Segment, bucket_maxima, dequantize, pack, quantize, scales, unpack, wire_bits
 from resilient.device.whole import WholeStaging
+from resilient.errors import ConfigError
 from resilient.kernels import ReduceOp
 
 if TYPE_CHECKING:
@@ -72,6 +84,18 @@ def measure_codec(bits: int, bucket: int, numel: int = 1 << 20) -> tuple[float, 
     return (t1 - t0) / (4 * numel), (t2 - t1) / (4 * numel)
 
 
+@dataclass
+class Plan:
+    """An agreed decision for one (size class, bits): the arm ``choice`` decided by the
+    vote at op ``voted_at``, followed without a vote for ``calls_left`` more calls.
+    Identical on every member that took part in the vote (it is a function of the vote's
+    result and of this switch's configuration only)."""
+
+    choice: str
+    voted_at: int
+    calls_left: int
+
+
 class CompressionSwitch:
     """Per-communicator state of the switch (see the module docstring).
 
@@ -79,16 +103,27 @@ class CompressionSwitch:
     (moving average). Before both arms are measured it probes: fp32 first (that also
     measures the link), then the compressed arm unless the link model predicts a clear
     loss (speedup below ``skip_below``); after that the measured faster arm runs, the
-    compressed one only if it beats fp32 by ``margin``, and every ``probe_every`` calls
-    the other arm is measured again. Every member votes; the vote is MAX-agreed."""
+    compressed one only if it beats fp32 by ``margin``, and an arm not measured for
+    ``probe_every`` calls is measured again. Every member votes; the vote is MAX-agreed.
+
+    A vote is held only when :meth:`needs_vote` says so: the first call of a size class,
+    the call after a probe, every ``revote_every`` calls, and the first call after an
+    admission (a member that joins has no plan, so every member votes again there).
+    In between, every member follows its :class:`Plan`, which is identical on all."""
 
     def __init__(self, margin: float = 1.05, probe_every: int = 200, skip_below: float = 0.7,
-                 codec_s_per_byte: dict[int, tuple[float, float]] | None = None) -> None:
+                 revote_every: int = 64, codec_s_per_byte: dict[int, tuple[float, float]] | None = None) -> None:
+        if revote_every < 1:
+            raise ConfigError(f"revote_every must be >= 1 call, got {revote_every!r}")
         self.margin, self.probe_every, self.skip_below = margin, probe_every, skip_below
+        self.revote_every = revote_every
         self._codec = codec_s_per_byte
         self.link_bytes_per_s: float | None = None
         self.measured: dict[tuple[int, str], float] = {}  # (size class, arm) -> seconds
+        self._measured_at: dict[tuple[int, str], int] = {}  # (size class, arm) -> call count when measured
         self._calls: dict[int, int] = {}
+        self.plans: dict[tuple[int, int], Plan] = {}  # (size class, bits) -> the agreed plan
+        self.votes = 0  #: votes held (each one small MAX allreduce)
         self.last_choice: str | None = None
         self.last_speedup: float | None = None
 
@@ -109,35 +144,64 @@ class CompressionSwitch:
         tq = ring_wire_bytes(nbytes, n, bits) / B + self.codec_seconds(nbytes, n, bits)
         return t32 / tq
 
+    def needs_vote(self, nbytes: int, bits: int, admitted_at: int) -> bool:
+        """Whether the call must start with a vote. Its inputs are the same on every member
+        of the group: the plan (agreed), and ``admitted_at`` (the op sequence number of
+        the newest admission, :attr:`Communicator.admitted_at`)."""
+        p = self.plans.get((nbytes.bit_length(), bits))
+        return p is None or p.calls_left <= 0 or p.voted_at < admitted_at
+
+    def follow(self, nbytes: int, bits: int) -> str:
+        """A call without a vote: the plan's arm (raises KeyError without a plan — call
+        :meth:`needs_vote` first)."""
+        c = nbytes.bit_length()
+        p = self.plans[(c, bits)]
+        p.calls_left -= 1
+        self._calls[c] = self._calls.get(c, 0) + 1
+        self.last_choice = p.choice
+        return p.choice
+
+    def _stale(self, c: int, arm: str) -> bool:
+        at = self._measured_at.get((c, arm))
+        return at is None or self._calls.get(c, 0) - at >= self.probe_every
+
     def vote(self, nbytes: int, n: int, bits: int) -> torch.Tensor:
         """``[need fp32 probe, need compressed probe, -speedup]`` (MAX-agreed)."""
         c = nbytes.bit_length()
-        t32, tq = self.measured.get((c, "fp32")), self.measured.get((c, f"q{bits}"))
-        calls = self._calls.get(c, 0)
-        periodic = calls > 0 and calls % self.probe_every == 0
-        need32 = t32 is None or (periodic and self.last_choice != "fp32")
-        needq = not need32 and (tq is None or (periodic and self.last_choice == "fp32")) \
+        q = f"q{bits}"
+        t32, tq = self.measured.get((c, "fp32")), self.measured.get((c, q))
+        plan = self.plans.get((c, bits))
+        current = plan.choice if plan is not None else None
+        need32 = t32 is None or (current != "fp32" and self._stale(c, "fp32"))
+        needq = not need32 and (tq is None or (current == "fp32" and self._stale(c, q))) \
             and self.predicted_speedup(nbytes, n, bits) >= self.skip_below
         speedup = t32 / tq if (t32 and tq) else self.predicted_speedup(nbytes, n, bits)
         return torch.tensor([float(need32), float(needq), -speedup], dtype=torch.float32)
 
-    def decide(self, agreed: torch.Tensor, bits: int, nbytes: int = 0) -> str:
+    def decide(self, agreed: torch.Tensor, bits: int, nbytes: int = 0, seq: int = 0) -> str:
+        """The arm from an agreed vote (the same on every member), kept as the size class's
+        plan: for one call after a probe, else for ``revote_every`` calls. ``seq``: the
+        vote's op sequence number."""
         need32, needq, speedup = float(agreed[0]) > 0, float(agreed[1]) > 0, -float(agreed[2])
         q = f"q{bits}"
+        probe = need32 or needq
         choice = "fp32" if need32 else q if needq else (q if speedup > self.margin else "fp32")
         if choice != self.last_choice:
-            log.info("compression switch: %s (agreed speedup %.2f%s)", choice, speedup,
-                     ", probe" if need32 or needq else "")
+            log.info("compression switch: %s (agreed speedup %.2f%s)", choice, speedup, ", probe" if probe else "")
         self.last_choice, self.last_speedup = choice, speedup
         c = nbytes.bit_length()
         self._calls[c] = self._calls.get(c, 0) + 1
+        self.plans[(c, bits)] = Plan(choice, seq, 0 if probe else self.revote_every - 1)
+        self.votes += 1
         return choice
 
     def observe(self, choice: str, nbytes: int, n: int, sent: int, seconds: float) -> None:
         """Record one finished op: its time per arm, and (fp32) the link estimate."""
-        key = (nbytes.bit_length(), choice)
+        c = nbytes.bit_length()
+        key = (c, choice)
         old = self.measured.get(key)
         self.measured[key] = seconds if old is None else 0.5 * (old + seconds)
+        self._measured_at[key] = self._calls.get(c, 0)
         if choice == "fp32" and sent > 0 and seconds > 0:
             B = sent / seconds
             self.link_bytes_per_s = B if self.link_bytes_per_s is None else 0.5 * (self.link_bytes_per_s + B)
@@ -153,24 +217,29 @@ def switch_for(comm: Communicator) -> CompressionSwitch:
 
 def run_auto(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Compression, segs: list[Segment], policy: Any) -> Any:
     """The op body of ``allreduce(..., compression=Compression(auto=True))`` (op thread):
-    vote, then ``comp`` or fp32."""
+    three sequence numbers ``k, k+1, k+2`` taken at once; with a vote (:meth:`CompressionSwitch.needs_vote`)
+    the vote runs at ``k`` and the op at ``k+1`` (+ ``k+2``), without one the op runs at
+    ``k`` (+ ``k+1``). A member that voted where another did not therefore meets it at
+    op ``k`` with a different descriptor: both get ``InputMismatch`` (never a wrong result)."""
     sw = switch_for(comm)
     desc = {"k": "allreduce", "shape": list(t.shape), "dtype": str(t.dtype), "op": op.value}
     if not t.is_floating_point() or op not in (ReduceOp.SUM, ReduceOp.AVG):
         return comm.reduce_now(t, op, desc, policy)  # never compressed: no vote
     nbytes, n = t.numel() * t.element_size(), comm.size
-    vote = sw.vote(nbytes, n, comp.bits)
-    comm.reduce_now(vote, ReduceOp.MAX, {"k": "allreduce", "shape": [3], "dtype": "torch.float32", "op": "max",
-                                      "q": "vote"}, policy, reserve=3)
-    assert comm.retained is not None   # the vote just finished
-    k = comm.retained.seq
-    choice = sw.decide(vote, comp.bits, nbytes)
+    k = comm.reserve_seqs(3)   # adopts a growing epoch here, so admitted_at is the group's
+    if sw.needs_vote(nbytes, comp.bits, comm.admitted_at):
+        vote = sw.vote(nbytes, n, comp.bits)
+        comm.reduce_now(vote, ReduceOp.MAX, {"k": "allreduce", "shape": [3], "dtype": "torch.float32", "op": "max",
+                                          "q": "vote"}, policy, seq=k)
+        choice, k = sw.decide(vote, comp.bits, nbytes, k), k + 1
+    else:
+        choice = sw.follow(nbytes, comp.bits)
     comm.metrics.compression_decision(choice)
     sent0, t0 = comm.transport.stats.bytes_sent, time.monotonic()
     if choice == "fp32":
-        res = comm.reduce_now(t, op, desc, policy, seq=k + 1)
+        res = comm.reduce_now(t, op, desc, policy, seq=k)
     else:
-        res = run_compressed(comm, t, op, comp, segs, policy, seqs=(k + 1, k + 2))
+        res = run_compressed(comm, t, op, comp, segs, policy, seqs=(k, k + 1))
     sw.observe(choice, nbytes, n, comm.transport.stats.bytes_sent - sent0, time.monotonic() - t0)
     return res
 

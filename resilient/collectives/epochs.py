@@ -75,6 +75,7 @@ class EpochTracker:
         self.aborted_at: float | None = None  # wall time the watch thread last aborted the transport
         self.switch: tuple[int, EpochLike] | None = None  # (op seq, epoch) at which to adopt a growing epoch
         self.seq = 0
+        self.admitted_at = 0  # the op seq at which the newest admission took effect (agreed: see boundary/start)
         self._unwatch: Callable[[], None] = lambda: None
         epoch = view.current()
         if epoch is None or self.member_id not in epoch.members:
@@ -94,7 +95,7 @@ class EpochTracker:
             # the op seq at which they adopt this epoch; we start there.
             olds = [m for m in epoch.members if m not in epoch.added]
             raw = self.view.wait_blobs(epoch.number, "joinseq", olds, self.epoch_timeout) if olds else {}
-            self.seq = max((joinseq(v) for v in raw.values()), default=0)
+            self.seq = self.admitted_at = max((joinseq(v) for v in raw.values()), default=0)
             log.info("member %s joins epoch %d at op #%d", self.member_id, epoch.number, self.seq)
         else:
             self.announce(epoch.number)
@@ -240,8 +241,9 @@ class EpochTracker:
                                       f"sequence number within {self.epoch_timeout}s: {exc}") from None
             break
         if self.switch is not None and (self.seq if next_seq is None else next_seq) >= self.switch[0]:
-            e = self.switch[1]
+            at, e = self.switch
             self.switch = None
+            self.admitted_at = max(self.admitted_at, at)
             self.group |= set(e.members)
             self.enter(e)
             self.set_metrics()
