@@ -48,7 +48,8 @@ from dataclasses import dataclass, field
 
 from resilient.coordinator import keys, records
 from resilient.coordinator.delta import (
-    CHUNK_MEMBERS, SNAPSHOT_EVERY, EpochDelta, EpochState, is_delta, parse_delta, resolve, snapshot_ops,
+    CHUNK_MEMBERS, SNAPSHOT_EVERY, SPEEDS_FIELD, EpochDelta, EpochState, is_delta, parse_delta, resolve,
+    snapshot_ops, speed_changes,
 )
 from resilient.coordinator.decide import Decision, Entry, EpochFacts, HealthOutcome, Snapshot, decide
 from resilient.coordinator.directory import Directory
@@ -543,9 +544,9 @@ class Coordinator:
         # only a policy that asks for it reads the epoch: by lookup (epoch_view.py), no planner run
         epoch_view = pub.view() if pub is not None and needs.epoch else None
         departed, bad_markers = self._read_departed()
-        # measured link speeds: full-record epochs only (a delta epoch's plan is derived by
-        # every reader without them), and ``members`` is then a stable copy
-        measure = self.config.measure_links and len(members) < self.config.delta_min_members
+        # measured link speeds, in either epoch form (a delta record carries the speeds that
+        # changed, coordinator/delta.py); ``alive`` is copied for the host lookup below
+        measure = self.config.measure_links
         records = read_health(self.store, self.job) if needs.health or measure else {}
         health = self._health_verdict(epoch_view, alive.keys(), records if needs.health else {})
         measured = (speeds_from_health(records, {m: info.host for m, (info, _) in dict(alive).items()})
@@ -554,7 +555,7 @@ class Coordinator:
         if pub is not None:
             self.metrics.epoch.set(pub.number)
             extras = pub.state.extras
-            speeds = parse_speeds(pub.full_epoch().plan.get("link_bps")) if pub.form == "full" else {}
+            speeds = pub.state.speeds   # the speeds it was planned with, in either form
             facts = EpochFacts(pub.number, pub.members, pub.state.demoted(), pub.state.infos,
                                [list(p) for p in (extras.get("avoid") or [])], set(extras.get("evicted") or {}),
                                speeds)
@@ -672,19 +673,25 @@ class Coordinator:
         role_changes.update({m: "demoted" for m in added if m in new_demoted})
         # periodic snapshots are written by an idle pass (_write_snapshot), off the publish path;
         # one is written inline only when the chain would outgrow the kept history
-        snap = (pub is None or corrupt is not None or pub.form != "delta"
-                or number - pub.snapshot >= keys.EPOCHS_KEPT - 2 or len(added) > CHUNK_MEMBERS)
         base = pub.number if pub is not None and corrupt is None else 0
+        extras = dict(extras)
+        speeds = parse_speeds(extras.pop(SPEEDS_FIELD, None))   # carried as changes, not whole
+        chained = pub is not None and corrupt is None and pub.state.number == base
+        set_bps, dropped_bps = speed_changes(pub.state.speeds if chained and pub is not None else {}, speeds, removed)
+        snap = (pub is None or corrupt is not None or pub.form != "delta"
+                or number - pub.snapshot >= keys.EPOCHS_KEPT - 2 or len(added) > CHUNK_MEMBERS
+                or len(set_bps) + len(dropped_bps) > CHUNK_MEMBERS)   # many speeds moved: the snapshot has them
         d = EpochDelta(number=number, base=base, snapshot=number if snap or pub is None else pub.snapshot, removed=removed,
                        added=added, infos={m: alive[m][0] for m in added}, roles=role_changes, extras=extras,
+                       link_bps=set_bps, link_bps_dropped=dropped_bps,
                        token=token, size=len(alive), cause=cause, trigger_at=trigger, published_at=time.time(),
                        leader=self.id)
-        if pub is not None and corrupt is None and pub.state.number == base:
+        if chained and pub is not None:
             self._pub = None   # its state is consumed below: a failing pass re-reads the epoch
             state = pub.state.apply(d, in_place=True)
         else:
             state = EpochState(number, {m: v[0] for m, v in dict(alive).items()},
-                               {m: "demoted" for m in new_demoted}, extras, token)
+                               {m: "demoted" for m in new_demoted}, extras, token, speeds)
         phash = state.derive_hash()
         if snap:
             chunk_puts, meta = snapshot_ops(self.job, state, phash)
@@ -693,7 +700,7 @@ class Coordinator:
             ops.append(meta)
             if pub is not None and pub.snapshot:   # keep the previous snapshot for readers mid-way
                 ops.append(Delete(keys.snapshots(self.job), range_end=keys.snapshot(self.job, pub.snapshot)))
-            d = dataclasses.replace(d, infos={})
+            d = dataclasses.replace(d, infos={}, link_bps={}, link_bps_dropped=())   # readers load the snapshot
             if len(d.added) + len(d.removed) > CHUNK_MEMBERS // 4:   # readers diff their state with the snapshot
                 d = dataclasses.replace(d, added=(), removed=())
         d = dataclasses.replace(d, plan_hash=phash)
