@@ -147,7 +147,7 @@ def test_a_speed_for_a_non_member_is_refused_on_apply() -> None:
 def test_a_real_coordinator_publishes_measured_speeds_as_delta_epochs(etcd_session, job_name) -> None:   # type: ignore[no-untyped-def]
     store = Store(etcd_session.endpoints)
     coord = CoordinatorThread(etcd_session.endpoints, job_name, join_debounce=0.05, resync_interval=0.1,
-                              delta_min_members=2)
+                              delta_min_members=2, link_measure_interval=0.0)
     sessions = {m: MemberSession.register(store, job_name, MemberInfo(
         member_id=m, host=h, local_rank=int(m[1]), address=f"127.0.0.1:{22000 + i}"), ttl=5.0)
         for i, (m, h) in enumerate(HOSTS.items())}
