@@ -2,7 +2,7 @@
 between them (broadcasts from two different roots: each waits for the other), which
 waited forever before op probes. Both must raise ``InputMismatch`` from the probe
 (``resilient/collectives/op_context.py``), long before the 30 s op timeout, and the next
-op must be exact on both. Real etcd, coordinator, processes and sockets."""
+op must be exact on both. Real etcd, coordinator, processes and links."""
 from __future__ import annotations
 
 import sys
@@ -17,15 +17,16 @@ from collective_harness import Workers, coordinator  # noqa: E402
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("transport", ["auto", "tcp"])
-def test_broadcasts_from_different_roots_raise_input_mismatch_on_both(etcd_session, job_name, tmp_path, transport):
+def test_broadcasts_from_different_roots_raise_input_mismatch_on_both(etcd_session, job_name, tmp_path):
     ops = [
         {"k": "allreduce", "numel": 1000, "dtype": "int64"},
         {"k": "broadcast", "numel": 1000, "dtype": "int64", "root": 0, "override": {"m0": {"root": 1}}},
         {"k": "allreduce", "numel": 1000, "dtype": "int64"},
     ]
     with coordinator(etcd_session.endpoint_arg, job_name):
-        w = Workers(etcd_session.endpoint_arg, job_name, 2, ops, tmp_path, env={"RESILIENT_TRANSPORT": transport})
+        # the members' default transport: shared memory between them (tests/test_transport_probe.py
+        # runs the probe over every transport)
+        w = Workers(etcd_session.endpoint_arg, job_name, 2, ops, tmp_path)
         try:
             w.wait_done(list(w.procs), 90)
             for mid in w.procs:
