@@ -16,6 +16,7 @@ from resilient.coordinator.delta import (
 )
 from resilient.coordinator.epoch import Epoch, EpochPlan
 from resilient.coordinator.planner import plan
+from resilient.coordinator.store import Put
 from resilient.errors import RecordError
 from tests.cp_helpers import CoordinatorThread
 from tests.test_link_speeds_plan import HOSTS, Reporters
@@ -39,12 +40,11 @@ def _full_record(infos: dict[str, MemberInfo], speeds: dict[str, float], number:
     return Epoch.from_json(e.to_json())
 
 
-def _delta(base: EpochState, number: int, speeds: dict[str, float], **kw: object) -> EpochDelta:
+def _delta(base: EpochState, number: int, speeds: dict[str, float], removed: tuple[str, ...] = ()) -> EpochDelta:
     """A delta record from ``base`` to ``speeds`` as the coordinator writes it, hash included."""
-    removed = tuple(kw.pop("removed", ()))  # type: ignore[arg-type]
     set_bps, dropped = speed_changes(base.speeds, speeds, removed)
     d = EpochDelta(number=number, base=base.number, snapshot=base.number, removed=removed, link_bps=set_bps,
-                   link_bps_dropped=dropped, token="t", size=len(base.infos) - len(removed), **kw)  # type: ignore[arg-type]
+                   link_bps_dropped=dropped, token="t", size=len(base.infos) - len(removed))
     after = base.apply(d)
     return parse_delta(EpochDelta(**{**d.__dict__, "plan_hash": after.derive_hash()}).to_json())
 
@@ -108,7 +108,7 @@ def test_removed_and_dropped_speeds_and_snapshots_keep_the_state() -> None:
             self.key, self.value = key, value
 
     class Snapshots:   # the two store reads load_snapshot makes, over snapshot_ops' puts
-        def __init__(self, puts: list) -> None:   # type: ignore[type-arg]
+        def __init__(self, puts: list[Put]) -> None:
             self.kv = {p.key: p.value for p in puts}
 
         def get(self, key: str) -> Kv | None:
@@ -119,7 +119,7 @@ def test_removed_and_dropped_speeds_and_snapshots_keep_the_state() -> None:
 
     full = EpochState(4, infos, {}, {}, "t", speeds)
     chunks, meta = snapshot_ops("job", full, full.derive_hash())
-    loaded = load_snapshot(Snapshots(chunks + [meta]), "job", 4)   # type: ignore[arg-type]
+    loaded = load_snapshot(Snapshots(chunks + [meta]), "job", 4)   # duck-typed: the two reads it makes
     assert loaded.speeds == speeds and loaded.derive_hash() == full.derive_hash()
 
 
@@ -131,7 +131,7 @@ def test_removed_and_dropped_speeds_and_snapshots_keep_the_state() -> None:
     ({"link_bps_dropped": ["a0", "a0"]}, "link_bps_dropped"),
     ({"link_bps": {"a0": 1e8}, "link_bps_dropped": ["a0"]}, "link_bps_dropped names members"),
 ])
-def test_bad_speed_fields_of_a_delta_record_are_refused_on_read(bad: dict, why: str | None) -> None:   # type: ignore[type-arg]
+def test_bad_speed_fields_of_a_delta_record_are_refused_on_read(bad: dict[str, object], why: str | None) -> None:
     good = json.loads(EpochDelta(number=4, base=3, snapshot=3, token="t", size=4).to_json())
     raw = json.dumps({**good, **bad}).encode().replace(b"Infinity", b"1e999")
     with pytest.raises(RecordError, match=why):
@@ -144,7 +144,7 @@ def test_a_speed_for_a_non_member_is_refused_on_apply() -> None:
         base.apply(EpochDelta(number=4, base=3, snapshot=3, link_bps={"z9": 1e8}, token="t", size=4))
 
 
-def test_a_real_coordinator_publishes_measured_speeds_as_delta_epochs(etcd_session, job_name) -> None:   # type: ignore[no-untyped-def]
+def test_a_real_coordinator_publishes_measured_speeds_as_delta_epochs(etcd_session, job_name):
     store = Store(etcd_session.endpoints)
     coord = CoordinatorThread(etcd_session.endpoints, job_name, join_debounce=0.05, resync_interval=0.1,
                               delta_min_members=2, link_measure_interval=0.0)

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -32,7 +33,7 @@ assert world  # the fixture is used by name below
 DA, DB = 0x1111_AAAA, 0x2222_BBBB
 
 
-def _in_thread(fn):  # type: ignore[no-untyped-def]
+def _in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, dict[str, object]]:
     out: dict[str, object] = {}
 
     def run() -> None:
