@@ -203,3 +203,62 @@ def test_a_bad_probe_frame_on_a_live_link_is_refused_and_nothing_is_lost(kind: s
     finally:
         w.a.close()
         w.b.close()
+
+
+# -- the waiting side (resilient/collectives/op_context.py) ----------------------------------
+
+
+def test_wait_op_probes_a_lasting_wait_and_both_members_raise() -> None:
+    """Two members in OpContext's wait loop over TCP, different digests at op 3, no data:
+    each wait probes after ``probe_interval`` and both end with OpMismatch, no suspect
+    reported (the probe came well before op_timeout)."""
+    from resilient.collectives.op_context import probe_interval, wait_op
+
+    assert probe_interval(None) == 1.0 and probe_interval(30.0) == 1.0 and probe_interval(0.4) == 0.1
+    w = _make("tcp")
+    suspects: list[tuple[str, str]] = []
+    try:
+        w.configure(1)
+        ra = w.a.irecv("b", np.zeros(4, np.int64), 3, 0, DA)
+        rb = w.b.irecv("a", np.zeros(4, np.int64), 3, 0, DB)
+        th, out = _in_thread(lambda: wait_op(w.b, [rb], 3, 0.4, lambda p, why: suspects.append((p, why))))
+        with pytest.raises(OpMismatch):
+            wait_op(w.a, [ra], 3, 0.4, lambda p, why: suspects.append((p, why)))
+        th.join(HANG_GUARD_S)
+        assert isinstance(out["r"], OpMismatch) and suspects == []
+        assert w.a.stats.probes.get("mismatch") == 1 and w.b.stats.probes.get("mismatch") == 1
+    finally:
+        w.a.close()
+        w.b.close()
+
+
+def test_wait_op_over_a_stand_in_reports_suspects_and_never_probes() -> None:
+    """A transport that is not a full Transport (a test's stand-in, a device op's split
+    transport) is waited on in slices of op_timeout: each pending peer reported once."""
+    from resilient.collectives.op_context import wait_op
+
+    class Req(Request):
+        def __init__(self, peer: str) -> None:
+            self.peer, self.nbytes, self.op_seq, self.n = peer, 0, 1, 0
+
+        def done(self) -> bool:
+            return self.n >= 3
+
+        @property
+        def error(self) -> BaseException | None:
+            return None
+
+    class StandIn:
+        def __init__(self, reqs: list[Req]) -> None:
+            self.reqs, self.timeouts = reqs, []   # type: list[Req], list[float | None]
+
+        def wait(self, requests: object, timeout: float | None = None) -> bool:
+            self.timeouts.append(timeout)
+            for r in self.reqs:
+                r.n += 1
+            return all(r.done() for r in self.reqs)
+
+    reqs = [Req("p"), Req("q")]
+    t, seen = StandIn(reqs), []   # type: StandIn, list[str]
+    wait_op(t, reqs, 1, 5.0, lambda p, why: seen.append(p))
+    assert t.timeouts == [5.0, 5.0, 5.0] and seen == ["p", "q"]
