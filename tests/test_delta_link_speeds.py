@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession, Store, keys
+from resilient.coordinator import EpochWatcher, MemberInfo, keys
 from resilient.coordinator.delta import (
     EpochDelta, EpochState, is_delta, load_snapshot, parse_delta, plan_digest, snapshot_ops, speed_changes,
 )
@@ -18,8 +18,7 @@ from resilient.coordinator.epoch import Epoch, EpochPlan
 from resilient.coordinator.planner import plan
 from resilient.coordinator.store import Put
 from resilient.errors import RecordError
-from tests.cp_helpers import CoordinatorThread
-from tests.test_link_speeds_plan import HOSTS, Reporters
+from tests.test_link_speeds_plan import measured_job
 
 #: 2 hosts x 2; local index 0 has the fast links
 SPEEDS = {"a0": 2e8, "a1": 1e8, "b0": 2e8, "b1": 1e8}
@@ -145,17 +144,10 @@ def test_a_speed_for_a_non_member_is_refused_on_apply() -> None:
 
 
 def test_a_real_coordinator_publishes_measured_speeds_as_delta_epochs(etcd_session, job_name):
-    store = Store(etcd_session.endpoints)
-    coord = CoordinatorThread(etcd_session.endpoints, job_name, join_debounce=0.05, resync_interval=0.1,
-                              delta_min_members=2, link_measure_interval=0.0)
-    sessions = {m: MemberSession.register(store, job_name, MemberInfo(
-        member_id=m, host=h, local_rank=int(m[1]), address=f"127.0.0.1:{22000 + i}"), ttl=5.0)
-        for i, (m, h) in enumerate(HOSTS.items())}
-    watcher = EpochWatcher(store, job_name)
-    try:
-        first = watcher.wait_for(lambda e: len(e.members) == 4, 15)
+    with measured_job(etcd_session, job_name, delta_min_members=2, link_measure_interval=0.0) as (
+            store, watcher, coord, reps):
+        first = watcher.current()
         assert is_delta(store.get(keys.epoch(job_name)).value) and "link_bps" not in first.plan
-        reps = Reporters(store, job_name, sessions)
         reps.window(SPEEDS)
         measured = watcher.wait_for(lambda e: "link_bps" in e.plan, 15)
         raw = store.get(keys.epoch_record(job_name, measured.number)).value
@@ -178,9 +170,3 @@ def test_a_real_coordinator_publishes_measured_speeds_as_delta_epochs(etcd_sessi
             assert got.members == moved.members and got.plan["shard_weights"] == moved.plan["shard_weights"]
         finally:
             late.close()
-    finally:
-        watcher.close()
-        coord.close()
-        for s in sessions.values():
-            s.close()
-        store.close()

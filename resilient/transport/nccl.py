@@ -645,24 +645,36 @@ class NcclTransport(OpLayer):
                 "(NCCL matches by posting order)")
 
     def _poll_errors(self, reqs: Sequence[NcclRequest]) -> None:
-        """Look for peers' ERROR reports on the ops of ``reqs`` in the rendezvous; a report
-        fails that op's requests (aborting the communicator if any is in flight)."""
+        """Look in the rendezvous, for the ops of ``reqs``, for peers' ERROR reports and,
+        for the ops this member probed (:meth:`probe`), for their probe records: a report,
+        or a record with another digest (:class:`OpMismatch`), fails that op's requests
+        (aborting the communicator if any is in flight). A malformed probe record is
+        logged, never used."""
         in_flight = False
         with self._lock:
             for peer, seq in sorted({(r.peer, r.op_seq) for r in reqs if not r._done}):
                 if self._ops.error_of(seq) is not None:
                     continue
-                try:
-                    frame = self.rendezvous.peek(self._epoch, f"op-error-{int(seq)}", peer)
-                except Exception as exc:  # noqa: BLE001 - the store is asked again at the next poll
-                    log.debug("ERROR poll for op #%d failed: %s", seq, exc)
-                    continue
-                if frame is None:
-                    continue
-                self._ops.peer_reported(peer, seq, frame)
-                in_flight = self._fail_op(seq) or in_flight
+                frame = self._peek("op-error", peer, seq)
+                ours = self._probed.get((self._epoch, seq))
+                if frame is not None:
+                    self._ops.peer_reported(peer, seq, frame)
+                elif ours is not None:
+                    self._judge_probe(peer, seq, ours, self._peek("op-probe", peer, seq))
+                if self._ops.error_of(seq) is not None:
+                    in_flight = self._fail_op(seq) or in_flight
         if in_flight:
-            self.abort("a peer reported an error on an op with NCCL operations in flight")
+            self.abort("a peer reported an error on, or probed with another descriptor, an op with NCCL "
+                       "operations in flight")
+
+    def _peek(self, name: str, peer: str, seq: int) -> bytes | None:
+        """``peer``'s ``<name>-<seq>`` record of this epoch, or None (also when the store
+        fails: it is asked again at the next poll)."""
+        try:
+            return self.rendezvous.peek(self._epoch, f"{name}-{int(seq)}", peer)
+        except Exception as exc:  # noqa: BLE001 - asked again at the next poll
+            log.debug("%s poll for op #%d failed: %s", name, seq, exc)
+            return None
 
     def _fail_op(self, seq: int) -> bool:
         """Fail the pending requests of ``seq`` with its recorded error (lock held);
@@ -681,7 +693,7 @@ class NcclTransport(OpLayer):
     def probe(self, peers: Sequence[str]) -> None:
         """Publish our current op's digest as ``op-probe-<seq>`` in the rendezvous (once
         per op); a wait then compares the waited peers' records of that op
-        (:meth:`_poll_probes`): the peer, when its wait lasts too, publishes its own.
+        (:meth:`_poll_errors`): the peer, when its wait lasts too, publishes its own.
         Best effort, never raises."""
         with self._lock:
             cur = max(((r.op_seq, r.digest) for r in self._pending
@@ -698,33 +710,18 @@ class NcclTransport(OpLayer):
         except Exception as exc:  # noqa: BLE001 - best effort by contract
             log.warning("probe for op #%d not published: %s", cur[0], exc)
 
-    def _poll_probes(self, reqs: Sequence[NcclRequest]) -> None:
-        """For the ops of ``reqs`` this member probed: a waited peer's probe record with
-        another digest fails the op with :class:`OpMismatch` (aborting the communicator
-        if any of its operations is in flight). A malformed record is logged, never used."""
-        in_flight = False
-        with self._lock:
-            for peer, seq in sorted({(r.peer, r.op_seq) for r in reqs if not r._done}):
-                ours = self._probed.get((self._epoch, seq))
-                if ours is None or self._ops.error_of(seq) is not None:
-                    continue
-                try:
-                    raw = self.rendezvous.peek(self._epoch, f"op-probe-{int(seq)}", peer)
-                except Exception as exc:  # noqa: BLE001 - the store is asked again at the next poll
-                    log.debug("probe poll for op #%d failed: %s", seq, exc)
-                    continue
-                if raw is None:
-                    continue
-                if len(raw) != PROBE_RECORD.size:
-                    log.warning("member %s published a bad probe record for op #%d (%d bytes, expected %d): ignored",
-                                peer, seq, len(raw), PROBE_RECORD.size)
-                    continue
-                self._stats.add_probe("answers")
-                if self._ops.check_digest(peer, seq, PROBE_RECORD.unpack(raw)[0], ours) is not None:
-                    self._stats.add_probe("mismatch")
-                    in_flight = self._fail_op(seq) or in_flight
-        if in_flight:
-            self.abort("a peer probed this op with another descriptor: NCCL operations were in flight")
+    def _judge_probe(self, peer: str, seq: int, ours: int, raw: bytes | None) -> None:
+        """Compare ``peer``'s probe record of op ``seq`` (None: not published) with our
+        digest ``ours``: another digest fails the op through the op guard."""
+        if raw is None:
+            return
+        if len(raw) != PROBE_RECORD.size:
+            log.warning("member %s published a bad probe record for op #%d (%d bytes, expected %d): ignored",
+                        peer, seq, len(raw), PROBE_RECORD.size)
+            return
+        self._stats.add_probe("answers")
+        if self._ops.check_digest(peer, seq, PROBE_RECORD.unpack(raw)[0], ours) is not None:
+            self._stats.add_probe("mismatch")
 
     def wait(self, requests: Sequence[Request], timeout: float | None = None) -> bool:
         start = time.monotonic()
@@ -747,7 +744,6 @@ class NcclTransport(OpLayer):
             if time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + ERROR_POLL_S
                 self._poll_errors(reqs)
-                self._poll_probes(reqs)
                 self._raise_failed(reqs)
 
         try:
