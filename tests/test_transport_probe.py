@@ -262,3 +262,29 @@ def test_wait_op_over_a_stand_in_reports_suspects_and_never_probes() -> None:
     t, seen = StandIn(reqs), []   # type: StandIn, list[str]
     wait_op(t, reqs, 1, 5.0, lambda p, why: seen.append(p))
     assert t.timeouts == [5.0, 5.0, 5.0] and seen == ["p", "q"]
+
+
+def test_a_lasting_wait_queues_one_probe_query_per_link() -> None:
+    """Probes that cannot go out yet (a 64 MiB frame is half written: ``b`` reads
+    nothing) are not queued once per interval."""
+    w = _make("tcp")
+    try:
+        w.configure(1)
+        a = w.a
+        assert isinstance(a, TcpTransport)
+        big = a.isend("b", np.zeros(8 << 20, np.int64), 5, 0, DA)
+        a.irecv("b", np.zeros(4, np.int64), 5, 1, DA)
+        assert a.wait([big], timeout=0.3) is False        # the socket buffers are full, b reads nothing
+        conn = a._conns["b"]
+        for _ in range(3):
+            a.probe(["b"])
+            assert a.wait([big], timeout=0.05) is False
+
+        def probes() -> int:
+            return sum(1 for m in conn.raw_out if len(m) == frames.HEADER_SIZE
+                       and frames.decode_header(m).kind == frames.PROBE)
+
+        assert probes() == 1 and a.stats.probes == {"sent": 1}
+    finally:
+        w.a.close()
+        w.b.close()

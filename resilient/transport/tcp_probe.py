@@ -49,9 +49,25 @@ class TcpProbing(TcpWriting):
             conn = self._conns.get(peer)
             if conn is None or conn.sock is None or conn.failed is not None or not conn.handshaken:
                 continue  # no link yet (the peer dials us): the peer's own probe covers the pair
+            if self._query_queued(conn):
+                continue  # the last one has not gone out (a long frame ahead of it): one is enough
             conn.raw_out.append(memoryview(frame))
             self._stats.add_probe("sent")
             self._try_write(conn)
+
+    @staticmethod
+    def _query_queued(conn: Conn) -> bool:
+        """Whether a whole PROBE query still waits in ``conn``'s control queue (a lasting
+        wait behind a long DATA frame queues one query, not one per interval)."""
+        for mv in conn.raw_out:
+            if len(mv) == frames.HEADER_SIZE:
+                try:
+                    h = frames.decode_header(mv)
+                except FrameError:
+                    continue
+                if h.kind == frames.PROBE and h.tag == frames.PROBE_QUERY:
+                    return True
+        return False
 
     def _current_op(self) -> tuple[int, int] | None:
         """``(op_seq, digest)`` of the newest collective op with a request pending here."""
