@@ -5,8 +5,8 @@ them, must both fail that op with ``OpMismatch`` once probed; a peer that is mer
 slower (in our op with our digest, or in an earlier op) must never be failed by a probe.
 The PROBE frame's validation is unit-tested here too: a bad one raises ``FrameError``
 naming the peer, and on a live link it is refused without losing the link or the data
-behind it. The real-process test (broadcasts from two different roots) is in
-tests/test_op_probe_procs.py.
+behind it. The real-process test (broadcasts from different roots) is
+tests/test_collectives_multiproc.py::test_mismatched_inputs_raise_everywhere_and_next_op_works.
 """
 from __future__ import annotations
 
