@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import secrets
 import socket
@@ -48,7 +49,8 @@ from dataclasses import dataclass, field
 
 from resilient.coordinator import keys, records
 from resilient.coordinator.delta import (
-    CHUNK_MEMBERS, SNAPSHOT_EVERY, EpochDelta, EpochState, is_delta, parse_delta, resolve, snapshot_ops,
+    CHUNK_MEMBERS, SNAPSHOT_EVERY, SPEEDS_FIELD, EpochDelta, EpochState, is_delta, parse_delta, resolve,
+    snapshot_ops, speed_changes,
 )
 from resilient.coordinator.decide import Decision, Entry, EpochFacts, HealthOutcome, Snapshot, decide
 from resilient.coordinator.directory import Directory
@@ -57,7 +59,7 @@ from resilient.coordinator.epoch import Epoch, EpochPlan, latest_valid_history
 from resilient.coordinator.epoch_view import EpochIndex, EpochView, StateView
 from resilient.coordinator.eviction import read_requests
 from resilient.coordinator.health import no_demotion, read_health, write_scores
-from resilient.coordinator.link_classes import SPEED_BAND, parse_speeds, speeds_from_health
+from resilient.coordinator.link_classes import LINK_LABEL, SPEED_BAND, parse_speeds, speeds_from_health
 from resilient.coordinator.liveness import LeaseLiveness
 from resilient.coordinator.metrics import CoordinatorMetrics
 from resilient.coordinator.planner import plan
@@ -82,8 +84,11 @@ class CoordinatorConfig:
     many members on, epochs are published as deltas with chunked snapshots
     (:mod:`.delta`; below it, as one full record); ``measure_links``: plan with the
     cross-host link speeds the health reporters measure (``link_bps`` in the ``health/``
-    records, full-record epochs only), changed only when a measurement leaves the band
-    ``link_band`` around the published speed (:func:`.link_classes.settle_speeds`)."""
+    records; a delta epoch carries the speeds that changed), changed only when a
+    measurement leaves the band ``link_band`` around the published speed
+    (:func:`.link_classes.settle_speeds`); ``link_measure_interval``: from
+    ``delta_min_members`` on, the ``health/`` records are read for link speeds at most
+    this often (an O(N) read at scale; below it, every pass)."""
 
     ttl: float = 5.0
     debounce: float = 0.02
@@ -95,6 +100,7 @@ class CoordinatorConfig:
     delta_min_members: int = 1024
     measure_links: bool = True
     link_band: float = SPEED_BAND
+    link_measure_interval: float = 5.0
 
     def validate(self) -> None:
         for name, value in (("ttl", self.ttl), ("resync_interval", self.resync_interval),
@@ -104,10 +110,28 @@ class CoordinatorConfig:
         for name, value in (("debounce", self.debounce), ("join_debounce", self.join_debounce)):
             if value < 0:
                 raise ConfigError(f"coordinator {name} must be >= 0, got {value}")
+        if self.link_measure_interval < 0:
+            raise ConfigError(f"coordinator link_measure_interval must be >= 0, got {self.link_measure_interval}")
         if not 0 < self.link_band <= 10:
             raise ConfigError(f"coordinator link_band must be in (0, 10] (0.25: a 25 % change), got {self.link_band}")
         if self.min_members < 1:
             raise ConfigError(f"--min-members must be >= 1, got {self.min_members}")
+
+
+def _hosts_named(records: Mapping[str, HealthRecord], alive: Mapping[str, Entry]) -> dict[str, str]:
+    """The host of every live member a health record names (its writer and the peers it
+    measured): O(records), not O(members) (``alive`` may be the live directory: looked up)."""
+    names = set(records)
+    for rec in records.values():
+        rates = rec.get(LINK_LABEL) if isinstance(rec, Mapping) else None
+        if isinstance(rates, Mapping):
+            names.update(k for k in rates if isinstance(k, str))
+    hosts: dict[str, str] = {}
+    for m in names:
+        entry = alive.get(m)
+        if entry is not None:
+            hosts[m] = entry[0].host
+    return hosts
 
 
 @dataclass
@@ -237,6 +261,7 @@ class Coordinator:
         #: member ids whose directory entry changed since they were last reconciled
         self._dirty = _DirtyMarks()
         self._full_pass = True         # next pass compares the whole directory with the epoch
+        self._measured_at = -math.inf  # monotonic time link speeds were last read from health/
         self._reload_due = True        # next pass re-reads the directory (paged)
         self._pub: _Published | None = None
         self._members_copy: tuple[int, dict[str, Entry]] = (-1, {})
@@ -543,18 +568,21 @@ class Coordinator:
         # only a policy that asks for it reads the epoch: by lookup (epoch_view.py), no planner run
         epoch_view = pub.view() if pub is not None and needs.epoch else None
         departed, bad_markers = self._read_departed()
-        # measured link speeds: full-record epochs only (a delta epoch's plan is derived by
-        # every reader without them), and ``members`` is then a stable copy
-        measure = self.config.measure_links and len(members) < self.config.delta_min_members
+        # measured link speeds, in either epoch form (a delta record carries the speeds that
+        # changed, coordinator/delta.py); at scale the O(N) health read is rate-limited
+        now = time.monotonic()
+        measure = self.config.measure_links and (len(members) < self.config.delta_min_members or
+                                                 now - self._measured_at >= self.config.link_measure_interval)
+        if measure:
+            self._measured_at = now
         records = read_health(self.store, self.job) if needs.health or measure else {}
         health = self._health_verdict(epoch_view, alive.keys(), records if needs.health else {})
-        measured = (speeds_from_health(records, {m: info.host for m, (info, _) in dict(alive).items()})
-                    if measure else None)
+        measured = speeds_from_health(records, _hosts_named(records, alive)) if measure else None
         facts = None
         if pub is not None:
             self.metrics.epoch.set(pub.number)
             extras = pub.state.extras
-            speeds = parse_speeds(pub.full_epoch().plan.get("link_bps")) if pub.form == "full" else {}
+            speeds = pub.state.speeds   # the speeds it was planned with, in either form
             facts = EpochFacts(pub.number, pub.members, pub.state.demoted(), pub.state.infos,
                                [list(p) for p in (extras.get("avoid") or [])], set(extras.get("evicted") or {}),
                                speeds)
@@ -672,19 +700,25 @@ class Coordinator:
         role_changes.update({m: "demoted" for m in added if m in new_demoted})
         # periodic snapshots are written by an idle pass (_write_snapshot), off the publish path;
         # one is written inline only when the chain would outgrow the kept history
-        snap = (pub is None or corrupt is not None or pub.form != "delta"
-                or number - pub.snapshot >= keys.EPOCHS_KEPT - 2 or len(added) > CHUNK_MEMBERS)
         base = pub.number if pub is not None and corrupt is None else 0
+        extras = dict(extras)
+        speeds = parse_speeds(extras.pop(SPEEDS_FIELD, None))   # carried as changes, not whole
+        chained = pub is not None and corrupt is None and pub.state.number == base
+        set_bps, dropped_bps = speed_changes(pub.state.speeds if chained and pub is not None else {}, speeds, removed)
+        snap = (pub is None or corrupt is not None or pub.form != "delta"
+                or number - pub.snapshot >= keys.EPOCHS_KEPT - 2 or len(added) > CHUNK_MEMBERS
+                or len(set_bps) + len(dropped_bps) > CHUNK_MEMBERS)   # many speeds moved: the snapshot has them
         d = EpochDelta(number=number, base=base, snapshot=number if snap or pub is None else pub.snapshot, removed=removed,
                        added=added, infos={m: alive[m][0] for m in added}, roles=role_changes, extras=extras,
+                       link_bps=set_bps, link_bps_dropped=dropped_bps,
                        token=token, size=len(alive), cause=cause, trigger_at=trigger, published_at=time.time(),
                        leader=self.id)
-        if pub is not None and corrupt is None and pub.state.number == base:
+        if chained and pub is not None:
             self._pub = None   # its state is consumed below: a failing pass re-reads the epoch
             state = pub.state.apply(d, in_place=True)
         else:
             state = EpochState(number, {m: v[0] for m, v in dict(alive).items()},
-                               {m: "demoted" for m in new_demoted}, extras, token)
+                               {m: "demoted" for m in new_demoted}, extras, token, speeds)
         phash = state.derive_hash()
         if snap:
             chunk_puts, meta = snapshot_ops(self.job, state, phash)
@@ -693,7 +727,7 @@ class Coordinator:
             ops.append(meta)
             if pub is not None and pub.snapshot:   # keep the previous snapshot for readers mid-way
                 ops.append(Delete(keys.snapshots(self.job), range_end=keys.snapshot(self.job, pub.snapshot)))
-            d = dataclasses.replace(d, infos={})
+            d = dataclasses.replace(d, infos={}, link_bps={}, link_bps_dropped=())   # readers load the snapshot
             if len(d.added) + len(d.removed) > CHUNK_MEMBERS // 4:   # readers diff their state with the snapshot
                 d = dataclasses.replace(d, added=(), removed=())
         d = dataclasses.replace(d, plan_hash=phash)

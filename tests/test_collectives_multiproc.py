@@ -131,9 +131,13 @@ def test_sigstop_member_is_removed_and_raises_when_resumed(etcd_session, job_nam
 
 
 def test_mismatched_inputs_raise_everywhere_and_next_op_works(etcd_session, job_name, tmp_path):
+    """Op 2 moves no data at all (m0 broadcasts from root 1, the others from root 0: each
+    waits for another): the op probes (docs/internals.md, "Op probes") end it on every
+    member with InputMismatch, well before the 30 s op timeout, instead of a wait forever."""
     ops = [
         {"k": "allreduce", "numel": 1000, "dtype": "int64", "numel_override": {"m2": 999}},
         {"k": "allreduce", "numel": 500_000, "dtype": "float32", "numel_override": {"m0": 400_000}},
+        {"k": "broadcast", "numel": 1000, "dtype": "int64", "root": 0, "override": {"m0": {"root": 1}}},
         {"k": "allreduce", "numel": 1000, "dtype": "int64", "op": "sum"},
         {"k": "allreduce", "numel": 200_000, "dtype": "float64", "op": "sum"},
     ]
@@ -143,9 +147,10 @@ def test_mismatched_inputs_raise_everywhere_and_next_op_works(etcd_session, job_
             w.wait_done(list(w.procs), 120)
             for mid in w.procs:
                 recs = w.records(mid)
-                for seq in (0, 1):
+                for seq in (0, 1, 2):
                     assert not recs[seq]["ok"] and recs[seq]["error"].startswith("InputMismatch"), (mid, recs[seq])
-                for seq in (2, 3):
+                assert recs[2]["seconds"] < 30, (mid, recs[2])   # the probe ended it, not the op timeout
+                for seq in (3, 4):
                     assert check_allreduce(w, mid, seq, ops[seq]) == sorted(w.procs)
         finally:
             w.close()

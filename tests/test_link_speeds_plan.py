@@ -6,6 +6,8 @@ hysteresis band publishes no epoch, and a real change publishes exactly one."""
 from __future__ import annotations
 
 import itertools
+from contextlib import contextmanager
+from typing import Iterator
 
 from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession, Store
 from resilient.health_reporter import HealthReporter
@@ -36,17 +38,32 @@ class Reporters:
             assert self.reps[r].op_done(1, 0.01)
 
 
-def test_published_plan_follows_measured_speeds_without_flapping(etcd_session, job_name):
+@contextmanager
+def measured_job(etcd_session, job_name: str, **config: object) -> Iterator[tuple[Store, EpochWatcher, CoordinatorThread, Reporters]]:
+    """An in-process coordinator (``config`` on top of fast passes), the :data:`HOSTS`
+    members registered on leases, an epoch watcher and their health reporters (made once
+    the first epoch is seen); all closed afterwards."""
     store = Store(etcd_session.endpoints)
-    coord = CoordinatorThread(etcd_session.endpoints, job_name, join_debounce=0.05, resync_interval=0.1)
+    coord = CoordinatorThread(etcd_session.endpoints, job_name, join_debounce=0.05, resync_interval=0.1, **config)
     sessions = {m: MemberSession.register(store, job_name, MemberInfo(
         member_id=m, host=h, local_rank=int(m[1]), address=f"127.0.0.1:{21000 + i}"), ttl=5.0)
         for i, (m, h) in enumerate(HOSTS.items())}
     watcher = EpochWatcher(store, job_name)
     try:
-        first = watcher.wait_for(lambda e: len(e.members) == 4, 15)
+        watcher.wait_for(lambda e: len(e.members) == 4, 15)
+        yield store, watcher, coord, Reporters(store, job_name, sessions)
+    finally:
+        watcher.close()
+        coord.close()
+        for s in sessions.values():
+            s.close()
+        store.close()
+
+
+def test_published_plan_follows_measured_speeds_without_flapping(etcd_session, job_name):
+    with measured_job(etcd_session, job_name) as (store, watcher, coord, reps):
+        first = watcher.current()
         assert "link_bps" not in first.plan and "shard_weights" not in first.plan
-        reps = Reporters(store, job_name, sessions)
         # local index 0 (a0, b0) has the fast links
         reps.window({"a0": 2e8, "a1": 1e8, "b0": 2e8, "b1": 1e8})
         measured = watcher.wait_for(lambda e: "link_bps" in e.plan, 15)
@@ -68,9 +85,3 @@ def test_published_plan_follows_measured_speeds_without_flapping(etcd_session, j
         assert moved.plan["shard_weights"] == [round(2 / 3, 6), round(1 / 3, 6)]
         coord.wait_reconciles(3)
         assert watcher.current().number == moved.number == measured.number + 1
-    finally:
-        watcher.close()
-        coord.close()
-        for s in sessions.values():
-            s.close()
-        store.close()

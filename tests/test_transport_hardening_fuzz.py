@@ -46,7 +46,7 @@ def test_decode_header_with_a_valid_checksum_checks_every_field(magic, version, 
     try:
         h = frames.decode_header(raw)
     except FrameError:
-        cap = {frames.HELLO: frames.MAX_HELLO_PAYLOAD, frames.ERROR: frames.MAX_CONTROL_PAYLOAD}.get(kind, frames.MAX_PAYLOAD)
+        cap = frames.PAYLOAD_CAP.get(kind, frames.MAX_PAYLOAD)
         assert magic != frames.MAGIC or version != frames.VERSION or kind not in frames.KINDS or length > cap
         return
     assert (h.kind, h.epoch, h.op_seq, h.tag, h.length, h.digest) == (kind, epoch, op_seq, tag, length, digest)

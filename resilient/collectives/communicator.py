@@ -31,7 +31,8 @@ Failure behaviour:
   :class:`~resilient.errors.RemovedFromGroup`; nothing it holds is sent to survivors
   (new epoch token in the handshake, epoch number in every frame).
 * ranks disagree on kind/shape/dtype/op/root at one sequence number: every rank raises
-  :class:`~resilient.errors.InputMismatch` (a descriptor digest in every frame header;
+  :class:`~resilient.errors.InputMismatch` (a descriptor digest in every frame header,
+  and a probe of the peers' current op when a wait lasts: no data between them needed;
   the rank that sees a foreign digest sends an ERROR frame to all); the op is cancelled
   on the transport and the communicator stays usable.
 * ``strict`` policy: :class:`~resilient.errors.CollectiveAborted` when the full set

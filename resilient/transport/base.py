@@ -59,6 +59,12 @@ Contract every implementation keeps
   member it names, no announced frame length is allocated on trust, and nothing one
   connection does (a corrupt frame, an exception while serving it) fails more than that
   connection; each refusal or drop is counted in :attr:`TransportStats.dropped`.
+* **Probes.** :meth:`Transport.probe` asks peers which op they are in (a waiting
+  member calls it when a wait lasts, :mod:`resilient.collectives.op_context`): two members
+  in one op with different descriptor digests both fail it with :class:`OpMismatch`,
+  even when no data flows between them in that op; a peer that is merely slower is never
+  failed by it. A bad probe frame is refused (counted in ``stats.dropped["bad_probe"]``)
+  without closing the link.
 * **Counters.** :attr:`stats` counts payload bytes sent/received (total and per peer) and
   the seconds the caller spent waiting on each peer (for straggler detection and for
   the ``resent_fraction`` of the recovery benchmark).
@@ -104,6 +110,9 @@ class TransportStats:
     #: ``handshake_timeout``, ``pending_evicted``, ``hello_refused``, ``link_taken``,
     #: ``protocol_error``, ``internal_error``, ``accept_emfile``)
     dropped: dict[str, int] = field(default_factory=dict)
+    #: op probes (:meth:`Transport.probe`) by what happened: ``sent``, ``answered`` (a
+    #: query this side answered), ``answers`` (answers read here), ``mismatch``
+    probes: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add_sent(self, peer: str, n: int) -> None:
@@ -120,6 +129,9 @@ class TransportStats:
     def add_dropped(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + n
 
+    def add_probe(self, what: str) -> None:
+        self.probes[what] = self.probes.get(what, 0) + 1
+
     def snapshot(self) -> dict[str, Any]:
         """A JSON-able copy of the counters."""
         return {
@@ -129,6 +141,7 @@ class TransportStats:
             "received_by_peer": dict(self.received_by_peer),
             "wait_s_by_peer": dict(self.wait_s_by_peer),
             "dropped": dict(self.dropped),
+            "probes": dict(self.probes),
         }
 
 
@@ -255,6 +268,18 @@ class Transport(CoreTransport):
         """Send an ERROR message about ``op_seq`` to ``peers`` (best effort, bounded by
         ``timeout``); on the receivers every request of ``op_seq`` then fails with
         :class:`PeerReportedError` carrying ``message``."""
+
+    @abc.abstractmethod
+    def probe(self, peers: Sequence[str]) -> None:
+        """Ask ``peers`` which collective op they are in, telling them ours: the newest
+        op (collective namespace, non-zero digest) with a request pending here. Returns
+        at once (the probes go out, and their answers are read, while requests are
+        waited on). A peer in the same op with another descriptor digest fails that op
+        with :class:`OpMismatch` on both sides (the ranks called different collectives,
+        shapes or dtypes there, and no data between them would have shown it); a peer
+        in another op, or in this op with our digest, changes nothing (it is slower, or
+        waits for someone else). Never raises; a peer without a link, or with nothing
+        pending, is not asked / does not answer."""
 
     # -- conveniences -------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ Header (48 bytes)::
 
     magic    4s   b"RSLC"
     version  u8   1
-    kind     u8   HELLO | DATA | ERROR
+    kind     u8   HELLO | DATA | ERROR | PROBE
     flags    u16  reserved, 0
     epoch    u64  epoch the sender was in when it posted the message
     op_seq   u64  the op's sequence number within the communicator
@@ -13,13 +13,15 @@ Header (48 bytes)::
     digest   u32  digest of the op descriptor (kind, shape, dtype, reduce op)
     crc      u32  zlib.crc32 of the 44 bytes above
 
-The payload is raw bytes (DATA, ERROR) or UTF-8 JSON (HELLO). Nothing is ever
-unpickled.
+The payload is raw bytes (DATA, ERROR) or UTF-8 JSON (HELLO); a PROBE has none: it asks
+a peer which op it is in (``tag`` :data:`PROBE_QUERY`, carrying the asker's op and
+descriptor digest in ``op_seq`` / ``digest``) or answers that (``tag``
+:data:`PROBE_ANSWER`), see :func:`check_probe`. Nothing is ever unpickled.
 
 Failure behaviour: every function here raises :class:`~resilient.errors.FrameError` and
 nothing else on bad input — :func:`decode_header` on a bad size, magic, version, kind,
-checksum or a payload length over the kind's cap (:data:`MAX_HELLO_PAYLOAD` for HELLO,
-:data:`MAX_CONTROL_PAYLOAD` for ERROR), :func:`decode_hello` / :func:`decode_json` on a
+checksum or a payload length over the kind's cap (:data:`PAYLOAD_CAP`), :func:`check_probe`
+on a PROBE frame that is not one of the two documented forms, :func:`decode_hello` / :func:`decode_json` on a
 payload that is not the documented JSON object, and :func:`encode_header` on a field that
 does not fit its u64/u32 slot (e.g. an epoch number >= 2**64 from a corrupt epoch record),
 so a corrupt stream is refused at the first bad header instead of being written into a
@@ -34,11 +36,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from resilient.errors import FrameError
+from resilient.transport.tags import OP_NAMESPACE, namespace_of
 
 MAGIC = b"RSLC"
 VERSION = 1
-HELLO, DATA, ERROR = 1, 2, 3
-KINDS = {HELLO: "HELLO", DATA: "DATA", ERROR: "ERROR"}
+HELLO, DATA, ERROR, PROBE = 1, 2, 3, 4
+KINDS = {HELLO: "HELLO", DATA: "DATA", ERROR: "ERROR", PROBE: "PROBE"}
+#: the two PROBE forms (its ``tag`` field)
+PROBE_QUERY, PROBE_ANSWER = 0, 1
 
 _BODY = struct.Struct("<4sBBHQQQQI")
 _CRC = struct.Struct("<I")
@@ -47,6 +52,10 @@ MAX_CONTROL_PAYLOAD = 1 << 20  # ERROR payloads: a short message
 #: a HELLO is ~200 bytes of JSON; anything bigger before the handshake is refused
 MAX_HELLO_PAYLOAD = 4096
 MAX_PAYLOAD = 1 << 48
+#: the largest payload a header of each kind may announce (DATA: :data:`MAX_PAYLOAD`); a
+#: PROBE carries none, but one that announces a short payload is refused by
+#: :func:`check_probe` after its header, so the stream stays in step and the link lives
+PAYLOAD_CAP = {HELLO: MAX_HELLO_PAYLOAD, ERROR: MAX_CONTROL_PAYLOAD, PROBE: MAX_CONTROL_PAYLOAD}
 U64_MAX = (1 << 64) - 1
 #: longest job name / member id / token / session a HELLO may carry
 MAX_HELLO_FIELD = 512
@@ -97,10 +106,45 @@ def decode_header(raw: bytes | bytearray | memoryview) -> Header:
         raise FrameError(f"frame version {version} is not supported (this side speaks {VERSION}); upgrade both sides")
     if kind not in KINDS:
         raise FrameError(f"unknown frame kind {kind}")
-    cap = {HELLO: MAX_HELLO_PAYLOAD, ERROR: MAX_CONTROL_PAYLOAD}.get(kind, MAX_PAYLOAD)
+    cap = PAYLOAD_CAP.get(kind, MAX_PAYLOAD)
     if length > cap:
         raise FrameError(f"{KINDS[kind]} frame announces a payload of {length} bytes (limit {cap})")
     return Header(kind, epoch, op_seq, tag, length, digest)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A PROBE frame: ``answer`` False asks the peer which op it is in and says ours
+    (``op_seq``, descriptor ``digest``); True is the peer's answer (its op and digest)."""
+
+    op_seq: int
+    digest: int
+    answer: bool
+
+
+def encode_probe(epoch: int, p: Probe) -> bytes:
+    """The whole PROBE frame of ``p`` (a header, no payload); :class:`FrameError` for a
+    field out of range."""
+    return encode_header(Header(PROBE, epoch, p.op_seq, PROBE_ANSWER if p.answer else PROBE_QUERY, 0, p.digest))
+
+
+def check_probe(h: Header, peer: str) -> Probe:
+    """The probe a PROBE header ``h`` from member ``peer`` carries. :class:`FrameError`
+    naming ``peer`` and the field when it is not one of the two documented forms: a
+    payload (a probe has none), a ``tag`` other than :data:`PROBE_QUERY` /
+    :data:`PROBE_ANSWER`, or an ``op_seq`` outside the collective ops' namespace
+    (:mod:`~resilient.transport.tags`)."""
+    what = f"member {peer} sent a bad PROBE frame"
+    if h.kind != PROBE:
+        raise FrameError(f"{what}: kind {KINDS.get(h.kind, h.kind)} is not PROBE")
+    if h.length:
+        raise FrameError(f"{what}: it announces {h.length} payload bytes, a probe has none "
+                         "(the peer runs an incompatible transport; upgrade both sides)")
+    if h.tag not in (PROBE_QUERY, PROBE_ANSWER):
+        raise FrameError(f"{what}: tag {h.tag} is neither a query ({PROBE_QUERY}) nor an answer ({PROBE_ANSWER})")
+    if namespace_of(h.op_seq) != OP_NAMESPACE:
+        raise FrameError(f"{what}: op #{h.op_seq:#x} is not a collective op (probes ask about collectives only)")
+    return Probe(h.op_seq, h.digest, h.tag == PROBE_ANSWER)
 
 
 def encode_json(obj: Any) -> bytes:

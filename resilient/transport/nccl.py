@@ -69,6 +69,10 @@ Failure behaviour
   that op's requests with :class:`~resilient.transport.ops.PeerReportedError`; NCCL
   operations of the op already launched cannot be withdrawn, so the communicator is
   then aborted (usable again after the next :meth:`configure`).
+* :meth:`probe` publishes our current op's digest as ``op-probe-<seq>``; a wait compares
+  the records of the peers it waits on for ops it probed, and another digest fails that
+  op with :class:`~resilient.transport.ops.OpMismatch` (the communicator aborted as for an
+  ERROR report). A malformed record is logged and ignored.
 """
 from __future__ import annotations
 
@@ -89,6 +93,7 @@ from resilient.transport.base import Buffer, Request, TransportStats
 from resilient.transport.op_layer import OpLayer
 from resilient.transport.ops import ERROR_MESSAGE_CAP, OpGuard, OpMismatch, PeerReportedError
 from resilient.transport.rendezvous import Rendezvous
+from resilient.transport.tags import OP_NAMESPACE, namespace_of
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +106,8 @@ UID_SLICE_S = 0.1
 HEADER = struct.Struct("<qqQQ")
 #: how often a wait looks in the rendezvous for a peer's ERROR report on its ops
 ERROR_POLL_S = 0.05
+#: an ``op-probe-<seq>`` record: the publisher's descriptor digest of that op
+PROBE_RECORD = struct.Struct("<I")
 
 
 # --------------------------------------------------------------------------------------
@@ -377,6 +384,7 @@ class NcclTransport(OpLayer):
         self._abort_reason: str | None = None
         self._failed: str | None = None           # the communicator of this epoch failed
         self._pending: list[NcclRequest] = []     # posted, not completed (launched or not)
+        self._probed: dict[tuple[int, int], int] = {}  # (epoch, op) -> digest published by :meth:`probe`
         self._closed = False
         self.state = "idle"                       # idle | configured | ready | aborted | closed
 
@@ -637,29 +645,83 @@ class NcclTransport(OpLayer):
                 "(NCCL matches by posting order)")
 
     def _poll_errors(self, reqs: Sequence[NcclRequest]) -> None:
-        """Look for peers' ERROR reports on the ops of ``reqs`` in the rendezvous; a report
-        fails that op's requests (aborting the communicator if any is in flight)."""
+        """Look in the rendezvous, for the ops of ``reqs``, for peers' ERROR reports and,
+        for the ops this member probed (:meth:`probe`), for their probe records: a report,
+        or a record with another digest (:class:`OpMismatch`), fails that op's requests
+        (aborting the communicator if any is in flight). A malformed probe record is
+        logged, never used."""
         in_flight = False
         with self._lock:
             for peer, seq in sorted({(r.peer, r.op_seq) for r in reqs if not r._done}):
                 if self._ops.error_of(seq) is not None:
                     continue
-                try:
-                    frame = self.rendezvous.peek(self._epoch, f"op-error-{int(seq)}", peer)
-                except Exception as exc:  # noqa: BLE001 - the store is asked again at the next poll
-                    log.debug("ERROR poll for op #%d failed: %s", seq, exc)
-                    continue
-                if frame is None:
-                    continue
-                self._ops.peer_reported(peer, seq, frame)
-                err = self._ops.error_of(seq)
-                for r in self._pending:
-                    if r.op_seq == seq and not r._done:
-                        in_flight = in_flight or r.launch is not None
-                        r._error = err
-                self._pending = [r for r in self._pending if r.op_seq != seq or r._done]
+                frame = self._peek("op-error", peer, seq)
+                ours = self._probed.get((self._epoch, seq))
+                if frame is not None:
+                    self._ops.peer_reported(peer, seq, frame)
+                elif ours is not None:
+                    self._judge_probe(peer, seq, ours, self._peek("op-probe", peer, seq))
+                if self._ops.error_of(seq) is not None:
+                    in_flight = self._fail_op(seq) or in_flight
         if in_flight:
-            self.abort("a peer reported an error on an op with NCCL operations in flight")
+            self.abort("a peer reported an error on, or probed with another descriptor, an op with NCCL "
+                       "operations in flight")
+
+    def _peek(self, name: str, peer: str, seq: int) -> bytes | None:
+        """``peer``'s ``<name>-<seq>`` record of this epoch, or None (also when the store
+        fails: it is asked again at the next poll)."""
+        try:
+            return self.rendezvous.peek(self._epoch, f"{name}-{int(seq)}", peer)
+        except Exception as exc:  # noqa: BLE001 - asked again at the next poll
+            log.debug("%s poll for op #%d failed: %s", name, seq, exc)
+            return None
+
+    def _fail_op(self, seq: int) -> bool:
+        """Fail the pending requests of ``seq`` with its recorded error (lock held);
+        whether any of them was in flight."""
+        err = self._ops.error_of(seq)
+        in_flight = False
+        for r in self._pending:
+            if r.op_seq == seq and not r._done:
+                in_flight = in_flight or r.launch is not None
+                r._error = err
+        self._pending = [r for r in self._pending if r.op_seq != seq or r._done]
+        return in_flight
+
+    # -- op probes (no frames besides the ordered messages: through the rendezvous) ----------
+
+    def probe(self, peers: Sequence[str]) -> None:
+        """Publish our current op's digest as ``op-probe-<seq>`` in the rendezvous (once
+        per op); a wait then compares the waited peers' records of that op
+        (:meth:`_poll_errors`): the peer, when its wait lasts too, publishes its own.
+        Best effort, never raises."""
+        with self._lock:
+            cur = max(((r.op_seq, r.digest) for r in self._pending
+                       if not r._done and r._error is None and r.digest and namespace_of(r.op_seq) == OP_NAMESPACE),
+                      default=None)
+            if cur is None or (self._epoch, cur[0]) in self._probed:
+                return
+            self._probed = {k: v for k, v in self._probed.items() if k[0] == self._epoch}
+            self._probed[(self._epoch, cur[0])] = cur[1]
+            epoch = self._epoch
+        try:
+            self.rendezvous.publish(epoch, f"op-probe-{cur[0]}", self.member_id, PROBE_RECORD.pack(cur[1]))
+            self._stats.add_probe("sent")
+        except Exception as exc:  # noqa: BLE001 - best effort by contract
+            log.warning("probe for op #%d not published: %s", cur[0], exc)
+
+    def _judge_probe(self, peer: str, seq: int, ours: int, raw: bytes | None) -> None:
+        """Compare ``peer``'s probe record of op ``seq`` (None: not published) with our
+        digest ``ours``: another digest fails the op through the op guard."""
+        if raw is None:
+            return
+        if len(raw) != PROBE_RECORD.size:
+            log.warning("member %s published a bad probe record for op #%d (%d bytes, expected %d): ignored",
+                        peer, seq, len(raw), PROBE_RECORD.size)
+            return
+        self._stats.add_probe("answers")
+        if self._ops.check_digest(peer, seq, PROBE_RECORD.unpack(raw)[0], ours) is not None:
+            self._stats.add_probe("mismatch")
 
     def wait(self, requests: Sequence[Request], timeout: float | None = None) -> bool:
         start = time.monotonic()

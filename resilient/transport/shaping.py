@@ -270,6 +270,9 @@ class ShapedTransport(WrappedTransport):
     def post_error(self, peers: Sequence[str], op_seq: int, message: bytes, timeout: float = 2.0) -> None:
         self.inner.post_error([p for p in peers if p not in self.spec.drop], op_seq, message, timeout)
 
+    def probe(self, peers: Sequence[str]) -> None:
+        self.inner.probe([p for p in peers if p not in self.spec.drop])
+
     def wait(self, requests: Sequence[Request], timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._idle = 0.0

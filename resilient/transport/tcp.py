@@ -40,7 +40,7 @@ state), :mod:`~resilient.transport.tcp_links` (link lifecycle),
 :mod:`~resilient.transport.tcp_handshake` (dial/accept/TLS/HELLO),
 :mod:`~resilient.transport.tcp_match` (early frames against receives),
 :mod:`~resilient.transport.tcp_read` (reading and routing), :mod:`~resilient.transport.tcp_write`
-(writing); this module is the public transport (posting, waiting, abort, cancel, ERROR).
+(writing), :mod:`~resilient.transport.tcp_probe` (op probes); this module is the public transport (posting, waiting, abort, cancel, ERROR).
 
 Failure behaviour: EOF/reset on a connection fails every request to/from that peer with
 :class:`~resilient.errors.TransportError` naming it (the communicator then reports the
@@ -64,13 +64,13 @@ from resilient.transport import frames
 from resilient.transport.base import Buffer, Request, TransportStats
 from resilient.transport.op_layer import OpLayer
 from resilient.transport.tcp_conn import Conn, TcpRequest, as_memoryview
+from resilient.transport.tcp_probe import TcpProbing
 from resilient.transport.tcp_read import TcpReading
-from resilient.transport.tcp_write import TcpWriting
 
 __all__ = ["TcpTransport", "as_memoryview"]
 
 
-class TcpTransport(TcpReading, TcpWriting, OpLayer):
+class TcpTransport(TcpReading, TcpProbing, OpLayer):
     """The CPU transport. Thread model: one thread at a time calls configure/isend/irecv/
     wait/cancel_op/post_error (the communicator's op thread); :meth:`abort` from any.
 

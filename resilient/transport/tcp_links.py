@@ -28,6 +28,7 @@ from typing import Callable, Protocol
 
 from resilient.errors import FrameError, TransportError
 from resilient.settings import Settings
+from resilient.transport import frames
 from resilient.transport.base import TransportStats
 from resilient.transport.handshake import HandshakeLimits, PendingHandshakes
 from resilient.transport.ops import OpGuard
@@ -197,3 +198,7 @@ class TcpLinks(abc.ABC):
     @abc.abstractmethod
     def _read(self, conn: Conn) -> None:
         """Read what ``conn`` has (:mod:`~resilient.transport.tcp_read`)."""
+
+    @abc.abstractmethod
+    def _on_probe(self, conn: Conn, h: frames.Header) -> None:
+        """A PROBE header was read from ``conn`` (:mod:`~resilient.transport.tcp_probe`)."""

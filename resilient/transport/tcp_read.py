@@ -10,7 +10,10 @@ of a future epoch parks the link until ``configure``; one that does not fit
 Failure behaviour: EOF or a reset fails the link's requests with a
 :class:`~resilient.errors.TransportError` naming the peer; a bad or unexpected frame
 raises :class:`~resilient.errors.FrameError` (the caller's guard closes that link only);
-a peer's ERROR frame fails that op's requests through the op guard.
+a peer's ERROR frame fails that op's requests through the op guard. A PROBE frame is
+handed to :meth:`TcpReading._on_probe` (:mod:`~resilient.transport.tcp_probe`) as soon
+as its header is read, before any matching; a bad one is refused there without closing
+the link.
 """
 from __future__ import annotations
 
@@ -92,6 +95,10 @@ class TcpReading(TcpMatching, TcpHandshake):
             return
         if h.kind in (frames.HELLO, frames.ERROR):
             conn.target, conn.target_got, conn.target_req = memoryview(bytearray(h.length)), 0, None
+            return
+        if h.kind == frames.PROBE:  # outside the matching: a probe never waits for a receive
+            conn.discard, conn.cur = h.length, None
+            self._on_probe(conn, h)
             return
         if h.epoch < self._epoch or self._ops.cancelled(h.op_seq):
             conn.discard, conn.cur = h.length, None

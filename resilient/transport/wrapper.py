@@ -56,6 +56,9 @@ class WrappedTransport(Transport):
     def post_error(self, peers: Sequence[str], op_seq: int, message: bytes, timeout: float = 2.0) -> None:
         self.inner.post_error(peers, op_seq, message, timeout)
 
+    def probe(self, peers: Sequence[str]) -> None:
+        self.inner.probe(peers)
+
     def abort(self, reason: str) -> None:
         self.inner.abort(reason)
 

@@ -5,7 +5,8 @@
 
 Registers a MemberSession (short TTL), waits for an epoch with ``--world`` members,
 builds a Communicator over the etcd group view and a TCP transport, runs the ops with
-inputs from ``inputs.make_input(member index, seq, seed)`` and writes, per op,
+inputs from ``inputs.make_input(member index, seq, seed)`` (an op's ``override``
+maps a member id to fields of that member's call only) and writes, per op,
 ``DIR/<id>.<seq>.npy`` (allow_pickle=False; bfloat16/float16 as float32) and a JSON line
 in ``DIR/<id>.jsonl``: {seq, ok, error, contributors, seconds; allreduce: algorithm (the
 one the epoch selects, when the op's ledger pieces are its layout, else null)}. Exit 0, or 4 when it
@@ -71,6 +72,7 @@ def main() -> int:
         for seq, spec in enumerate(ops):
             if seq < first:
                 continue
+            spec = {**spec, **spec.get("override", {}).get(args.id, {})}  # this member's own fields, if any
             if spec["k"] == "wait_world":  # block until the group has n members, then a barrier
                 watcher.wait_for(lambda e: len(e.members) >= spec["n"], 60)
                 spec = {"k": "barrier"}

@@ -4,7 +4,9 @@ capabilities; its tag space comes from :mod:`resilient.collectives.tags`) and th
 
 Failure behaviour: :meth:`OpContext.wait` never gives up by itself (it reports peers it
 waited on past ``op_timeout`` as suspects and keeps waiting; the transport's abort ends
-it with a :class:`~resilient.errors.TransportError`)."""
+it with a :class:`~resilient.errors.TransportError`); a peer found by a probe to be in
+the same op with another descriptor ends it with :class:`~resilient.errors.OpMismatch`
+(:mod:`resilient.collectives.op_context`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,6 +14,7 @@ from typing import Callable, Protocol, Sequence
 
 from resilient.collectives import failpoints
 from resilient.collectives.ledger import Ledger
+from resilient.collectives.op_context import wait_op
 from resilient.collectives.tags import tag as tag   # re-exported: algorithms build their tags with it
 from resilient.kernels import ReduceOp
 from resilient.transport.base import Buffer, Request
@@ -62,12 +65,10 @@ class OpContext:
         return self.ledger.digest
 
     def wait(self, reqs: Sequence[Request]) -> None:
-        reported: set[str] = set()
-        while not self.transport.wait(reqs, timeout=self.op_timeout):
-            for r in reqs:
-                if not r.done() and r.peer not in reported:
-                    reported.add(r.peer)
-                    self.on_suspect(r.peer, f"op #{self.seq}: waited more than {self.op_timeout}s")
+        """Until every request of ``reqs`` is done: suspects reported past ``op_timeout``,
+        the peers waited on probed past a short interval
+        (:func:`~resilient.collectives.op_context.wait_op`)."""
+        wait_op(self.transport, reqs, self.seq, self.op_timeout, self.on_suspect)
 
     def failpoint(self, phase: str, frac: float) -> None:
         if failpoints.ACTIVE:
