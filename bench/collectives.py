@@ -105,6 +105,9 @@ def main() -> None:
                     help="override the size up to which recursive doubling is used (default: the communicator's)")
     ap.add_argument("--transport", choices=("auto", "tcp"), default="auto",
                     help="members' transport: auto = shared memory on one host (the shm arm), tcp = TCP only")
+    ap.add_argument("--shm-direct", choices=("1", "0"), default="1",
+                    help="with --transport auto: 1 = allreduce through the direct shared-memory algorithm "
+                         "(RESILIENT_SHM_DIRECT=1), 0 = the ring over shared-memory links")
     ap.add_argument("--gloo-port", type=int, default=0, help=argparse_hidden())
     args = ap.parse_args()
     if args.worker:
@@ -117,6 +120,7 @@ def main() -> None:
 
     port = free_port()
     os.environ["RESILIENT_TRANSPORT"] = args.transport  # inherited by the member processes
+    os.environ["RESILIENT_SHM_DIRECT"] = args.shm_direct
     with BenchCluster(os.path.abspath(__file__), args.world, job="bench-collectives",
                       worker_args=["--gloo-port", str(port), "--slice-bytes", str(args.slice_bytes),
                                    "--small-bytes", str(args.small_bytes)]) as cl:
@@ -130,7 +134,7 @@ def main() -> None:
             overhead = median([on / off - 1 for on, off in zip(per_round["ledger_on"], per_round["ledger_off"])])
             bw_ours, bw_gloo = busbw(size, t_ours, args.world), busbw(size, t_gloo, args.world)
             print(json.dumps({
-                "size_bytes": size, "transport": args.transport, "busbw_resilient": round(bw_ours), "busbw_gloo": round(bw_gloo),
+                "size_bytes": size, "transport": args.transport, "shm_direct": args.shm_direct == "1", "busbw_resilient": round(bw_ours), "busbw_gloo": round(bw_gloo),
                 "ratio_vs_gloo": round(bw_ours / bw_gloo, 3), "ledger_overhead": round(overhead, 4),
                 "world": args.world, "rounds": args.rounds, "iters_per_round": res[mids[0]]["iters"],
                 "t_resilient_s": t_ours, "t_gloo_s": t_gloo, "t_ledger_off_s": median(per_round["ledger_off"]),

@@ -76,6 +76,9 @@ class Settings:
         "RESILIENT_LOG_LEVEL", "INFO", "log level of `resilient-run` (`DEBUG`, `INFO`, `WARNING`, ...)"))
     staging: bool = field(default=False, metadata=_var(
         "RESILIENT_STAGING", "0", "`1`: CPU tensors take the host-staged data path of CUDA tensors (docs/cuda.md)"))
+    shm_direct: bool = field(default=False, metadata=_var(
+        "RESILIENT_SHM_DIRECT", "0", "`1`: CPU allreduces between members of one host take the direct "
+        "shared-memory algorithm instead of the ring over shared-memory links (docs/hierarchy.md)"))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -107,6 +110,7 @@ class Settings:
             node_lease=get("RESILIENT_NODE_LEASE", _flag, d.node_lease),
             log_level=get("RESILIENT_LOG_LEVEL", _log_level, d.log_level),
             staging=get("RESILIENT_STAGING", _flag, d.staging),
+            shm_direct=get("RESILIENT_SHM_DIRECT", _flag, d.shm_direct),
         )
 
     def make_selector(self) -> selectors.BaseSelector:

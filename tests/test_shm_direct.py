@@ -27,6 +27,13 @@ from resilient.transport.hybrid import HybridTransport
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from static_group import Info, StaticEpoch, run_communicators  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _shm_direct_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The direct algorithm is opt-in (RESILIENT_SHM_DIRECT=1): these tests turn it on
+    (inherited by member processes)."""
+    monkeypatch.setenv("RESILIENT_SHM_DIRECT", "1")
+
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not shm_segment.supported(), reason="direct shared memory needs Linux on x86-64")]
 

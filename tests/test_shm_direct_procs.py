@@ -19,6 +19,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 from collective_checks import check_allreduce  # noqa: E402
 from collective_harness import Workers, coordinator  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _shm_direct_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The direct algorithm is opt-in (RESILIENT_SHM_DIRECT=1): these tests turn it on
+    (inherited by member processes)."""
+    monkeypatch.setenv("RESILIENT_SHM_DIRECT", "1")
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180),
               pytest.mark.skipif(not shm_segment.supported(), reason="direct shared memory needs Linux on x86-64")]
 

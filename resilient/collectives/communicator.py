@@ -86,19 +86,23 @@ class Communicator:
                  max_slices: int = 64, recovery_timeout: float = 300.0, epoch_timeout: float = 60.0,
                  ledger: bool = True, joining: bool | None = None, health_reporter: Any = None,
                  metrics: Any = None, hierarchical: bool = True, staging: bool | None = None,
-                 device_route: DeviceRoute | None = None) -> None:
-        """``staging``: run CPU tensors through the host-staged data path CUDA tensors take
+                 device_route: DeviceRoute | None = None, shm_direct: bool | None = None) -> None:
+        """``shm_direct``: CPU allreduces between members of one host take the direct
+        shared-memory algorithm (:mod:`.algorithms.shm_direct`; default
+        ``RESILIENT_SHM_DIRECT``, off). ``staging``: run CPU tensors through the host-staged data path CUDA tensors take
         (:mod:`.staged`; default ``RESILIENT_STAGING``, off). CUDA tensors take it unless
         the epoch's members each have their own GPU: then ``device_route`` (default: over
         this view's epoch data, :func:`resilient.device.routing.default_route`) sends them
         over NCCL (docs/cuda.md)."""
         self.view, self.transport, self.member_id = view, transport, view.member_id
-        staging = Settings.from_env().staging if staging is None else bool(staging)
+        env = Settings.from_env() if staging is None or shm_direct is None else None
+        staging = env.staging if env is not None and staging is None else bool(staging)
+        shm_direct = env.shm_direct if env is not None and shm_direct is None else bool(shm_direct)
         self.settings = CommSettings(policy, op_timeout, small_bytes, slice_bytes, max_slices, recovery_timeout,
                                      epoch_timeout, ledger, health_reporter, metrics, hierarchical, staging)
         self.policy = Policy.parse(policy)
         self.op_timeout, self.epoch_timeout, self.ledger_enabled = op_timeout, epoch_timeout, ledger
-        self.sizing = Sizing(small_bytes, slice_bytes, max_slices, hierarchical, staging)
+        self.sizing = Sizing(small_bytes, slice_bytes, max_slices, hierarchical, staging, shm_direct=shm_direct)
         self.metrics = OpMetrics(metrics, health_reporter)
         # ops post through this: a failed link to a live member is retried (issue 5)
         self._op_transport = RetryingTransport(transport, give_up_s=op_timeout, on_suspect=self._suspect,
