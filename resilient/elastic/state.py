@@ -307,10 +307,14 @@ class State:
     def _pg(self) -> Any:
         return self.group if self.group is not None else dist.distributed_c10d._get_default_group()  # noqa: SLF001
 
-    def _allreduce(self, t: torch.Tensor, op: Any) -> None:
+    def _allreduce_async(self, t: torch.Tensor, op: Any) -> Any:
+        """Issue an in-place allreduce of ``t`` on the state's group; returns its Work."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        self._pg().allreduce([t], opts).wait()
+        return self._pg().allreduce([t], opts)
+
+    def _allreduce(self, t: torch.Tensor, op: Any) -> None:
+        self._allreduce_async(t, op).wait()
 
     def _broadcast(self, t: torch.Tensor, src: int) -> None:
         opts = dist.BroadcastOptions()
@@ -332,9 +336,7 @@ class State:
         engine = self._engine()
         pending = engine is not None and engine.pending_joiners()
         flag = torch.tensor([int(pending or world.epoch != self._epoch_seen)], dtype=torch.int64)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX
-        object.__setattr__(self, "_ahead", (self._pg().allreduce([flag], opts), flag))
+        object.__setattr__(self, "_ahead", (self._allreduce_async(flag, dist.ReduceOp.MAX), flag))
 
     def _nothing_changed(self) -> bool:
         """Wait for the agreement :meth:`_look_ahead` issued at the last ``sync()``: True
