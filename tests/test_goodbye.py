@@ -178,3 +178,16 @@ def test_members_closing_right_after_the_last_allreduce_wait_for_a_slow_peer_and
             # waited for m2 until the bound; then a leave and at most one recovery round
             # (1 s) of slack: never the 30 s TTL
             assert linger_bound(4.0) <= closed["seconds"] < 20.0, (mid, closed)
+
+
+def test_goodbye_records_are_validated_and_the_linger_is_bounded():
+    """A goodbye record is JSON with a non-empty address and an integer seq; anything else
+    is ignored (never trusted). The linger is min(op_timeout, 10 s)."""
+    from resilient.goodbye import MAX_LINGER_S, linger_bound, parse_record, record
+
+    assert parse_record(record("127.0.0.1:5000", 7)) == "127.0.0.1:5000"
+    for bad in (b"", b"\xff", b"[]", b"null", b'{"address": "", "seq": 1}', b'{"address": 5, "seq": 1}',
+                b'{"address": "a:1"}', b'{"address": "a:1", "seq": true}', b'{"address": "a:1", "seq": "1"}'):
+        assert parse_record(bad) is None, bad
+    assert linger_bound(None) == MAX_LINGER_S == 10.0
+    assert linger_bound(2.0) == 2.0 and linger_bound(300.0) == 10.0 and linger_bound(-1.0) == 0.0
