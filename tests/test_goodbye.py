@@ -163,12 +163,12 @@ def test_members_closing_right_after_the_last_allreduce_wait_for_a_slow_peer_and
     With the goodbye the closers linger until m0 finished: every member reports the full
     contributor set and an exact sum (without it their lease revocations abort m0 inside
     the op, which then finishes it over fewer contributors than the others report). And
-    the dead m2 holds each closer at most the bound, min(op_timeout, 10 s) = 4 s here,
+    the dead m2 holds each closer at most the bound, min(op_timeout, 10 s) = 3 s here,
     not until its lease expires."""
     from resilient.goodbye import linger_bound
 
     roles = {"m0": "slow", "m1": "fast", "m2": "die", "m3": "fast"}   # m0 receives from m3 (ring order)
-    results = _run(etcd_session, job_name, tmp_path, roles, op_timeout=4.0)
+    results = _run(etcd_session, job_name, tmp_path, roles, op_timeout=3.0)
     assert results["m2"][0] == -signal.SIGKILL, results["m2"]
     for mid, (rc, result, closed, err) in results.items():
         assert result is not None, (mid, rc, err)
@@ -177,7 +177,7 @@ def test_members_closing_right_after_the_last_allreduce_wait_for_a_slow_peer_and
             assert rc == 0 and closed is not None, (mid, rc, err)
             # waited for m2 until the bound; then a leave and at most one recovery round
             # (1 s) of slack: never the 30 s TTL
-            assert linger_bound(4.0) <= closed["seconds"] < 20.0, (mid, closed)
+            assert linger_bound(3.0) <= closed["seconds"] < 20.0, (mid, closed)
 
 
 def test_goodbye_records_are_validated_and_the_linger_is_bounded():
