@@ -18,7 +18,7 @@ coordinator running for job ``demo``; run it in each of two processes)::
         t = torch.ones(4)
         comm.allreduce(t)        # t == 2 on both members
     finally:
-        comm.close()             # leaves the group, then transport, watcher, lease, store
+        comm.close()             # goodbye (waits for the peer's), leaves; transport, watcher, lease, store
 
 Failure behaviour: anything that fails while connecting (etcd unreachable:
 :class:`~resilient.errors.StoreUnavailable`; a live member already holds the id:
@@ -37,7 +37,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from resilient.collectives.communicator import Communicator
-from resilient.collectives.group import EtcdGroupView, GroupView
+from resilient.collectives.group import EtcdGroupView, GroupView, addresses_of
 from resilient.device.probe import member_record
 from resilient.device.select import DeviceRecord
 from resilient.settings import Settings
@@ -98,7 +98,11 @@ class ConnectedCommunicator(Communicator):
         the peers see an epoch without it at once; see :meth:`Communicator.close`), then
         the transport, the epoch watcher, the member session and — when :func:`connect`
         opened it — the store. Each step is attempted even if an earlier one failed
-        (logged); safe to call twice."""
+        (logged); safe to call twice. Before leaving it says goodbye and lingers, at most
+        ``min(op_timeout, 10 s)``, until the group's other members finished their last op
+        or died (:meth:`_say_goodbye`, :mod:`resilient.goodbye`): a member that closes right
+        after the last op never aborts a peer still reading that op's bytes. Handed over
+        (``leave`` false in effect): no goodbye."""
         try:
             super().close(linger=linger, leave=leave and not self._handed_over)
         finally:
@@ -107,6 +111,26 @@ class ConnectedCommunicator(Communicator):
                 steps: list[_Closable] = [self.transport, self.watcher, _SessionCloser(self.session)]
                 _close_all(steps + ([self.store] if self._owns_store else []))
 
+    def _say_goodbye(self) -> bool:
+        """The goodbye of :mod:`resilient.goodbye` (before the lease is revoked): put this
+        member's goodbye and wait, at most ``min(op_timeout, 10 s)``, for the other members
+        of the group to have put theirs or left the newest epoch. True when none is owed.
+        Never raises: an etcd error is logged and counts as not known (False)."""
+        from resilient import goodbye
+
+        epoch = self.epoch
+        if len(epoch.members) < 2:
+            return True
+        if self.view.session_lost():   # removed already: the peers finish without us
+            return False
+        try:
+            owed = goodbye.farewell(self.store, self.session.job, self.member_id, self.session.lease_id,
+                                    addresses_of(epoch), self.next_seq, self.watcher.current,
+                                    self.watcher.subscribe, goodbye.linger_bound(self.op_timeout))
+        except Exception as exc:  # noqa: BLE001 - leaving goes on as it would without a goodbye
+            log.info("close: goodbye of %s failed (leaving without it): %s", self.member_id, exc)
+            return False
+        return not owed
 
     def rejoin(self, timeout: float | None = None) -> Communicator:
         """:meth:`Communicator.rejoin`; the returned Communicator (also a

@@ -286,20 +286,26 @@ class Communicator:
     def close(self, linger: float = 0.0, leave: bool = False) -> None:
         """Finish the queued ops, then make leaving safe for the peers.
 
-        A peer may still be finishing our last op after a failure and need our kept
-        result: if an epoch that removes a member is already published (or arrives within
-        ``linger`` seconds), this member first takes part in that recovery from its
-        retained result (:meth:`.recovery_path.RecoveryPath.serve_retained`). With
-        ``leave=True`` it then ends its membership (revokes its lease through the group
-        view), so peers that would need it later see an epoch change at once instead of
-        waiting for it. Never raises for a failed peer; bounded by ``linger`` + one
-        recovery. Under the deadline straggler policy a parent first waits (at most
-        ``op_timeout``) until its leaves finished the last op (they may lag by one:
+        With ``leave=True`` this member first says goodbye (:meth:`_say_goodbye`: a
+        Communicator built by :func:`resilient.connect` lingers, at most
+        ``min(op_timeout, 10 s)``, until the peers of its group finished their last op or
+        died, :mod:`resilient.goodbye`), so leaving cannot abort a peer still reading that
+        op's last bytes. A peer may still be finishing our last op after a failure and need
+        our kept result: unless every peer said goodbye, if an epoch that removes a member
+        is already published (or arrives within ``linger`` seconds), this member takes
+        part in that recovery from its retained result
+        (:meth:`.recovery_path.RecoveryPath.serve_retained`). With ``leave=True`` it then
+        ends its membership (revokes its lease through the group view), so peers that
+        would need it later see an epoch change at once instead of waiting for it. Never
+        raises for a failed peer; bounded by the goodbye + ``linger`` + one recovery.
+        Under the deadline straggler policy a parent first waits (at most ``op_timeout``)
+        until its leaves finished the last op (they may lag by one:
         ``algorithms/leaf_deadline.drain``)."""
         if not self._ops.close():
             return
         drain(self._op_transport, self.epoch.number, max(linger, self.op_timeout or 30.0))
-        self._recovery.serve_retained(linger, self.policy)
+        if not (leave and self._say_goodbye()):
+            self._recovery.serve_retained(linger, self.policy)
         self._epochs.unwatch()
         self._route.close()
         if leave:
@@ -307,6 +313,14 @@ class Communicator:
                 self.view.leave("closed")
             except Exception as exc:  # noqa: BLE001
                 log.info("close: leaving failed (the lease TTL removes this member): %s", exc)
+
+    def _say_goodbye(self) -> bool:
+        """Before leaving (:meth:`close` with ``leave=True``): tell the peers this member
+        is done and wait, bounded, until they finished their last op; True when every peer
+        did (none can need our retained result any more). This Communicator has no
+        control plane of its own to say it on: False (nothing known); a subclass with one
+        (``resilient.connect``'s) says it. Never raises."""
+        return False
 
     # -- op bodies (op thread; reduce_now / run_op / take_buffer also serve compressed.py) --
 

@@ -17,10 +17,20 @@ tensors), reachable as attributes (``state.step += 1``).
   keeps a full in-memory copy at every commit (Horovod's semantics, at the cost of a
   copy of the whole state per step) and then restores across an optimizer step too.
 * ``sync()`` is the step-boundary agreement. **Every live member calls it at the same
-  point of each step** (before the forward pass). It costs one 4-element int64 allreduce
-  (MAX) when nothing changed: the newest membership epoch any member has seen, whether a
+  point of each step** (before the forward pass). The full exchange is one 4-element
+  int64 allreduce (MAX): the newest membership epoch any member has seen, whether a
   member still needs the state (every member on the first call of a fresh job), the most
-  commits, and whether admitted joiners are waiting. On the first call of a fresh job
+  commits, and whether admitted joiners are waiting. On the resilient backend it runs
+  only when something changed: each ``sync()`` ends by issuing, asynchronously, a
+  1-element allreduce (MAX) of "this member sees a change" (a newer epoch than the one
+  agreed, or admitted joiners ready to sync), which runs on the op thread during the
+  step's forward pass; the next ``sync()`` waits for it (long done) and runs the full
+  exchange only if a member saw a change — so a change is acted on at the first step
+  boundary after a member saw it at a ``sync()``, one step later than with the exchange
+  on every step, and nothing of the agreement is left on the step's critical path (see
+  :meth:`State._look_ahead`). Every member decides from the same reduced flag, so they
+  all skip or all exchange. Elsewhere (another backend, the in-process test engine) the
+  full exchange runs every step. On the first call of a fresh job
   the source (rank 0) broadcasts the state (length + commit count, then the payload as
   int64 words). If the epoch changed, the ``on_membership_change(world)`` callbacks run
   on every member, in registration order, at that same step boundary (re-shard the
@@ -137,6 +147,8 @@ class State:
         object.__setattr__(self, "_pending", None)  # joiner: optimizer state still arriving (catchup.py)
         object.__setattr__(self, "_epoch_seen", None)
         object.__setattr__(self, "_callbacks", [])
+        #: the next sync()'s agreement, issued at the end of this one: (Work, flag tensor)
+        object.__setattr__(self, "_ahead", None)
         object.__setattr__(self, "syncs_received", 0)
         #: seconds since the start of the last sync() at which each phase ended
         #: (``exchange_s``, ``rebuild_s``, ``transfer_s``; only the phases that ran)
@@ -295,10 +307,14 @@ class State:
     def _pg(self) -> Any:
         return self.group if self.group is not None else dist.distributed_c10d._get_default_group()  # noqa: SLF001
 
-    def _allreduce(self, t: torch.Tensor, op: Any) -> None:
+    def _allreduce_async(self, t: torch.Tensor, op: Any) -> Any:
+        """Issue an in-place allreduce of ``t`` on the state's group; returns its Work."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        self._pg().allreduce([t], opts).wait()
+        return self._pg().allreduce([t], opts)
+
+    def _allreduce(self, t: torch.Tensor, op: Any) -> None:
+        self._allreduce_async(t, op).wait()
 
     def _broadcast(self, t: torch.Tensor, src: int) -> None:
         opts = dist.BroadcastOptions()
@@ -309,6 +325,34 @@ class State:
     def _engine(self) -> ElasticEngine | None:
         """The resilient group's engine (None on another backend: a static group)."""
         return engine_of(self._pg())
+
+    def _look_ahead(self, world: World) -> None:
+        """Issue the next :meth:`sync`'s agreement now, asynchronously (it runs on the op
+        thread while the step computes): a 1-element allreduce (MAX) of whether this member
+        sees a change — a newer epoch than the one agreed, or admitted joiners that wait to
+        sync (``pending_joiners``: local unless the epoch grew). Every member issues it at
+        the same point (the end of ``sync()``), so the op order stays the same on all.
+        Failure behaviour: etcd errors of ``pending_joiners`` propagate (StoreError)."""
+        engine = self._engine()
+        pending = engine is not None and engine.pending_joiners()
+        flag = torch.tensor([int(pending or world.epoch != self._epoch_seen)], dtype=torch.int64)
+        object.__setattr__(self, "_ahead", (self._allreduce_async(flag, dist.ReduceOp.MAX), flag))
+
+    def _nothing_changed(self) -> bool:
+        """Wait for the agreement :meth:`_look_ahead` issued at the last ``sync()``: True
+        when no member saw a change (this sync() may skip the exchange). False when there
+        is none, or when it failed (CollectiveError: the full exchange then runs, as after
+        a failed exchange)."""
+        ahead = self._ahead
+        object.__setattr__(self, "_ahead", None)
+        if ahead is None:
+            return False
+        work, flag = ahead
+        try:
+            work.wait()
+        except CollectiveError:
+            return False
+        return int(flag[0]) == 0
 
     def _exchange(self, world: World) -> tuple[int, bool, int, bool]:
         needs = self._fresh or self.joiner
@@ -510,6 +554,14 @@ class State:
         rebuilder = engine if engine is not None and engine.admits_by_rebuild else None
         t0 = time.monotonic()
         timing: dict[str, float] = {}
+        if rebuilder is not None and not self._fresh and not self.joiner and self._nothing_changed():
+            # every member got the same flag: all of them skip the exchange here
+            timing["exchange_s"] = time.monotonic() - t0
+            object.__setattr__(self, "last_sync", timing)
+            world = _live_world(self.group)
+            if world is not None:
+                self._look_ahead(world)
+            return False
         for attempt in (0, 1):
             world = _live_world(self.group)
             if world is None:
@@ -552,4 +604,8 @@ class State:
             now = _live_world(self.group)
             for cb in list(self._callbacks):
                 cb(now)
+        if rebuilder is not None:
+            ahead_world = _live_world(self.group)
+            if ahead_world is not None:
+                self._look_ahead(ahead_world)
         return changed or needed
