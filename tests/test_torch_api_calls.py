@@ -8,13 +8,17 @@ half-way: the receiver gets PeerLost naming the member, not a hang, and the tran
 between survivors go on in the new epoch.
 
 One launch per call (4 ranks, ``init_process_group(rank=r, world_size=4)`` as mp.spawn
-does it); the dtypes of a call share that launch (tests/workers/torch_api_worker.py)."""
+does it); the dtypes of a call share that launch (tests/workers/torch_api_worker.py). Two
+calls' launches run side by side in one test, each with its own job and coordinator (their
+waits for the lease expiry overlap: the file takes about half the time), and each is
+checked on its own."""
 from __future__ import annotations
 
 import json
 import os
 import signal
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -51,12 +55,35 @@ def _run(etcd: str, job: str, call: str, tmp: Path) -> tuple[dict, list[int], st
     return res, codes, logs
 
 
+#: the calls two by two: each test launches both side by side
+PAIRS = [tuple(CALLS[i:i + 2]) for i in range(0, len(CALLS), 2)]
+
+
+def _run_with_coordinator(etcd: str, job: str, call: str, tmp: Path) -> tuple[dict, list[int], str]:
+    tmp.mkdir()
+    with coordinator(etcd, job, ttl=2.0):
+        return _run(etcd, job, call, tmp)
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("call", CALLS)
-def test_call_every_dtype_then_a_kill_mid_call(call, etcd_session, job_name, tmp_path):
-    with coordinator(etcd_session.endpoint_arg, job_name, ttl=2.0):
-        res, rcs, logs = _run(etcd_session.endpoint_arg, job_name, call, tmp_path)
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("calls", PAIRS, ids=["+".join(p) for p in PAIRS])
+def test_call_every_dtype_then_a_kill_mid_call(calls, etcd_session, job_name, tmp_path):
+    etcd = etcd_session.endpoint_arg
+    with ThreadPoolExecutor(len(calls)) as ex:
+        runs = {call: ex.submit(_run_with_coordinator, etcd, f"{job_name}-{i}", call, tmp_path / call)
+                for i, call in enumerate(calls)}
+        results = {call: f.result() for call, f in runs.items()}
+    for call, (res, rcs, logs) in results.items():
+        try:
+            _check(call, res, rcs, logs)
+        except AssertionError as exc:
+            raise AssertionError(f"{call}: {exc}") from exc
+
+
+def _check(call: str, res: dict, rcs: list[int], logs: str) -> None:
+    """One call's launch: the victim was SIGKILLed, every survivor's checks passed and its
+    kill-phase result is exact or a named error (see the module docstring)."""
     survivors = list(range(WORLD - 1))
     assert rcs[-1] == -signal.SIGKILL, (rcs, logs)
     assert sorted(res) == survivors, (rcs, logs)
