@@ -38,8 +38,8 @@ the agent grants one lease for the node (:func:`node_grant_ttl`: ``floor(--lease
 s, so that a silent node is published within ``--lease-ttl``), refreshed every third of that
 over one multiplexed keep-alive stream (:class:`~resilient.coordinator.lease_mux.LeaseMux`),
 and serves a local channel (:class:`~.node_channel.NodeChannel`, a unix socket in its run
-directory, passed as ``RESILIENT_AGENT_SOCKET``) through which :func:`resilient.connect` registers each worker:
-the agent writes **one** ``nodes/<node>`` record (:class:`~.node_members.NodeMembers`)
+directory, passed as ``RESILIENT_AGENT_SOCKET``) through which :func:`resilient.connect`
+registers each worker: the agent writes **one** ``nodes/<node>`` record (:class:`~.node_members.NodeMembers`)
 listing its ranks, relays every ``epoch`` record from its one etcd watch to them (they
 open no watch of their own), takes their health windows into one ``health/<node>``
 summary (``--node-health-interval``) and their beats. The agent vouches for its ranks: an
@@ -49,8 +49,8 @@ exit is handled at once by one transaction (the node record without the rank +
 and told so. A worker that registers itself on the node lease (``MemberSession`` with
 ``RESILIENT_LEASE_ID``, no channel) still gets its ``members/<id>`` key removed when it
 exits. A ``--lease-ttl`` under 2.5 s is granted as given, with a warning that the bound is
-then ``--lease-ttl`` + 0.5 s. At 100,000 GPUs this turns 100,000 leases, keep-alive streams and epoch watchers
-into one per node.
+then ``--lease-ttl`` + 0.5 s. At 100,000 GPUs this turns 100,000 leases, keep-alive
+streams and epoch watchers into one per node.
 
 Failure behaviour: if etcd is unreachable when a worker exits, the revoke is logged and the
 lease expires after ``--lease-ttl``; the restart still happens (a new lease needs etcd, so
