@@ -94,6 +94,41 @@ def paged_snapshot(store: Store, prefix: str, page: int = PAGE, revision: int = 
         start = kvs[-1].key + "\0"
 
 
+def read_node(store: Store, job: str, node: str) -> NodeRecord | None:
+    """``nodes/<node>`` parsed and validated, or None when the key is gone (the record
+    lives on the node's lease, so it vanishes when that lease is revoked or expires).
+    Failure behaviour: a malformed record is skipped (logged and counted under ``node``,
+    :func:`~.records.skip`) and reads as None — its ranks count as gone, as in
+    :class:`Directory`; the store's errors propagate (:class:`~resilient.errors.StoreError`)."""
+    key = keys.node(job, node)
+    kv = store.get(key)
+    if kv is None:
+        return None
+    try:
+        return NodeRecord.from_json(kv.value, key)
+    except RecordError as exc:
+        records.skip(exc, key)
+        return None
+
+
+def rank_nodes(store: Store, job: str) -> dict[str, str]:
+    """``{rank id: node id}`` for every rank of every live node record (read in pages,
+    :func:`paged_snapshot`: ~1 KB per node). Failure behaviour: a malformed record is
+    skipped (logged and counted, :func:`~.records.skip`) and its ranks are absent; the
+    store's errors propagate (:class:`~resilient.errors.StoreError`)."""
+    kvs, _ = paged_snapshot(store, keys.nodes(job))
+    out: dict[str, str] = {}
+    for kv in kvs:
+        try:
+            rec = NodeRecord.from_json(kv.value, kv.key)
+        except RecordError as exc:
+            records.skip(exc, kv.key)
+            continue
+        for info in rec.ranks:
+            out.setdefault(info.member_id, rec.node)   # a rank claimed twice: the first record keeps it
+    return out
+
+
 class Directory:
     """Members by id, from ``members/`` and ``nodes/`` records (see the module docstring)."""
 

@@ -96,6 +96,10 @@ class EtcdGroupView:
     def __init__(self, store: Any, job: str, session: Any, watcher: Any) -> None:
         self.store, self.job, self.session, self.watcher = store, job, session, watcher
         self.member_id: str = session.member_id
+        #: peer_alive's memory: rank id -> its node (from the last read of every node
+        #: record) and the ids no node record listed
+        self._node_of: dict[str, str] = {}
+        self._gone: set[str] = set()
 
     def current(self) -> EpochLike | None:
         epoch: EpochLike | None = self.watcher.current()
@@ -128,12 +132,31 @@ class EtcdGroupView:
         return bool(self.session.lost.is_set())
 
     def peer_alive(self, member_id: str) -> bool:
-        """Whether ``member_id`` still holds its lease (its member key exists). True when
-        etcd cannot be asked (the caller then treats the peer as alive)."""
+        """Whether ``member_id`` still holds its lease: its ``members/<id>`` key exists,
+        or — a rank of a node agent (docs/scale.md, "Node-level membership") — a live
+        ``nodes/<node>`` record (on the node lease) lists it. The rank's node is found
+        once by reading every node record (paged) and remembered, so later calls read one
+        key; an id no record listed is remembered as gone. A malformed node record is
+        skipped (logged and counted) and its ranks read as not alive, as the coordinator's
+        directory treats them. True when etcd cannot be asked (the caller then treats the
+        peer as alive); never raises."""
         from resilient.coordinator import keys
+        from resilient.coordinator.directory import rank_nodes, read_node
 
         try:
-            return self.store.get(keys.member(self.job, member_id)) is not None
+            if self.store.get(keys.member(self.job, member_id)) is not None:
+                return True
+            if member_id in self._gone:
+                return False
+            node = self._node_of.get(member_id)
+            if node is None:
+                self._node_of = rank_nodes(self.store, self.job)
+                node = self._node_of.get(member_id)
+                if node is None:
+                    self._gone.add(member_id)
+                    return False
+            rec = read_node(self.store, self.job, node)
+            return rec is not None and any(r.member_id == member_id for r in rec.ranks)
         except Exception:  # noqa: BLE001 - etcd unreachable: no evidence of death
             return True
 

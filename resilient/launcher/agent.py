@@ -34,11 +34,12 @@ every running worker; the agent waits ``--shutdown-timeout`` seconds, SIGKILLs w
 (torchrun exits 1 with a traceback; the shell convention says which signal it was).
 
 **Node lease** (``RESILIENT_NODE_LEASE=1``, docs/scale.md): instead of a lease per worker,
-the agent grants one lease for the node, refreshed over one multiplexed keep-alive stream
-(:class:`~resilient.coordinator.lease_mux.LeaseMux`), and serves a local channel
-(:class:`~.node_channel.NodeChannel`, a unix socket in its run directory, passed as
-``RESILIENT_AGENT_SOCKET``) through which :func:`resilient.connect` registers each worker:
-the agent writes **one** ``nodes/<node>`` record (:class:`~.node_members.NodeMembers`)
+the agent grants one lease for the node (:func:`node_grant_ttl`: ``floor(--lease-ttl - 0.5)``
+s, so that a silent node is published within ``--lease-ttl``), refreshed every third of that
+over one multiplexed keep-alive stream (:class:`~resilient.coordinator.lease_mux.LeaseMux`),
+and serves a local channel (:class:`~.node_channel.NodeChannel`, a unix socket in its run
+directory, passed as ``RESILIENT_AGENT_SOCKET``) through which :func:`resilient.connect`
+registers each worker: the agent writes **one** ``nodes/<node>`` record (:class:`~.node_members.NodeMembers`)
 listing its ranks, relays every ``epoch`` record from its one etcd watch to them (they
 open no watch of their own), takes their health windows into one ``health/<node>``
 summary (``--node-health-interval``) and their beats. The agent vouches for its ranks: an
@@ -47,8 +48,9 @@ exit is handled at once by one transaction (the node record without the rank +
 ``--lease-ttl`` seconds (SIGSTOP) — is removed the same way (reason ``heartbeat stale``)
 and told so. A worker that registers itself on the node lease (``MemberSession`` with
 ``RESILIENT_LEASE_ID``, no channel) still gets its ``members/<id>`` key removed when it
-exits. At 100,000 GPUs this turns 100,000 leases, keep-alive streams and epoch watchers
-into one per node.
+exits. A ``--lease-ttl`` under 2.5 s is granted as given, with a warning that the bound is
+then ``--lease-ttl`` + 0.5 s. At 100,000 GPUs this turns 100,000 leases, keep-alive
+streams and epoch watchers into one per node.
 
 Failure behaviour: if etcd is unreachable when a worker exits, the revoke is logged and the
 lease expires after ``--lease-ttl``; the restart still happens (a new lease needs etcd, so
@@ -68,7 +70,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from resilient.errors import ResilientError, StoreError
+from resilient.errors import ConfigError, ResilientError, StoreError
 from resilient.launcher.args import LaunchConfig
 from resilient.launcher.env import Placement, ResilientIds, agent_process_env, worker_env
 from resilient.launcher.logs import WorkerLogs, WorkerStreams
@@ -108,6 +110,8 @@ class NodeMode:
     members: NodeMembers
     channel: NodeChannel
     run_dir: str
+    #: the node lease's TTL (:func:`node_grant_ttl` of ``--lease-ttl``)
+    granted_ttl: float
 
 
 @dataclass
@@ -139,6 +143,26 @@ class Worker:
     exitcode: int | None = None
     pids: list[int] = field(default_factory=list)
     vouched_out: bool = False         # node-lease mode: removed (stale beats, or its exit handled)
+
+
+def node_grant_ttl(bound: float) -> float:
+    """The TTL the agent grants its node lease for ``--lease-ttl`` ``bound``:
+    :func:`~resilient.coordinator.liveness.node_lease_ttl` (``floor(bound - 0.5)``: etcd
+    revokes an expired lease up to 0.5 s late, so a silent node is then published within
+    ``bound``). A bound under 2.5 s, which etcd cannot keep, is granted as given, with a
+    warning that a silent node is then declared dead up to ``max(bound, 2) + 0.5`` s after
+    its last refresh (etcd's least TTL is 2 s). Never raises."""
+    from resilient.coordinator.liveness import ETCD_EXPIRY_LOOP, ETCD_MIN_LEASE_TTL, node_lease_ttl
+
+    try:
+        return float(node_lease_ttl(bound))
+    except ConfigError:
+        late = max(bound, ETCD_MIN_LEASE_TTL) + ETCD_EXPIRY_LOOP
+        log.warning("--lease-ttl %gs is under %gs: the node lease is granted %gs as given, so a silent node is "
+                    "declared dead up to %gs after its last refresh, not within %gs; pass --lease-ttl %g or more "
+                    "for the bound to hold", bound, ETCD_MIN_LEASE_TTL + ETCD_EXPIRY_LOOP, bound, late, bound,
+                    ETCD_MIN_LEASE_TTL + ETCD_EXPIRY_LOOP)
+        return bound
 
 
 class Agent:
@@ -174,9 +198,10 @@ class Agent:
         from resilient.launcher.node_channel import NodeChannel
         from resilient.launcher.node_members import NodeMembers
 
-        c.node_lease = c.store.grant(c.lease_ttl)
+        granted = node_grant_ttl(c.lease_ttl)
+        c.node_lease = c.store.grant(granted)
         mux = LeaseMux(c.store)
-        mux.add(c.node_lease, c.lease_ttl, on_lost=lambda lid: log.error(
+        mux.add(c.node_lease, granted, on_lost=lambda lid: log.error(
             "node lease %x is gone (expired: etcd unreachable or this agent stalled); the coordinator "
             "drops every rank of this node", lid))
         node_id = f"n{self.placement.group_rank}-{self.token}"
@@ -184,9 +209,9 @@ class Agent:
         run_dir = tempfile.mkdtemp(prefix="resilient-agent-")
         channel = NodeChannel(os.path.join(run_dir, "agent.sock"), c.store, c.job, members, self._expects,
                               self.cfg.node_health_interval)
-        log.info("node lease %x, node record %s: the agent vouches for its %d ranks",
-                 c.node_lease, node_id, self.cfg.nproc_per_node)
-        return NodeMode(mux, members, channel, run_dir)
+        log.info("node lease %x (TTL %gs for --lease-ttl %gs), node record %s: the agent vouches for its %d ranks",
+                 c.node_lease, granted, c.lease_ttl, node_id, self.cfg.nproc_per_node)
+        return NodeMode(mux, members, channel, run_dir, granted)
 
     def _expects(self, member_id: str) -> bool:
         """Whether ``member_id`` is the id of a running worker (a channel hello's check)."""
@@ -366,7 +391,8 @@ class Agent:
         try:
             c.store.revoke(c.node_lease)
         except StoreError as exc:
-            log.warning("could not revoke node lease %x (%s); it expires after %gs", c.node_lease, exc, c.lease_ttl)
+            log.warning("could not revoke node lease %x (%s); it expires after %gs", c.node_lease, exc,
+                        node.granted_ttl)
         c.node_lease = None
         shutil.rmtree(node.run_dir, ignore_errors=True)
 

@@ -23,6 +23,7 @@ anything is started.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -194,7 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="Job name: the etcd prefix /resilient/<job>/ (RESILIENT_JOB). Default: --rdzv-id.")
     add("lease-ttl", type=float, default=DEFAULT_LEASE_TTL,
         help="Seconds a worker's etcd lease lives without keep-alive (a hung/SIGSTOPped worker "
-             "is removed after this); RESILIENT_LEASE_TTL.")
+             "is removed after this); RESILIENT_LEASE_TTL. With RESILIENT_NODE_LEASE=1 it is the "
+             "node's liveness bound: the node lease is granted floor(TTL - 0.5) s (etcd revokes "
+             "expired leases up to 0.5 s late) so a silent node is declared dead within TTL; "
+             "under 2.5 s it is granted as given and the bound is TTL + 0.5 s (a warning says so).")
     add("node-health-interval", type=float, default=15.0,
         help="With RESILIENT_NODE_LEASE=1: seconds between the agent's health/<node> summaries of "
              "its ranks' health windows (sooner when a rank turns slow; docs/scale.md).")
@@ -370,8 +374,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0")
     if args.monitor_interval <= 0:
         raise ConfigError(f"--monitor-interval {args.monitor_interval} must be > 0")
-    if args.lease_ttl <= 0:
-        raise ConfigError(f"--lease-ttl {args.lease_ttl} must be > 0 seconds")
+    if not (math.isfinite(args.lease_ttl) and args.lease_ttl > 0):
+        raise ConfigError(f"--lease-ttl {args.lease_ttl} must be a finite number of seconds > 0")
     if not args.node_health_interval > 0:
         raise ConfigError(f"--node-health-interval {args.node_health_interval} must be > 0 seconds")
     backend = args.rdzv_backend
