@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -55,10 +56,12 @@ def _run(cmd: list[str], log_dir: str) -> tuple[dict[str, str], list[str], list[
 def test_log_files_and_console_match_torchrun(tmp_path, flags):
     common = ["--nproc-per-node", "2", "--rdzv-id", "job1", *flags]
     t_dir, o_dir = str(tmp_path / "torchrun"), str(tmp_path / "ours")
-    torch_files, t_out, t_err = _run([sys.executable, "-m", "torch.distributed.run", "--master-port",
-                                      str(free_port()), "--log-dir", t_dir, *common, SCRIPT], t_dir)
-    our_files, o_out, o_err = _run([RESILIENT_RUN, "--master-port", str(free_port()), "--log-dir", o_dir,
-                                    *common, SCRIPT], o_dir)
+    with ThreadPoolExecutor(2) as ex:  # the two launchers side by side (independent runs)
+        theirs = ex.submit(_run, [sys.executable, "-m", "torch.distributed.run", "--master-port",
+                                  str(free_port()), "--log-dir", t_dir, *common, SCRIPT], t_dir)
+        ours = ex.submit(_run, [RESILIENT_RUN, "--master-port", str(free_port()), "--log-dir", o_dir,
+                                *common, SCRIPT], o_dir)
+        (torch_files, t_out, t_err), (our_files, o_out, o_err) = theirs.result(), ours.result()
     assert our_files == torch_files
     assert (o_out, o_err) == (t_out, t_err)
 
