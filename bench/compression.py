@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -40,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from _common import rank_worker_argparser  # noqa: E402
+from _netcap import Loopback, cap_egress, member_lab  # noqa: E402
 PY = sys.executable
 WORLD = 4
 
@@ -167,34 +167,11 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cap(lab, i: int, mb_s: float) -> None:
-    """htb root on namespace ``i``'s veth: all egress at ``mb_s`` MB/s (0: remove)."""
-    tc = ["ip", "netns", "exec", lab.namespaces[i], "tc"]
-    dev = lab.ns_veths[i]
-    subprocess.run([*tc, "qdisc", "del", "dev", dev, "root"], capture_output=True)
-    if mb_s:
-        rate = f"{int(mb_s * 8)}mbit"
-        subprocess.run([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1"], check=True)
-        subprocess.run([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate,
-                        "ceil", rate, "burst", "256k", "cburst", "256k", "quantum", "60000"], check=True)
-
-
-class Loopback:
-    """``--loopback``: the members on 127.0.0.1 of this namespace (no root; uncapped only)."""
-
-    host_ip = "127.0.0.1"
-    ips = [host_ip] * WORLD
-    ns_veths = ["lo"] * WORLD
-
-    def exec_prefix(self, i: int) -> list[str]:
-        return []
-
-
 def run_cap(lab, etcd: str, mb_s: float, args: argparse.Namespace) -> list[dict]:
     job = f"compress-{uuid.uuid4().hex[:8]}"
     if not isinstance(lab, Loopback):
         for i in range(WORLD):
-            _cap(lab, i, mb_s)
+            cap_egress(lab, i, mb_s)
     with ProcessPool() as pool:   # every process stopped by PID on the way out
         pool.start(Spec([PY, "-c", "import sys; from resilient.cli import main; sys.exit(main())", "coordinator",
                          "--etcd", etcd, "--job", job, "--ttl", "10", "--metrics-port", "-1",
@@ -246,14 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
-    from contextlib import nullcontext
-
-    from resilient.chaos.netns import NetnsLab
     from resilient.coordinator.local_etcd import LocalEtcd
 
     if args.loopback and any(float(c) for c in args.caps.split(",")):
         ap.error("--loopback runs uncapped only: pass --caps 0")
-    with (nullcontext(Loopback()) if args.loopback else NetnsLab(WORLD)) as lab, LocalEtcd(host=lab.host_ip) as etcd:
+    with member_lab(WORLD, args.loopback) as lab, LocalEtcd(host=lab.host_ip) as etcd:
         for cap in [float(c) for c in args.caps.split(",")]:
             for line in run_cap(lab, etcd.endpoint_arg, cap, args):
                 print(json.dumps(line), flush=True)
