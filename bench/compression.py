@@ -32,28 +32,37 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from _common import rank_worker_argparser  # noqa: E402
-from _netcap import Loopback, cap_egress, member_lab  # noqa: E402
+from _netcap import MemberLab, cap_egress, member_lab  # noqa: E402
+
+from resilient.chaos.netns import NetnsLab  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
+
+    from resilient.collectives import Communicator
 PY = sys.executable
 WORLD = 4
 
 from resilient.process_pool import DEVNULL, PIPE, ProcessPool, Spec  # noqa: E402 - after the path insert
 
 
-def _input(rank: int, numel: int, step: int):
+def _input(rank: int, numel: int, step: int) -> torch.Tensor:
     import torch
 
     g = torch.Generator().manual_seed(rank * 7919 + numel + step)
     return torch.randn(numel // 1024, 1024, generator=g)
 
 
-def _exact(comm, out, contributors, numel: int, step: int) -> bool:
+def _exact(comm: Communicator, out: torch.Tensor, contributors: Sequence[str], numel: int, step: int) -> bool:
     """``out`` == fl32(sum over contributors of s * q_i) with the agreed scales."""
     import torch
 
@@ -67,7 +76,7 @@ def _exact(comm, out, contributors, numel: int, step: int) -> bool:
     return bool(torch.equal(out.reshape(-1), dequantize(Q, info["scales"], segs, b)))
 
 
-def _timed(fn, iters: int) -> float:
+def _timed(fn: Callable[[], object], iters: int) -> float:
     ts = []
     for _ in range(iters):
         t0 = time.perf_counter()
@@ -90,7 +99,7 @@ def worker(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     rank, ip = args.rank, args.ip
     sizes = [int(s) for s in args.sizes.split(",")]
-    res: dict = {s: {} for s in sizes}
+    res: dict[int, dict[str, Any]] = {s: {} for s in sizes}   # size -> arm -> seconds (and the switch's facts)
     os.environ["GLOO_SOCKET_IFNAME"] = args.ifname
     dist.init_process_group("gloo", init_method=f"tcp://{args.ip0}:{args.gloo_port}", rank=rank, world_size=WORLD)
     for s in sizes:
@@ -126,7 +135,7 @@ def worker(args: argparse.Namespace) -> int:
         comm.allreduce(t)  # warm-up
         exact = True
         for arm, comp in (("res_fp32", None), ("res_q8", "q8"), ("res_q4", "q4")):
-            def run(comp=comp) -> None:
+            def run(comp: str | None = comp) -> None:
                 t.copy_(x)
                 comm.allreduce(t, compression=comp)
             res[s][arm] = _timed(run, args.iters)
@@ -167,9 +176,9 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_cap(lab, etcd: str, mb_s: float, args: argparse.Namespace) -> list[dict]:
+def run_cap(lab: MemberLab, etcd: str, mb_s: float, args: argparse.Namespace) -> list[dict[str, object]]:
     job = f"compress-{uuid.uuid4().hex[:8]}"
-    if not isinstance(lab, Loopback):
+    if isinstance(lab, NetnsLab):
         for i in range(WORLD):
             cap_egress(lab, i, mb_s)
     with ProcessPool() as pool:   # every process stopped by PID on the way out

@@ -54,7 +54,9 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict, cast
 
 from resilient.launcher.lease_reaper import LeaseReaper
 from resilient.process_pool import DEVNULL, PIPE, ProcessPool, Spec
@@ -65,9 +67,23 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from _common import rank_worker_argparser  # noqa: E402
 from _netcap import MemberLab, capped_lab  # noqa: E402
+if TYPE_CHECKING:
+    import torch
+
 PY = sys.executable
 WORLD = 4
 CTX, BATCH = 32, 16
+Trace = Sequence[Sequence[float]]   # (step, training seconds, held-out loss) points
+
+
+class ArmResult(TypedDict):
+    """One worker's JSON line at the end of an arm."""
+
+    rank: int
+    arm: str
+    trace: list[list[float]]
+    final: float
+    sha: str
 
 
 def _text() -> bytes:
@@ -81,7 +97,7 @@ def _text() -> bytes:
     return Path(os.__file__).read_bytes()  # fallback: os.py itself
 
 
-def _model():
+def _model() -> torch.nn.Module:
     import torch
 
     class CharLM(torch.nn.Module):
@@ -94,15 +110,16 @@ def _model():
             self.out = torch.nn.Linear(64, 256)
             self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(CTX), persistent=False)
 
-        def forward(self, x):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = self.enc(self.emb(x) + self.pos, mask=self.mask, is_causal=True)
-            return self.out(h)
+            out: torch.Tensor = self.out(h)
+            return out
 
     torch.manual_seed(0)
     return CharLM()
 
 
-def _windows(data, idx):
+def _windows(data: torch.Tensor, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
 
     x = torch.stack([data[i:i + CTX] for i in idx]).long()
@@ -110,14 +127,14 @@ def _windows(data, idx):
     return x, y
 
 
-def _batch(data, step: int, rank: int, seed: int = 0):
+def _batch(data: torch.Tensor, step: int, rank: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
 
     g = torch.Generator().manual_seed(step * 101 + rank + seed * 7_000_003)
     return _windows(data, torch.randint(0, len(data) - CTX - 1, (BATCH,), generator=g).tolist())
 
 
-def _heldout(model, data, windows: int) -> float:
+def _heldout(model: torch.nn.Module, data: torch.Tensor, windows: int) -> float:
     """Mean cross-entropy over ``windows`` fixed windows of the held-out text (starts
     every 8th character, spread over all of it)."""
     import torch
@@ -217,7 +234,7 @@ def worker(args: argparse.Namespace) -> int:
         x, y = _batch(train, step, rank, seed)
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(ddp(x).reshape(-1, 256), y.reshape(-1))
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch 2.13's Tensor.backward is unannotated
         opt.step()
         if step % args.eval_every == args.eval_every - 1 or step == args.steps - 1:
             e0 = time.perf_counter()   # the time-to-loss trace: the same windows at every point
@@ -236,7 +253,7 @@ def worker(args: argparse.Namespace) -> int:
     os._exit(0)
 
 
-def run_arm(arm: str, etcd: str, lab: MemberLab, args: argparse.Namespace) -> list[dict]:
+def run_arm(arm: str, etcd: str, lab: MemberLab, args: argparse.Namespace) -> list[ArmResult]:
     job = f"cq-{uuid.uuid4().hex[:8]}"
     port = 20000 + uuid.uuid4().int % 20000
     outs: list[list[str]] = [[] for _ in range(WORLD)]
@@ -266,7 +283,7 @@ def run_arm(arm: str, etcd: str, lab: MemberLab, args: argparse.Namespace) -> li
     for lines in outs:
         for line in lines:
             if line.startswith("{"):
-                res.append(json.loads(line))
+                res.append(cast(ArmResult, json.loads(line)))   # our own workers' lines
     return res
 
 
@@ -276,11 +293,11 @@ def _default_bucket() -> int:
     return ErrorFeedback().bucket
 
 
-def _time_to(trace: list, target: float) -> float | None:
+def _time_to(trace: Trace, target: float) -> float | None:
     """Training seconds at the first trace point with held-out loss <= ``target`` (None: never)."""
     for _step, t, loss in trace:
         if loss <= target:
-            return t
+            return float(t)
     return None
 
 
@@ -288,7 +305,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
-def time_to_loss(traces: dict[str, list], bound: float = 0.01) -> dict[str, object]:
+def time_to_loss(traces: dict[str, Trace], bound: float = 0.01) -> dict[str, object]:
     """The time-to-loss keys from each arm's trace (every point the same held-out windows).
 
     ``time_to_fp32_loss_ratio`` (q4; ``..._q8`` for q8): fp32's training seconds to its
@@ -343,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     from resilient.coordinator.local_etcd import LocalEtcd
 
     arms = args.arms.split(",") + [f"res_fp32@s{k}" for k in range(1, args.seeds)]
-    got: dict[str, list[dict]] = {}
+    got: dict[str, list[ArmResult]] = {}
     with capped_lab(WORLD, args.cap_mb_s) as lab, LocalEtcd(host=lab.host_ip) as etcd:
         for arm in arms:
             got[arm] = run_arm(arm, etcd.endpoint_arg, lab, args)
