@@ -29,31 +29,40 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from _common import rank_worker_argparser  # noqa: E402
+from _netcap import MemberLab, cap_egress, member_lab  # noqa: E402
+
+from resilient.chaos.netns import NetnsLab  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
+
+    from resilient.collectives import Communicator
 PY = sys.executable
 WORLD = 4
 
 from resilient.process_pool import DEVNULL, PIPE, ProcessPool, Spec  # noqa: E402 - after the path insert
 
 
-def _input(rank: int, numel: int, step: int):
+def _input(rank: int, numel: int, step: int) -> torch.Tensor:
     import torch
 
     g = torch.Generator().manual_seed(rank * 7919 + numel + step)
     return torch.randn(numel // 1024, 1024, generator=g)
 
 
-def _exact(comm, out, contributors, numel: int, step: int) -> bool:
+def _exact(comm: Communicator, out: torch.Tensor, contributors: Sequence[str], numel: int, step: int) -> bool:
     """``out`` == fl32(sum over contributors of s * q_i) with the agreed scales."""
     import torch
 
@@ -67,7 +76,7 @@ def _exact(comm, out, contributors, numel: int, step: int) -> bool:
     return bool(torch.equal(out.reshape(-1), dequantize(Q, info["scales"], segs, b)))
 
 
-def _timed(fn, iters: int) -> float:
+def _timed(fn: Callable[[], object], iters: int) -> float:
     ts = []
     for _ in range(iters):
         t0 = time.perf_counter()
@@ -90,7 +99,7 @@ def worker(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     rank, ip = args.rank, args.ip
     sizes = [int(s) for s in args.sizes.split(",")]
-    res: dict = {s: {} for s in sizes}
+    res: dict[int, dict[str, Any]] = {s: {} for s in sizes}   # size -> arm -> seconds (and the switch's facts)
     os.environ["GLOO_SOCKET_IFNAME"] = args.ifname
     dist.init_process_group("gloo", init_method=f"tcp://{args.ip0}:{args.gloo_port}", rank=rank, world_size=WORLD)
     for s in sizes:
@@ -126,7 +135,7 @@ def worker(args: argparse.Namespace) -> int:
         comm.allreduce(t)  # warm-up
         exact = True
         for arm, comp in (("res_fp32", None), ("res_q8", "q8"), ("res_q4", "q4")):
-            def run(comp=comp) -> None:
+            def run(comp: str | None = comp) -> None:
                 t.copy_(x)
                 comm.allreduce(t, compression=comp)
             res[s][arm] = _timed(run, args.iters)
@@ -167,34 +176,11 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cap(lab, i: int, mb_s: float) -> None:
-    """htb root on namespace ``i``'s veth: all egress at ``mb_s`` MB/s (0: remove)."""
-    tc = ["ip", "netns", "exec", lab.namespaces[i], "tc"]
-    dev = lab.ns_veths[i]
-    subprocess.run([*tc, "qdisc", "del", "dev", dev, "root"], capture_output=True)
-    if mb_s:
-        rate = f"{int(mb_s * 8)}mbit"
-        subprocess.run([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1"], check=True)
-        subprocess.run([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate,
-                        "ceil", rate, "burst", "256k", "cburst", "256k", "quantum", "60000"], check=True)
-
-
-class Loopback:
-    """``--loopback``: the members on 127.0.0.1 of this namespace (no root; uncapped only)."""
-
-    host_ip = "127.0.0.1"
-    ips = [host_ip] * WORLD
-    ns_veths = ["lo"] * WORLD
-
-    def exec_prefix(self, i: int) -> list[str]:
-        return []
-
-
-def run_cap(lab, etcd: str, mb_s: float, args: argparse.Namespace) -> list[dict]:
+def run_cap(lab: MemberLab, etcd: str, mb_s: float, args: argparse.Namespace) -> list[dict[str, object]]:
     job = f"compress-{uuid.uuid4().hex[:8]}"
-    if not isinstance(lab, Loopback):
+    if isinstance(lab, NetnsLab):
         for i in range(WORLD):
-            _cap(lab, i, mb_s)
+            cap_egress(lab, i, mb_s)
     with ProcessPool() as pool:   # every process stopped by PID on the way out
         pool.start(Spec([PY, "-c", "import sys; from resilient.cli import main; sys.exit(main())", "coordinator",
                          "--etcd", etcd, "--job", job, "--ttl", "10", "--metrics-port", "-1",
@@ -246,14 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
-    from contextlib import nullcontext
-
-    from resilient.chaos.netns import NetnsLab
     from resilient.coordinator.local_etcd import LocalEtcd
 
     if args.loopback and any(float(c) for c in args.caps.split(",")):
         ap.error("--loopback runs uncapped only: pass --caps 0")
-    with (nullcontext(Loopback()) if args.loopback else NetnsLab(WORLD)) as lab, LocalEtcd(host=lab.host_ip) as etcd:
+    with member_lab(WORLD, args.loopback) as lab, LocalEtcd(host=lab.host_ip) as etcd:
         for cap in [float(c) for c in args.caps.split(",")]:
             for line in run_cap(lab, etcd.endpoint_arg, cap, args):
                 print(json.dumps(line), flush=True)
