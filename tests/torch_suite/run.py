@@ -5,7 +5,8 @@ WORLD_SIZE, TEMP_DIR, RESILIENT_ETCD and RESILIENT_JOB set (a coordinator runs f
 
     python tests/torch_suite/run.py SKIPS_FILE RESULT_JSON [NAME ...]
 
-``RESILIENT_TORCH_SUITE=full`` runs the whole selection; the default (``quick``, what
+``RESILIENT_TORCH_SUITE_SHARD=i/n`` runs every n-th test of the selection from the i-th
+(the test runs two shards side by side); ``RESILIENT_TORCH_SUITE=full`` runs the whole selection; the default (``quick``, what
 ``make test`` runs) leaves out the QUICK-EXCLUDE variants of the rules file.
 
 Each test forks WORLD_SIZE ranks (torch's MultiProcessTestCase), which call
@@ -100,6 +101,10 @@ def main() -> int:
                    and not any(x in n for x in exclude))
     if len(sys.argv) > 3:
         names = [n for n in names if n in sys.argv[3:]]
+    shard = os.environ.get("RESILIENT_TORCH_SUITE_SHARD", "")  # "i/n": every n-th test from the i-th
+    if shard:
+        i, n = (int(x) for x in shard.split("/"))
+        names = names[i::n]
     skipped = {n: skips[n] for n in names if n in skips}
     skipped.update({n: "CUDA variant: no GPU, and the backend is registered for cpu" for n in names
                     if "cuda" in n.lower() and n not in skipped})
