@@ -54,10 +54,7 @@ def test_kill_during_recovery_keeps_one_contributor_set(etcd_session, job_name, 
     ops = [BIG] * 4
     fps = {"m1": "kill@op=1,phase=rs,frac=0.5", "m3": "kill@op=1,phase=recovery,frac=0.5"}
     with coordinator(etcd_session.endpoint_arg, job_name, ttl=2.0):
-        # the ring's recovery over TCP (on one host over shared memory the direct allreduce
-        # finishes op 1 from m1's published input without any recovery to kill m3 in)
-        w = Workers(etcd_session.endpoint_arg, job_name, 5, ops, tmp_path, failpoints=fps, ttl=2.0,
-                    env={"RESILIENT_TRANSPORT": "tcp"})
+        w = Workers(etcd_session.endpoint_arg, job_name, 5, ops, tmp_path, failpoints=fps, ttl=2.0)
         try:
             w.wait_done(list(w.procs), 120)
             assert w.procs["m1"].wait(10) == -9 and w.procs["m3"].wait(10) == -9, "a failpoint did not fire"

@@ -59,16 +59,9 @@ OPS = [{"k": "allreduce", "numel": 1000, "dtype": "int64", "op": "sum"}, BIG,
        {"k": "allreduce", "numel": 1000, "dtype": "int64", "op": "sum"}]
 
 
-#: the ring's recovery over TCP: over shared memory on one host the direct allreduce
-#: (algorithms/shm_direct.py) finishes an op whose victim already published its share
-#: without any recovery (its own kill tests: tests/test_shm_direct_procs.py)
-RING_TCP = {"RESILIENT_TRANSPORT": "tcp"}
-
-
-def run(etcd_session, job, tmp_path, world, fps, ops=OPS, policy="default", env=None):
+def run(etcd_session, job, tmp_path, world, fps, ops=OPS, policy="default"):
     with coordinator(etcd_session.endpoint_arg, job, ttl=TTL):
-        w = Workers(etcd_session.endpoint_arg, job, world, ops, tmp_path, failpoints=fps, ttl=TTL, policy=policy,
-                    env=env)
+        w = Workers(etcd_session.endpoint_arg, job, world, ops, tmp_path, failpoints=fps, ttl=TTL, policy=policy)
         try:
             victims = [m for m in fps if "kill" in fps[m]]
             survivors = [m for m in w.procs if m not in victims]
@@ -107,7 +100,7 @@ def test_two_failures_in_one_op(etcd_session, job_name, tmp_path, rng, world, vi
 def test_failure_during_recovery(etcd_session, job_name, tmp_path, rng):
     fps = {"m2": f"kill@op=1,phase={rng.choice(['rs', 'ag'])},frac={rng.uniform(0.05, 0.6):.2f}",
            "m0": "kill@op=1,phase=recovery"}
-    w, survivors = run(etcd_session, job_name, tmp_path, 5, fps, env=RING_TCP)
+    w, survivors = run(etcd_session, job_name, tmp_path, 5, fps)
     try:
         for mid in survivors:
             for seq, spec in enumerate(OPS):

@@ -77,10 +77,7 @@ def _sole_copy_lost(etcd_session, job: str, w, survivors: list[str]) -> bool:
 def test_sigkill_mid_op_survivors_finish(etcd_session, job_name, tmp_path, world, victim, phase, frac):
     fp = {victim: f"kill@op=1,phase={phase},frac={frac}"}
     with coordinator(etcd_session.endpoint_arg, job_name):
-        # the ring's recovery over TCP: over shared memory the direct allreduce finishes an
-        # all-gather-phase death without one (tests/test_shm_direct_procs.py)
-        w = Workers(etcd_session.endpoint_arg, job_name, world, KILL_OPS, tmp_path, failpoints=fp,
-                    env={"RESILIENT_TRANSPORT": "tcp"})
+        w = Workers(etcd_session.endpoint_arg, job_name, world, KILL_OPS, tmp_path, failpoints=fp)
         try:
             survivors = list(survivors_of_kill(w, victim))
             for mid in survivors:
