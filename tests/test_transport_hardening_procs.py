@@ -182,6 +182,13 @@ def test_attack_on_a_running_group_leaves_results_exact_and_resources_bounded(tm
         attack.append(imp)
         imp.sendall(frames.encode_hello(frames.Hello("job", 1, TOKEN, "m0", "x")) + _header(frames.DATA, 1 << 40, 1, 5))
         _wait(lambda: _status(vstatus)["dropped"].get("link_taken", 0) >= 1, 30, "the impersonation refusal")
+        # Under load the flood's oversized headers may all be evicted unread (the pending
+        # cap drops the oldest): one more, sent after the flood like the impersonation, is
+        # read, and must be refused as a protocol error (waited for, like the impersonation).
+        late = socket.create_connection(target, timeout=10)
+        attack.append(late)
+        late.sendall(_header(frames.HELLO, 1 << 20))
+        _wait(lambda: _status(vstatus)["dropped"].get("protocol_error", 0) >= 1, 30, "the oversized header's refusal")
         ops_attack = _status(vstatus)["ops"]
         _wait(lambda: _status(vstatus)["ops"] >= ops_attack + 20, 60, "20 allreduces while attacked")
         attack_s = time.monotonic() - t0
