@@ -105,24 +105,24 @@ def test_channel_registers_relays_refuses_aggregates_and_rank_falls_back(etcd_se
         node = NodeRecord.from_json(store.get(keys.node(job_name, "n0")).value, keys.node(job_name, "n0"))
         assert [(r.member_id, r.address) for r in node.ranks] == [("r0", "127.0.0.1:5")]
         assert store.get(keys.node(job_name, "n0")).lease == lease
-        wait_for(lambda: watcher.current() is not None, 10, "the current epoch relayed on registration")
+        wait_for(lambda: watcher.current() is not None, 30, "the current epoch relayed on registration")
         store.put(keys.epoch(job_name), b'{"number": "two"}')              # malformed: skipped by the rank
         store.put(keys.epoch(job_name), _epoch(2, ["r0", "r1"]))
-        wait_for(lambda: watcher.current().number == 2, 10, "epoch 2 through the relay")
+        wait_for(lambda: watcher.current().number == 2, 30, "epoch 2 through the relay")
         assert watcher.watches_opened == 0 and session.epochs_relayed == 3
 
         with pytest.raises(ConfigError, match="not one this agent gave"):
             join_via_agent(store, job_name, MemberInfo("intruder"), chan.path, 10)
 
         session.send_health(make_record("r0", 2, 1, 4, 1.0, {}, [0.1]))
-        summary = wait_for(lambda: store.get(keys.health_of(job_name, "n0")), 10, "the node's health summary")
+        summary = wait_for(lambda: store.get(keys.health_of(job_name, "n0")), 30, "the node's health summary")
         assert set(json.loads(summary.value)["ranks"]) == {"r0"}
 
         chan.close()                                                      # the agent goes away
-        wait_for(lambda: watcher.watches_opened == 1, 10, "the rank's fallback to its own watch")
+        wait_for(lambda: watcher.watches_opened == 1, 30, "the rank's fallback to its own watch")
         assert session.lost.is_set()
         store.put(keys.epoch(job_name), _epoch(3, ["r1"]))
-        wait_for(lambda: watcher.current().number == 3, 10, "epoch 3 through the rank's own watch")
+        wait_for(lambda: watcher.current().number == 3, 30, "epoch 3 through the rank's own watch")
     finally:
         if session is not None:
             session.close()
