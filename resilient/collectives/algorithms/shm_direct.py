@@ -310,10 +310,11 @@ class ShmDirect(ABC):
         S, pieces = self.slices, ctx.ledger.pieces
         return pieces[c * S][0], pieces[c * S + S - 1][1]
 
-    def _mark(self, ctx: OpContext, c: int) -> None:
+    def _mark(self, ctx: OpContext, c: int, mask: int | None = None) -> None:
+        """Chunk ``c``'s pieces get ``mask`` (default: the full set)."""
         L, S = ctx.ledger, self.slices
         for q in range(c * S, (c + 1) * S):
-            L.set(q, L.full)
+            L.set(q, L.full if mask is None else mask)
 
     def _view(self, ctx: OpContext, q: int, seg: PeerSegment, area: int, nbytes: int,
               dtype: torch.dtype) -> torch.Tensor:

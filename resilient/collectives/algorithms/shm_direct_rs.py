@@ -9,7 +9,8 @@ member ``p`` of ``n`` (the ledger's layout is the ring reduce-scatter's: chunk `
 member ``c``'s output, ``slices`` pieces each):
 
 1. **in** — copy its input once into its own segment, all but its own chunk (nobody
-   else reads that one), and publish the op's ticket in its ``W_IN`` word;
+   else reads that one), and that chunk into its output (its pieces' masks: itself
+   alone), and publish the op's ticket in its ``W_IN`` word;
 2. **rs** — once every peer's ``W_IN`` shows the op, reduce chunk ``p`` reading every
    member's chunk ``p`` straight from its segment, in cache-sized blocks in member-index
    order (the bits are the same whoever computes it), into its output; check every
@@ -22,9 +23,9 @@ readable in their mappings of its segment (a segment never shrinks; the kernel f
 when the last mapping goes), every survivor finishes the op with the full set as
 contributors, and the next op's membership change has nothing left to recover. A member
 that dies before publishing leaves every survivor waiting for its ``W_IN``: the
-transport's abort (the epoch without it) ends the wait, every mask is still 0, and the
-ordinary recovery (:mod:`..resume`) finishes each survivor's chunk over the survivors
-from their kept inputs. A member that leaves the op by an error clears its ``W_IN``
+transport's abort (the epoch without it) ends the wait, each survivor's own chunk holds
+its own input, and the ordinary recovery (:mod:`..resume`) finishes each survivor's chunk
+over the survivors from their kept inputs. A member that leaves the op by an error clears its ``W_IN``
 first (a peer still waiting then fails its op and recovers too), and a SIGSTOPped
 member that resumes after the survivors reused their areas fails the check of step 2
 (``TransportError``) instead of delivering a torn chunk. Only a survivor that is
@@ -84,11 +85,16 @@ class ShmDirectReduceScatter(ShmDirect):
             own.set(area_word(area, A_DIGEST), ctx.digest)
             own.set(area_word(area, A_NBYTES), nbytes if fits else -1)
             own.set(area_word(area, A_OFFSET), area * sess.stride)
+            a, b = self._chunk(ctx, ctx.me)
             if fits:   # every chunk but its own: member c reads only chunk c
                 region = own.view(area * sess.stride, nbytes, dtype)
-                a, b = self._chunk(ctx, ctx.me)
                 region[:a].copy_(inp[:a])
                 region[b:].copy_(inp[b:])
+            # progress the recovery can finish from if a peer never publishes: its own chunk's
+            # accumulator holds its own input (a rerun in a smaller epoch could not take the
+            # caller's one-input-per-member list: GroupChanged)
+            L.out[a:b].copy_(inp[a:b])
+            self._mark(ctx, ctx.me, 1 << ctx.me)
             ctx.failpoint("rs", 0.0)
             self._publish(sess, area_word(area, A_IN), mine)
             for q, (seg, _) in sess.peers.items():
@@ -98,14 +104,16 @@ class ShmDirectReduceScatter(ShmDirect):
                     raise OpMismatch(ctx.members[q], ctx.seq, seg.word(area_word(area, A_DIGEST)), ctx.digest)
             if not fits or any(seg.word(area_word(area, A_NBYTES)) < 0 for seg, _ in sess.peers.values()):
                 COUNTS.ring += 1
+                self._mark(ctx, ctx.me, 0)   # the ring starts from nothing
                 self._ring(ctx)
                 failed = False
                 return
             ins = [inp if q == ctx.me else self._view(ctx, q, sess.peers[q][0], area, nbytes, dtype)
                    for q in range(len(ctx.members))]
+            self._mark(ctx, ctx.me, 0)   # the accumulator is being overwritten
             self._reduce_own(ctx, ins, None, "rs")
             self._check(ctx, sess, area_word(area, A_IN), theirs, sess.peers)
-            self._mark(ctx, ctx.me)
+            self._mark(ctx, ctx.me, L.full)
             COUNTS.direct += 1
             failed = False
         finally:
