@@ -301,6 +301,39 @@ class ShmDirect(ABC):
             sess.stride = page_round(nbytes)
         return True
 
+    def _begin(self, ctx: OpContext, sess: _Session, nbytes: int) -> tuple[int, int, dict[int, int], bool]:
+        """Claim this op's area (:meth:`_room`) and write its header words (tickets
+        cleared, digest, size or -1 when it does not fit, offset): ``(area, own ticket,
+        peers' tickets, fits)``. Raises what :meth:`_room` raises."""
+        own = sess.own
+        mine = ticket(sess.sid, ctx.seq)
+        theirs = {q: ticket(sid, ctx.seq) for q, (_, sid) in sess.peers.items()}
+        area = sess.count % AREAS
+        fits = self._room(ctx, sess, nbytes)
+        sess.count += 1
+        sess.seqs = (sess.seqs + [ctx.seq])[-AREAS:]
+        own.set(area_word(area, A_IN), 0)
+        own.set(area_word(area, A_RED), 0)
+        own.set(area_word(area, A_DIGEST), ctx.digest)
+        own.set(area_word(area, A_NBYTES), nbytes if fits else -1)
+        own.set(area_word(area, A_OFFSET), area * sess.stride)
+        return area, mine, theirs, fits
+
+    def _await_inputs(self, ctx: OpContext, sess: _Session, area: int, theirs: dict[int, int]) -> OpMismatch | None:
+        """Wait until every peer published this op's input; the mismatch (for the caller
+        to raise, keeping its words so every peer sees it too) when a peer's descriptor
+        digest differs."""
+        for q, (seg, _) in sess.peers.items():
+            self._await(ctx, sess, q, self._ready(ctx, q, seg, area_word(area, A_IN), theirs[q]))
+            if seg.word(area_word(area, A_DIGEST)) != ctx.digest:
+                return OpMismatch(ctx.members[q], ctx.seq, seg.word(area_word(area, A_DIGEST)), ctx.digest)
+        return None
+
+    @staticmethod
+    def _all_fit(sess: _Session, area: int) -> bool:
+        """Whether every peer could hold this op in its segment (else every member runs the ring)."""
+        return all(seg.word(area_word(area, A_NBYTES)) >= 0 for seg, _ in sess.peers.values())
+
     def _publish(self, sess: _Session, word: int, value: int) -> None:
         """Store ``word``, ring the bell, and wake the peers sleeping on it (if any)."""
         sess.own.set(word, value)
@@ -418,19 +451,9 @@ class ShmDirectAllreduce(ShmDirect):
         L, own = ctx.ledger, sess.own
         inp = L.inp
         nbytes, dtype = inp.numel() * inp.element_size(), inp.dtype
-        mine = ticket(sess.sid, ctx.seq)
-        theirs = {q: ticket(sid, ctx.seq) for q, (_, sid) in sess.peers.items()}
-        area = sess.count % AREAS
-        fits = self._room(ctx, sess, nbytes)
-        sess.count += 1
-        sess.seqs = (sess.seqs + [ctx.seq])[-AREAS:]
+        area, mine, theirs, fits = self._begin(ctx, sess, nbytes)
         failed = True
         try:
-            own.set(area_word(area, A_IN), 0)
-            own.set(area_word(area, A_RED), 0)
-            own.set(area_word(area, A_DIGEST), ctx.digest)
-            own.set(area_word(area, A_NBYTES), nbytes if fits else -1)
-            own.set(area_word(area, A_OFFSET), area * sess.stride)
             region = own.view(area * sess.stride, nbytes, dtype) if fits else None
             every = nbytes <= ALL_MAX_BYTES
             if region is not None:
@@ -441,12 +464,11 @@ class ShmDirectAllreduce(ShmDirect):
                     region[:a].copy_(inp[:a])
                     region[b:].copy_(inp[b:])
             self._publish(sess, area_word(area, A_IN), mine)
-            for q, (seg, _) in sess.peers.items():
-                self._await(ctx, sess, q, self._ready(ctx, q, seg, area_word(area, A_IN), theirs[q]))
-                if seg.word(area_word(area, A_DIGEST)) != ctx.digest:
-                    failed = False   # keep our words: every peer must see the mismatch too
-                    raise OpMismatch(ctx.members[q], ctx.seq, seg.word(area_word(area, A_DIGEST)), ctx.digest)
-            if region is None or any(seg.word(area_word(area, A_NBYTES)) < 0 for seg, _ in sess.peers.values()):
+            mismatch = self._await_inputs(ctx, sess, area, theirs)
+            if mismatch is not None:
+                failed = False   # keep our words: every peer must see the mismatch too
+                raise mismatch
+            if region is None or not self._all_fit(sess, area):
                 COUNTS.ring += 1
                 self._ring(ctx)
                 failed = False

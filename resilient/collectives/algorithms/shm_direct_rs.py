@@ -45,9 +45,8 @@ from __future__ import annotations
 from resilient.collectives import tags
 from resilient.collectives.algorithms.base import OpContext
 from resilient.collectives.algorithms.ring import RingReduceScatterAllgather
-from resilient.collectives.algorithms.shm_direct import COUNTS, ShmDirect, _Session, ticket
-from resilient.errors import OpMismatch
-from resilient.transport.shm_segment import A_DIGEST, A_IN, A_NBYTES, A_OFFSET, A_RED, AREAS, W_DONE, area_word
+from resilient.collectives.algorithms.shm_direct import COUNTS, ShmDirect, _Session
+from resilient.transport.shm_segment import A_IN, W_DONE, area_word
 
 
 class ShmDirectReduceScatter(ShmDirect):
@@ -67,24 +66,13 @@ class ShmDirectReduceScatter(ShmDirect):
         RingReduceScatterAllgather(self.slices, shift=1, do_ag=False).run(ctx)
 
     def _direct(self, ctx: OpContext, sess: _Session) -> None:
-        """Run the op through the segments, or on the ring when a member could not hold
-        it (every member then runs the ring: they all read the same words)."""
-        L, own = ctx.ledger, sess.own
-        inp = L.inp
-        nbytes, dtype = inp.numel() * inp.element_size(), inp.dtype
-        mine = ticket(sess.sid, ctx.seq)
-        theirs = {q: ticket(sid, ctx.seq) for q, (_, sid) in sess.peers.items()}
-        area = sess.count % AREAS
-        fits = self._room(ctx, sess, nbytes)
-        sess.count += 1
-        sess.seqs = (sess.seqs + [ctx.seq])[-AREAS:]
+        """Steps 1 and 2 of the module's docstring; the ring reduce-scatter on every member
+        when one could not hold the op in its segment."""
+        L, inp = ctx.ledger, ctx.ledger.inp
+        own, nbytes, dtype = sess.own, inp.numel() * inp.element_size(), inp.dtype
+        area, mine, theirs, fits = self._begin(ctx, sess, nbytes)
         failed = True
         try:
-            own.set(area_word(area, A_IN), 0)
-            own.set(area_word(area, A_RED), 0)
-            own.set(area_word(area, A_DIGEST), ctx.digest)
-            own.set(area_word(area, A_NBYTES), nbytes if fits else -1)
-            own.set(area_word(area, A_OFFSET), area * sess.stride)
             a, b = self._chunk(ctx, ctx.me)
             if fits:   # every chunk but its own: member c reads only chunk c
                 region = own.view(area * sess.stride, nbytes, dtype)
@@ -97,12 +85,11 @@ class ShmDirectReduceScatter(ShmDirect):
             self._mark(ctx, ctx.me, 1 << ctx.me)
             ctx.failpoint("rs", 0.0)
             self._publish(sess, area_word(area, A_IN), mine)
-            for q, (seg, _) in sess.peers.items():
-                self._await(ctx, sess, q, self._ready(ctx, q, seg, area_word(area, A_IN), theirs[q]))
-                if seg.word(area_word(area, A_DIGEST)) != ctx.digest:
-                    failed = False   # keep our words: every peer must see the mismatch too
-                    raise OpMismatch(ctx.members[q], ctx.seq, seg.word(area_word(area, A_DIGEST)), ctx.digest)
-            if not fits or any(seg.word(area_word(area, A_NBYTES)) < 0 for seg, _ in sess.peers.values()):
+            mismatch = self._await_inputs(ctx, sess, area, theirs)
+            if mismatch is not None:
+                failed = False   # keep our words: every peer must see the mismatch too
+                raise mismatch
+            if not fits or not self._all_fit(sess, area):
                 COUNTS.ring += 1
                 self._mark(ctx, ctx.me, 0)   # the ring starts from nothing
                 self._ring(ctx)
