@@ -1,14 +1,16 @@
 """Resume vs restart after a SIGKILL in the middle of a large allreduce.
 
-    python bench/recovery.py --world 4 --size 64M [--victim 2] [--phases rs,ag]
+    python bench/recovery.py --world 4 --size 64M [--victim 2] [--phases rs,ag] [--op reduce_scatter]
 
 For each phase (reduce-scatter ``rs``, all-gather ``ag``) a fresh real etcd, coordinator
 and ``--world`` member processes. Ops: #0 allreduce (warm-up, connections), #1 barrier,
-#2 the measured ``--size`` float32 SUM allreduce, during which member ``m<victim>``
+#2 the measured ``--size`` float32 SUM allreduce (``--op reduce_scatter``: a reduce-scatter
+of ``--size`` per member, one input of ``size/world`` per member), during which member ``m<victim>``
 SIGKILLs itself (failpoint ``kill@op=2,phase=<phase>,frac=0.5``). This script plays the
 node agent: it sees the exit and revokes the dead member's lease at once. Then the
-survivors run #3 barrier and #4 a fresh allreduce of the same size in the new epoch: the
-from-scratch redo a restart would do. One JSON line per phase::
+survivors run #3 barrier and #4 a fresh op of the same kind in the new epoch (the
+reduce-scatter: one input per survivor): the from-scratch redo a restart would do. Both
+run the algorithm the product selects (``algorithm``, ``redo_algorithm`` in the output). One JSON line per phase::
 
     {"phase", "recovery_s", "resent_fraction", "restart_s", ...}
 
@@ -34,6 +36,7 @@ import statistics
 import sys
 import threading
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,18 +47,36 @@ from _common import BenchCluster, emit, join, parse_size, wait_go, worker_argpar
 def worker(args) -> None:
     import torch
 
+    from resilient.collectives.algorithms import select
+
     torch.set_num_threads(1)
     comm, transport, session, index = join(args, op_timeout=30.0)
     numel = args.size // 4
     emit("ready")
     wait_go()
+    rs = args.op == "reduce_scatter"
+
+    def measured() -> tuple[Any, torch.Tensor, str]:
+        """The measured op (inputs ``index + 1``): its Work, its result, and the algorithm
+        its epoch selects (read before it runs)."""
+        members, n = list(comm.members), comm.size
+        m = numel // args.world if rs else numel
+        if rs:   # one input of size/world per member of the group now; the result is this member's chunk
+            algo = select.per_member("reduce_scatter", members, comm.epoch, n, m, 4, comm.sizing).algorithm
+            out = torch.empty(m)
+            w = comm.reduce_scatter(out, [torch.full((m,), float(index + 1)) for _ in range(n)])
+        else:
+            algo = select.allreduce(members, comm.epoch, m, 4, comm.sizing)[1]
+            out = torch.full((m,), float(index + 1))
+            w = comm.allreduce(out)
+        return w, out, type(algo).__name__
+
     x = torch.full((numel,), float(index + 1))
     comm.allreduce(x)                                     # op 0
     comm.barrier()                                        # op 1
-    x = torch.full((numel,), float(index + 1))
     sent0 = transport.stats.bytes_sent
     t0 = time.perf_counter()
-    w = comm.allreduce(x)                                 # op 2 (victim dies in it)
+    w, x, algo = measured()                               # op 2 (victim dies in it)
     t_done = time.time()
     op_s = time.perf_counter() - t0
     op_bytes = transport.stats.bytes_sent - sent0
@@ -63,13 +84,13 @@ def worker(args) -> None:
     contributors = list(w.contributors)
     expect = float(sum(int(m.lstrip("m")) + 1 for m in contributors))
     exact = bool(torch.all(x == expect).item())
-    emit("op", t_done=t_done, op_s=op_s, op_bytes=op_bytes, recovery=rec, contributors=contributors, exact=exact)
+    emit("op", t_done=t_done, op_s=op_s, op_bytes=op_bytes, recovery=rec, contributors=contributors, exact=exact,
+         algorithm=algo)
     comm.barrier()                                        # op 3, new epoch
-    x = torch.full((numel,), float(index + 1))
     sent0 = transport.stats.bytes_sent
     t0 = time.perf_counter()
-    comm.allreduce(x)                                     # op 4: from scratch among survivors
-    emit("redo", seconds=time.perf_counter() - t0, bytes=transport.stats.bytes_sent - sent0)
+    _, _, algo = measured()                               # op 4: from scratch among survivors
+    emit("redo", seconds=time.perf_counter() - t0, bytes=transport.stats.bytes_sent - sent0, algorithm=algo)
     wait_go()
     comm.close()  # leaves the group, then closes the transport, the session and the store
 
@@ -116,7 +137,7 @@ def ledger_state(cl: BenchCluster, epochs: list[int], survivors: list[str]) -> d
             st = decode_status(raw[m])
             for key in ("inflight", "retained"):
                 if st.get(key) and st[key]["seq"] == 2:
-                    masks[m] = (st[key]["masks"], (1 << len(st[key]["members"])) - 1)
+                    masks[m] = (st[key]["masks"], (1 << st[key]["n_members"]) - 1)
                     break
     if not masks:
         return None
@@ -138,7 +159,8 @@ def run_case(args, phase: str) -> dict:
     spec = f"kill@op=2,phase={phase},frac={args.frac}"
     env_for = (lambda mid: {"RESILIENT_FAILPOINTS": spec} if mid == victim else {})
     with BenchCluster(os.path.abspath(__file__), args.world, job=f"bench-recovery-{phase}",
-                      worker_args=["--size", str(args.size)], env_for=env_for) as cl:
+                      worker_args=["--size", str(args.size), "--op", args.op, "--world", str(args.world)],
+                      env_for=env_for) as cl:
         survivors = [m for m in sorted(cl.procs) if m != victim]
         watcher = EpochWatcher(cl.store, cl.job)
         epoch_seen: list[float] = []
@@ -166,9 +188,12 @@ def run_case(args, phase: str) -> dict:
         held = ledger_state(cl, [o["recovery"]["epoch"] for o in ops.values() if o["recovery"]], survivors)
         cl.send(survivors, "quit")
         return {
-            "phase": phase,
+            "phase": phase, "op": args.op,
+            "algorithm": sorted({o["algorithm"] for o in ops.values()}),
+            "redo_algorithm": sorted({r["algorithm"] for r in redo.values()}),
             "recovery_s": round(recovery_s, 4),
-            "resent_fraction": round(resent / redo_bytes, 4) if resent is not None else None,
+            # (None also when the redo moved next to nothing over the transport: a direct shared-memory redo)
+            "resent_fraction": round(resent / redo_bytes, 4) if resent is not None and redo_bytes >= args.size // 100 else None,
             "restart_s": round((detect_s or 0.0) + redo_s, 4),
             "detect_s": round(detect_s, 4) if detect_s is not None else None,
             "redo_allreduce_s": round(redo_s, 4),
@@ -199,6 +224,8 @@ def main() -> None:
     ap.add_argument("--victim", type=int, default=2, help="index of the member that is killed")
     ap.add_argument("--frac", type=float, default=0.5, help="progress in the phase at which it is killed")
     ap.add_argument("--phases", default="rs,ag")
+    ap.add_argument("--op", default="allreduce", choices=["allreduce", "reduce_scatter"],
+                    help="the measured op (reduce_scatter: one input of size/world per member; phase rs only)")
     ap.add_argument("--repeat", type=int, default=3,
                     help="fresh clusters per phase; recovery_s/restart_s/resent_fraction are their medians")
     args = ap.parse_args()
@@ -220,7 +247,8 @@ def summarize(runs: list[dict]) -> dict:
         vals = [r[key] for r in runs if r[key] is not None]
         return round(statistics.median(vals), 4) if vals else None
 
-    head = {"phase": runs[0]["phase"], "recovery_s": med("recovery_s"), "resent_fraction": med("resent_fraction"),
+    head = {"phase": runs[0]["phase"], "op": runs[0]["op"], "algorithm": runs[0]["algorithm"],
+            "redo_algorithm": runs[0]["redo_algorithm"], "recovery_s": med("recovery_s"), "resent_fraction": med("resent_fraction"),
             "restart_s": med("restart_s"), "detect_s": med("detect_s"), "redo_allreduce_s": med("redo_allreduce_s"),
             "expected_resent": runs[0]["expected_resent"], "repeat": len(runs),
             "recovery_lt_restart": sum(r["recovery_s"] < r["restart_s"] for r in runs),

@@ -1,4 +1,4 @@
-"""The direct shared-memory allreduce's fault contract with real etcd, coordinator and
+"""The direct shared-memory allreduce's and reduce-scatter's fault contract with real etcd, coordinator and
 processes on one host: 4 members (shared memory between them, the default transport), a
 member SIGKILLed halfway through reducing its chunk of a large op, another in the copy
 phase of a small op (every member reduces everything), and every survivor's output of
@@ -7,9 +7,11 @@ the same set); nothing is left in /dev/shm."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from resilient.transport import shm_segment
@@ -18,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 from collective_checks import check_allreduce  # noqa: E402
 from collective_harness import Workers, coordinator  # noqa: E402
+from inputs import expected  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -58,6 +61,70 @@ def test_sigkill_mid_op_every_survivor_exact_and_nothing_left_in_dev_shm(etcd_se
             assert contrib_of[1] == ["m0", "m2", "m3"]   # m1's chunk was never reduced: the survivors' set
             assert set(survivors) <= set(contrib_of[2]) and "m1" not in contrib_of[2]
             assert contrib_of[3] == survivors
+        finally:
+            w.close()
+    assert set(os.listdir("/dev/shm")) == dev_shm
+
+
+# -- the direct reduce-scatter (algorithms/shm_direct_rs.py) --------------------------------
+
+RS = {"k": "reduce_scatter", "numel": 60_001, "dtype": "int64", "op": "sum"}   # 5 x 480 KB per member
+RS_OPS = [RS,                                    # 5 members
+          RS,                                    # m1 dies halfway through reducing its chunk (after publishing)
+          {"k": "barrier"},                      # the epoch without m1
+          RS,                                    # m3 dies before publishing its input
+          {**RS, "dtype": "float64"},            # m4 is SIGSTOPped reducing its chunk (after publishing)
+          RS,                                    # m0, m2 wait for m4 until its lease expires
+          {**RS, "op": "max"}]                   # m0, m2 (new session: the areas m4 read are reused)
+RS_FAILPOINTS = {"m1": "kill@op=1,phase=rs,frac=0.5", "m3": "kill@op=3,phase=rs,frac=0",
+                 "m4": "stop@op=4,phase=rs,frac=0.5"}
+
+
+def _check_rs(w: Workers, mid: str, seq: int, spec: dict) -> list[str]:
+    """Op ``seq`` succeeded on ``mid`` with its chunk reduced exactly over the contributors it reports."""
+    rec = w.records(mid)[seq]
+    assert rec["ok"], rec
+    c = rec["chunk"]
+    assert rec["op_members"][c] == mid, rec
+    exp = expected("sum" if spec["op"] == "sum" else spec["op"], [int(m[1:]) for m in rec["contributors"]],
+                   seq * 100 + c, w.seed, spec["numel"], spec["dtype"])
+    np.testing.assert_array_equal(w.output(mid, seq), exp.numpy().astype(w.output(mid, seq).dtype))
+    return list(rec["contributors"])
+
+
+def test_reduce_scatter_kills_before_and_after_publishing_and_a_stopped_member(etcd_session, job_name, tmp_path):
+    """A member killed after publishing its input stays a contributor (its segment is still
+    readable: no recovery, no resend); one killed before publishing is left out; a SIGSTOPped
+    one is evicted and, resumed, fails instead of delivering a torn chunk. Every survivor
+    exact over the set it reports, all the same; nothing left in /dev/shm."""
+    dev_shm = set(os.listdir("/dev/shm"))
+    with coordinator(etcd_session.endpoint_arg, job_name, ttl=TTL):
+        w = Workers(etcd_session.endpoint_arg, job_name, 5, RS_OPS, tmp_path, failpoints=RS_FAILPOINTS, ttl=TTL)
+        try:
+            survivors = ["m0", "m2"]
+            w.wait_done(survivors, 120)
+            os.kill(w.procs["m4"].pid, signal.SIGCONT)
+            w.wait_done(["m4"], 60)
+            for victim in ("m1", "m3"):
+                assert w.procs[victim].wait(10) == -9, f"{victim} was not killed at {RS_FAILPOINTS[victim]}"
+            contrib_of: dict[int, list[str]] = {}
+            for mid in survivors:
+                for seq, spec in enumerate(RS_OPS):
+                    if spec["k"] == "reduce_scatter":
+                        contrib = _check_rs(w, mid, seq, spec)
+                        assert contrib_of.setdefault(seq, contrib) == contrib, (mid, seq, contrib, contrib_of[seq])
+                recs = w.records(mid)
+                assert recs[0]["algorithm"] == recs[6]["algorithm"] == "ShmDirectReduceScatter", (mid, recs[0], recs[6])
+                assert recs[1]["recovery"] is None, recs[1]   # m1's death did not touch op 1
+            assert contrib_of[0] == contrib_of[1] == ["m0", "m1", "m2", "m3", "m4"]
+            assert contrib_of[3] == ["m0", "m2", "m4"]
+            assert contrib_of[4] == ["m0", "m2", "m4"]    # m4 had published: still a contributor
+            assert contrib_of[5] == contrib_of[6] == survivors
+            # the resumed m4: removed; an op it delivered is exact over what it reports
+            assert w.procs["m4"].wait(30) == 4
+            for rec in w.records("m4"):
+                if rec["ok"] and RS_OPS[rec["seq"]]["k"] == "reduce_scatter":
+                    _check_rs(w, "m4", rec["seq"], RS_OPS[rec["seq"]])
         finally:
             w.close()
     assert set(os.listdir("/dev/shm")) == dev_shm

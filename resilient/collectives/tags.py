@@ -25,7 +25,7 @@ from resilient.transport.tags import (
 
 __all__ = [
     "CHAIN", "COLLECTIVE", "CONTROL", "LEAF", "P2P", "QUANTIZED_RING", "RECOVERY", "RECURSIVE_DOUBLING", "RING",
-    "SHM_DIRECT", "SPACES", "STATUS_EXCHANGE", "control_seq", "in_namespace", "namespace_of", "p2p_seq",
+    "SHM_DIRECT", "SHM_DIRECT_RS", "SPACES", "STATUS_EXCHANGE", "control_seq", "in_namespace", "namespace_of", "p2p_seq",
     "same_namespace", "tag",
 ]
 
@@ -44,11 +44,12 @@ LEAF: Final = 4            # leaf path, lossless and deadline modes (disjoint st
 STATUS_EXCHANGE: Final = 5  # ledger summaries of a recovery (CONTROL namespace)
 QUANTIZED_RING: Final = 6
 SHM_DIRECT: Final = 7       # direct shared-memory allreduce: segment locators and votes (algorithms/shm_direct.py)
+SHM_DIRECT_RS: Final = 8    # direct shared-memory reduce-scatter: the same (algorithms/shm_direct_rs.py)
 
 SPACES: Final[dict[str, int]] = {
     "ring": RING, "recursive_doubling": RECURSIVE_DOUBLING, "chain": CHAIN, "recovery": RECOVERY,
     "leaf": LEAF, "status_exchange": STATUS_EXCHANGE, "quantized_ring": QUANTIZED_RING,
-    "shm_direct": SHM_DIRECT,
+    "shm_direct": SHM_DIRECT, "shm_direct_rs": SHM_DIRECT_RS,
 }
 assert len(set(SPACES.values())) == len(SPACES), "two algorithms share a tag space"
 

@@ -9,7 +9,8 @@ inputs from ``inputs.make_input(member index, seq, seed)`` (an op's ``override``
 maps a member id to fields of that member's call only) and writes, per op,
 ``DIR/<id>.<seq>.npy`` (allow_pickle=False; bfloat16/float16 as float32) and a JSON line
 in ``DIR/<id>.jsonl``: {seq, ok, error, contributors, seconds; allreduce: algorithm (the
-one the epoch selects, when the op's ledger pieces are its layout, else null)}. Exit 0, or 4 when it
+one the epoch selects, when the op's ledger pieces are its layout, else null); reduce_scatter:
+the same, and op_members, chunk (the op's members and this member's index among them)}. Exit 0, or 4 when it
 raised RemovedFromGroup. Failpoints come from RESILIENT_FAILPOINTS, an emulated host label
 (``MemberInfo.host``) from RESILIENT_TEST_HOST.
 """
@@ -130,6 +131,15 @@ def main() -> int:
 
                     pieces, algo = select.allreduce(list(kept.members), comm.epoch, n_in, x.element_size(), comm.sizing)
                     rec["algorithm"] = type(algo).__name__ if pieces == kept.pieces else None
+                if k == "reduce_scatter" and kept is not None and kept.seq == seq:
+                    # the op's members and this member's chunk (its index among them), and the
+                    # algorithm the epoch selects, when the op's ledger has exactly its layout
+                    from resilient.collectives.algorithms import select
+
+                    lay = select.per_member(k, list(kept.members), comm.epoch, len(kept.members), n_in,
+                                            x.element_size(), comm.sizing)
+                    rec.update(op_members=list(kept.members), chunk=kept.me,
+                               algorithm=type(lay.algorithm).__name__ if lay.pieces == kept.pieces else None)
                 rec["whole_staged"] = WHOLE.d2h   # whole-tensor host copies so far (resilient/device/whole.py)
                 arr = out.to(torch.float32) if out.dtype in (torch.float16, torch.bfloat16) else out
                 np.save(os.path.join(args.out, f"{args.id}.{seq}.npy"), arr.numpy(), allow_pickle=False)

@@ -7,8 +7,10 @@
   equal hosts, or unequal ones its ``host_slots`` covers (:mod:`.hierarchical`,
   ``Sizing.hierarchical``); else the pipelined ring above
   ``small_bytes`` (:mod:`.ring`), recursive doubling below (:mod:`.recursive_doubling`);
-* reduce_scatter / allgather: hierarchical when the plan groups by equal hosts, else the ring
-  with one chunk per member;
+* reduce_scatter / allgather: (reduce_scatter only) the direct shared-memory reduce-scatter
+  when every member is on one host sharing memory (``Sizing.shm_direct``;
+  :mod:`.shm_direct_rs`, the ring's layout); else hierarchical when the plan groups by
+  equal hosts, else the ring with one chunk per member;
 * broadcast: the pipelined chain plus a one-element barrier (:mod:`.chain`).
 
 Deterministic: every member reads the same epoch and sizes, so every member picks the
@@ -27,6 +29,7 @@ from resilient.collectives.algorithms.leaf import LeafPath
 from resilient.collectives.algorithms.recursive_doubling import RecursiveDoubling
 from resilient.collectives.algorithms.ring import RingReduceScatterAllgather
 from resilient.collectives.algorithms.shm_direct import ShmDirectAllreduce, eligible as shm_eligible
+from resilient.collectives.algorithms.shm_direct_rs import ShmDirectReduceScatter
 from resilient.collectives.group import EpochLike
 from resilient.collectives.ledger import split
 
@@ -123,12 +126,15 @@ def per_member(kind: str, members: list[str], epoch: EpochLike, n: int, m: int, 
                sizing: Sizing) -> PerMember:
     """``kind``: ``"reduce_scatter"`` or ``"allgather"`` over ``n`` members."""
     S = sizing.slices(m * elem_bytes)
-    hier = select_per_member(kind, members, epoch, m, S) if sizing.hierarchical else None
-    if hier is not None:
-        return PerMember(list(hier[0].pieces), list(hier[0].owner), list(hier[0].offset), hier[1])
     pieces = [(c * m + a, c * m + b) for c in range(n) for (a, b) in split(m, S)]
     owners = [c for c in range(n) for _ in range(S)]
     offs = [a for c in range(n) for (a, b) in split(m, S)]
+    if (kind == "reduce_scatter" and sizing.shm_direct and not sizing.staging and m >= 1 and n == len(members)
+            and shm_eligible(members, epoch)):
+        return PerMember(pieces, owners, offs, ShmDirectReduceScatter(S))
+    hier = select_per_member(kind, members, epoch, m, S) if sizing.hierarchical else None
+    if hier is not None:
+        return PerMember(list(hier[0].pieces), list(hier[0].owner), list(hier[0].offset), hier[1])
     algo = (RingReduceScatterAllgather(S, shift=1, do_ag=False) if kind == "reduce_scatter"
             else RingReduceScatterAllgather(S, shift=1, do_rs=False))
     return PerMember(pieces, owners, offs, algo)

@@ -52,6 +52,7 @@ published before anyone waits); a peer that gave the op up or moved past it rais
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 import threading
 import time
 import weakref
@@ -200,30 +201,29 @@ def _state_of(tr: OpTransport) -> _MemberState | None:
         return st
 
 
-class ShmDirectAllreduce:
+class ShmDirect(ABC):
+    """What the direct shared-memory collectives share (:class:`ShmDirectAllreduce`,
+    :mod:`.shm_direct_rs`): the per-epoch session (segment locators swapped and voted
+    on), the op's area made free and large enough, publishing words, abort-aware waits
+    on a peer's words, reads re-checked against the peer's ticket, and reducing one chunk
+    of every member's input in member order. A subclass runs one op through the
+    segments (:meth:`_direct`) and names the ring algorithm of the same ledger layout
+    that runs an op when the segments cannot (:meth:`_ring`)."""
+
     SPACE = tags.SHM_DIRECT
     capabilities = Capabilities()
 
     def __init__(self, slices: int) -> None:
         self.slices = slices
 
-    def final_order(self, n_members: int, index: int, n_pieces: int) -> list[int]:
-        """Its own chunk's pieces, then the others' in member order."""
-        if n_members < 2 or n_pieces % n_members:
-            return list(range(n_pieces))
-        S = n_pieces // n_members
-        return [c * S + j for c in [index] + [c for c in range(n_members) if c != index] for j in range(S)]
-
     def run(self, ctx: OpContext) -> None:
         st = _state_of(ctx.transport) if ctx.seq < (1 << _SEQ_BITS) else None
         sess = self._session(ctx, st) if st is not None else None
         if sess is None:
             COUNTS.ring += 1
-            RingReduceScatterAllgather(self.slices).run(ctx)
+            self._ring(ctx)
             return
         self._direct(ctx, sess)
-
-    # -- sessions ---------------------------------------------------------------------------
 
     def _session(self, ctx: OpContext, st: _MemberState) -> _Session | None:
         key = (ctx.epoch, ctx.members)
@@ -273,65 +273,6 @@ class ShmDirectAllreduce:
         ctx.wait(reqs)
         return {q: bytes(b) for q, b in bufs.items()}
 
-    # -- one op -----------------------------------------------------------------------------
-
-    def _direct(self, ctx: OpContext, sess: _Session) -> None:
-        """Run the op through the segments, or on the ring when a member could not hold
-        it (every member then runs the ring: they all read the same words)."""
-        L, own = ctx.ledger, sess.own
-        inp = L.inp
-        nbytes, dtype = inp.numel() * inp.element_size(), inp.dtype
-        mine = ticket(sess.sid, ctx.seq)
-        theirs = {q: ticket(sid, ctx.seq) for q, (_, sid) in sess.peers.items()}
-        area = sess.count % AREAS
-        fits = self._room(ctx, sess, nbytes)
-        sess.count += 1
-        sess.seqs = (sess.seqs + [ctx.seq])[-AREAS:]
-        failed = True
-        try:
-            own.set(area_word(area, A_IN), 0)
-            own.set(area_word(area, A_RED), 0)
-            own.set(area_word(area, A_DIGEST), ctx.digest)
-            own.set(area_word(area, A_NBYTES), nbytes if fits else -1)
-            own.set(area_word(area, A_OFFSET), area * sess.stride)
-            region = own.view(area * sess.stride, nbytes, dtype) if fits else None
-            every = nbytes <= ALL_MAX_BYTES
-            if region is not None:
-                if every:
-                    region.copy_(inp)
-                else:   # the own chunk is read by nobody else: its reduced value goes there
-                    a, b = self._chunk(ctx, ctx.me)
-                    region[:a].copy_(inp[:a])
-                    region[b:].copy_(inp[b:])
-            self._publish(sess, area_word(area, A_IN), mine)
-            for q, (seg, _) in sess.peers.items():
-                self._await(ctx, sess, q, self._ready(ctx, q, seg, area_word(area, A_IN), theirs[q]))
-                if seg.word(area_word(area, A_DIGEST)) != ctx.digest:
-                    failed = False   # keep our words: every peer must see the mismatch too
-                    raise OpMismatch(ctx.members[q], ctx.seq, seg.word(area_word(area, A_DIGEST)), ctx.digest)
-            if region is None or any(seg.word(area_word(area, A_NBYTES)) < 0 for seg, _ in sess.peers.values()):
-                COUNTS.ring += 1
-                RingReduceScatterAllgather(self.slices).run(ctx)
-                failed = False
-                return
-            ins = [inp if q == ctx.me else self._view(ctx, q, sess.peers[q][0], area, nbytes, dtype)
-                   for q in range(len(ctx.members))]
-            if every:
-                self._reduce_every(ctx, sess, area, ins, theirs)
-            else:
-                self._reduce_own(ctx, ins, region, "rs")
-                self._check(ctx, sess, area_word(area, A_IN), theirs, sess.peers)
-                self._mark(ctx, ctx.me)
-                self._publish(sess, area_word(area, A_RED), mine)
-                self._gather(ctx, sess, area, ins, theirs)
-            COUNTS.direct += 1
-            failed = False
-        finally:
-            if failed:   # a member left behind must not finish from our area
-                own.set(area_word(area, A_IN), 0)
-                own.set(area_word(area, A_RED), 0)
-            self._publish(sess, W_DONE, mine)
-
     def _room(self, ctx: OpContext, sess: _Session, nbytes: int) -> bool:
         """Make this op's area free and large enough: wait until every peer finished
         reading the op that used it last (or, when the areas must grow and move, every
@@ -360,6 +301,39 @@ class ShmDirectAllreduce:
             sess.stride = page_round(nbytes)
         return True
 
+    def _begin(self, ctx: OpContext, sess: _Session, nbytes: int) -> tuple[int, int, dict[int, int], bool]:
+        """Claim this op's area (:meth:`_room`) and write its header words (tickets
+        cleared, digest, size or -1 when it does not fit, offset): ``(area, own ticket,
+        peers' tickets, fits)``. Raises what :meth:`_room` raises."""
+        own = sess.own
+        mine = ticket(sess.sid, ctx.seq)
+        theirs = {q: ticket(sid, ctx.seq) for q, (_, sid) in sess.peers.items()}
+        area = sess.count % AREAS
+        fits = self._room(ctx, sess, nbytes)
+        sess.count += 1
+        sess.seqs = (sess.seqs + [ctx.seq])[-AREAS:]
+        own.set(area_word(area, A_IN), 0)
+        own.set(area_word(area, A_RED), 0)
+        own.set(area_word(area, A_DIGEST), ctx.digest)
+        own.set(area_word(area, A_NBYTES), nbytes if fits else -1)
+        own.set(area_word(area, A_OFFSET), area * sess.stride)
+        return area, mine, theirs, fits
+
+    def _await_inputs(self, ctx: OpContext, sess: _Session, area: int, theirs: dict[int, int]) -> OpMismatch | None:
+        """Wait until every peer published this op's input; the mismatch (for the caller
+        to raise, keeping its words so every peer sees it too) when a peer's descriptor
+        digest differs."""
+        for q, (seg, _) in sess.peers.items():
+            self._await(ctx, sess, q, self._ready(ctx, q, seg, area_word(area, A_IN), theirs[q]))
+            if seg.word(area_word(area, A_DIGEST)) != ctx.digest:
+                return OpMismatch(ctx.members[q], ctx.seq, seg.word(area_word(area, A_DIGEST)), ctx.digest)
+        return None
+
+    @staticmethod
+    def _all_fit(sess: _Session, area: int) -> bool:
+        """Whether every peer could hold this op in its segment (else every member runs the ring)."""
+        return all(seg.word(area_word(area, A_NBYTES)) >= 0 for seg, _ in sess.peers.values())
+
     def _publish(self, sess: _Session, word: int, value: int) -> None:
         """Store ``word``, ring the bell, and wake the peers sleeping on it (if any)."""
         sess.own.set(word, value)
@@ -369,10 +343,11 @@ class ShmDirectAllreduce:
         S, pieces = self.slices, ctx.ledger.pieces
         return pieces[c * S][0], pieces[c * S + S - 1][1]
 
-    def _mark(self, ctx: OpContext, c: int) -> None:
+    def _mark(self, ctx: OpContext, c: int, mask: int | None = None) -> None:
+        """Chunk ``c``'s pieces get ``mask`` (default: the full set)."""
         L, S = ctx.ledger, self.slices
         for q in range(c * S, (c + 1) * S):
-            L.set(q, L.full)
+            L.set(q, L.full if mask is None else mask)
 
     def _view(self, ctx: OpContext, q: int, seg: PeerSegment, area: int, nbytes: int,
               dtype: torch.dtype) -> torch.Tensor:
@@ -402,46 +377,6 @@ class ShmDirectAllreduce:
                 combine(dst, src[x:y], out=dst)
             if region is not None:
                 region[x:y].copy_(dst)
-
-    def _reduce_every(self, ctx: OpContext, sess: _Session, area: int, ins: list[torch.Tensor],
-                      theirs: dict[int, int]) -> None:
-        """Small ops: every member reduces every chunk itself (one wait per op): its own
-        chunk first (failpoint ``rs``), then the others (``ag``)."""
-        n, me = len(ctx.members), ctx.me
-        for i, c in enumerate([me] + [c for c in range(n) if c != me]):
-            if i == 0:
-                self._reduce_own(ctx, ins, None, "rs", c)
-            else:
-                self._reduce_own(ctx, ins, None, "ag", c, (i - 1) / (n - 1), 1 / (n - 1))
-            self._check(ctx, sess, area_word(area, A_IN), theirs, sess.peers)
-            self._mark(ctx, c)
-
-    def _gather(self, ctx: OpContext, sess: _Session, area: int, views: list[torch.Tensor],
-                theirs: dict[int, int]) -> None:
-        """Copy every peer's reduced chunk as soon as it is ready (then check it was not
-        overwritten meanwhile), marking its pieces final."""
-        out, pending = ctx.ledger.out, sorted(sess.peers)
-        probe = failpoints.ACTIVE and ctx.ledger.enabled
-        red = area_word(area, A_RED)
-        copied = 0
-        while pending:
-            ready = [q for q in pending if sess.peers[q][0].word(red) == theirs[q]]
-            if not ready:
-                q = pending[0]
-                self._await(ctx, sess, q, self._ready(ctx, q, sess.peers[q][0], red, theirs[q]))
-                continue
-            for q in ready:
-                a, b = self._chunk(ctx, q)
-                parts = 8 if probe else 1
-                for j in range(parts):
-                    x, y = a + (b - a) * j // parts, a + (b - a) * (j + 1) // parts
-                    if probe:
-                        ctx.failpoint("ag", (copied + j / parts) / len(sess.peers))
-                    out[x:y].copy_(views[q][x:y])
-                self._check(ctx, sess, red, theirs, {q: sess.peers[q]})
-                self._mark(ctx, q)
-                pending.remove(q)
-                copied += 1
 
     @staticmethod
     def _check(ctx: OpContext, sess: _Session, word: int, theirs: dict[int, int],
@@ -490,3 +425,111 @@ class ShmDirectAllreduce:
                                                    "(shared memory)")
         finally:
             sess.own.set(W_WAITING, 0)
+
+    @abstractmethod
+    def _ring(self, ctx: OpContext) -> None:
+        """Run the op on the ring algorithm of the same ledger layout."""
+
+    @abstractmethod
+    def _direct(self, ctx: OpContext, sess: _Session) -> None:
+        """Run the op through the segments of ``sess``."""
+
+
+class ShmDirectAllreduce(ShmDirect):
+    """The direct allreduce (the module's docstring); the ring allreduce when the segments cannot run an op."""
+
+    def final_order(self, n_members: int, index: int, n_pieces: int) -> list[int]:
+        """Its own chunk's pieces, then the others' in member order."""
+        if n_members < 2 or n_pieces % n_members:
+            return list(range(n_pieces))
+        S = n_pieces // n_members
+        return [c * S + j for c in [index] + [c for c in range(n_members) if c != index] for j in range(S)]
+
+    def _direct(self, ctx: OpContext, sess: _Session) -> None:
+        """Run the op through the segments, or on the ring when a member could not hold
+        it (every member then runs the ring: they all read the same words)."""
+        L, own = ctx.ledger, sess.own
+        inp = L.inp
+        nbytes, dtype = inp.numel() * inp.element_size(), inp.dtype
+        area, mine, theirs, fits = self._begin(ctx, sess, nbytes)
+        failed = True
+        try:
+            region = own.view(area * sess.stride, nbytes, dtype) if fits else None
+            every = nbytes <= ALL_MAX_BYTES
+            if region is not None:
+                if every:
+                    region.copy_(inp)
+                else:   # the own chunk is read by nobody else: its reduced value goes there
+                    a, b = self._chunk(ctx, ctx.me)
+                    region[:a].copy_(inp[:a])
+                    region[b:].copy_(inp[b:])
+            self._publish(sess, area_word(area, A_IN), mine)
+            mismatch = self._await_inputs(ctx, sess, area, theirs)
+            if mismatch is not None:
+                failed = False   # keep our words: every peer must see the mismatch too
+                raise mismatch
+            if region is None or not self._all_fit(sess, area):
+                COUNTS.ring += 1
+                self._ring(ctx)
+                failed = False
+                return
+            ins = [inp if q == ctx.me else self._view(ctx, q, sess.peers[q][0], area, nbytes, dtype)
+                   for q in range(len(ctx.members))]
+            if every:
+                self._reduce_every(ctx, sess, area, ins, theirs)
+            else:
+                self._reduce_own(ctx, ins, region, "rs")
+                self._check(ctx, sess, area_word(area, A_IN), theirs, sess.peers)
+                self._mark(ctx, ctx.me)
+                self._publish(sess, area_word(area, A_RED), mine)
+                self._gather(ctx, sess, area, ins, theirs)
+            COUNTS.direct += 1
+            failed = False
+        finally:
+            if failed:   # a member left behind must not finish from our area
+                own.set(area_word(area, A_IN), 0)
+                own.set(area_word(area, A_RED), 0)
+            self._publish(sess, W_DONE, mine)
+
+    def _reduce_every(self, ctx: OpContext, sess: _Session, area: int, ins: list[torch.Tensor],
+                      theirs: dict[int, int]) -> None:
+        """Small ops: every member reduces every chunk itself (one wait per op): its own
+        chunk first (failpoint ``rs``), then the others (``ag``)."""
+        n, me = len(ctx.members), ctx.me
+        for i, c in enumerate([me] + [c for c in range(n) if c != me]):
+            if i == 0:
+                self._reduce_own(ctx, ins, None, "rs", c)
+            else:
+                self._reduce_own(ctx, ins, None, "ag", c, (i - 1) / (n - 1), 1 / (n - 1))
+            self._check(ctx, sess, area_word(area, A_IN), theirs, sess.peers)
+            self._mark(ctx, c)
+
+    def _gather(self, ctx: OpContext, sess: _Session, area: int, views: list[torch.Tensor],
+                theirs: dict[int, int]) -> None:
+        """Copy every peer's reduced chunk as soon as it is ready (then check it was not
+        overwritten meanwhile), marking its pieces final."""
+        out, pending = ctx.ledger.out, sorted(sess.peers)
+        probe = failpoints.ACTIVE and ctx.ledger.enabled
+        red = area_word(area, A_RED)
+        copied = 0
+        while pending:
+            ready = [q for q in pending if sess.peers[q][0].word(red) == theirs[q]]
+            if not ready:
+                q = pending[0]
+                self._await(ctx, sess, q, self._ready(ctx, q, sess.peers[q][0], red, theirs[q]))
+                continue
+            for q in ready:
+                a, b = self._chunk(ctx, q)
+                parts = 8 if probe else 1
+                for j in range(parts):
+                    x, y = a + (b - a) * j // parts, a + (b - a) * (j + 1) // parts
+                    if probe:
+                        ctx.failpoint("ag", (copied + j / parts) / len(sess.peers))
+                    out[x:y].copy_(views[q][x:y])
+                self._check(ctx, sess, red, theirs, {q: sess.peers[q]})
+                self._mark(ctx, q)
+                pending.remove(q)
+                copied += 1
+
+    def _ring(self, ctx: OpContext) -> None:
+        RingReduceScatterAllgather(self.slices).run(ctx)
