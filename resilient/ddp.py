@@ -198,7 +198,8 @@ class ErrorFeedback:
     def stage(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """:meth:`input_for` into this bucket's spare buffer (kept from the bucket's previous
         step: no allocation, no page faults; the same bits as ``input_for``). The buffer is
-        this state's until :meth:`settle` takes it back."""
+        this state's until :meth:`settle` takes it back; if the op fails, settle is never
+        called and the residual stays as it was (the staged buffer is dropped)."""
         e = self.residual(key, grad)
         with self._lock:
             x = self._spare.pop(key, None)
