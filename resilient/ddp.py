@@ -169,6 +169,7 @@ class ErrorFeedback:
         self.member_id: str | None = None
         self.residuals: dict[str, torch.Tensor] = {}
         self.bucket_bits: dict[str, int] = {}
+        self._spare: dict[str, torch.Tensor] = {}   # per bucket: the buffer the next input goes in
         self._lock = threading.Lock()
 
     def state_dict(self) -> dict[str, Any]:
@@ -193,6 +194,51 @@ class ErrorFeedback:
         same bits."""
         e = self.residual(key, grad)
         return grad + e if e is not None else grad.clone()
+
+    def stage(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        """:meth:`input_for` into this bucket's spare buffer (kept from the bucket's previous
+        step: no allocation, no page faults; the same bits as ``input_for``). The buffer is
+        this state's until :meth:`settle` takes it back; if the op fails, settle is never
+        called and the residual stays as it was (the staged buffer is dropped)."""
+        e = self.residual(key, grad)
+        with self._lock:
+            x = self._spare.pop(key, None)
+        if x is None or x.shape != grad.shape or x.dtype != grad.dtype:
+            x = torch.empty_like(grad)
+        if e is None:
+            x.copy_(grad)
+        else:
+            torch.add(grad, e, out=x)
+        return x
+
+    def settle(self, key: str, x: torch.Tensor, agg: torch.Tensor, contributed: bool, res: OpOutcome) -> None:
+        """:meth:`update` for a float32 ``x`` from :meth:`stage`, without temporaries: the
+        new residual ``x - s*q_own`` is written over the old residual's storage (``x``
+        itself when left out; ``x - x`` when the op ran uncompressed), and the buffer no
+        longer needed becomes the bucket's spare. The same bits as :meth:`update` with
+        ``own`` = the op's dequantized input (``x`` when uncompressed)."""
+        from resilient.collectives.compressed import CompressedResult
+        from resilient.collectives.quantization import dequantize
+
+        info = res.compression if isinstance(res, CompressedResult) else None
+        with self._lock:
+            old = self.residuals.get(key)
+        if old is not None and (old.shape != x.shape or old.dtype != x.dtype):
+            old = None
+        if not contributed:   # delayed, not lost
+            e, spare = x, old
+        elif info is None:    # uncompressed: nothing held back
+            e, spare = torch.sub(x, x, out=x), old
+        else:
+            e = old if old is not None else torch.empty_like(x)
+            dequantize(info["q"], info["scales"], info["segments"], info["bucket"], out=e)   # own = s*q
+            torch.sub(x, e, out=e)
+            spare = x
+        with self._lock:
+            self.residuals[key] = e
+            if spare is not None:
+                self._spare[key] = spare
+        self._adapt(key, agg, info)
 
     def bits_for(self, key: str) -> int:
         return self.bucket_bits.get(key, self.bits) if self.adaptive else self.bits
@@ -221,7 +267,11 @@ class ErrorFeedback:
         e = (x - own) if contributed and own is not None else (torch.zeros_like(x) if contributed else x)
         with self._lock:
             self.residuals[key] = e
-        info = res.compression if isinstance(res, CompressedResult) else None
+        self._adapt(key, agg, res.compression if isinstance(res, CompressedResult) else None)
+
+    def _adapt(self, key: str, agg: torch.Tensor, info: dict[str, Any] | None) -> None:
+        """Adaptive mode: the next step's bits for ``key`` from the aggregate and the
+        scales of a compressed op (``info``; None: the op ran uncompressed, no change)."""
         if self.adaptive and info is not None:
             # noise of one member's quantization relative to the aggregate: sum over buckets
             # of n_b * s_b^2 / 12 against |agg|^2 (both identical on every member)
@@ -262,8 +312,16 @@ def compression_hook(state: ErrorFeedback, bucket: GradBucket) -> torch.futures.
     state.member_id = engine.member_id or state.member_id
     buf = bucket.buffer()
     key = str(bucket.index())
-    x = state.input_for(key, buf)
-    inp = x.clone()
+    # flat float32 (DDP's usual bucket): the op runs in the bucket's own buffer and the
+    # residual bookkeeping reuses this bucket's buffers from its previous step; any other
+    # dtype takes the allocating path (the same arithmetic)
+    inplace = buf.dtype == torch.float32 and buf.is_contiguous()
+    if inplace:
+        x = state.stage(key, buf)
+        inp = buf.copy_(x)
+    else:
+        x = state.input_for(key, buf)
+        inp = x.clone()
     from resilient.collectives.compressed import Compression
 
     segs = state.segments(bucket, state.bits_for(key))
@@ -277,14 +335,17 @@ def compression_hook(state: ErrorFeedback, bucket: GradBucket) -> torch.futures.
             res = w.result()
             members = tuple(res.contributors)
             contributed = state.member_id in members
-            # the automatic switch may have run the op uncompressed: a plain result
-            compressed = res if isinstance(res, CompressedResult) else None
-            own = compressed.dequantized_input() if compressed is not None else None
-            if own is None and contributed:
-                own = x  # uncompressed: nothing is held back
-            state.update(key, x, own, inp, contributed, res)
+            if inplace:
+                state.settle(key, x, inp, contributed, res)
+            else:
+                # the automatic switch may have run the op uncompressed: a plain result
+                compressed = res if isinstance(res, CompressedResult) else None
+                own = compressed.dequantized_input() if compressed is not None else None
+                if own is None and contributed:
+                    own = x  # uncompressed: nothing is held back
+                state.update(key, x, own, inp, contributed, res)
+                buf.copy_(inp)
             state.tracker.add(members)
-            buf.copy_(inp)
             fut.set_result(buf)
         except BaseException as exc:  # noqa: BLE001 - delivered to DDP through the future
             fut.set_exception(exc)  # type: ignore[arg-type]  # torch's stub types it as the result type T

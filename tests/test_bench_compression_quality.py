@@ -38,3 +38,26 @@ def test_missing_compressed_arm_gives_null_ratios():
 def test_bad_eval_every_is_refused():
     with pytest.raises(SystemExit):
         _bench().main(["--eval-every", "0"])
+
+
+def test_extra_steps_count_toward_the_arm_time_and_the_target_is_fp32_at_the_schedule_end():
+    b = _bench()
+    # schedule of 100 steps (end at step 99), 50 extra steps at the last learning rate
+    fp32 = [(49, 20.0, 1.50), (99, 40.0, 1.40), (149, 60.0, 1.38)]   # target 1.40, not its later 1.38
+    q4 = [(49, 8.0, 1.52), (99, 16.0, 1.402), (149, 24.0, 1.399)]   # reached only in the extra steps
+    got = b.time_to_loss({"res_fp32": fp32, "res_q4": q4}, schedule_end=99)
+    assert got["fp32_trace_loss"] == 1.4
+    assert got["seconds_to_fp32_loss"] == {"res_fp32": 40.0, "res_q4": 24.0, "res_q8": None}
+    assert got["steps_to_fp32_loss"] == {"res_fp32": 100, "res_q4": 150, "res_q8": None}
+    assert got["time_to_fp32_loss_ratio"] == round(40 / 24, 3)
+
+
+def test_hashed_ngram_ids_stay_in_the_table_and_see_the_third_character():
+    import torch
+
+    b = _bench()
+    x = torch.tensor([[1, 2, 3, 4], [9, 2, 3, 4]])   # same last two characters at position 3 in both rows
+    ids = b._ngram_ids(x, 1 << 16)
+    assert ids.shape == (2, 4, 2) and int(ids.min()) >= 0 and int(ids.max()) < 1 << 16
+    assert ids[0, 3, 0] == ids[1, 3, 0]   # bigram (4, 3): the same row
+    assert ids[0, 2, 1] != ids[1, 2, 1]   # trigram (3, 2, 1) vs (3, 2, 9): different rows

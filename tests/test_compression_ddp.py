@@ -28,6 +28,33 @@ def test_residual_rule_contributor_and_left_out():
     assert torch.equal(ef.residuals["0"], x)
 
 
+def test_in_place_bookkeeping_gives_the_allocating_rules_bits():
+    """stage/settle (the hook's float32 path: reused buffers) against input_for/update
+    over steps that are compressed, left out and uncompressed, with buffer reuse."""
+    from resilient.collectives.compressed import CompressedResult
+    from resilient.collectives.quantization import Segment, bucket_maxima, clean_maxima, quantize, scales
+
+    segs = [Segment(0, 40, 32), Segment(40, 1064, 4)]
+    fast, ref = ErrorFeedback(bits=4, bucket=128), ErrorFeedback(bits=4, bucket=128)
+    g = torch.Generator().manual_seed(3)
+    for step, (contributed, compressed) in enumerate([(True, True), (True, True), (False, True),
+                                                      (True, False), (True, True), (False, False), (True, False)]):
+        grad = torch.randn(1064, generator=g) * (step + 1)
+        x, xr = fast.stage("0", grad), ref.input_for("0", grad)
+        assert torch.equal(x, xr)
+        m, _ = clean_maxima(bucket_maxima(x, segs, 128))
+        sc = scales(m * 1.5, segs, 128, 3)   # the group's bound: above this member's maxima
+        q = quantize(x, sc, segs, 128, 3)
+        info = {"q": q, "scales": sc, "segments": segs, "bucket": 128}
+        res = CompressedResult(("m0",), compression=info if compressed else None)
+        agg = torch.randn(1064, generator=g)
+        own = res.dequantized_input() if compressed else xr
+        ref.update("0", xr, own, agg, contributed, res)
+        fast.settle("0", x, agg, contributed, res)
+        assert torch.equal(fast.residuals["0"], ref.residuals["0"]), step
+    assert fast.residuals["0"].abs().max() == 0   # the last contributed step ran uncompressed
+
+
 def test_state_keeps_own_residuals_and_a_joiner_starts_at_zero():
     ef = ErrorFeedback(bits=4, adaptive=True)
     ef.member_id = "m0"
