@@ -3,22 +3,44 @@
 ``Store.keepalive`` opens a new ``LeaseKeepAlive`` stream per refresh (simple, and fine
 for a handful of leases). A node agent holds one lease; a process that holds many (the
 real-etcd scale bench, an agent for several jobs) uses :class:`LeaseMux`: one
-bidirectional gRPC stream, each lease refreshed every ``ttl * KEEPALIVE_FRACTION``
-seconds, spread evenly so the requests do not come in bursts. About 4-5x cheaper for etcd
-than a stream per refresh.
+bidirectional gRPC stream for all of them. About 4-5x cheaper for etcd than a stream per
+refresh.
 
-Failure behaviour: when the stream breaks (etcd restart, network) it is reopened at once
-and every lease is refreshed again (etcd extends a lease by its TTL on each refresh, so a
-short outage loses nothing). A response with TTL <= 0 means the lease is gone: it is
-dropped and its ``on_lost`` callback runs (in the reader thread) once.
+Schedule: time is cut into ticks of :data:`TICK` s. A lease of TTL ``t`` is refreshed
+every ``interval_ticks(t)`` ticks, the largest whole number of ticks not longer than
+``t *`` :data:`~.membership.KEEPALIVE_FRACTION` (never less than one tick), and leases are
+dealt round-robin over the ticks of their interval, so each tick carries the same share
+(``N / interval_ticks``) whatever order they were added in. A tick's refreshes go onto
+the stream as one batch, back to back: one wake-up of the sender per tick, not per lease,
+and gRPC's writer and reader threads run without sleeping between messages (most of the
+client's CPU per keep-alive is thread hand-offs, docs/scale.md "Real etcd").
+
+**Margin.** etcd keeps a lease for its TTL ``t`` after the last refresh *it received*.
+Refreshes leave every ``I <= t / 3`` s, so a lease is lost only if one refresh reaches
+etcd more than ``t - I >= 2t / 3`` s later than it was due (relative to the one before):
+a refresh delay of up to a third of the TTL (the design's tolerance) leaves another third
+of the TTL, ``t / 3`` (1.33 s for the 4 s node lease of a 5 s liveness bound), to spare.
+A lease's first refresh leaves within ``I`` of :meth:`LeaseMux.add`, so a lease added
+right after its grant has the same margin.
+
+Failure behaviour: when the stream breaks (etcd restart, network) it is reopened and
+every lease is refreshed again at once (etcd extends a lease by its TTL on each refresh,
+so a short outage loses nothing); a stream that stays silent for two refresh intervals
+while refreshes are outstanding is cancelled and reopened the same way. A response with
+TTL <= 0 means the lease is gone: it is dropped, counted in ``lost`` and its ``on_lost``
+callback runs (in the reader thread) once; an exception from the callback is logged.
 """
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
+import math
 import queue
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Callable
 
 from pyetcd import etcdrpc
@@ -29,20 +51,107 @@ from resilient.coordinator.store import Store
 
 log = logging.getLogger(__name__)
 
+#: the scheduler's tick, seconds: refreshes due in one tick are sent as one batch
+TICK = 0.05
+
+
+def interval_ticks(ttl: float, tick: float = TICK) -> int:
+    """Ticks between two refreshes of a lease of ``ttl`` seconds: the most whole ticks
+    that fit in ``ttl * KEEPALIVE_FRACTION`` (at least one), so a refresh never leaves
+    later than a third of the TTL after the one before. Pure."""
+    return max(1, math.floor(ttl * KEEPALIVE_FRACTION / tick + 1e-9))
+
+
+@dataclass
+class _Lease:
+    every: int                                  # ticks between refreshes
+    on_lost: Callable[[int], None] | None
+    request: etcdrpc.LeaseKeepAliveRequest      # built once, sent every refresh
+    gen: int                                    # wheel entries of an older add() are stale
+
+
+class RefreshWheel:
+    """The schedule in the module docstring, without I/O or clock (``now_tick`` comes in):
+    ``add`` places a lease round-robin in the ticks of its interval, ``due`` pops every
+    lease due up to ``now_tick`` and books its next refresh. Pure logic (unit-tested)."""
+
+    def __init__(self) -> None:
+        self.leases: dict[int, _Lease] = {}
+        self._buckets: dict[int, list[tuple[int, int]]] = {}   # tick -> [(lease id, gen)]
+        self._ticks: list[int] = []                            # heap of ticks that have a bucket
+        self._rr: dict[int, int] = {}                          # interval -> next phase to deal
+        self._gen = itertools.count()
+
+    def _book(self, tick: int, lid: int, gen: int) -> None:
+        bucket = self._buckets.get(tick)
+        if bucket is None:
+            bucket = self._buckets[tick] = []
+            heapq.heappush(self._ticks, tick)
+        bucket.append((lid, gen))
+
+    def add(self, lid: int, ttl: float, on_lost: Callable[[int], None] | None, now_tick: int) -> None:
+        every = interval_ticks(ttl)
+        lease = _Lease(every, on_lost, etcdrpc.LeaseKeepAliveRequest(ID=lid), next(self._gen))
+        self.leases[lid] = lease
+        phase = self._rr.get(every, 0)
+        self._rr[every] = (phase + 1) % every
+        self._book(now_tick + 1 + phase, lid, lease.gen)   # first refresh within one interval
+
+    def remove(self, lid: int) -> _Lease | None:
+        return self.leases.pop(lid, None)
+
+    def due(self, now_tick: int) -> list[etcdrpc.LeaseKeepAliveRequest]:
+        """The refreshes due at or before ``now_tick`` (each lease once), rebooked one
+        interval after ``now_tick`` (a late tick delays the next refresh, never doubles it)."""
+        out: list[etcdrpc.LeaseKeepAliveRequest] = []
+        while self._ticks and self._ticks[0] <= now_tick:
+            for lid, gen in self._buckets.pop(heapq.heappop(self._ticks)):
+                lease = self.leases.get(lid)
+                if lease is None or lease.gen != gen:
+                    continue
+                out.append(lease.request)
+                self._book(now_tick + lease.every, lid, gen)
+        return out
+
+    def next_tick(self) -> int | None:
+        """The earliest tick with a refresh booked (stale entries included), or None."""
+        return self._ticks[0] if self._ticks else None
+
+    def rebook_all(self, now_tick: int) -> None:
+        """Every lease due at ``now_tick`` (after the stream was reopened)."""
+        self._buckets.clear()
+        self._ticks.clear()
+        for lid, lease in self.leases.items():
+            lease.gen = next(self._gen)
+            self._book(now_tick, lid, lease.gen)
+
+    def shortest_interval_ticks(self) -> int | None:
+        return min((lease.every for lease in self.leases.values()), default=None)
+
+
+def _flatten(q: "queue.Queue[list[etcdrpc.LeaseKeepAliveRequest] | None]") -> Iterator[etcdrpc.LeaseKeepAliveRequest]:
+    """The stream's request iterator: each batch from the sender, back to back; None ends it."""
+    while True:
+        batch = q.get()
+        if batch is None:
+            return
+        yield from batch
+
 
 class LeaseMux:
     """``add(lease_id, ttl, on_lost)``, ``remove(lease_id)``, ``close()``; counters
-    ``sent``, ``received``, ``reconnects``; ``lost`` (ids found gone)."""
+    ``sent``, ``received``, ``reconnects``, ``batches``; ``lost`` (ids found gone)."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
         self._lock = threading.Lock()
-        self._leases: dict[int, tuple[float, Callable[[int], None] | None]] = {}
-        self._heap: list[tuple[float, int]] = []
+        self._wheel = RefreshWheel()
+        self._t0 = time.monotonic()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._reqs: queue.Queue[object] = queue.Queue()   # LeaseKeepAliveRequests; None ends the stream
-        self.sent = self.received = self.reconnects = 0
+        self._reqs: queue.Queue[list[etcdrpc.LeaseKeepAliveRequest] | None] = queue.Queue()
+        self.sent = self.received = self.reconnects = self.batches = 0
+        self._abandoned = 0
         self._last_rx = time.monotonic()
         self._call: wire.StreamCall[wire.LeaseKeepAliveResponse] | None = None
         self.lost: set[int] = set()
@@ -51,50 +160,47 @@ class LeaseMux:
         for t in self._threads:
             t.start()
 
+    def _tick(self) -> int:
+        return int((time.monotonic() - self._t0) / TICK)
+
     def add(self, lease_id: int, ttl: float, on_lost: Callable[[int], None] | None = None) -> None:
-        """Keep ``lease_id`` alive from now on; its first refresh is spread over one interval."""
-        interval = max(0.1, ttl * KEEPALIVE_FRACTION)
+        """Keep ``lease_id`` alive from now on; its first refresh leaves within one interval
+        (``interval_ticks(ttl)`` ticks), dealt round-robin with the other leases'."""
         with self._lock:
-            self._leases[lease_id] = (interval, on_lost)
-            phase = (hash(lease_id) % 1000) / 1000.0 * interval
-            heapq.heappush(self._heap, (time.monotonic() + phase, lease_id))
+            self._wheel.add(lease_id, ttl, on_lost, self._tick())
         self._wake.set()
 
     def remove(self, lease_id: int) -> None:
         """Stop refreshing ``lease_id`` (it expires after its TTL unless revoked)."""
         with self._lock:
-            self._leases.pop(lease_id, None)
+            self._wheel.remove(lease_id)
 
     def __len__(self) -> int:
-        return len(self._leases)
+        return len(self._wheel.leases)
 
     def _send_loop(self) -> None:
         while not self._stop.is_set():
-            now = time.monotonic()
+            now = self._tick()
             with self._lock:
-                due = []
-                while self._heap and self._heap[0][0] <= now:
-                    _, lid = heapq.heappop(self._heap)
-                    entry = self._leases.get(lid)
-                    if entry is None:
-                        continue
-                    due.append(lid)
-                    heapq.heappush(self._heap, (now + entry[0], lid))
-                wait = (self._heap[0][0] - now) if self._heap else 0.5
-            for lid in due:
-                self._reqs.put(etcdrpc.LeaseKeepAliveRequest(ID=lid))
-                self.sent += 1
-            self._watchdog(now)
+                batch = self._wheel.due(now)
+                nxt = self._wheel.next_tick()
+            if batch:
+                self._reqs.put(batch)
+                self.sent += len(batch)
+                self.batches += 1
+            self._watchdog(time.monotonic())
+            wait = 0.5 if nxt is None else (self._t0 + nxt * TICK) - time.monotonic()
             self._wake.wait(min(max(wait, 0.001), 0.5))
             self._wake.clear()
 
     def _watchdog(self, now: float) -> None:
-        """A stream whose answers stopped (requests sent, nothing back for two refresh
-        intervals) is cancelled: the stream loop reopens it and refreshes every lease."""
+        """A stream whose answers stopped (requests outstanding, nothing back for two
+        refresh intervals) is cancelled: the stream loop reopens it and refreshes every lease."""
         with self._lock:
-            shortest = min((e[0] for e in self._leases.values()), default=None)
+            shortest = self._wheel.shortest_interval_ticks()
         call = self._call
-        if shortest is not None and call is not None and now - self._last_rx > 2 * shortest:
+        if (shortest is not None and call is not None and self.sent > self.received + self._abandoned
+                and now - self._last_rx > 2 * shortest * TICK):
             log.warning("lease keep-alive stream silent for %.1fs; reopening", now - self._last_rx)
             self._last_rx = now
             call.cancel()
@@ -105,7 +211,7 @@ class LeaseMux:
             reqs = self._reqs
             try:
                 call: wire.StreamCall[wire.LeaseKeepAliveResponse] = stub.LeaseKeepAlive(
-                    iter(reqs.get, None), metadata=self.store._client.metadata)
+                    _flatten(reqs), metadata=self.store._client.metadata)
                 self._call = call
                 for resp in call:
                     self.received += 1
@@ -119,22 +225,24 @@ class LeaseMux:
                     return
                 self.reconnects += 1
                 log.warning("lease keep-alive stream broke (%s); reopening", exc)
+                self._reqs = queue.Queue()     # the old stream's unsent batches go with it
+                reqs.put(None)
+                self._abandoned = self.sent - self.received   # what the old stream owed is not awaited
                 with self._lock:
-                    self._heap = [(time.monotonic(), lid) for lid in self._leases]
-                    heapq.heapify(self._heap)
+                    self._wheel.rebook_all(self._tick())
                 self._wake.set()
                 self._stop.wait(0.2)
 
     def _gone(self, lease_id: int) -> None:
         with self._lock:
-            entry = self._leases.pop(lease_id, None)
+            entry = self._wheel.remove(lease_id)
         if entry is None:
             return
         self.lost.add(lease_id)
         log.warning("lease %x is gone (expired or revoked)", lease_id)
-        if entry[1] is not None:
+        if entry.on_lost is not None:
             try:
-                entry[1](lease_id)
+                entry.on_lost(lease_id)
             except Exception:
                 log.exception("on_lost callback for lease %x failed", lease_id)
 
