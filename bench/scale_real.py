@@ -39,6 +39,8 @@ def node_record(idx: int, gpn: int, ttl: float) -> tuple[str, bytes]:
 
 #: node records per registration transaction (and leases granted per paced batch)
 REGISTER_BATCH = 64
+#: keep-alive streams per client's LeaseMux: completions of several streams share an event-loop wake-up
+STREAMS_PER_CLIENT = 8
 #: grants in flight at once per client: etcd batches concurrent proposals into one raft round
 GRANTS_IN_FLIGHT = 8
 
@@ -53,7 +55,7 @@ def child(args: argparse.Namespace) -> None:
     from resilient.errors import LeaseExpired
 
     store = Store(args.etcd)
-    mux = LeaseMux(store)
+    mux = LeaseMux(store, streams=args.streams)
     granted = node_lease_ttl(args.ttl)   # the lease TTL for the liveness bound --ttl
     lost: list[int] = []
     mux_lock = threading.Lock()
@@ -292,4 +294,5 @@ if __name__ == "__main__":
     ap.add_argument("--hi", type=int, required=True)
     ap.add_argument("--ttl", type=float, default=5.0)
     ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--streams", type=int, default=STREAMS_PER_CLIENT)
     child(ap.parse_args())

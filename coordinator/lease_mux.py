@@ -3,17 +3,21 @@
 ``Store.keepalive`` opens a new ``LeaseKeepAlive`` stream per refresh (simple, and fine
 for a handful of leases). A node agent holds one lease; a process that holds many (the
 real-etcd scale bench, an agent for several jobs) uses :class:`LeaseMux`: one
-bidirectional gRPC stream for all of them. About 4-5x cheaper for etcd than a stream per
-refresh.
+bidirectional gRPC stream for all of them (or ``streams`` of them, dealt the refreshes in
+turn). About 4-5x cheaper for etcd than a stream per refresh.
+
+The streams run on grpc's asyncio API in one thread of the mux's own: a write and a read
+cost one event-loop step each, and the completions of several streams are handled in one
+wake-up. The threaded API hands every message between three threads (writer, reader,
+gRPC's poller): measured on the 2-core development machine, 180 us of client CPU per
+keep-alive against 80 us here with 8 streams (docs/scale.md, "Real etcd").
 
 Schedule: time is cut into ticks of :data:`TICK` s. A lease of TTL ``t`` is refreshed
 every ``interval_ticks(t)`` ticks, the largest whole number of ticks not longer than
 ``t *`` :data:`~.membership.KEEPALIVE_FRACTION` (never less than one tick), and leases are
 dealt round-robin over the ticks of their interval, so each tick carries the same share
 (``N / interval_ticks``) whatever order they were added in. A tick's refreshes go onto
-the stream as one batch, back to back: one wake-up of the sender per tick, not per lease,
-and gRPC's writer and reader threads run without sleeping between messages (most of the
-client's CPU per keep-alive is thread hand-offs, docs/scale.md "Real etcd").
+the streams as one batch, back to back: one wake-up of the sender per tick, not per lease.
 
 **Margin.** etcd keeps a lease for its TTL ``t`` after the last refresh *it received*.
 Refreshes leave every ``I <= t / 3`` s, so a lease is lost only if one refresh reaches
@@ -28,26 +32,29 @@ every lease is refreshed again at once (etcd extends a lease by its TTL on each 
 so a short outage loses nothing); a stream that stays silent for two refresh intervals
 while refreshes are outstanding is cancelled and reopened the same way. A response with
 TTL <= 0 means the lease is gone: it is dropped, counted in ``lost`` and its ``on_lost``
-callback runs (in the reader thread) once; an exception from the callback is logged.
+callback runs (in the mux's thread: it must not block) once; an exception from the
+callback is logged. :meth:`LeaseMux.close` stops the thread within about a second.
 """
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 import logging
 import math
-import queue
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Callable
 
+import grpc
+import grpc.aio
+import pyetcd
 from pyetcd import etcdrpc
 
 from resilient.coordinator import etcd_wire as wire
 from resilient.coordinator.membership import KEEPALIVE_FRACTION
-from resilient.coordinator.store import Store
+from resilient.coordinator.store import _GRPC_OPTIONS, Store
 
 log = logging.getLogger(__name__)
 
@@ -129,36 +136,32 @@ class RefreshWheel:
         return min((lease.every for lease in self.leases.values()), default=None)
 
 
-def _flatten(q: "queue.Queue[list[etcdrpc.LeaseKeepAliveRequest] | None]") -> Iterator[etcdrpc.LeaseKeepAliveRequest]:
-    """The stream's request iterator: each batch from the sender, back to back; None ends it."""
-    while True:
-        batch = q.get()
-        if batch is None:
-            return
-        yield from batch
-
-
 class LeaseMux:
     """``add(lease_id, ttl, on_lost)``, ``remove(lease_id)``, ``close()``; counters
-    ``sent``, ``received``, ``reconnects``, ``batches``; ``lost`` (ids found gone)."""
+    ``sent``, ``received``, ``reconnects``, ``batches``; ``lost`` (ids found gone).
+    ``streams``: keep-alive streams to open (1 for a node agent; a process with thousands
+    of leases spends less CPU per keep-alive with several, docs/scale.md)."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, streams: int = 1) -> None:
+        if streams < 1:
+            raise ValueError(f"LeaseMux needs at least one stream, not {streams}")
         self.store = store
+        self.streams = streams
         self._lock = threading.Lock()
         self._wheel = RefreshWheel()
         self._t0 = time.monotonic()
-        self._wake = threading.Event()
         self._stop = threading.Event()
-        self._reqs: queue.Queue[list[etcdrpc.LeaseKeepAliveRequest] | None] = queue.Queue()
         self.sent = self.received = self.reconnects = self.batches = 0
         self._abandoned = 0
         self._last_rx = time.monotonic()
-        self._call: wire.StreamCall[wire.LeaseKeepAliveResponse] | None = None
+        self._wake_at = 0                           # the tick the sender sleeps until
+        self._ep = 0
         self.lost: set[int] = set()
-        self._threads = [threading.Thread(target=self._send_loop, name="lease-mux-send", daemon=True),
-                         threading.Thread(target=self._stream_loop, name="lease-mux-stream", daemon=True)]
-        for t in self._threads:
-            t.start()
+        self._loop = asyncio.new_event_loop()
+        self._wakeup: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._main(),),
+                                        name="lease-mux", daemon=True)
+        self._thread.start()
 
     def _tick(self) -> int:
         return int((time.monotonic() - self._t0) / TICK)
@@ -168,7 +171,10 @@ class LeaseMux:
         (``interval_ticks(ttl)`` ticks), dealt round-robin with the other leases'."""
         with self._lock:
             self._wheel.add(lease_id, ttl, on_lost, self._tick())
-        self._wake.set()
+            nxt = self._wheel.next_tick()
+            early = nxt is not None and nxt < self._wake_at
+        if early:
+            self._poke()
 
     def remove(self, lease_id: int) -> None:
         """Stop refreshing ``lease_id`` (it expires after its TTL unless revoked)."""
@@ -178,60 +184,105 @@ class LeaseMux:
     def __len__(self) -> int:
         return len(self._wheel.leases)
 
-    def _send_loop(self) -> None:
+    def _poke(self) -> None:
+        wake = self._wakeup
+        if wake is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:   # the loop just closed (close() raced us)
+                pass
+
+    def _channel(self) -> grpc.aio.Channel:
+        """An asyncio channel to the store's next endpoint, with the store's TLS settings."""
+        target = self.store.endpoints[self._ep % len(self.store.endpoints)]
+        self._ep += 1
+        if self.store.ca_cert:
+            creds = pyetcd.MultiEndpointEtcd3Client.get_secure_creds(self.store.ca_cert, self.store.cert_key,
+                                                                      self.store.cert_cert)
+            return grpc.aio.secure_channel(target, creds, options=_GRPC_OPTIONS)
+        return grpc.aio.insecure_channel(target, options=_GRPC_OPTIONS)
+
+    async def _main(self) -> None:
+        self._wakeup = asyncio.Event()
+        while not self._stop.is_set():
+            channel = self._channel()
+            try:
+                await self._serve(channel)
+            except Exception as exc:   # the stream broke: reopen, refresh everyone at once
+                if self._stop.is_set():
+                    break
+                self.reconnects += 1
+                log.warning("lease keep-alive stream broke (%s); reopening", exc or type(exc).__name__)
+                self._abandoned = self.sent - self.received   # what the old streams owed is not awaited
+                with self._lock:
+                    self._wheel.rebook_all(self._tick())
+                await asyncio.sleep(0.2)
+            finally:
+                await channel.close()
+
+    async def _serve(self, channel: grpc.aio.Channel) -> None:
+        """Run the streams until one breaks (raises) or the mux is closed (returns)."""
+        stub = etcdrpc.LeaseStub(channel)
+        calls = [stub.LeaseKeepAlive(metadata=self.store._client.metadata) for _ in range(self.streams)]
+        tasks = [asyncio.ensure_future(self._read(c)) for c in calls]
+        tasks.append(asyncio.ensure_future(self._send(calls)))
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                t.result()    # raises the stream's error
+            if not self._stop.is_set():
+                raise ConnectionError("etcd ended a keep-alive stream")
+        finally:
+            for c in calls:
+                c.cancel()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _read(self, call: "grpc.aio.StreamStreamCall[object, wire.LeaseKeepAliveResponse]") -> None:
+        async for resp in call:
+            self.received += 1
+            self._last_rx = time.monotonic()
+            if resp.TTL <= 0:
+                self._gone(resp.ID)
+
+    async def _send(self, calls: "list[grpc.aio.StreamStreamCall[object, wire.LeaseKeepAliveResponse]]") -> None:
+        wakeup = self._wakeup
+        assert wakeup is not None
         while not self._stop.is_set():
             now = self._tick()
             with self._lock:
                 batch = self._wheel.due(now)
                 nxt = self._wheel.next_tick()
+                self._wake_at = now + 10 if nxt is None else nxt
             if batch:
-                self._reqs.put(batch)
                 self.sent += len(batch)
                 self.batches += 1
+                k = len(calls)
+                await asyncio.gather(*(self._write(c, batch[i::k]) for i, c in enumerate(calls)))
             self._watchdog(time.monotonic())
-            wait = 0.5 if nxt is None else (self._t0 + nxt * TICK) - time.monotonic()
-            self._wake.wait(min(max(wait, 0.001), 0.5))
-            self._wake.clear()
+            wait = (self._t0 + self._wake_at * TICK) - time.monotonic()
+            wakeup.clear()
+            try:
+                await asyncio.wait_for(wakeup.wait(), min(max(wait, 0.001), 0.5))
+            except asyncio.TimeoutError:
+                pass
+
+    @staticmethod
+    async def _write(call: "grpc.aio.StreamStreamCall[object, wire.LeaseKeepAliveResponse]",
+                     requests: list[etcdrpc.LeaseKeepAliveRequest]) -> None:
+        for r in requests:
+            await call.write(r)
 
     def _watchdog(self, now: float) -> None:
-        """A stream whose answers stopped (requests outstanding, nothing back for two
-        refresh intervals) is cancelled: the stream loop reopens it and refreshes every lease."""
+        """A stream whose answers stopped (refreshes outstanding, nothing back for two
+        refresh intervals) is given up: raises, and the streams are reopened."""
         with self._lock:
             shortest = self._wheel.shortest_interval_ticks()
-        call = self._call
-        if (shortest is not None and call is not None and self.sent > self.received + self._abandoned
+        if (shortest is not None and self.sent > self.received + self._abandoned
                 and now - self._last_rx > 2 * shortest * TICK):
-            log.warning("lease keep-alive stream silent for %.1fs; reopening", now - self._last_rx)
             self._last_rx = now
-            call.cancel()
-
-    def _stream_loop(self) -> None:
-        while not self._stop.is_set():
-            stub = etcdrpc.LeaseStub(self.store._next_watch_channel())
-            reqs = self._reqs
-            try:
-                call: wire.StreamCall[wire.LeaseKeepAliveResponse] = stub.LeaseKeepAlive(
-                    _flatten(reqs), metadata=self.store._client.metadata)
-                self._call = call
-                for resp in call:
-                    self.received += 1
-                    self._last_rx = time.monotonic()
-                    if resp.TTL <= 0:
-                        self._gone(resp.ID)
-                    if self._stop.is_set():
-                        return
-            except Exception as exc:   # the stream broke: reopen, refresh everyone at once
-                if self._stop.is_set():
-                    return
-                self.reconnects += 1
-                log.warning("lease keep-alive stream broke (%s); reopening", exc)
-                self._reqs = queue.Queue()     # the old stream's unsent batches go with it
-                reqs.put(None)
-                self._abandoned = self.sent - self.received   # what the old stream owed is not awaited
-                with self._lock:
-                    self._wheel.rebook_all(self._tick())
-                self._wake.set()
-                self._stop.wait(0.2)
+            raise TimeoutError(f"lease keep-alive stream silent for {2 * shortest * TICK:.1f}s")
 
     def _gone(self, lease_id: int) -> None:
         with self._lock:
@@ -247,11 +298,9 @@ class LeaseMux:
                 log.exception("on_lost callback for lease %x failed", lease_id)
 
     def close(self) -> None:
+        """Stop refreshing every lease and end the streams (the leases expire after their TTL)."""
         self._stop.set()
-        self._wake.set()
-        self._reqs.put(None)
-        call = self._call
-        if call is not None:
-            call.cancel()
-        for t in self._threads:
-            t.join(timeout=5)
+        self._poke()
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()
