@@ -41,8 +41,9 @@ def node_record(idx: int, gpn: int, ttl: float) -> tuple[str, bytes]:
 REGISTER_BATCH = 64
 #: keep-alive streams per client's LeaseMux: completions of several streams share an event-loop wake-up
 STREAMS_PER_CLIENT = 8
-#: grants in flight at once per client: etcd batches concurrent proposals into one raft round
-GRANTS_IN_FLIGHT = 8
+#: grants in flight at once per client: etcd batches concurrent proposals into one raft round;
+#: more threads only queue on the GIL in front of the LeaseMux's event loop
+GRANTS_IN_FLIGHT = 2
 
 
 def child(args: argparse.Namespace) -> None:
@@ -54,6 +55,9 @@ def child(args: argparse.Namespace) -> None:
     from resilient.coordinator.liveness import node_lease_ttl
     from resilient.errors import LeaseExpired
 
+    # the registration threads and the LeaseMux's loop hand the GIL back and forth; at the default
+    # 5 ms switch interval each hand-off can stall the keep-alive writes behind a busy thread
+    sys.setswitchinterval(0.0005)
     store = Store(args.etcd)
     mux = LeaseMux(store, streams=args.streams)
     granted = node_lease_ttl(args.ttl)   # the lease TTL for the liveness bound --ttl

@@ -32,7 +32,11 @@ every lease is refreshed again at once (etcd extends a lease by its TTL on each 
 so a short outage loses nothing); a stream that stays silent for two refresh intervals
 while refreshes are outstanding is cancelled and reopened the same way. A response with
 TTL <= 0 means the lease is gone: it is dropped, counted in ``lost`` and its ``on_lost``
-callback runs (in the mux's thread: it must not block) once; an exception from the
+callback runs (in the mux's thread: it must not block) once. So does a lease none of whose
+refreshes was answered for its whole TTL (counted from the oldest unanswered send): it is
+not refreshed again, because etcd's ``Renew`` of an expired lease blocks the stream until
+its lessor revokes the lease (up to 1,000 revokes/s), which stalls every other lease on
+the stream and let one expiry cascade into thousands (docs/scale.md, "Real etcd"); an exception from the
 callback is logged. :meth:`LeaseMux.close` stops the thread within about a second.
 """
 from __future__ import annotations
@@ -157,6 +161,10 @@ class LeaseMux:
         self._wake_at = 0                           # the tick the sender sleeps until
         self._ep = 0
         self.lost: set[int] = set()
+        # lease id -> when etcd may drop it (the oldest unanswered refresh's send + its TTL);
+        # lease id -> send time of its oldest unanswered refresh
+        self._safe_until: dict[int, float] = {}
+        self._pending: dict[int, float] = {}
         self._loop = asyncio.new_event_loop()
         self._wakeup: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._main(),),
@@ -171,6 +179,8 @@ class LeaseMux:
         (``interval_ticks(ttl)`` ticks), dealt round-robin with the other leases'."""
         with self._lock:
             self._wheel.add(lease_id, ttl, on_lost, self._tick())
+            self._safe_until[lease_id] = time.monotonic() + ttl
+            self._pending.pop(lease_id, None)
             nxt = self._wheel.next_tick()
             early = nxt is not None and nxt < self._wake_at
         if early:
@@ -180,6 +190,8 @@ class LeaseMux:
         """Stop refreshing ``lease_id`` (it expires after its TTL unless revoked)."""
         with self._lock:
             self._wheel.remove(lease_id)
+            self._safe_until.pop(lease_id, None)
+            self._pending.pop(lease_id, None)
 
     def __len__(self) -> int:
         return len(self._wheel.leases)
@@ -216,6 +228,7 @@ class LeaseMux:
                 self._abandoned = self.sent - self.received   # what the old streams owed is not awaited
                 with self._lock:
                     self._wheel.rebook_all(self._tick())
+                    self._pending.clear()   # unanswered sends keep their deadline in _safe_until
                 await asyncio.sleep(0.2)
             finally:
                 await channel.close()
@@ -242,9 +255,13 @@ class LeaseMux:
     async def _read(self, call: "grpc.aio.StreamStreamCall[object, wire.LeaseKeepAliveResponse]") -> None:
         async for resp in call:
             self.received += 1
-            self._last_rx = time.monotonic()
+            self._last_rx = now = time.monotonic()
             if resp.TTL <= 0:
                 self._gone(resp.ID)
+            else:
+                sent = self._pending.pop(resp.ID, None)
+                if sent is not None and resp.ID in self._safe_until:
+                    self._safe_until[resp.ID] = sent + resp.TTL
 
     async def _send(self, calls: "list[grpc.aio.StreamStreamCall[object, wire.LeaseKeepAliveResponse]]") -> None:
         wakeup = self._wakeup
@@ -255,6 +272,7 @@ class LeaseMux:
                 batch = self._wheel.due(now)
                 nxt = self._wheel.next_tick()
                 self._wake_at = now + 10 if nxt is None else nxt
+            batch = self._unexpired(batch)
             if batch:
                 self.sent += len(batch)
                 self.batches += 1
@@ -267,6 +285,26 @@ class LeaseMux:
                 await asyncio.wait_for(wakeup.wait(), min(max(wait, 0.001), 0.5))
             except asyncio.TimeoutError:
                 pass
+
+    def _unexpired(self, batch: list[etcdrpc.LeaseKeepAliveRequest]) -> list[etcdrpc.LeaseKeepAliveRequest]:
+        """The refreshes of ``batch`` whose lease etcd still holds for sure; a lease whose
+        refreshes went unanswered for its whole TTL is reported lost instead of refreshed.
+        (etcd's ``Renew`` of an expired lease blocks its stream until the lessor revokes
+        it, which would hold up every other lease's refresh on that stream behind it.)"""
+        now = time.monotonic()
+        keep: list[etcdrpc.LeaseKeepAliveRequest] = []
+        gone: list[int] = []
+        for req in batch:
+            lid = req.ID
+            if now >= self._safe_until.get(lid, now) - TICK:
+                gone.append(lid)
+                continue
+            self._pending.setdefault(lid, now)
+            keep.append(req)
+        for lid in gone:
+            log.warning("lease %x: no refresh answered for its whole TTL; taking it as lost", lid)
+            self._gone(lid)
+        return keep
 
     @staticmethod
     async def _write(call: "grpc.aio.StreamStreamCall[object, wire.LeaseKeepAliveResponse]",
@@ -287,6 +325,8 @@ class LeaseMux:
     def _gone(self, lease_id: int) -> None:
         with self._lock:
             entry = self._wheel.remove(lease_id)
+            self._safe_until.pop(lease_id, None)
+            self._pending.pop(lease_id, None)
         if entry is None:
             return
         self.lost.add(lease_id)
