@@ -37,8 +37,8 @@ def node_record(idx: int, gpn: int, ttl: float) -> tuple[str, bytes]:
     return node, NodeRecord(node, node, labels, infos, ttl).to_json()
 
 
-#: node records per registration transaction (and leases granted per paced batch)
-REGISTER_BATCH = 64
+#: node records per registration transaction (and leases granted per paced batch): ~80 KB
+REGISTER_BATCH = 32
 #: keep-alive streams per client's LeaseMux: completions of several streams share an event-loop wake-up
 STREAMS_PER_CLIENT = 8
 #: grants in flight at once per client: etcd batches concurrent proposals into one raft round;
@@ -96,9 +96,14 @@ def child(args: argparse.Namespace) -> None:
     for lo in range(args.lo, args.hi, REGISTER_BATCH):
         batch = [node_record(idx, args.gpus_per_node, args.ttl) for idx in range(lo, min(args.hi, lo + REGISTER_BATCH))]
         list(pool.map(grant_and_keep, [n for n, _b in batch]))   # paced: one batch of grants, then its records
+        t_w = time.monotonic()
         for attempt in Retrying(retry=retry_if_exception_type(LeaseExpired), stop=stop_after_attempt(5), reraise=True):
             with attempt:
                 write(batch)
+        # paced: wait as long as the write took. etcd 3.4 answers a keep-alive only once its
+        # apply loop has caught up (LeaseRenew waits for the applied index), so registration
+        # writes back to back stall every refresh behind them and fresh 4 s leases expire
+        time.sleep(min(1.0, time.monotonic() - t_w))
     # a lease lost after its batch was written (its record went with it): grant and write again
     by_lease = {lid: n for n, lid in leases.items()}
     with mux_lock:
