@@ -12,7 +12,7 @@ resolving deltas or the snapshot) derive the plan hash the coordinator published
 Prints one JSON line (docs/scale.md explains each key and the model).
 
 ``--real-etcd --nodes N`` starts a local etcd and ``--client-processes`` processes that
-keep ``N`` node leases alive over one multiplexed keep-alive stream each
+keep ``N`` node leases alive over multiplexed keep-alive streams
 (:class:`resilient.coordinator.lease_mux.LeaseMux`), registers each node's record, runs a
 real coordinator (delta epochs), checks for 60 s (``--hold``) that no lease is lost, then
 stops refreshing one node and measures the epoch that removes it. One JSON line.

@@ -1,13 +1,16 @@
 """``bench/scale.py --real-etcd``: node leases against a real local etcd (see scale.py).
 
 The parent starts etcd and ``--client-processes`` children; child ``i`` grants its share
-of the node leases, writes each node's record on its lease (batched: 64 puts per
-transaction) and keeps every lease alive over one :class:`~resilient.coordinator.lease_mux.LeaseMux`
-stream (each lease granted :func:`~resilient.coordinator.liveness.node_lease_ttl` of the
+of the node leases, writes each node's record on its lease (paced: 32 puts per
+transaction, then a pause as long as the write) and keeps every lease alive over one
+:class:`~resilient.coordinator.lease_mux.LeaseMux` (8 streams; each lease granted :func:`~resilient.coordinator.liveness.node_lease_ttl` of the
 liveness bound ``--ttl``). A real :class:`~resilient.coordinator.service.Coordinator` (delta epochs) runs in
 the parent. After ``--hold`` seconds without a lost lease, child 0 stops refreshing one
 node; the parent measures when the epoch without that node's ranks is published.
-Children print ``READY``, ``LOST <n>`` when a lease goes, and ``DONE <json>`` at the end.
+Children print ``READY <regrants> <sent> <lost in registration> <seconds>``, ``LOST <id>``
+when a lease goes, ``COUNT <tag> <sent> <answered>`` when asked, and ``DONE <json>`` at
+the end. A child that cannot register (a batch's leases gone five times running) exits
+non-zero and the parent raises.
 """
 from __future__ import annotations
 
