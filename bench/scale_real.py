@@ -142,10 +142,13 @@ class _Child:
     def __init__(self, cmd: list[str]) -> None:
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
         self.lines: list[str] = []
+        self.first_lost_at: float | None = None     # monotonic time of the first LOST line
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
         for line in self.p.stdout:
+            if line.startswith("LOST") and self.first_lost_at is None:
+                self.first_lost_at = time.monotonic()
             self.lines.append(line.strip())
 
     def send(self, text: str) -> None:
@@ -235,6 +238,9 @@ def run_real(args: argparse.Namespace) -> dict:
             out["leases_lost_in_registration"] = sum(int(r[3]) for r in ready)
             out["register_s"] = round(time.monotonic() - t0, 1)
             out["register_s_per_client"] = [float(r[4]) for r in ready]
+            t_all_ready = time.monotonic()
+            for c in children:
+                c.first_lost_at = None     # from here on: when (if) the first lease goes, per client
             store = Store(etcd.endpoints)
             coord = Coordinator(store, JOB, "coord-real", CoordinatorConfig(ttl=args.ttl, delta_min_members=1))
             coord_thread = threading.Thread(target=coord.run, args=(stop,), daemon=True)
@@ -242,6 +248,7 @@ def run_real(args: argparse.Namespace) -> dict:
             deadline = time.monotonic() + 600
             while not coord.published and time.monotonic() < deadline:
                 time.sleep(0.2)
+            out["first_epoch_s_after_ready"] = round(time.monotonic() - t_all_ready, 1)
             first = store.get(keys.epoch(JOB))
             out["initial_epoch_delta"] = bool(first and is_delta(first.value))
             out["initial_members"] = parse_delta(first.value).size if first else 0
@@ -277,6 +284,8 @@ def run_real(args: argparse.Namespace) -> dict:
             for c in children:
                 c.send("END")
             stats = [json.loads(c.wait_for("DONE", 60)[5:]) for c in children]
+            out["first_loss_s_after_ready"] = [None if c.first_lost_at is None else
+                                               round(c.first_lost_at - t_all_ready, 1) for c in children]
             out.update(leases_lost=lost_during_hold, epoch_published=published,
                        publish_ms=round((result["at"] - t_stop) * 1000, 1) if published else None,
                        epoch_bytes=result.get("bytes"), keepalives_sent=sum(s["sent"] for s in stats),
