@@ -1,13 +1,16 @@
 """``bench/scale.py --real-etcd``: node leases against a real local etcd (see scale.py).
 
 The parent starts etcd and ``--client-processes`` children; child ``i`` grants its share
-of the node leases, writes each node's record on its lease (batched: 64 puts per
-transaction) and keeps every lease alive over one :class:`~resilient.coordinator.lease_mux.LeaseMux`
-stream (each lease granted :func:`~resilient.coordinator.liveness.node_lease_ttl` of the
+of the node leases, writes each node's record on its lease (paced: 32 puts per
+transaction, then a pause as long as the write) and keeps every lease alive over one
+:class:`~resilient.coordinator.lease_mux.LeaseMux` (8 streams; each lease granted :func:`~resilient.coordinator.liveness.node_lease_ttl` of the
 liveness bound ``--ttl``). A real :class:`~resilient.coordinator.service.Coordinator` (delta epochs) runs in
 the parent. After ``--hold`` seconds without a lost lease, child 0 stops refreshing one
 node; the parent measures when the epoch without that node's ranks is published.
-Children print ``READY``, ``LOST <n>`` when a lease goes, and ``DONE <json>`` at the end.
+Children print ``READY <regrants> <sent> <lost in registration> <seconds>``, ``LOST <id>``
+when a lease goes, ``COUNT <tag> <sent> <answered>`` when asked, and ``DONE <json>`` at
+the end. A child that cannot register (a batch's leases gone five times running) exits
+non-zero and the parent raises.
 """
 from __future__ import annotations
 
@@ -37,15 +40,31 @@ def node_record(idx: int, gpn: int, ttl: float) -> tuple[str, bytes]:
     return node, NodeRecord(node, node, labels, infos, ttl).to_json()
 
 
+#: node records per registration transaction (and leases granted per paced batch): ~80 KB
+REGISTER_BATCH = 32
+#: keep-alive streams per client's LeaseMux: completions of several streams share an event-loop wake-up
+STREAMS_PER_CLIENT = 8
+#: grants in flight at once per client: etcd batches concurrent proposals into one raft round;
+#: more threads only queue on the GIL in front of the LeaseMux's event loop
+GRANTS_IN_FLIGHT = 2
+
+
 def child(args: argparse.Namespace) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
+
     from resilient.coordinator.lease_mux import LeaseMux
-
     from resilient.coordinator.liveness import node_lease_ttl
+    from resilient.errors import LeaseExpired
 
+    # the registration threads and the LeaseMux's loop hand the GIL back and forth; at the default
+    # 5 ms switch interval each hand-off can stall the keep-alive writes behind a busy thread
+    sys.setswitchinterval(0.0005)
     store = Store(args.etcd)
-    mux = LeaseMux(store)
+    mux = LeaseMux(store, streams=args.streams)
     granted = node_lease_ttl(args.ttl)   # the lease TTL for the liveness bound --ttl
-    lost = []
+    lost: list[int] = []
     mux_lock = threading.Lock()
 
     def on_lost(lid: int) -> None:
@@ -53,52 +72,68 @@ def child(args: argparse.Namespace) -> None:
             lost.append(lid)
         print(f"LOST {lid:x}", flush=True)
 
-    from resilient.errors import LeaseExpired
-
     leases: dict[str, int] = {}
     regrants = 0
+    pool = ThreadPoolExecutor(GRANTS_IN_FLIGHT)
 
-    def register(batch: list[tuple[str, bytes]]) -> None:
-        """Write a batch of node records; a lease that expired before its first refresh
-        reached an overloaded etcd is granted again (counted: ``regrants``)."""
-        nonlocal regrants
-        for _ in range(5):
-            try:
-                store.txn([], [Put(keys.node(JOB, n), b, leases[n]) for n, b in batch])
-                return
-            except LeaseExpired:
-                for n, _b in batch:
-                    if store.lease_ttl(leases[n]) is None:
-                        mux.remove(leases[n])
-                        leases[n] = store.grant(granted)
-                        mux.add(leases[n], granted, on_lost)
-                        regrants += 1
-        raise RuntimeError("could not register a batch of node records in 5 tries")
-
-    batch: list[tuple[str, bytes]] = []
-    for idx in range(args.lo, args.hi):
-        lid = store.grant(granted)
-        mux.add(lid, granted, on_lost)
-        node, body = node_record(idx, args.gpus_per_node, args.ttl)
+    def grant_and_keep(node: str) -> None:
+        lid = store.grant(granted)      # transient etcd errors: retried inside Store (tenacity)
+        mux.add(lid, granted, on_lost)  # first refresh within a third of the TTL
         leases[node] = lid
-        batch.append((node, body))
-        if len(batch) == 64:
-            register(batch)
-            batch = []
-    if batch:
-        register(batch)
+
+    def write(batch: list[tuple[str, bytes]]) -> None:
+        """One transaction for the batch's records; a lease found gone (it expired before a
+        refresh reached an overloaded etcd) is granted again and counted (``regrants``)."""
+        nonlocal regrants
+        try:
+            store.txn([], [Put(keys.node(JOB, n), b, leases[n]) for n, b in batch])
+        except LeaseExpired:
+            for n, _b in batch:
+                if store.lease_ttl(leases[n]) is None:
+                    mux.remove(leases[n])
+                    grant_and_keep(n)
+                    regrants += 1
+            raise
+
+    t0 = time.monotonic()
+    for lo in range(args.lo, args.hi, REGISTER_BATCH):
+        batch = [node_record(idx, args.gpus_per_node, args.ttl) for idx in range(lo, min(args.hi, lo + REGISTER_BATCH))]
+        list(pool.map(grant_and_keep, [n for n, _b in batch]))   # paced: one batch of grants, then its records
+        t_w = time.monotonic()
+        for attempt in Retrying(retry=retry_if_exception_type(LeaseExpired), stop=stop_after_attempt(5), reraise=True):
+            with attempt:
+                write(batch)
+        # paced: wait as long as the write took. etcd 3.4 answers a keep-alive only once its
+        # apply loop has caught up (LeaseRenew waits for the applied index), so registration
+        # writes back to back stall every refresh behind them and fresh 4 s leases expire
+        time.sleep(min(1.0, time.monotonic() - t_w))
+    # a lease lost after its batch was written (its record went with it): grant and write again
+    by_lease = {lid: n for n, lid in leases.items()}
     with mux_lock:
-        lost.clear()     # losses before READY were re-granted above; from here on they count
-    print(f"READY {regrants} {mux.sent}", flush=True)
+        lost_before = len(lost)
+        again = [by_lease[lid] for lid in lost if lid in by_lease]
+        lost.clear()     # from READY on, every loss counts (leases_lost)
+    for i in range(0, len(again), REGISTER_BATCH):
+        chunk = again[i:i + REGISTER_BATCH]
+        list(pool.map(grant_and_keep, chunk))
+        regrants += len(chunk)
+        for attempt in Retrying(retry=retry_if_exception_type(LeaseExpired), stop=stop_after_attempt(5), reraise=True):
+            with attempt:
+                write([node_record(int(n[1:]), args.gpus_per_node, args.ttl) for n in chunk])
+    pool.shutdown()
+    print(f"READY {regrants} {mux.sent} {lost_before} {time.monotonic() - t0:.2f}", flush=True)
     for line in sys.stdin:
         cmd = line.split()
         if cmd and cmd[0] == "STOP":
             mux.remove(leases[cmd[1]])
             print(f"STOPPED {cmd[1]} {time.time()}", flush=True)
+        elif cmd and cmd[0] == "COUNT":
+            print(f"COUNT {cmd[1]} {mux.sent} {mux.received}", flush=True)
         elif cmd and cmd[0] == "END":
             break
     print("DONE " + json.dumps({"sent": mux.sent, "received": mux.received, "lost_after_ready": len(lost),
-                                "reconnects": mux.reconnects, "leases": len(leases)}), flush=True)
+                                "reconnects": mux.reconnects, "leases": len(leases), "batches": mux.batches}),
+          flush=True)
     mux.close()
     store.close()
 
@@ -107,10 +142,13 @@ class _Child:
     def __init__(self, cmd: list[str]) -> None:
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
         self.lines: list[str] = []
+        self.first_lost_at: float | None = None     # monotonic time of the first LOST line
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
         for line in self.p.stdout:
+            if line.startswith("LOST") and self.first_lost_at is None:
+                self.first_lost_at = time.monotonic()
             self.lines.append(line.strip())
 
     def send(self, text: str) -> None:
@@ -129,6 +167,40 @@ class _Child:
         raise TimeoutError(f"no {prefix!r} from a client within {timeout}s")
 
 
+class _CpuMeter:
+    """CPU used by etcd, each client and this process (the coordinator) between laps, as
+    fractions of one core (psutil; a process that exited reads as its last sample)."""
+
+    def __init__(self, etcd_pid: int, client_pids: list[int]) -> None:
+        import psutil
+
+        self._procs = {"etcd": psutil.Process(etcd_pid), "parent": psutil.Process()}
+        self._procs.update({f"client{i}": psutil.Process(pid) for i, pid in enumerate(client_pids)})
+        self._last = {name: self._cpu(p) for name, p in self._procs.items()}
+        self._t = time.monotonic()
+
+    @staticmethod
+    def _cpu(p: "psutil.Process") -> float:
+        t = p.cpu_times()
+        return t.user + t.system
+
+    def lap(self) -> dict[str, float]:
+        now = time.monotonic()
+        dt = max(1e-6, now - self._t)
+        cur = {name: self._cpu(p) for name, p in self._procs.items()}
+        out = {name: round((cur[name] - self._last[name]) / dt, 3) for name in cur}
+        out["seconds"] = round(dt, 1)
+        self._last, self._t = cur, now
+        return out
+
+
+def _counts(children: list[_Child], tag: str) -> list[tuple[int, int]]:
+    """Each client's keep-alives sent and answered so far (its ``COUNT`` reply)."""
+    for c in children:
+        c.send(f"COUNT {tag}")
+    return [tuple(int(x) for x in c.wait_for(f"COUNT {tag} ", 60).split()[2:4]) for c in children]
+
+
 def run_real(args: argparse.Namespace) -> dict:
     from resilient.coordinator import LocalEtcd
     from resilient.coordinator.delta import is_delta, parse_delta
@@ -136,8 +208,14 @@ def run_real(args: argparse.Namespace) -> dict:
 
     from resilient.coordinator.liveness import node_lease_ttl
 
-    out: dict = {"nodes": args.nodes, "client_processes": args.client_processes,
-                 "node_lease_ttl_s": node_lease_ttl(args.ttl)}
+    from resilient.coordinator.lease_mux import TICK, interval_ticks
+
+    granted = node_lease_ttl(args.ttl)
+    every = interval_ticks(granted) * TICK
+    out: dict = {"nodes": args.nodes, "client_processes": args.client_processes, "node_lease_ttl_s": granted,
+                 "keepalive_interval_s": round(every, 3), "keepalives_scheduled_per_s": round(args.nodes / every),
+                 # a refresh may come this much later than due (beyond a third of the TTL) with no lease at risk
+                 "keepalive_margin_s": round(granted - every - granted / 3, 3)}
     with LocalEtcd() as etcd:
         children: list[_Child] = []
         stop = threading.Event()
@@ -150,12 +228,19 @@ def run_real(args: argparse.Namespace) -> dict:
                 children.append(_Child([sys.executable, os.path.abspath(__file__), "--etcd", etcd.endpoint_arg,
                                         "--lo", str(lo), "--hi", str(hi), "--ttl", str(args.ttl),
                                         "--gpus-per-node", str(args.gpus_per_node)]))
+            cpu = _CpuMeter(etcd.members[0].proc.pid, [c.p.pid for c in children])
             ready_at = []
             for c in children:
                 c.wait_for("READY", 900)
                 ready_at.append(next(i for i, line in enumerate(c.lines) if line.startswith("READY")))
-            out["registration_regrants"] = sum(int(c.lines[i].split()[1]) for c, i in zip(children, ready_at))
+            ready = [c.lines[i].split() for c, i in zip(children, ready_at)]
+            out["registration_regrants"] = sum(int(r[1]) for r in ready)
+            out["leases_lost_in_registration"] = sum(int(r[3]) for r in ready)
             out["register_s"] = round(time.monotonic() - t0, 1)
+            out["register_s_per_client"] = [float(r[4]) for r in ready]
+            t_all_ready = time.monotonic()
+            for c in children:
+                c.first_lost_at = None     # from here on: when (if) the first lease goes, per client
             store = Store(etcd.endpoints)
             coord = Coordinator(store, JOB, "coord-real", CoordinatorConfig(ttl=args.ttl, delta_min_members=1))
             coord_thread = threading.Thread(target=coord.run, args=(stop,), daemon=True)
@@ -163,11 +248,19 @@ def run_real(args: argparse.Namespace) -> dict:
             deadline = time.monotonic() + 600
             while not coord.published and time.monotonic() < deadline:
                 time.sleep(0.2)
+            out["first_epoch_s_after_ready"] = round(time.monotonic() - t_all_ready, 1)
             first = store.get(keys.epoch(JOB))
             out["initial_epoch_delta"] = bool(first and is_delta(first.value))
             out["initial_members"] = parse_delta(first.value).size if first else 0
             t_ready = time.monotonic()
+            out["register_cpu"] = cpu.lap()
+            before = _counts(children, "hold-start")
             time.sleep(args.hold)
+            after = _counts(children, "hold-end")
+            out["hold_cpu"] = cpu.lap()
+            held = time.monotonic() - t_ready
+            out["keepalives_per_s"] = round(sum(a[0] - b[0] for a, b in zip(after, before)) / held)
+            out["keepalive_answers_per_s"] = round(sum(a[1] - b[1] for a, b in zip(after, before)) / held)
             lost_during_hold = sum(1 for c, i in zip(children, ready_at) for line in c.lines[i:]
                                    if line.startswith("LOST"))
             victim = "n00001"
@@ -191,12 +284,11 @@ def run_real(args: argparse.Namespace) -> dict:
             for c in children:
                 c.send("END")
             stats = [json.loads(c.wait_for("DONE", 60)[5:]) for c in children]
-            t_end = time.monotonic()
+            out["first_loss_s_after_ready"] = [None if c.first_lost_at is None else
+                                               round(c.first_lost_at - t_all_ready, 1) for c in children]
             out.update(leases_lost=lost_during_hold, epoch_published=published,
                        publish_ms=round((result["at"] - t_stop) * 1000, 1) if published else None,
                        epoch_bytes=result.get("bytes"), keepalives_sent=sum(s["sent"] for s in stats),
-                       keepalives_per_s=round(sum(s["sent"] - int(c.lines[i].split()[2]) for s, c, i in
-                                                  zip(stats, children, ready_at)) / max(1.0, t_end - t_ready), 0),
                        stream_reconnects=sum(s["reconnects"] for s in stats))
             stop.set()
             coord_thread.join(timeout=10)
@@ -223,4 +315,5 @@ if __name__ == "__main__":
     ap.add_argument("--hi", type=int, required=True)
     ap.add_argument("--ttl", type=float, default=5.0)
     ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--streams", type=int, default=STREAMS_PER_CLIENT)
     child(ap.parse_args())
