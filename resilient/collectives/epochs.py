@@ -4,13 +4,14 @@
   :meth:`EpochTracker.on_epoch`); the op thread then recovers the op in it.
 * An epoch that only **grows** the group (joiners, role changes) is adopted at an op
   boundary the whole group agrees on: every old member announces (from the watch thread)
-  the first op seq it has not started, and all adopt it at the largest one. Over a
-  transport with a join side channel (TCP, hybrid) the largest is reduced along a tree
+  the first op seq it has not started, and all adopt it at the largest one. With
+  ``RESILIENT_JOIN_TREE=1`` (experimental, off by default) over a transport with a join
+  side channel (TCP, hybrid) the largest is reduced along a tree
   of the old members and its root writes the one key ``epochs/<n>/data/joinseq/<root>``
   everyone waits on (:mod:`.join_agreement`); the op thread carries the tree's messages
   while it waits on an op, at a boundary, or in a short progress task queued when the
-  epoch is seen. Without one (NCCL) every old member puts its own ``joinseq`` key and
-  everyone waits for all of them.
+  epoch is seen. Otherwise (the default, and NCCL) every old member puts its own
+  ``joinseq`` key and everyone waits for all of them.
 
 Failure behaviour: a member not in the newest epoch gets
 :class:`~resilient.errors.RemovedFromGroup` (``Evicted`` when the plan says so); a growing
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from typing import Callable, Protocol
@@ -68,6 +70,10 @@ def joinseq(raw: bytes) -> int:
     return int(records.fields("rendezvous", raw, "joinseq").int("seq"))
 
 
+#: ``RESILIENT_JOIN_TREE=1`` turns the tree agreement on (experimental: off by default
+#: until it passes the straggler/role-change tests, see docs/scale.md); unset: one etcd key
+#: per old member, as before
+JOIN_TREE_ENV = "RESILIENT_JOIN_TREE"
 #: epochs ahead of this member's view whose join messages are kept until it sees them
 _EARLY_EPOCHS = 8
 
@@ -101,7 +107,7 @@ class EpochTracker:
         self.admitted_at = 0  # the op seq at which the newest admission took effect (agreed: see boundary/start)
         self._unwatch: Callable[[], None] = lambda: None
         #: the join side channel (None: one etcd key per old member) and its agreements
-        self.carrier: JoinCarrier | None = transport.join_carrier()
+        self.carrier: JoinCarrier | None = transport.join_carrier() if os.environ.get(JOIN_TREE_ENV) == "1" else None
         self.agreements: dict[int, JoinAgreement] = {}
         self._early: dict[int, dict[str, int]] = {}  # epoch -> child -> seq, before we saw that epoch
         self._on_op_thread: Callable[[Callable[[], None]], None] | None = None
