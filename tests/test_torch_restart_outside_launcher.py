@@ -10,16 +10,31 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from collective_harness import coordinator
+from resilient.errors import ResilientTimeout
 from resilient.process_pool import Child
 from torch_proc_helpers import RankProcs, err_logs, wait_files, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "restart_worker.py"
+
+
+def wait_or_dump(ranks: RankProcs, procs: list[Child], tmp_path: Path) -> None:
+    """Wait 90 s for ``procs`` to exit; past that, SIGUSR1 (the worker's faulthandler) dumps
+    the stacks of those still running into their .err and the test fails showing them."""
+    try:
+        ranks.pool.wait(90, procs)
+    except ResilientTimeout as e:
+        hung = [p for p in procs if p.alive()]
+        for p in hung:
+            p.signal(signal.SIGUSR1)
+        time.sleep(1)  # let faulthandler write (diagnostics only, after the failure)
+        pytest.fail(f"{e}\n{err_logs(tmp_path, tail=20000)}")
 
 
 @pytest.mark.slow
@@ -41,9 +56,9 @@ def test_a_rank_restarted_with_plain_init_process_group_is_gated_not_spliced(etc
         procs[2].signal(signal.SIGKILL)
         procs[2].wait(10)
         again = start(2, "restarted", {"RESTARTED": "1"})
-        again.wait(timeout=90)  # ResilientTimeout: it hung
+        wait_or_dump(ranks, [again], tmp_path)  # it hung
         (tmp_path / "stop").touch()
-        ranks.pool.wait(90, procs[:2])
+        wait_or_dump(ranks, procs[:2], tmp_path)
     err = (tmp_path / "restarted.err").read_text()
     assert again.returncode == 0 and not (tmp_path / "restarted.json").exists(), err_logs(tmp_path)
     assert (tmp_path / "restarted_init").exists(), err  # init_process_group returned

@@ -14,11 +14,18 @@ The restarted rank touches ``DIR/restarted_init`` once ``init_process_group`` re
 runs the same script's first ``all_reduce``: the backend must end it (exit 0, saying why on
 stderr) before anything returns; if the op returns, it writes ``DIR/restarted.json`` and
 exits 3.
+
+Diagnostics: SIGUSR1 dumps every thread's stack to stderr (the test sends it to a rank
+that did not finish in time); ``RESILIENT_LOG_LEVEL`` (e.g. DEBUG) turns on the package's
+logging to stderr with timestamps.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
+import logging
 import os
+import signal
 import sys
 import zlib
 from pathlib import Path
@@ -37,6 +44,10 @@ def value(member: str, i: int) -> int:
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if os.environ.get("RESILIENT_LOG_LEVEL"):
+        logging.basicConfig(level=os.environ["RESILIENT_LOG_LEVEL"].upper(),
+                            format=f"%(asctime)s r{RANK} %(threadName)s %(name)s %(levelname)s %(message)s")
     dist.init_process_group("resilient", init_method=f"file://{DIR / f'init{os.getpid()}'}", rank=RANK, world_size=3)
     eng = current_engine()
     me = eng.member_id
