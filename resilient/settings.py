@@ -77,8 +77,8 @@ class Settings:
     staging: bool = field(default=False, metadata=_var(
         "RESILIENT_STAGING", "0", "`1`: CPU tensors take the host-staged data path of CUDA tensors (docs/cuda.md)"))
     shm_direct: bool = field(default=False, metadata=_var(
-        "RESILIENT_SHM_DIRECT", "0", "`1`: CPU allreduces between members of one host take the direct "
-        "shared-memory algorithm instead of the ring over shared-memory links (docs/hierarchy.md)"))
+        "RESILIENT_SHM_DIRECT", "0", "`1`: CPU allreduces and reduce-scatters between members of one host take the direct "
+        "shared-memory algorithms instead of the ring over shared-memory links (docs/hierarchy.md)"))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -223,6 +223,8 @@ DELEGATED: tuple[tuple[str, str, str], ...] = (
     ("RESILIENT_HEARTBEAT_FILE", "resilient.coordinator.membership", "file a worker touches for the agent's hang check"),
     ("RESILIENT_AGENT_SOCKET", "resilient.agent_channel",
      "the node agent's local channel (set by `resilient-run` with `RESILIENT_NODE_LEASE=1`)"),
+    ("RESILIENT_JOIN_TREE", "resilient.collectives.epochs",
+     "`1`: a growing epoch's join seq agreed over a tree of the old members, one etcd key (experimental)"),
     ("RESILIENT_OP_LOG", "resilient.torch_backend.op_log", "path: one JSON line per torch-backend op"),
     ("RESILIENT_FAIL_FAST", "resilient.launcher.args", "`1`: `resilient-run --fail-fast` (torchrun's behaviour)"),
 )
