@@ -226,7 +226,9 @@ def test_wait_op_probes_a_lasting_wait_and_both_members_raise() -> None:
             wait_op(w.a, [ra], 3, 0.4, lambda p, why: suspects.append((p, why)))
         th.join(HANG_GUARD_S)
         assert isinstance(out["r"], OpMismatch) and suspects == []
-        assert w.a.stats.probes.get("mismatch") == 1 and w.b.stats.probes.get("mismatch") == 1
+        # each side judged the mismatch: from the answer to its own probe, from the peer's
+        # probe, or both (the two probes may cross), so once or twice
+        assert w.a.stats.probes.get("mismatch") in (1, 2) and w.b.stats.probes.get("mismatch") in (1, 2)
     finally:
         w.a.close()
         w.b.close()
