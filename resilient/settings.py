@@ -223,8 +223,6 @@ DELEGATED: tuple[tuple[str, str, str], ...] = (
     ("RESILIENT_HEARTBEAT_FILE", "resilient.coordinator.membership", "file a worker touches for the agent's hang check"),
     ("RESILIENT_AGENT_SOCKET", "resilient.agent_channel",
      "the node agent's local channel (set by `resilient-run` with `RESILIENT_NODE_LEASE=1`)"),
-    ("RESILIENT_JOIN_TREE", "resilient.collectives.epochs",
-     "`1`: a growing epoch's join seq agreed over a tree of the old members, one etcd key (experimental)"),
     ("RESILIENT_OP_LOG", "resilient.torch_backend.op_log", "path: one JSON line per torch-backend op"),
     ("RESILIENT_FAIL_FAST", "resilient.launcher.args", "`1`: `resilient-run --fail-fast` (torchrun's behaviour)"),
 )
