@@ -26,9 +26,12 @@ etcd:
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq etcd-server; }
 	@command -v etcd >/dev/null 2>&1 || { echo "etcd is still not on PATH; install etcd >= 3.4" >&2; exit 1; }
 
-# pytest exits 5 when it collects no test, so an empty run fails here too.
+# pytest exits 5 when it collects no test, so an empty run fails here too. Two workers
+# (a test file stays on one worker), then alone the tests that assert machine-wide state
+# (marked `serial` in tests/conftest.py).
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile -m "not serial"
+	$(PY) -m pytest -m serial
 
 demo: setup
 	$(PY) examples/demo.py

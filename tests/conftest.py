@@ -28,3 +28,17 @@ def job_name(request) -> str:
 
     base = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40]
     return f"{base}-{uuid.uuid4().hex[:6]}"
+
+
+#: test files that assert machine-wide state (nothing new in /dev/shm; network namespaces,
+#: veths and qdiscs they create and remove): `make test` runs them alone, after the rest
+#: has run on two workers (see the Makefile)
+SERIAL_FILES = frozenset({"test_shm_direct.py", "test_shm_direct_procs.py", "test_shm_direct_rs.py",
+                          "test_transport_shm.py", "test_chaos_netns.py", "test_chaos_scenario.py",
+                          "test_node_loss_training.py"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in SERIAL_FILES:
+            item.add_marker(pytest.mark.serial)
