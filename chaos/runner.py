@@ -306,6 +306,7 @@ class ChaosRunner:
         finally:
             self._stop.set()
             if watcher is not None:
+                self._await_newest_epoch_logged(store)
                 watcher.close()
             (self.records / "stop").write_text("")
             self._teardown()
@@ -362,6 +363,23 @@ class ChaosRunner:
                     return
         self.end_op = records.end_op(self.records, self.sc.world_size)
         records.write_atomic(self.records / "end", str(self.end_op))
+
+    def _await_newest_epoch_logged(self, store: Store) -> None:
+        """Wait (at most 10 s) until the epoch watch has delivered the newest epoch in etcd,
+        so a run that ends right after an epoch change still logs it (under load the watch
+        can lag the end of the run). Best effort: an unreadable epoch just skips the wait."""
+        from resilient.coordinator.epoch import read_epoch
+
+        try:
+            newest, _ = read_epoch(store, self.job)
+        except Exception:  # noqa: BLE001 - teardown: never let this hide the run's own outcome
+            return
+        deadline = time.monotonic() + 10.0
+        while newest is not None and time.monotonic() < deadline:
+            with self._lock:
+                if any(e.number >= newest.number for e in self.epochs):
+                    return
+            time.sleep(0.05)
 
     def _on_epoch(self, epoch: Epoch) -> None:
         members = tuple(sorted(member_index(m) for m in epoch.members if m.startswith("m")))

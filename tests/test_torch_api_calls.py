@@ -96,8 +96,9 @@ def _check(call: str, res: dict, rcs: list[int], logs: str) -> None:
         if call == "send_recv":  # rank 0 waited on a recv from the dead rank: a named error, no hang
             assert r != 0 or (not k["ok"] and k["error"]), (r, k)
         elif call == "batch_isend_irecv":  # rank 0's receive from the victim was cut: PeerLost, no hang
-            if r == 0:
-                assert not k["ok"] and k["error"] == "PeerLost", (r, k)
+            if r == 0:  # PeerLost; or exact when the victim's bytes were all out before its kill
+                # (a small dtype's message can leave in one write ahead of the failpoint)
+                assert (not k["ok"] and k["error"] == "PeerLost") or (k["ok"] and k["exact"]), (r, k)
             else:  # the transfers between survivors go on in the new epoch: exact (or a message
                 # its sender finished just before the epoch change, gone with it: DataLost);
                 # rank 2's send to the victim may not have finished: PeerLost
