@@ -31,11 +31,13 @@ def job_name(request) -> str:
 
 
 #: test files that assert machine-wide state (nothing new in /dev/shm; network namespaces,
-#: veths and qdiscs they create and remove): `make test` runs them alone, after the rest
-#: has run on two workers (see the Makefile)
+#: veths and qdiscs they create and remove), and two whose outcome shifts under the load of
+#: a second worker (torch_api_calls: a rank exiting without a goodbye; straggler_procs: a
+#: late member's deadline): `make test` runs them alone, after the rest has run on two
+#: workers (see the Makefile)
 SERIAL_FILES = frozenset({"test_shm_direct.py", "test_shm_direct_procs.py", "test_shm_direct_rs.py",
                           "test_transport_shm.py", "test_chaos_netns.py", "test_chaos_scenario.py",
-                          "test_node_loss_training.py"})
+                          "test_node_loss_training.py", "test_torch_api_calls.py", "test_straggler_procs.py"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
