@@ -42,6 +42,7 @@ Failure behaviour:
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
@@ -300,10 +301,18 @@ class Communicator:
         raises for a failed peer; bounded by the goodbye + ``linger`` + one recovery.
         Under the deadline straggler policy a parent first waits (at most ``op_timeout``)
         until its leaves finished the last op (they may lag by one:
-        ``algorithms/leaf_deadline.drain``)."""
+        ``algorithms/leaf_deadline.drain``). When that wait is cut short — an epoch that
+        removes a member (e.g. the other actives closing) aborts it, or a leaf fails — a
+        leaf may still have that op to run, and this member's retained result is then the
+        only copy of the op's contributors: it serves it in the recovery for the rest of
+        that bound (``linger`` at least), so the leaf reports what the actives reported
+        instead of running the op again over whoever is left."""
         if not self._ops.close():
             return
-        drain(self._op_transport, self.epoch.number, max(linger, self.op_timeout or 30.0))
+        budget = max(linger, self.op_timeout or 30.0)
+        t0 = time.monotonic()
+        if not drain(self._op_transport, self.epoch.number, budget):
+            linger = max(linger, budget - (time.monotonic() - t0))
         if not (leave and self._say_goodbye()):
             self._recovery.serve_retained(linger, self.policy)
         self._epochs.unwatch()

@@ -223,9 +223,13 @@ class RecoveryPath:
 
     def _serve(self, R: Ledger, linger: float, policy: Policy) -> None:
         end = time.monotonic() + linger
+        # a round cut short by a newer epoch: the survivors go on in that epoch whatever it
+        # changes (their op's members are R's, not the group we narrowed to on entering)
+        cut = False
         while True:
             e = self.view.current()
-            if e is None or e.number <= self.status_epoch or self.member_id not in e.members or not self.epochs.removes(e):
+            if (e is None or e.number <= self.status_epoch or self.member_id not in e.members
+                    or not (cut or self.epochs.removes(e))):
                 if time.monotonic() >= end:
                     return
                 try:
@@ -239,6 +243,7 @@ class RecoveryPath:
             except TimeoutError:
                 return
             if r is None:
+                cut = True
                 continue
             if r.lowest == R.seq:
                 self._finish(R, r, ReduceOp.SUM, policy)
