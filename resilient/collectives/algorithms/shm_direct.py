@@ -346,8 +346,7 @@ class ShmDirect(ABC):
     def _mark(self, ctx: OpContext, c: int, mask: int | None = None) -> None:
         """Chunk ``c``'s pieces get ``mask`` (default: the full set)."""
         L, S = ctx.ledger, self.slices
-        for q in range(c * S, (c + 1) * S):
-            L.set(q, L.full if mask is None else mask)
+        L.set_range(c * S, (c + 1) * S, L.full if mask is None else mask)
 
     def _view(self, ctx: OpContext, q: int, seg: PeerSegment, area: int, nbytes: int,
               dtype: torch.dtype) -> torch.Tensor:
