@@ -9,9 +9,10 @@ members (:mod:`resilient.transport.hybrid`); ``tcp`` is TCP only) and
 also ``dist.init_process_group("gloo")`` (a TCPStore hosted by member 0), both with
 ``torch.set_num_threads(1)``. For every size, each round times gloo's ``all_reduce``, then
 ours with the ledger on and off (``Communicator.ledger_enabled``, toggled on every member
-between ops) in an order that alternates between rounds; every timing
-starts after a gloo barrier and runs ``iters`` back-to-back float32 SUM allreduces. A
-round's time is the slowest member's. One JSON line per size::
+between ops), in both orders within every round (gloo, on, off, gloo, off, on, each timing
+half of ``iters``: a position effect cannot bias the ledger pair); every timing
+starts after a gloo barrier and runs back-to-back float32 SUM allreduces. A
+round's time per op is the slowest member's. One JSON line per size::
 
     {"size_bytes", "transport", "busbw_resilient", "busbw_gloo", "ratio_vs_gloo", "ledger_overhead", ...}
 
@@ -80,16 +81,23 @@ def worker(args) -> None:
             run(v, min(k, 2))
         times: dict[str, list[float]] = {v: [] for v in VARIANTS}
         cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        half = max(1, k // 2)
         for r in range(rounds):
-            # gloo first, then the ledger pair in alternating order: on and off are
-            # adjacent (paired) and each follows gloo equally often.
-            order = ("gloo", "ledger_on", "ledger_off") if r % 2 == 0 else ("gloo", "ledger_off", "ledger_on")
-            for v in order:
-                wall, c = run(v, k)
-                times[v].append(wall / k)
-                cpu[v].append(c / k)
+            # Both orders in every round (gloo, on, off, gloo, off, on; half the ops
+            # each): on and off are adjacent, each follows gloo once and the other once,
+            # so a position effect (the run right after gloo's) cancels in every round
+            # whatever the number of rounds; the first half's order alternates by round.
+            first, second = ("ledger_on", "ledger_off") if r % 2 == 0 else ("ledger_off", "ledger_on")
+            acc = {v: [0.0, 0.0] for v in VARIANTS}
+            for v in ("gloo", first, second, "gloo", second, first):
+                wall, c = run(v, half)
+                acc[v][0] += wall
+                acc[v][1] += c
+            for v in VARIANTS:
+                times[v].append(acc[v][0] / (2 * half))
+                cpu[v].append(acc[v][1] / (2 * half))
         comm.ledger_enabled = True
-        emit("times", size=size, iters=k, times=times, cpu=cpu)
+        emit("times", size=size, iters=2 * half, times=times, cpu=cpu)
     dist.destroy_process_group()
     comm.close()  # leaves the group, then closes the transport, the session and the store
 
