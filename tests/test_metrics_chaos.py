@@ -77,12 +77,12 @@ def run(tmp_path_factory):
         after["etcd_epoch"] = read_epoch(runner.store, runner.job)[0].number
         after["coordinator"] = scrape(runner.coordinator_metrics_url(current_leader(runner.store, runner.job)))
 
-    runner = ChaosRunner(sc, 0, tmp_path / "wd", backend="resilient", metrics=True, on_finished=on_finished)
     # the ring between these same-host members (the members inherit the environment): the
     # kills must be recovered from, where the direct shared-memory allreduce may finish
     # over the full set without a recovery (tests/conftest.py ring_on_one_host)
     mp = pytest.MonkeyPatch()
     mp.setenv("RESILIENT_SHM_DIRECT", "0")
+    runner = ChaosRunner(sc, 0, tmp_path / "wd", backend="resilient", metrics=True, on_finished=on_finished)
 
     def baseline() -> None:  # as the workload starts (the `go` file), before the first fault (op 3)
         go = runner.records / "go"
