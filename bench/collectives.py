@@ -9,16 +9,21 @@ members (:mod:`resilient.transport.hybrid`); ``tcp`` is TCP only) and
 also ``dist.init_process_group("gloo")`` (a TCPStore hosted by member 0), both with
 ``torch.set_num_threads(1)``. For every size, each round times gloo's ``all_reduce``, then
 ours with the ledger on and off (``Communicator.ledger_enabled``, toggled on every member
-between ops) in an order that alternates between rounds; every timing
-starts after a gloo barrier and runs ``iters`` back-to-back float32 SUM allreduces. A
-round's time is the slowest member's. One JSON line per size::
+between ops), in both orders within every round (gloo, on, off, gloo, off, on, each timing
+half of ``iters``: a position effect cannot bias the ledger pair); every timing
+starts after a gloo barrier and runs back-to-back float32 SUM allreduces. A
+round's time per op is the slowest member's. One JSON line per size::
 
     {"size_bytes", "transport", "busbw_resilient", "busbw_gloo", "ratio_vs_gloo", "ledger_overhead", ...}
 
 busbw = 2(n-1)/n * size / time (NCCL tests' definition) in bytes/s from the median round;
 ``cpu_per_op_*_s`` = median process CPU seconds (all threads, user+sys) per op on one member
 (on a machine with fewer cores than members, busbw is bounded by this);
-``ledger_overhead`` = median over rounds of t(ledger on) / t(ledger off) - 1.
+``ledger_overhead`` = median over rounds of t(ledger on) / t(ledger off) - 1;
+``ledger_overhead_paired`` = the same from extra rounds of ``max(2, iters)`` ops in which
+every member switches the ledger on and off at every op (the sum of the on-ops' times
+over the off-ops', the slowest member's of each; a change of load between two timings
+cannot land on one side).
 Failure behaviour: a member that dies or hangs makes the run fail with its stderr tail.
 """
 from __future__ import annotations
@@ -76,20 +81,41 @@ def worker(args) -> None:
                     comm.allreduce(x)
             return time.perf_counter() - t0, time.process_time() - c0
 
+        def run_paired(r: int, iters: int) -> tuple[float, float]:
+            """``iters`` ops with the ledger on and off in turn (every member switches at
+            the same op: by its parity): (seconds of the ops with it on, with it off)."""
+            dist.barrier()
+            acc = [0.0, 0.0]
+            for i in range(iters):
+                on = (i + r) % 2 == 0
+                comm.ledger_enabled = on
+                t0 = time.perf_counter()
+                comm.allreduce(x)
+                acc[0 if on else 1] += time.perf_counter() - t0
+            return acc[0], acc[1]
+
         for v in VARIANTS:  # warm-up: connections, allocator, page faults
             run(v, min(k, 2))
         times: dict[str, list[float]] = {v: [] for v in VARIANTS}
         cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        half = max(1, k // 2)
         for r in range(rounds):
-            # gloo first, then the ledger pair in alternating order: on and off are
-            # adjacent (paired) and each follows gloo equally often.
-            order = ("gloo", "ledger_on", "ledger_off") if r % 2 == 0 else ("gloo", "ledger_off", "ledger_on")
-            for v in order:
-                wall, c = run(v, k)
-                times[v].append(wall / k)
-                cpu[v].append(c / k)
+            # Both orders in every round (gloo, on, off, gloo, off, on; half the ops
+            # each): on and off are adjacent, each follows gloo once and the other once,
+            # so a position effect (the run right after gloo's) cancels in every round
+            # whatever the number of rounds; the first half's order alternates by round.
+            first, second = ("ledger_on", "ledger_off") if r % 2 == 0 else ("ledger_off", "ledger_on")
+            acc = {v: [0.0, 0.0] for v in VARIANTS}
+            for v in ("gloo", first, second, "gloo", second, first):
+                wall, c = run(v, half)
+                acc[v][0] += wall
+                acc[v][1] += c
+            for v in VARIANTS:
+                times[v].append(acc[v][0] / (2 * half))
+                cpu[v].append(acc[v][1] / (2 * half))
+        paired = [run_paired(r, max(2, k)) for r in range(rounds)]
         comm.ledger_enabled = True
-        emit("times", size=size, iters=k, times=times, cpu=cpu)
+        emit("times", size=size, iters=2 * half, times=times, cpu=cpu, paired=paired)
     dist.destroy_process_group()
     comm.close()  # leaves the group, then closes the transport, the session and the store
 
@@ -132,10 +158,13 @@ def main() -> None:
             per_round = {v: [max(res[m]["times"][v][r] for m in mids) for r in range(args.rounds)] for v in VARIANTS}
             t_ours, t_gloo = median(per_round["ledger_on"]), median(per_round["gloo"])
             overhead = median([on / off - 1 for on, off in zip(per_round["ledger_on"], per_round["ledger_off"])])
+            paired = [max(res[m]["paired"][r][0] for m in mids) / max(res[m]["paired"][r][1] for m in mids) - 1
+                      for r in range(args.rounds)]
             bw_ours, bw_gloo = busbw(size, t_ours, args.world), busbw(size, t_gloo, args.world)
             print(json.dumps({
                 "size_bytes": size, "transport": args.transport, "shm_direct": args.shm_direct == "1", "busbw_resilient": round(bw_ours), "busbw_gloo": round(bw_gloo),
                 "ratio_vs_gloo": round(bw_ours / bw_gloo, 3), "ledger_overhead": round(overhead, 4),
+                "ledger_overhead_paired": round(median(paired), 4),
                 "world": args.world, "rounds": args.rounds, "iters_per_round": res[mids[0]]["iters"],
                 "t_resilient_s": t_ours, "t_gloo_s": t_gloo, "t_ledger_off_s": median(per_round["ledger_off"]),
                 "cpu_per_op_resilient_s": median([c for m in mids for c in res[m]["cpu"]["ledger_on"]]),

@@ -76,9 +76,9 @@ class Settings:
         "RESILIENT_LOG_LEVEL", "INFO", "log level of `resilient-run` (`DEBUG`, `INFO`, `WARNING`, ...)"))
     staging: bool = field(default=False, metadata=_var(
         "RESILIENT_STAGING", "0", "`1`: CPU tensors take the host-staged data path of CUDA tensors (docs/cuda.md)"))
-    shm_direct: bool = field(default=False, metadata=_var(
-        "RESILIENT_SHM_DIRECT", "0", "`1`: CPU allreduces and reduce-scatters between members of one host take the direct "
-        "shared-memory algorithms instead of the ring over shared-memory links (docs/hierarchy.md)"))
+    shm_direct: bool = field(default=True, metadata=_var(
+        "RESILIENT_SHM_DIRECT", "1", "CPU allreduces and reduce-scatters between members of one host take the direct "
+        "shared-memory algorithms; `0`: the ring over shared-memory links instead (docs/hierarchy.md)"))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":

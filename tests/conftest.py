@@ -30,6 +30,16 @@ def job_name(request) -> str:
     return f"{base}-{uuid.uuid4().hex[:6]}"
 
 
+@pytest.fixture
+def ring_on_one_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The member processes this test starts (they inherit the environment) run the ring
+    between members of one host (``RESILIENT_SHM_DIRECT=0``) instead of the default
+    direct shared-memory algorithms: for tests that assert the ring's recovery — which
+    contributor set a kill at a ring phase leaves, that a recovery ran (a failpoint in
+    it fires). The direct algorithms' own fault outcomes: tests/test_shm_direct_procs.py."""
+    monkeypatch.setenv("RESILIENT_SHM_DIRECT", "0")
+
+
 #: test files that assert machine-wide state (nothing new in /dev/shm; network namespaces,
 #: veths and qdiscs they create and remove), and two whose outcome shifts under the load of
 #: a second worker (torch_api_calls: a rank exiting without a goodbye; straggler_procs: a

@@ -53,6 +53,7 @@ def _contributors(log, seq: int) -> set[tuple[int, ...]]:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.usefixtures("ring_on_one_host")
 def test_kill_in_reduce_scatter_survivors_finish_over_their_own_set(tmp_path, seed):
     runner, log = _run(find_scenario("kill-reduce-scatter"), seed, tmp_path)
     assert runner.workers[1].popen.returncode == -9  # SIGKILLed itself inside op 3's reduce-scatter
@@ -144,6 +145,7 @@ def test_etcd_member_loss_collectives_continue(tmp_path, seed):
     assert _contributors(log, last) == {(0, 1)}
 
 
+@pytest.mark.usefixtures("ring_on_one_host")
 def test_broken_contributor_tracking_is_caught(tmp_path):
     """Proof the checker can fail: a build whose members report the full original member
     set instead of the ledger's contributors delivers values that are not the reduction

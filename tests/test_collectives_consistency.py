@@ -50,6 +50,7 @@ BIG = {"k": "allreduce", "numel": 65536, "dtype": "int64", "op": "sum"}
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+@pytest.mark.usefixtures("ring_on_one_host")
 def test_kill_during_recovery_keeps_one_contributor_set(etcd_session, job_name, tmp_path):
     ops = [BIG] * 4
     fps = {"m1": "kill@op=1,phase=rs,frac=0.5", "m3": "kill@op=1,phase=recovery,frac=0.5"}

@@ -97,6 +97,7 @@ def test_two_failures_in_one_op(etcd_session, job_name, tmp_path, rng, world, vi
         w.close()
 
 
+@pytest.mark.usefixtures("ring_on_one_host")
 def test_failure_during_recovery(etcd_session, job_name, tmp_path, rng):
     fps = {"m2": f"kill@op=1,phase={rng.choice(['rs', 'ag'])},frac={rng.uniform(0.05, 0.6):.2f}",
            "m0": "kill@op=1,phase=recovery"}

@@ -74,6 +74,7 @@ def _sole_copy_lost(etcd_session, job: str, w, survivors: list[str]) -> bool:
 @pytest.mark.parametrize("world,victim,phase,frac", [
     (4, "m2", "rs", 0.5), (4, "m1", "ag", 0.5), (5, "m3", "rs", 0.25), (5, "m0", "ag", 0.75),
 ])
+@pytest.mark.usefixtures("ring_on_one_host")
 def test_sigkill_mid_op_survivors_finish(etcd_session, job_name, tmp_path, world, victim, phase, frac):
     fp = {victim: f"kill@op=1,phase={phase},frac={frac}"}
     with coordinator(etcd_session.endpoint_arg, job_name):
@@ -100,6 +101,7 @@ def test_sigkill_mid_op_survivors_finish(etcd_session, job_name, tmp_path, world
             w.close()
 
 
+@pytest.mark.usefixtures("ring_on_one_host")
 def test_sigstop_member_is_removed_and_raises_when_resumed(etcd_session, job_name, tmp_path):
     import os
     import signal

@@ -154,6 +154,7 @@ def _run(etcd, job: str, tmp_path: Path, roles: dict[str, str], op_timeout: floa
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("ring_on_one_host")   # the slow receiver and "m0 receives from m3" are the ring's
 def test_members_closing_right_after_the_last_allreduce_wait_for_a_slow_peer_and_not_past_the_bound_for_a_dead_one(
         etcd_session, job_name, tmp_path):
     """Four members run one 16 MiB allreduce (no barrier after it). m0 reads the op's last

@@ -30,8 +30,8 @@ from static_group import Info, StaticEpoch, run_communicators  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _shm_direct_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The direct algorithm is opt-in (RESILIENT_SHM_DIRECT=1): these tests turn it on
-    (inherited by member processes)."""
+    """The direct algorithm is the default (RESILIENT_SHM_DIRECT=1): these tests set it
+    explicitly (inherited by member processes), whatever the caller's environment says."""
     monkeypatch.setenv("RESILIENT_SHM_DIRECT", "1")
 
 pytestmark = [pytest.mark.timeout(120),
@@ -171,3 +171,44 @@ def test_selected_only_when_every_member_shares_memory_on_one_planned_host():
     assert not isinstance(select_allreduce(members, _epoch(shm), 100_000, 4,
                                            Sizing(small_bytes=1024).for_device(torch.device("meta")))[1],
                           ShmDirectAllreduce)
+
+
+class _RacingPeer:
+    """A peer segment whose owner, right after this member's first header read,
+    publishes the awaited word and finishes the whole op (``W_DONE``): what a member
+    descheduled between two reads on a loaded host sees."""
+
+    def __init__(self, word: int, old: int, want: int) -> None:
+        self.values = {word: old, shm_segment.W_DONE: old}
+        self.word_no, self.want, self.reads = word, want, 0
+
+    def word(self, w: int) -> int:
+        v = self.values[w]
+        self.reads += 1
+        if self.reads == 1:   # the owner moves on between our reads
+            self.values[self.word_no] = self.want
+            self.values[shm_segment.W_DONE] = self.want
+        return v
+
+
+def test_a_peer_that_finishes_between_two_reads_is_ready_not_gone():
+    """A peer that publishes its input and finishes the op between this member's reads of
+    its words has not given the op up: the wait sees it ready (it used to raise
+    TransportError "gave it up" on every member, with no epoch to recover in)."""
+    from types import SimpleNamespace
+
+    from resilient.errors import TransportError
+
+    word = shm_segment.area_word(0, shm_segment.A_IN)
+    want = shm_direct.ticket(1, 7)
+    ctx: Any = SimpleNamespace(seq=7, members=("m0", "m1"))
+    peer = _RacingPeer(word, shm_direct.ticket(1, 5), want)
+    ready = ShmDirectAllreduce._ready(ctx, 1, peer, word, want)
+    first = ready()   # raised "gave it up" when the awaited word was read before W_DONE
+    assert first in (False, True) and ready() is True and peer.reads >= 2
+
+    gone = _RacingPeer(word, 0, want)   # the peer cleared its word and published W_DONE: it gave the op up
+    gone.values[shm_segment.W_DONE] = want
+    gone.reads = 1
+    with pytest.raises(TransportError, match="gave it up"):
+        ShmDirectAllreduce._ready(ctx, 1, gone, word, want)()

@@ -25,8 +25,8 @@ from inputs import expected  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _shm_direct_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The direct algorithm is opt-in (RESILIENT_SHM_DIRECT=1): these tests turn it on
-    (inherited by member processes)."""
+    """The direct algorithm is the default (RESILIENT_SHM_DIRECT=1): these tests set it
+    explicitly (inherited by member processes), whatever the caller's environment says."""
     monkeypatch.setenv("RESILIENT_SHM_DIRECT", "1")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180),

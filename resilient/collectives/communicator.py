@@ -90,7 +90,7 @@ class Communicator:
                  device_route: DeviceRoute | None = None, shm_direct: bool | None = None) -> None:
         """``shm_direct``: CPU allreduces between members of one host take the direct
         shared-memory algorithm (:mod:`.algorithms.shm_direct`; default
-        ``RESILIENT_SHM_DIRECT``, off). ``staging``: run CPU tensors through the host-staged data path CUDA tensors take
+        ``RESILIENT_SHM_DIRECT``, on; ``0`` there or ``False`` here: the ring). ``staging``: run CPU tensors through the host-staged data path CUDA tensors take
         (:mod:`.staged`; default ``RESILIENT_STAGING``, off). CUDA tensors take it unless
         the epoch's members each have their own GPU: then ``device_route`` (default: over
         this view's epoch data, :func:`resilient.device.routing.default_route`) sends them

@@ -120,6 +120,15 @@ class Ledger:
         if self.enabled:
             self.masks[p] = mask
 
+    def set_range(self, start: int, stop: int, mask: int) -> None:
+        """Pieces ``start .. stop-1`` get ``mask`` (one slice assignment: a chunk's slices at
+        once; through :meth:`set` per piece where a subclass redefines it)."""
+        if type(self).set is not Ledger.set:
+            for p in range(start, stop):
+                self.set(p, mask)
+        elif self.enabled:
+            self.masks[start:stop] = [mask] * (stop - start)
+
     @property
     def full(self) -> int:
         return (1 << len(self.members)) - 1

@@ -51,7 +51,7 @@ class Sizing:
     #: bytes of one host staging slot (the staged transfers' chunk size)
     stage_bytes: int = 1 << 20
     #: the direct shared-memory allreduce for members of one host (CPU, unstaged ops only;
-    #: the Communicator's default is ``RESILIENT_SHM_DIRECT``, off)
+    #: the Communicator's default is ``RESILIENT_SHM_DIRECT``, on)
     shm_direct: bool = True
 
     def for_device(self, device: torch.device) -> "Sizing":

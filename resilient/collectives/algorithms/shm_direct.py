@@ -346,8 +346,7 @@ class ShmDirect(ABC):
     def _mark(self, ctx: OpContext, c: int, mask: int | None = None) -> None:
         """Chunk ``c``'s pieces get ``mask`` (default: the full set)."""
         L, S = ctx.ledger, self.slices
-        for q in range(c * S, (c + 1) * S):
-            L.set(q, L.full if mask is None else mask)
+        L.set_range(c * S, (c + 1) * S, L.full if mask is None else mask)
 
     def _view(self, ctx: OpContext, q: int, seg: PeerSegment, area: int, nbytes: int,
               dtype: torch.dtype) -> torch.Tensor:
@@ -390,12 +389,21 @@ class ShmDirect(ABC):
     @staticmethod
     def _ready(ctx: OpContext, q: int, seg: PeerSegment, word: int, want: int) -> Callable[[], bool]:
         """Whether ``seg``'s ``word`` shows ticket ``want``; TransportError when the peer
-        moved past it or gave this op up."""
+        moved past it or gave this op up.
+
+        ``W_DONE`` is read *before* ``word``: a peer that finished the op normally keeps
+        ``word`` at ``want`` until this member's own ``W_DONE`` lets it reuse the area, so
+        ``done >= want`` with ``word != want`` read after it can only mean the peer cleared
+        ``word`` when it gave the op up. (Read the other way round, a peer that published
+        ``word`` and finished the whole op between the two reads — this member descheduled
+        for a millisecond on a loaded host — looked as if it had given the op up: a
+        spurious failure of every member, and no epoch to recover in.)"""
         def ready() -> bool:
+            done = seg.word(W_DONE)
             w = seg.word(word)
             if w == want:
                 return True
-            if w > want or seg.word(W_DONE) >= want:
+            if w > want or done >= want:
                 raise TransportError(f"op #{ctx.seq}: member {ctx.members[q]} left this op "
                                      f"({'moved past it' if w > want else 'gave it up'})")
             return False
