@@ -82,11 +82,32 @@ def test_compression_options_are_validated():
 
 def test_ring_layout_is_chunk_major_and_tiles_every_segment():
     segs = [Segment(0, 1000, 4), Segment(1000, 1003, 32)]
-    pieces, bits, per_chunk = ring_layout(segs, 4, lambda nbytes: 2 if nbytes > 500 else 1)
-    assert per_chunk == 3 and len(pieces) == 12
-    covered = sorted((a, b) for a, b in pieces if b > a)
-    assert covered[0][0] == 0 and all(x[1] == y[0] for x, y in zip(covered, covered[1:])) and covered[-1][1] == 1003
-    assert bits == [4, 4, 32] * 4
+    pieces, parts, per_chunk = ring_layout(segs, 4, lambda nbytes: 2 if nbytes > 500 else 1)
+    assert per_chunk == 2 and len(pieces) == 8
+    # contiguous, in order: chunk c is pieces [c * per_chunk, (c + 1) * per_chunk)
+    assert pieces[0][0] == 0 and pieces[-1][1] == 1003
+    assert all(x[1] == y[0] for x, y in zip(pieces, pieces[1:]))
+    # each piece's parts tile it with the bits of the segments it covers
+    for (a, b), pp in zip(pieces, parts):
+        assert sum(e - s for s, e, _ in pp) == b - a
+        for s, e, bits in pp:
+            assert bits == (4 if a + e <= 1000 else 32) and (a + s >= 1000) == (bits == 32)
+    # chunks of near-equal wire cost: the 3 fixed-point elements weigh 8 packed ones each
+    cost = [sum((e - s) * bits for p in range(c * 2, c * 2 + 2) for s, e, bits in parts[p]) for c in range(4)]
+    assert max(cost) - min(cost) <= 32 and sum(cost) == 1000 * 4 + 3 * 32
+
+
+def test_ring_layout_of_many_small_segments_sends_per_chunk_messages():
+    """The DDP hook's layout (weights between biases): S pieces per chunk, not one per segment."""
+    segs, pos = [], 0
+    for i in range(12):
+        n = 5000 if i % 2 == 0 else 64
+        segs.append(Segment(pos, pos + n, 4 if i % 2 == 0 else 32))
+        pos += n
+    pieces, parts, per_chunk = ring_layout(segs, 4, lambda nbytes: 1)
+    assert per_chunk == 1 and len(pieces) == 4
+    assert sum(len(pp) for pp in parts) >= len(segs)   # pieces span segments
+    assert pieces[0][0] == 0 and pieces[-1][1] == pos and all(x[1] == y[0] for x, y in zip(pieces, pieces[1:]))
 
 
 def _reference(xs: list[torch.Tensor], segs: list[Segment], bucket: int, avg: bool) -> torch.Tensor:

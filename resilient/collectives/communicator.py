@@ -339,9 +339,10 @@ class Communicator:
         return spec.finish(self.run_op(desc, spec, policy=policy))
 
     def reduce_now(self, t: torch.Tensor, op: ReduceOp, desc: dict[str, Any], policy: Policy | str | None,
-                   reserve: int = 1, seq: int | None = None) -> OpResult:
-        """Run one allreduce of ``t`` in place on the op thread (``reserve``/``seq``: see :meth:`run_op`)."""
-        spec = AllreduceOp(str(desc["k"]), t, op, self._buffers, self.sizing)
+                   reserve: int = 1, seq: int | None = None, sizing: Sizing | None = None) -> OpResult:
+        """Run one allreduce of ``t`` in place on the op thread (``reserve``/``seq``: see
+        :meth:`run_op`; ``sizing``: this op's instead of the communicator's)."""
+        spec = AllreduceOp(str(desc["k"]), t, op, self._buffers, self.sizing if sizing is None else sizing)
         return spec.finish(self.run_op(desc, spec, policy=policy, seq=seq, reserve=reserve))
 
     def take_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import threading
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -87,6 +87,9 @@ class _QBuffers:
 #: the storage use count (private torch API, present in the torch this project pins)
 _USE_COUNT: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
 _Q_BUFFERS = _QBuffers()
+#: scale agreements up to this size run recursive doubling whatever the communicator's
+#: ``small_bytes`` (the DDP hook's 128-element buckets give 128 KiB of maxima per 16 MiB)
+SCALE_RD_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -138,21 +141,52 @@ class Compression:
         return [Segment(0, t.numel(), self.bits)]
 
 
-def ring_layout(segs: list[Segment], n: int, slices_of: Any) -> tuple[list[tuple[int, int]], list[int], int]:
-    """Chunk-major pieces over ``n`` members: chunk ``c`` of every segment, each cut in its
-    pipelining slices. Returns (pieces, bits per piece, pieces per chunk)."""
-    per_seg = []
+#: a piece's parts: ``(start, end, bits)`` relative to the piece, in order, tiling it
+Parts = tuple[tuple[int, int, int], ...]
+
+
+def _cost_cuts(segs: list[Segment], targets: list[int]) -> list[int]:
+    """Element indices where the cumulative wire cost (``bits`` per element) first reaches
+    each of the increasing ``targets``."""
+    out, ti, cost = [], 0, 0
     for s in segs:
-        S = slices_of(max(1, s.numel * 4 // n))
-        per_seg.append((s, split(s.numel, n), S))
-    pieces, bits = [], []
+        seg_cost = s.numel * s.bits
+        while ti < len(targets) and targets[ti] <= cost + seg_cost:
+            out.append(s.start + -(-(targets[ti] - cost) // s.bits))
+            ti += 1
+        cost += seg_cost
+    return out + [segs[-1].end] * (len(targets) - len(out))
+
+
+def piece_parts(segs: list[Segment], a: int, b: int) -> Parts:
+    """The segments of ``[a, b)``, relative to ``a``."""
+    return tuple((max(a, s.start) - a, min(b, s.end) - a, s.bits) for s in segs if s.start < b and s.end > a)
+
+
+def ring_layout(segs: list[Segment], n: int, slices_of: Any) -> tuple[list[tuple[int, int]], list[Parts], int]:
+    """Chunk-major pieces over ``n`` members: the flat buffer cut into ``n`` contiguous
+    chunks of equal wire cost (elements weighted by their bits), each chunk into the same
+    number of pipelining slices (``slices_of`` its float32 bytes, the largest chunk's), again
+    of equal cost. A piece may span several segments: its wire is the concatenation of each
+    part packed at its own width (:class:`~.algorithms.quantized_ring.QuantizedRing`), so a
+    layout of many small segments (the DDP hook's biases between weight matrices) still
+    sends ``S`` messages per chunk, not one per segment. Returns (pieces, parts per piece,
+    pieces per chunk)."""
+    total = sum(s.numel * s.bits for s in segs)
+    bounds = [segs[0].start] + _cost_cuts(segs, [total * c // n for c in range(1, n)]) + [segs[-1].end]
+    S = max(slices_of(max(1, (bounds[c + 1] - bounds[c]) * 4)) for c in range(n))
+    pieces: list[tuple[int, int]] = []
     for c in range(n):
-        for s, chunks, S in per_seg:
-            c0, c1 = chunks[c]
-            for a, b in split(c1 - c0, S):
-                pieces.append((s.start + c0 + a, s.start + c0 + b))
-                bits.append(s.bits)
-    return pieces, bits, sum(S for _, _, S in per_seg)
+        c0, c1 = bounds[c], bounds[c + 1]
+        inner = [x for x in segs if x.start < c1 and x.end > c0]
+        if not inner:
+            pieces += [(c0, c0)] * S
+            continue
+        clipped = [Segment(max(c0, x.start), min(c1, x.end), x.bits) for x in inner]
+        cost0 = sum(x.numel * x.bits for x in clipped)
+        cuts = [c0] + _cost_cuts(clipped, [cost0 * j // S for j in range(1, S)]) + [c1]
+        pieces += [(cuts[j], cuts[j + 1]) for j in range(S)]
+    return pieces, [piece_parts(segs, a, b) for a, b in pieces], S
 
 
 def _layout_digest(comp: Compression, segs: list[Segment]) -> int:
@@ -175,12 +209,15 @@ def run_compressed(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Comp
     scale_in = torch.cat([maxima, torch.tensor([float(comm.size)])])
     desc_s = {"k": "allreduce", "shape": [scale_in.numel()], "dtype": "torch.float32", "op": "max",
               "q": "scale", "layout": lay}
+    # the scale op is latency-bound (a few hundred KiB at most): recursive doubling's
+    # log2(n) rounds, not the ring's 2(n-1) dependent steps
+    rd = replace(comm.sizing, small_bytes=max(comm.sizing.small_bytes, SCALE_RD_BYTES))
     if seqs is None:
-        res_s = comm.reduce_now(scale_in, ReduceOp.MAX, desc_s, policy, reserve=2)
+        res_s = comm.reduce_now(scale_in, ReduceOp.MAX, desc_s, policy, reserve=2, sizing=rd)
         assert comm.retained is not None   # the op just finished
         ring_seq = comm.retained.seq + 1
     else:
-        res_s = comm.reduce_now(scale_in, ReduceOp.MAX, desc_s, policy, seq=seqs[0])
+        res_s = comm.reduce_now(scale_in, ReduceOp.MAX, desc_s, policy, seq=seqs[0], sizing=rd)
         ring_seq = seqs[1]
     n_bound = max(1, int(scale_in[-1].item()))
     sc = scales(scale_in[:-1], segs, bucket, n_bound)
@@ -193,8 +230,8 @@ def run_compressed(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Comp
         nr = leaf.ring_size if leaf else n
         algo: Any
         if leaf is None and n > 1 and numel >= n and nbytes > comm.sizing.small_bytes:
-            pieces, bits, per_chunk = ring_layout(segs, n, comm.sizing.slices)
-            algo = QuantizedRing(bits, per_chunk, n_bound)
+            pieces, parts, per_chunk = ring_layout(segs, n, comm.sizing.slices)
+            algo = QuantizedRing(parts, per_chunk, n_bound)
         elif comm.sizing.ring_or_rd(nbytes, nr) and numel >= nr:  # leaf path: exact int32 ring, full width
             S = comm.sizing.slices_for(nbytes, nr)
             pieces = [(s0 + a, s0 + b) for (s0, e0) in split(numel, nr) for (a, b) in split(e0 - s0, S)]

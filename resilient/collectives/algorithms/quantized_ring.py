@@ -16,8 +16,13 @@ set; an all-gather receive is forwarded as received (already at the final width)
 receive interrupted by an abort therefore never touches ``out``: the masks stay exact
 without :meth:`OpContext.settle` having to clear anything.
 
-Pieces are chunk-major (``piece = chunk * per_chunk + j``) and each piece has its own
-``bits`` (segments of different widths, e.g. fixed-point 32-bit for 1-D parameters).
+Pieces are chunk-major (``piece = chunk * per_chunk + j``) and a piece may span several
+segments of different ``bits`` (e.g. fixed-point 32-bit for 1-D parameters between weight
+matrices): its *parts*. One piece is one message: its parts are packed one after another
+into one wire buffer, each at its own width and at a 4-byte aligned offset
+(:func:`wire_plan`), so the message count is ``per_chunk`` per chunk and step whatever the
+number of segments (one message per segment cost more in per-message overhead than the
+bytes it carried).
 Failure behaviour: any transport error propagates (the communicator recovers from the
 ledger); a failpoint fires at the same progress marks as the float ring (``rs``/``ag``).
 """
@@ -27,11 +32,27 @@ import torch
 
 from resilient.collectives import tags
 from resilient.collectives.algorithms.base import Capabilities, OpContext, finish_alone, index_order, tag
-from resilient.collectives.quantization import pack, unpack_add, wire_bits, wire_nbytes
+from resilient.collectives.quantization import pack, pack_into, unpack_add, wire_bits, wire_nbytes
 from resilient.transport.base import Request
 
-#: a posted receive: (request, piece, wire buffer, wire bits, phase, mask once unpacked)
-_Posted = tuple[Request, int, torch.Tensor, int, str, int]
+#: a piece's wire: ((start, end, width, byte offset) per part, total bytes)
+Plan = tuple[tuple[tuple[int, int, int, int], ...], int]
+#: a posted receive: (request, piece, wire buffer, plan, phase, mask once unpacked)
+_Posted = tuple[Request, int, torch.Tensor, Plan, str, int]
+
+
+def wire_plan(parts: tuple[tuple[int, int, int], ...], k: int, members: int) -> Plan:
+    """Where each part of a piece goes in its wire at ``k`` contributors: parts follow one
+    another, each starting at a multiple of 4 bytes (so a 16/32-bit part is an aligned
+    view); the last one is not padded (a one-part piece's wire is exactly
+    :func:`wire_nbytes`)."""
+    out, off = [], 0
+    for a, b, bits in parts:
+        off = -(-off // 4) * 4
+        w = wire_bits(bits, k, members)
+        out.append((a, b, w, off))
+        off += wire_nbytes(b - a, w)
+    return tuple(out), off
 
 
 class QuantizedRing:
@@ -39,11 +60,23 @@ class QuantizedRing:
     capabilities = Capabilities()
     final_order = staticmethod(index_order)
 
-    def __init__(self, piece_bits: list[int], per_chunk: int, members_bound: int) -> None:
-        self.piece_bits, self.per_chunk, self.members_bound = piece_bits, per_chunk, members_bound
+    def __init__(self, piece_parts: list[tuple[tuple[int, int, int], ...]], per_chunk: int,
+                 members_bound: int) -> None:
+        self.piece_parts, self.per_chunk, self.members_bound = piece_parts, per_chunk, members_bound
 
-    def _width(self, piece: int, k: int) -> int:
-        return wire_bits(self.piece_bits[piece], k, self.members_bound)
+    def _plan(self, piece: int, k: int) -> Plan:
+        return wire_plan(self.piece_parts[piece], k, self.members_bound)
+
+    @staticmethod
+    def _pack(q: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """The wire of one piece (``q``: its int32 values)."""
+        parts, total = plan
+        if len(parts) == 1:
+            return pack(q, parts[0][2])   # no copy at all for a 32-bit piece
+        wire = torch.empty(total, dtype=torch.uint8)
+        for a, b, w, off in parts:
+            pack_into(q[a:b], w, wire[off:off + wire_nbytes(b - a, w)])
+        return wire
 
     def run(self, ctx: OpContext) -> None:
         L, tr = ctx.ledger, ctx.transport
@@ -69,10 +102,10 @@ class QuantizedRing:
             for j in range(S):
                 pc = rc * S + j
                 a, b = L.pieces[pc]
-                w = self._width(pc, k)
-                wire = torch.empty(wire_nbytes(b - a, w), dtype=torch.uint8)
+                plan = self._plan(pc, k)
+                wire = torch.empty(plan[1], dtype=torch.uint8)
                 req = tr.irecv(prv, wire, ctx.seq, tag(idx, j, self.SPACE), ctx.digest)
-                cur.append((req, pc, wire, w, phase, done_mask))
+                cur.append((req, pc, wire, plan, phase, done_mask))
             posted.append(cur)
         keep: list[torch.Tensor] = []  # wire buffers of sends in flight
         sends: list[Request] = []
@@ -81,10 +114,10 @@ class QuantizedRing:
             for j in range(S):
                 ps = sc * S + j
                 if prev is None:
-                    wire = pack(L.input_view(ps), self._width(ps, k))
+                    wire = self._pack(L.input_view(ps), self._plan(ps, k))
                 else:
                     got = self._complete(ctx, prev[j])
-                    wire = got if phase == "ag" and steps[idx - 1][0] == "ag" else pack(L.view(ps), self._width(ps, k))
+                    wire = got if phase == "ag" and steps[idx - 1][0] == "ag" else self._pack(L.view(ps), self._plan(ps, k))
                 if L.enabled:
                     ctx.failpoint(phase, self._frac(idx, j, S, n))
                 keep.append(wire)
@@ -104,10 +137,11 @@ class QuantizedRing:
     def _complete(ctx: OpContext, entry: _Posted) -> torch.Tensor:
         """Wait for one receive, unpack it into ``out`` (adding this member's input in
         reduce-scatter), set the piece's mask; returns the wire buffer."""
-        req, piece, wire, w, phase, done_mask = entry
+        req, piece, wire, plan, phase, done_mask = entry
         ctx.wait([req])
         L = ctx.ledger
-        a, b = L.pieces[piece]
-        unpack_add(wire, b - a, w, L.view(piece), L.input_view(piece) if phase == "rs" else None)
+        out, inp = L.view(piece), (L.input_view(piece) if phase == "rs" else None)
+        for a, b, w, off in plan[0]:
+            unpack_add(wire[off:off + wire_nbytes(b - a, w)], b - a, w, out[a:b], None if inp is None else inp[a:b])
         L.set(piece, done_mask)
         return wire
