@@ -156,6 +156,12 @@ class LeaseMux:
         self._t0 = time.monotonic()
         self._stop = threading.Event()
         self.sent = self.received = self.reconnects = self.batches = 0
+        #: leases found gone by etcd's answer (TTL <= 0) / taken as lost because no refresh
+        #: was answered for the whole TTL (``lost`` holds both)
+        self.lost_by_etcd = self.lost_unanswered = 0
+        #: the slowest answer (seconds from a refresh's send to its answer being read) and the
+        #: latest the sender woke after its due tick, since the last :meth:`take_lags`
+        self._max_answer_lag = self._max_send_lag = 0.0
         self._abandoned = 0
         self._last_rx = time.monotonic()
         self._wake_at = 0                           # the tick the sender sleeps until
@@ -257,9 +263,12 @@ class LeaseMux:
             self.received += 1
             self._last_rx = now = time.monotonic()
             if resp.TTL <= 0:
+                self.lost_by_etcd += resp.ID in self._safe_until
                 self._gone(resp.ID)
             else:
                 sent = self._pending.pop(resp.ID, None)
+                if sent is not None and now - sent > self._max_answer_lag:
+                    self._max_answer_lag = now - sent
                 if sent is not None and resp.ID in self._safe_until:
                     self._safe_until[resp.ID] = sent + resp.TTL
 
@@ -267,6 +276,9 @@ class LeaseMux:
         wakeup = self._wakeup
         assert wakeup is not None
         while not self._stop.is_set():
+            late = time.monotonic() - (self._t0 + self._wake_at * TICK)
+            if late > self._max_send_lag:
+                self._max_send_lag = late
             now = self._tick()
             with self._lock:
                 batch = self._wheel.due(now)
@@ -301,6 +313,7 @@ class LeaseMux:
                 continue
             self._pending.setdefault(lid, now)
             keep.append(req)
+        self.lost_unanswered += sum(1 for lid in gone if lid in self._safe_until)
         for lid in gone:
             log.warning("lease %x: no refresh answered for its whole TTL; taking it as lost", lid)
             self._gone(lid)
@@ -311,6 +324,14 @@ class LeaseMux:
                      requests: list[etcdrpc.LeaseKeepAliveRequest]) -> None:
         for r in requests:
             await call.write(r)
+
+    def take_lags(self) -> tuple[float, float]:
+        """``(slowest answer, latest sender wake-up)`` in seconds since the last call, then
+        reset: how late etcd's answers were read, and how late this process's event loop ran
+        (a starved CPU shows in the second). For diagnostics (bench/scale_real.py)."""
+        lags = (self._max_answer_lag, max(0.0, self._max_send_lag))
+        self._max_answer_lag = self._max_send_lag = 0.0
+        return lags
 
     def _watchdog(self, now: float) -> None:
         """A stream whose answers stopped (refreshes outstanding, nothing back for two
