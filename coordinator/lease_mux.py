@@ -19,6 +19,17 @@ dealt round-robin over the ticks of their interval, so each tick carries the sam
 (``N / interval_ticks``) whatever order they were added in. A tick's refreshes go onto
 the streams as one batch, back to back: one wake-up of the sender per tick, not per lease.
 
+**One refresh in flight per lease.** A refresh that comes due while the lease's previous
+one is still unanswered is not sent then; it is sent as soon as that answer is read
+(counted in ``deferred``). etcd answers a stream's renews in order, so a second renew
+queued behind an unanswered one only adds work: an etcd that falls behind (CPU-starved,
+or its apply loop busy: a 3.4 ``LeaseRenew`` waits for the applied index) would otherwise
+be sent 3N / TTL renews per second however slowly it answers, its queue and every
+answer's delay would grow until leases expired. With one in flight the offered rate
+follows the answer rate, and N leases survive as long as etcd answers N / TTL renews per
+second (a third of the schedule), each within the TTL of its send. Normally answers come
+back in milliseconds and nothing is deferred.
+
 **Margin.** etcd keeps a lease for its TTL ``t`` after the last refresh *it received*.
 Refreshes leave every ``I <= t / 3`` s, so a lease is lost only if one refresh reaches
 etcd more than ``t - I >= 2t / 3`` s later than it was due (relative to the one before):
@@ -171,6 +182,12 @@ class LeaseMux:
         # lease id -> send time of its oldest unanswered refresh
         self._safe_until: dict[int, float] = {}
         self._pending: dict[int, float] = {}
+        # leases whose refresh came due while one was still unanswered (not sent: one in
+        # flight per lease), and the refreshes to send as soon as that answer is read
+        self._deferred: set[int] = set()
+        self._resend: list[etcdrpc.LeaseKeepAliveRequest] = []
+        #: refreshes not sent because the lease's previous one was still unanswered
+        self.deferred = 0
         self._loop = asyncio.new_event_loop()
         self._wakeup: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._main(),),
@@ -187,6 +204,7 @@ class LeaseMux:
             self._wheel.add(lease_id, ttl, on_lost, self._tick())
             self._safe_until[lease_id] = time.monotonic() + ttl
             self._pending.pop(lease_id, None)
+            self._deferred.discard(lease_id)
             nxt = self._wheel.next_tick()
             early = nxt is not None and nxt < self._wake_at
         if early:
@@ -198,6 +216,7 @@ class LeaseMux:
             self._wheel.remove(lease_id)
             self._safe_until.pop(lease_id, None)
             self._pending.pop(lease_id, None)
+            self._deferred.discard(lease_id)
 
     def __len__(self) -> int:
         return len(self._wheel.leases)
@@ -235,6 +254,8 @@ class LeaseMux:
                 with self._lock:
                     self._wheel.rebook_all(self._tick())
                     self._pending.clear()   # unanswered sends keep their deadline in _safe_until
+                    self._deferred.clear()
+                    self._resend.clear()
                 await asyncio.sleep(0.2)
             finally:
                 await channel.close()
@@ -271,6 +292,13 @@ class LeaseMux:
                     self._max_answer_lag = now - sent
                 if sent is not None and resp.ID in self._safe_until:
                     self._safe_until[resp.ID] = sent + resp.TTL
+                if resp.ID in self._deferred:   # its refresh came due meanwhile: send it now
+                    self._deferred.discard(resp.ID)
+                    lease = self._wheel.leases.get(resp.ID)
+                    if lease is not None:
+                        self._resend.append(lease.request)
+                        if self._wakeup is not None:
+                            self._wakeup.set()
 
     async def _send(self, calls: "list[grpc.aio.StreamStreamCall[object, wire.LeaseKeepAliveResponse]]") -> None:
         wakeup = self._wakeup
@@ -282,6 +310,9 @@ class LeaseMux:
             now = self._tick()
             with self._lock:
                 batch = self._wheel.due(now)
+                if self._resend:
+                    batch += self._resend
+                    self._resend = []
                 nxt = self._wheel.next_tick()
                 self._wake_at = now + 10 if nxt is None else nxt
             batch = self._unexpired(batch)
@@ -311,7 +342,11 @@ class LeaseMux:
             if now >= self._safe_until.get(lid, now) - TICK:
                 gone.append(lid)
                 continue
-            self._pending.setdefault(lid, now)
+            if lid in self._pending:   # the last refresh is still unanswered: sent once answered
+                self._deferred.add(lid)
+                self.deferred += 1
+                continue
+            self._pending[lid] = now
             keep.append(req)
         self.lost_unanswered += sum(1 for lid in gone if lid in self._safe_until)
         for lid in gone:
@@ -348,6 +383,7 @@ class LeaseMux:
             entry = self._wheel.remove(lease_id)
             self._safe_until.pop(lease_id, None)
             self._pending.pop(lease_id, None)
+            self._deferred.discard(lease_id)
         if entry is None:
             return
         self.lost.add(lease_id)
