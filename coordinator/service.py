@@ -675,10 +675,13 @@ class Coordinator:
     def _write_snapshot(self, pub: _Published) -> None:
         """Snapshot the current delta epoch's state (chunk puts, then the meta) so that the
         next delta names it; the snapshot before the previous one is deleted. Runs on an
-        idle pass: O(N), but every :data:`~.delta.SNAPSHOT_EVERY` epochs only."""
+        idle pass: O(N), but every :data:`~.delta.SNAPSHOT_EVERY` epochs only; the chunk
+        puts are paced (a pause as long as each put), as the directory's reload is."""
         chunk_puts, meta = snapshot_ops(self.job, pub.state, pub.delta.plan_hash if pub.delta else "")
-        for put in chunk_puts:
+        for put in chunk_puts:   # paced: as long a pause as each put took (etcd answers keep-alives meanwhile)
+            t0 = time.monotonic()
             self.store.put(put.key, put.value)
+            time.sleep(min(1.0, time.monotonic() - t0))
         ops: list[Put | Delete] = [meta]
         if pub.snapshot:
             ops.append(Delete(keys.snapshots(self.job), range_end=keys.snapshot(self.job, pub.snapshot)))
