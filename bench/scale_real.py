@@ -2,7 +2,7 @@
 
 The parent starts etcd and ``--client-processes`` children; child ``i`` grants its share
 of the node leases, writes each node's record on its lease (paced: 32 puts per
-transaction, then a pause as long as the write) and keeps every lease alive over one
+transaction, then a pause as long as the write, and no new batch while more than an eighth of its leases have a refresh unanswered) and keeps every lease alive over one
 :class:`~resilient.coordinator.lease_mux.LeaseMux` (8 streams; each lease granted :func:`~resilient.coordinator.liveness.node_lease_ttl` of the
 liveness bound ``--ttl``). A real :class:`~resilient.coordinator.service.Coordinator` (delta epochs) runs in
 the parent. After ``--hold`` seconds without a lost lease, child 0 stops refreshing one
@@ -100,8 +100,17 @@ def child(args: argparse.Namespace) -> None:
                     regrants += 1
             raise
 
+    def settle() -> None:
+        """Wait (10 s at most) until etcd has answered all but an eighth of the refreshes
+        sent: registering more while its answers fall behind only makes every lease's
+        refresh later (the node agents of a real job would be backing off likewise)."""
+        deadline = time.monotonic() + 10
+        while mux.sent - mux.received > max(64, len(leases) // 8) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     t0 = time.monotonic()
     for lo in range(args.lo, args.hi, REGISTER_BATCH):
+        settle()
         batch = [node_record(idx, args.gpus_per_node, args.ttl) for idx in range(lo, min(args.hi, lo + REGISTER_BATCH))]
         list(pool.map(grant_and_keep, [n for n, _b in batch]))   # paced: one batch of grants, then its records
         t_w = time.monotonic()
@@ -112,19 +121,26 @@ def child(args: argparse.Namespace) -> None:
         # apply loop has caught up (LeaseRenew waits for the applied index), so registration
         # writes back to back stall every refresh behind them and fresh 4 s leases expire
         time.sleep(min(1.0, time.monotonic() - t_w))
-    # a lease lost after its batch was written (its record went with it): grant and write again
-    by_lease = {lid: n for n, lid in leases.items()}
-    with mux_lock:
-        lost_before = len(lost)
-        again = [by_lease[lid] for lid in lost if lid in by_lease]
-        lost.clear()     # from READY on, every loss counts (leases_lost)
-    for i in range(0, len(again), REGISTER_BATCH):
-        chunk = again[i:i + REGISTER_BATCH]
-        list(pool.map(grant_and_keep, chunk))
-        regrants += len(chunk)
-        for attempt in Retrying(retry=retry_if_exception_type(LeaseExpired), stop=stop_after_attempt(5), reraise=True):
-            with attempt:
-                write([node_record(int(n[1:]), args.gpus_per_node, args.ttl) for n in chunk])
+    # a lease lost after its batch was written (its record went with it): grant and write
+    # again, until a round loses none (at most 10 rounds)
+    lost_before = 0
+    for _round in range(10):
+        by_lease = {lid: n for n, lid in leases.items()}
+        with mux_lock:
+            lost_before += len(lost)
+            again = [by_lease[lid] for lid in lost if lid in by_lease]
+            lost.clear()     # from READY on, every loss counts (leases_lost)
+        if not again:
+            break
+        for i in range(0, len(again), REGISTER_BATCH):
+            settle()
+            chunk = again[i:i + REGISTER_BATCH]
+            list(pool.map(grant_and_keep, chunk))
+            regrants += len(chunk)
+            for attempt in Retrying(retry=retry_if_exception_type(LeaseExpired), stop=stop_after_attempt(5),
+                                    reraise=True):
+                with attempt:
+                    write([node_record(int(n[1:]), args.gpus_per_node, args.ttl) for n in chunk])
     pool.shutdown()
     print(f"READY {regrants} {mux.sent} {lost_before} {time.monotonic() - t0:.2f}", flush=True)
     timeline: list[list[float]] = []
