@@ -736,7 +736,9 @@ class Coordinator:
         if snap:
             chunk_puts, meta = snapshot_ops(self.job, state, phash)
             for put in chunk_puts:   # each under the request limit; unreferenced until the txn
-                self.store.put(put.key, put.value)
+                t0 = time.monotonic()   # paced as in _write_snapshot: etcd 3.4 answers a keep-alive
+                self.store.put(put.key, put.value)   # only once it has applied the writes before it
+                time.sleep(min(1.0, time.monotonic() - t0))
             ops.append(meta)
             if pub is not None and pub.snapshot:   # keep the previous snapshot for readers mid-way
                 ops.append(Delete(keys.snapshots(self.job), range_end=keys.snapshot(self.job, pub.snapshot)))
