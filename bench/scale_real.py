@@ -2,7 +2,7 @@
 
 The parent starts etcd and ``--client-processes`` children; child ``i`` grants its share
 of the node leases, writes each node's record on its lease (paced: 32 puts per
-transaction, then a pause as long as the write) and keeps every lease alive over one
+transaction, then a pause as long as the write, and no new batch while more than an eighth of its leases have a refresh unanswered) and keeps every lease alive over one
 :class:`~resilient.coordinator.lease_mux.LeaseMux` (8 streams; each lease granted :func:`~resilient.coordinator.liveness.node_lease_ttl` of the
 liveness bound ``--ttl``). A real :class:`~resilient.coordinator.service.Coordinator` (delta epochs) runs in
 the parent. After ``--hold`` seconds without a lost lease, child 0 stops refreshing one
@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,6 +31,10 @@ from resilient.coordinator.membership import MemberInfo  # noqa: E402
 from resilient.coordinator.store import Put, Store  # noqa: E402
 
 JOB = "scale-real"
+T = TypeVar("T")
+if TYPE_CHECKING:
+    from resilient.coordinator.service import Coordinator, CoordinatorConfig
+    from resilient.coordinator.store import WatchEvent
 
 
 def node_record(idx: int, gpn: int, ttl: float) -> tuple[str, bytes]:
@@ -95,8 +100,17 @@ def child(args: argparse.Namespace) -> None:
                     regrants += 1
             raise
 
+    def settle() -> None:
+        """Wait (10 s at most) until etcd has answered all but an eighth of the refreshes
+        sent: registering more while its answers fall behind only makes every lease's
+        refresh later (the node agents of a real job would be backing off likewise)."""
+        deadline = time.monotonic() + 10
+        while mux.sent - mux.received > max(64, len(leases) // 8) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     t0 = time.monotonic()
     for lo in range(args.lo, args.hi, REGISTER_BATCH):
+        settle()
         batch = [node_record(idx, args.gpus_per_node, args.ttl) for idx in range(lo, min(args.hi, lo + REGISTER_BATCH))]
         list(pool.map(grant_and_keep, [n for n, _b in batch]))   # paced: one batch of grants, then its records
         t_w = time.monotonic()
@@ -107,32 +121,55 @@ def child(args: argparse.Namespace) -> None:
         # apply loop has caught up (LeaseRenew waits for the applied index), so registration
         # writes back to back stall every refresh behind them and fresh 4 s leases expire
         time.sleep(min(1.0, time.monotonic() - t_w))
-    # a lease lost after its batch was written (its record went with it): grant and write again
-    by_lease = {lid: n for n, lid in leases.items()}
-    with mux_lock:
-        lost_before = len(lost)
-        again = [by_lease[lid] for lid in lost if lid in by_lease]
-        lost.clear()     # from READY on, every loss counts (leases_lost)
-    for i in range(0, len(again), REGISTER_BATCH):
-        chunk = again[i:i + REGISTER_BATCH]
-        list(pool.map(grant_and_keep, chunk))
-        regrants += len(chunk)
-        for attempt in Retrying(retry=retry_if_exception_type(LeaseExpired), stop=stop_after_attempt(5), reraise=True):
-            with attempt:
-                write([node_record(int(n[1:]), args.gpus_per_node, args.ttl) for n in chunk])
+    # a lease lost after its batch was written (its record went with it): grant and write
+    # again, until a round loses none (at most 10 rounds)
+    lost_before = 0
+    for _round in range(10):
+        by_lease = {lid: n for n, lid in leases.items()}
+        with mux_lock:
+            lost_before += len(lost)
+            again = [by_lease[lid] for lid in lost if lid in by_lease]
+            lost.clear()     # from READY on, every loss counts (leases_lost)
+        if not again:
+            break
+        for i in range(0, len(again), REGISTER_BATCH):
+            settle()
+            chunk = again[i:i + REGISTER_BATCH]
+            list(pool.map(grant_and_keep, chunk))
+            regrants += len(chunk)
+            for attempt in Retrying(retry=retry_if_exception_type(LeaseExpired), stop=stop_after_attempt(5),
+                                    reraise=True):
+                with attempt:
+                    write([node_record(int(n[1:]), args.gpus_per_node, args.ttl) for n in chunk])
     pool.shutdown()
     print(f"READY {regrants} {mux.sent} {lost_before} {time.monotonic() - t0:.2f}", flush=True)
+    timeline: list[list[float]] = []
+    sampling = threading.Event()
+
+    def sample() -> None:   # every 0.5 s: what etcd answered, how late, and what was lost (diagnostics)
+        while not sampling.wait(0.5):
+            answer_lag, send_lag = mux.take_lags()
+            timeline.append([round(time.time(), 2), mux.sent, mux.received, mux.lost_by_etcd, mux.lost_unanswered,
+                             round(answer_lag * 1000), round(send_lag * 1000), mux.reconnects])
+
+    threading.Thread(target=sample, daemon=True).start()
     for line in sys.stdin:
         cmd = line.split()
         if cmd and cmd[0] == "STOP":
-            mux.remove(leases[cmd[1]])
-            print(f"STOPPED {cmd[1]} {time.time()}", flush=True)
+            lid = leases[cmd[1]]
+            # when etcd may drop it: its last answered refresh's send + the TTL (wall clock)
+            until = mux._safe_until.get(lid, time.monotonic())
+            mux.remove(lid)
+            print(f"STOPPED {cmd[1]} {time.time()} {time.time() - time.monotonic() + until}", flush=True)
         elif cmd and cmd[0] == "COUNT":
             print(f"COUNT {cmd[1]} {mux.sent} {mux.received}", flush=True)
         elif cmd and cmd[0] == "END":
             break
+    sampling.set()
     print("DONE " + json.dumps({"sent": mux.sent, "received": mux.received, "lost_after_ready": len(lost),
-                                "reconnects": mux.reconnects, "leases": len(leases), "batches": mux.batches}),
+                                "lost_by_etcd": mux.lost_by_etcd, "lost_unanswered": mux.lost_unanswered,
+                                "reconnects": mux.reconnects, "leases": len(leases), "batches": mux.batches,
+                                "timeline": timeline}),
           flush=True)
     mux.close()
     store.close()
@@ -184,6 +221,30 @@ class _CpuMeter:
         t = p.cpu_times()
         return t.user + t.system
 
+    def sample_every(self, period: float, stop: threading.Event) -> list[list[float]]:
+        """Start a thread appending ``[wall time, cpu of each process (names: self.names)]``
+        every ``period`` s until ``stop``; returns the list it fills."""
+        rows: list[list[float]] = []
+
+        def run() -> None:
+            last = {name: self._cpu(p) for name, p in self._procs.items()}
+            t = time.monotonic()
+            while not stop.wait(period):
+                try:
+                    cur = {name: self._cpu(p) for name, p in self._procs.items()}
+                except Exception:   # a process exited
+                    return
+                now = time.monotonic()
+                rows.append([round(time.time(), 2)] + [round((cur[n] - last[n]) / (now - t), 2) for n in self.names])
+                last, t = cur, now
+
+        threading.Thread(target=run, daemon=True).start()
+        return rows
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._procs)
+
     def lap(self) -> dict[str, float]:
         now = time.monotonic()
         dt = max(1e-6, now - self._t)
@@ -192,6 +253,48 @@ class _CpuMeter:
         out["seconds"] = round(dt, 1)
         self._last, self._t = cur, now
         return out
+
+
+def _timed_coordinator(store: Store, config: "CoordinatorConfig", events: list[list[object]]) -> "Coordinator":
+    """The real coordinator, with the wall time and duration of its directory reloads,
+    snapshot writes, passes and store calls over 10 ms, and the node deletes it saw, appended
+    to ``events`` as ``[start, what, seconds]`` (diagnostics: ``--timeline``)."""
+    from resilient.coordinator.service import Coordinator
+
+    def timed(name: str, f: "Callable[..., T]", always: bool = True) -> "Callable[..., T]":
+        def g(*a: object, **k: object) -> T:
+            t, t0 = time.time(), time.monotonic()
+            try:
+                return f(*a, **k)
+            finally:
+                dt = time.monotonic() - t0
+                if always or dt > 0.01:
+                    events.append([round(t, 3), name, round(dt, 3)])
+        return g
+
+    class Timed(Coordinator):
+        def _on_member_events(self, evs: "list[WatchEvent]") -> None:
+            for ev in evs:
+                if ev.type == "delete":
+                    events.append([round(time.time(), 3), "delete " + keys.last_segment(ev.key), 0.0])
+            super()._on_member_events(evs)
+
+    c = Timed(store, JOB, "coord-real", config)
+    c._reload = timed("reload", c._reload)                        # type: ignore[method-assign]
+    c._write_snapshot = timed("snapshot", c._write_snapshot)      # type: ignore[method-assign]
+    c._reconcile = timed("pass", c._reconcile, always=False)      # type: ignore[method-assign]
+    for name in ("snapshot_page", "put", "txn", "get", "get_prefix"):
+        setattr(store, name, timed(name, getattr(store, name), always=False))
+    return c
+
+
+def _etcd_slow_lines(log_path: str) -> list[str]:
+    """etcd's warnings of slow requests and applies (``took too long``), as logged."""
+    try:
+        with open(log_path, errors="replace") as f:
+            return [line.strip()[:300] for line in f if "too long" in line or "lease" in line.lower()][-400:]
+    except OSError:
+        return []
 
 
 def _counts(children: list[_Child], tag: str) -> list[tuple[int, int]]:
@@ -229,6 +332,8 @@ def run_real(args: argparse.Namespace) -> dict:
                                         "--lo", str(lo), "--hi", str(hi), "--ttl", str(args.ttl),
                                         "--gpus-per-node", str(args.gpus_per_node)]))
             cpu = _CpuMeter(etcd.members[0].proc.pid, [c.p.pid for c in children])
+            coord_events: list[list[object]] = []
+            cpu_rows = cpu.sample_every(0.5, stop) if args.timeline else []
             ready_at = []
             for c in children:
                 c.wait_for("READY", 900)
@@ -242,7 +347,10 @@ def run_real(args: argparse.Namespace) -> dict:
             for c in children:
                 c.first_lost_at = None     # from here on: when (if) the first lease goes, per client
             store = Store(etcd.endpoints)
-            coord = Coordinator(store, JOB, "coord-real", CoordinatorConfig(ttl=args.ttl, delta_min_members=1))
+            config = CoordinatorConfig(ttl=args.ttl, delta_min_members=1)
+            coord = (_timed_coordinator(store, config, coord_events) if args.timeline
+                     else Coordinator(store, JOB, "coord-real", config))
+            out["t_all_ready"] = time.time()
             coord_thread = threading.Thread(target=coord.run, args=(stop,), daemon=True)
             coord_thread.start()
             deadline = time.monotonic() + 600
@@ -273,7 +381,8 @@ def run_real(args: argparse.Namespace) -> dict:
                     if ev.type == "put" and ev.key == ekey and is_delta(ev.value):
                         d = parse_delta(ev.value)
                         if f"{victim}-g0" in d.removed:
-                            result.update(at=time.time(), bytes=len(ev.value), number=d.number, cause=d.cause)
+                            result.update(at=time.time(), bytes=len(ev.value), number=d.number, cause=d.cause,
+                                          published_at=d.published_at)
                             seen.set()
 
             w = store.watch_key(ekey, None, on_epoch)
@@ -284,6 +393,19 @@ def run_real(args: argparse.Namespace) -> dict:
             for c in children:
                 c.send("END")
             stats = [json.loads(c.wait_for("DONE", 60)[5:]) for c in children]
+            stopped = children[0].wait_for("STOPPED", 5).split()
+            out["victim_stopped_at"], out["victim_expires_at"] = float(stopped[2]), float(stopped[3])
+            out["epoch_published_at"] = result.get("published_at")
+            out["epoch_seen_at"] = result.get("at")
+            if args.timeline:
+                with open(args.timeline, "w") as f:
+                    json.dump({"out": out, "cpu_names": cpu.names, "cpu": cpu_rows, "coordinator": coord_events,
+                               "clients": [st.pop("timeline") for st in stats],
+                               "etcd_log": _etcd_slow_lines(etcd.members[0].log_path)}, f)
+            for st in stats:
+                st.pop("timeline", None)
+            out["lost_by_etcd"] = sum(st["lost_by_etcd"] for st in stats)
+            out["lost_unanswered"] = sum(st["lost_unanswered"] for st in stats)
             out["first_loss_s_after_ready"] = [None if c.first_lost_at is None else
                                                round(c.first_lost_at - t_all_ready, 1) for c in children]
             out.update(leases_lost=lost_during_hold, epoch_published=published,

@@ -19,6 +19,7 @@ until a valid record is written, exactly as :func:`~.membership.read_members` tr
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -80,18 +81,25 @@ class NodeRecord:
         return cls(node, host, labels, tuple(ranks), ttl)
 
 
-def paged_snapshot(store: Store, prefix: str, page: int = PAGE, revision: int = 0) -> tuple[list[KV], int]:
+def paged_snapshot(store: Store, prefix: str, page: int = PAGE, revision: int = 0,
+                   paced: bool = False) -> tuple[list[KV], int]:
     """Every key under ``prefix`` at one revision (``revision``, or 0: now), read ``page``
-    keys per request (:meth:`Store.snapshot_page`). Failure behaviour: the store's errors
-    propagate (:class:`~resilient.errors.StoreError`)."""
+    keys per request (:meth:`Store.snapshot_page`). ``paced``: after each page, wait as
+    long as it took (at most 1 s), so that a large read leaves etcd half its time for the
+    keep-alives it answers meanwhile (the coordinator's reload of 12,500 node records,
+    12 MB, is 13 pages). Failure behaviour: the store's errors propagate
+    (:class:`~resilient.errors.StoreError`)."""
     out: list[KV] = []
     start, rev = prefix, revision
     while True:
+        t0 = time.monotonic()
         kvs, rev, more = store.snapshot_page(prefix, start, page, rev)
         out += kvs
         if not more or not kvs:
             return out, rev
         start = kvs[-1].key + "\0"
+        if paced:
+            time.sleep(min(1.0, time.monotonic() - t0))
 
 
 def read_node(store: Store, job: str, node: str) -> NodeRecord | None:
@@ -143,15 +151,24 @@ class Directory:
         self.loaded = False
         #: bumped on every change (readers cache copies by it)
         self.version = 0
+        #: node key -> (mod revision, the record parsed at it): a reload does not parse a
+        #: record again that has not changed since (at 12,500 nodes the parse was most of a
+        #: reload's CPU: 1.4 s of 100,000 ranks)
+        self._parsed: dict[str, tuple[int, NodeRecord]] = {}
 
     def load(self, store: Store) -> tuple[set[str], int]:
         """Re-read both prefixes (paged); returns (ids whose entry changed, revision)."""
-        mkvs, rev = paged_snapshot(store, self._mp)
-        nkvs, _ = paged_snapshot(store, self._np, revision=rev)   # the same revision: no event falls between
+        mkvs, rev = paged_snapshot(store, self._mp, paced=True)
+        nkvs, _ = paged_snapshot(store, self._np, revision=rev, paced=True)   # the same revision: no event falls between
         old = self.members
         self.members, self._node_ranks = {}, {}
-        for kv in mkvs + nkvs:
+        parsed, self._parsed = self._parsed, {}
+        for kv in mkvs:
             self._put(kv.key, kv.value, kv.lease)
+        for kv in nkvs:
+            hit = parsed.get(kv.key)
+            self._put(kv.key, kv.value, kv.lease, kv.mod_revision,
+                      hit[1] if hit is not None and hit[0] == kv.mod_revision else None)
         self.loaded = True
         self.version += 1
         changed = {m for m in old.keys() | self.members.keys() if old.get(m) != self.members.get(m)}
@@ -163,7 +180,7 @@ class Directory:
         changed: set[str] = set()
         for ev in events:
             if ev.type == "put":
-                changed |= self._put(ev.key, ev.value, ev.lease)
+                changed |= self._put(ev.key, ev.value, ev.lease, ev.mod_revision)
             elif ev.type == "delete":
                 changed |= self._delete(ev.key)
         if changed:
@@ -172,17 +189,23 @@ class Directory:
 
     def _delete(self, key: str) -> set[str]:
         if key.startswith(self._np):
+            self._parsed.pop(key, None)
             ids = self._node_ranks.pop(keys.last_segment(key), ())
         else:
             ids = (key[len(self._mp):],)
         gone = {m for m in ids if self.members.pop(m, None) is not None}
         return gone
 
-    def _put(self, key: str, value: bytes, lease: int) -> set[str]:
+    def _put(self, key: str, value: bytes, lease: int, mod_revision: int = 0,
+             parsed: NodeRecord | None = None) -> set[str]:
+        """Fold one record in; ``parsed``: the node record already parsed from this very
+        value (same key and mod revision), not parsed again."""
         changed = self._delete(key)
         try:
             if key.startswith(self._np):
-                rec = NodeRecord.from_json(value, key)
+                rec = parsed if parsed is not None else NodeRecord.from_json(value, key)
+                if mod_revision:
+                    self._parsed[key] = (mod_revision, rec)
                 ids = []
                 for info in rec.ranks:
                     if info.member_id in self.members:   # a rank claimed twice: the first record keeps it

@@ -19,6 +19,17 @@ dealt round-robin over the ticks of their interval, so each tick carries the sam
 (``N / interval_ticks``) whatever order they were added in. A tick's refreshes go onto
 the streams as one batch, back to back: one wake-up of the sender per tick, not per lease.
 
+**One refresh in flight per lease.** A refresh that comes due while the lease's previous
+one is still unanswered is not sent then; it is sent as soon as that answer is read
+(counted in ``deferred``). etcd answers a stream's renews in order, so a second renew
+queued behind an unanswered one only adds work: an etcd that falls behind (CPU-starved,
+or its apply loop busy: a 3.4 ``LeaseRenew`` waits for the applied index) would otherwise
+be sent 3N / TTL renews per second however slowly it answers, its queue and every
+answer's delay would grow until leases expired. With one in flight the offered rate
+follows the answer rate, and N leases survive as long as etcd answers N / TTL renews per
+second (a third of the schedule), each within the TTL of its send. Normally answers come
+back in milliseconds and nothing is deferred.
+
 **Margin.** etcd keeps a lease for its TTL ``t`` after the last refresh *it received*.
 Refreshes leave every ``I <= t / 3`` s, so a lease is lost only if one refresh reaches
 etcd more than ``t - I >= 2t / 3`` s later than it was due (relative to the one before):
@@ -32,12 +43,19 @@ every lease is refreshed again at once (etcd extends a lease by its TTL on each 
 so a short outage loses nothing); a stream that stays silent for two refresh intervals
 while refreshes are outstanding is cancelled and reopened the same way. A response with
 TTL <= 0 means the lease is gone: it is dropped, counted in ``lost`` and its ``on_lost``
-callback runs (in the mux's thread: it must not block) once. So does a lease none of whose
-refreshes was answered for its whole TTL (counted from the oldest unanswered send): it is
-not refreshed again, because etcd's ``Renew`` of an expired lease blocks the stream until
-its lessor revokes the lease (up to 1,000 revokes/s), which stalls every other lease on
-the stream and let one expiry cascade into thousands (docs/scale.md, "Real etcd"); an exception from the
-callback is logged. :meth:`LeaseMux.close` stops the thread within about a second.
+callback runs (in the mux's thread: it must not block) once. A lease whose refresh is
+still unanswered when its TTL (counted from the last answered send) runs out is not
+declared lost for that: etcd answers every renew it was sent, TTL > 0 if it renewed the
+lease in time, TTL 0 if the lease had expired, so the mux waits for that answer (up to a
+second TTL, then it is reported lost: counted in ``lost_unanswered``, etcd's TTL 0 in
+``lost_by_etcd``). Taking such a lease as lost at once (the rule before) turned late
+answers from an overloaded etcd into real losses, since a lease taken as lost is not
+refreshed again: 19,274 of 20,495 losses at 12,500 leases and load 15 were of leases
+etcd still held (docs/scale.md). A lease past its TTL with no refresh in flight (after a
+reconnect) is reported lost and not refreshed, because etcd's ``Renew`` of an expired
+lease blocks the stream until its lessor revokes the lease (up to 1,000 revokes/s),
+which stalls every other lease on the stream and let one expiry cascade into thousands
+(docs/scale.md, "Real etcd"); an exception from the callback is logged. :meth:`LeaseMux.close` stops the thread within about a second.
 """
 from __future__ import annotations
 
@@ -79,6 +97,7 @@ class _Lease:
     on_lost: Callable[[int], None] | None
     request: etcdrpc.LeaseKeepAliveRequest      # built once, sent every refresh
     gen: int                                    # wheel entries of an older add() are stale
+    ttl: float = 0.0                            # seconds, as added
 
 
 class RefreshWheel:
@@ -102,7 +121,7 @@ class RefreshWheel:
 
     def add(self, lid: int, ttl: float, on_lost: Callable[[int], None] | None, now_tick: int) -> None:
         every = interval_ticks(ttl)
-        lease = _Lease(every, on_lost, etcdrpc.LeaseKeepAliveRequest(ID=lid), next(self._gen))
+        lease = _Lease(every, on_lost, etcdrpc.LeaseKeepAliveRequest(ID=lid), next(self._gen), ttl)
         self.leases[lid] = lease
         phase = self._rr.get(every, 0)
         self._rr[every] = (phase + 1) % every
@@ -156,6 +175,12 @@ class LeaseMux:
         self._t0 = time.monotonic()
         self._stop = threading.Event()
         self.sent = self.received = self.reconnects = self.batches = 0
+        #: leases found gone by etcd's answer (TTL <= 0) / taken as lost because no refresh
+        #: was answered for the whole TTL (``lost`` holds both)
+        self.lost_by_etcd = self.lost_unanswered = 0
+        #: the slowest answer (seconds from a refresh's send to its answer being read) and the
+        #: latest the sender woke after its due tick, since the last :meth:`take_lags`
+        self._max_answer_lag = self._max_send_lag = 0.0
         self._abandoned = 0
         self._last_rx = time.monotonic()
         self._wake_at = 0                           # the tick the sender sleeps until
@@ -165,6 +190,12 @@ class LeaseMux:
         # lease id -> send time of its oldest unanswered refresh
         self._safe_until: dict[int, float] = {}
         self._pending: dict[int, float] = {}
+        # leases whose refresh came due while one was still unanswered (not sent: one in
+        # flight per lease), and the refreshes to send as soon as that answer is read
+        self._deferred: set[int] = set()
+        self._resend: list[etcdrpc.LeaseKeepAliveRequest] = []
+        #: refreshes not sent because the lease's previous one was still unanswered
+        self.deferred = 0
         self._loop = asyncio.new_event_loop()
         self._wakeup: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._main(),),
@@ -181,6 +212,7 @@ class LeaseMux:
             self._wheel.add(lease_id, ttl, on_lost, self._tick())
             self._safe_until[lease_id] = time.monotonic() + ttl
             self._pending.pop(lease_id, None)
+            self._deferred.discard(lease_id)
             nxt = self._wheel.next_tick()
             early = nxt is not None and nxt < self._wake_at
         if early:
@@ -192,6 +224,7 @@ class LeaseMux:
             self._wheel.remove(lease_id)
             self._safe_until.pop(lease_id, None)
             self._pending.pop(lease_id, None)
+            self._deferred.discard(lease_id)
 
     def __len__(self) -> int:
         return len(self._wheel.leases)
@@ -229,6 +262,8 @@ class LeaseMux:
                 with self._lock:
                     self._wheel.rebook_all(self._tick())
                     self._pending.clear()   # unanswered sends keep their deadline in _safe_until
+                    self._deferred.clear()
+                    self._resend.clear()
                 await asyncio.sleep(0.2)
             finally:
                 await channel.close()
@@ -257,19 +292,35 @@ class LeaseMux:
             self.received += 1
             self._last_rx = now = time.monotonic()
             if resp.TTL <= 0:
+                self.lost_by_etcd += resp.ID in self._safe_until
                 self._gone(resp.ID)
             else:
                 sent = self._pending.pop(resp.ID, None)
+                if sent is not None and now - sent > self._max_answer_lag:
+                    self._max_answer_lag = now - sent
                 if sent is not None and resp.ID in self._safe_until:
                     self._safe_until[resp.ID] = sent + resp.TTL
+                if resp.ID in self._deferred:   # its refresh came due meanwhile: send it now
+                    self._deferred.discard(resp.ID)
+                    lease = self._wheel.leases.get(resp.ID)
+                    if lease is not None:
+                        self._resend.append(lease.request)
+                        if self._wakeup is not None:
+                            self._wakeup.set()
 
     async def _send(self, calls: "list[grpc.aio.StreamStreamCall[object, wire.LeaseKeepAliveResponse]]") -> None:
         wakeup = self._wakeup
         assert wakeup is not None
         while not self._stop.is_set():
+            late = time.monotonic() - (self._t0 + self._wake_at * TICK)
+            if late > self._max_send_lag:
+                self._max_send_lag = late
             now = self._tick()
             with self._lock:
                 batch = self._wheel.due(now)
+                if self._resend:
+                    batch += self._resend
+                    self._resend = []
                 nxt = self._wheel.next_tick()
                 self._wake_at = now + 10 if nxt is None else nxt
             batch = self._unexpired(batch)
@@ -287,20 +338,36 @@ class LeaseMux:
                 pass
 
     def _unexpired(self, batch: list[etcdrpc.LeaseKeepAliveRequest]) -> list[etcdrpc.LeaseKeepAliveRequest]:
-        """The refreshes of ``batch`` whose lease etcd still holds for sure; a lease whose
-        refreshes went unanswered for its whole TTL is reported lost instead of refreshed.
-        (etcd's ``Renew`` of an expired lease blocks its stream until the lessor revokes
-        it, which would hold up every other lease's refresh on that stream behind it.)"""
+        """The refreshes of ``batch`` to send: those of leases etcd still holds for sure and
+        with no refresh in flight. A lease with one in flight is deferred (sent once the
+        answer is read), or reported lost when that answer is later than ``safe_until``
+        plus as long again. A lease past ``safe_until`` with none in flight (after a
+        reconnect) is reported lost instead of refreshed: etcd's ``Renew`` of an expired
+        lease blocks its stream until the lessor revokes it, which would hold up every
+        other lease's refresh on that stream behind it."""
         now = time.monotonic()
         keep: list[etcdrpc.LeaseKeepAliveRequest] = []
         gone: list[int] = []
         for req in batch:
             lid = req.ID
-            if now >= self._safe_until.get(lid, now) - TICK:
+            safe_until = self._safe_until.get(lid, now)
+            if lid in self._pending:
+                # the last refresh is still unanswered: wait for etcd's answer (a renew it
+                # took in time answers TTL > 0, one too late TTL 0) and send this one then;
+                # given up only if no answer comes within a further TTL
+                lease = self._wheel.leases.get(lid)
+                if lease is None or now >= safe_until + lease.ttl:
+                    gone.append(lid)
+                else:
+                    self._deferred.add(lid)
+                    self.deferred += 1
+                continue
+            if now >= safe_until - TICK:   # etcd may have dropped it: a renew could block the stream
                 gone.append(lid)
                 continue
-            self._pending.setdefault(lid, now)
+            self._pending[lid] = now
             keep.append(req)
+        self.lost_unanswered += sum(1 for lid in gone if lid in self._safe_until)
         for lid in gone:
             log.warning("lease %x: no refresh answered for its whole TTL; taking it as lost", lid)
             self._gone(lid)
@@ -311,6 +378,14 @@ class LeaseMux:
                      requests: list[etcdrpc.LeaseKeepAliveRequest]) -> None:
         for r in requests:
             await call.write(r)
+
+    def take_lags(self) -> tuple[float, float]:
+        """``(slowest answer, latest sender wake-up)`` in seconds since the last call, then
+        reset: how late etcd's answers were read, and how late this process's event loop ran
+        (a starved CPU shows in the second). For diagnostics (bench/scale_real.py)."""
+        lags = (self._max_answer_lag, max(0.0, self._max_send_lag))
+        self._max_answer_lag = self._max_send_lag = 0.0
+        return lags
 
     def _watchdog(self, now: float) -> None:
         """A stream whose answers stopped (refreshes outstanding, nothing back for two
@@ -327,6 +402,7 @@ class LeaseMux:
             entry = self._wheel.remove(lease_id)
             self._safe_until.pop(lease_id, None)
             self._pending.pop(lease_id, None)
+            self._deferred.discard(lease_id)
         if entry is None:
             return
         self.lost.add(lease_id)

@@ -624,10 +624,13 @@ class Store:
     def snapshot_page(self, prefix: str, start: str, limit: int, revision: int = 0) -> tuple[list[KV], int, bool]:
         """Up to ``limit`` keys under ``prefix`` from ``start`` on, at ``revision`` (0: now):
         ``(kvs, revision read, more keys follow)``. Paged reads stay under gRPC's receive
-        limit whatever the prefix holds (:func:`~.directory.paged_snapshot`)."""
+        limit whatever the prefix holds (:func:`~.directory.paged_snapshot`). No sort is
+        asked: etcd returns a range in key order, and etcd 3.4 ignores ``limit`` on a sorted
+        range (it reads every key to the range's end, sorts, then truncates: each page of
+        a 12,500-node ``nodes/`` read cost up to the whole 12 MB prefix, 3x the CPU)."""
         end = prefix_range_end(prefix.encode())
         resp = self._retry(f"get {prefix}* page", lambda: self._client.get_range_response(
-            start, end, sort_order="ascend", limit=limit, revision=revision or None))
+            start, end, limit=limit, revision=revision or None))
         return [_kv(kv) for kv in resp.kvs], resp.header.revision, bool(resp.more)
 
     def put(self, key: str, value: bytes | str, lease: int | None = None) -> int:

@@ -182,3 +182,31 @@ def test_directory_paged_load_sees_every_record_at_one_revision(etcd_session, jo
         for s in sessions:
             s.close()
         store.close()
+
+
+def test_directory_reload_reuses_unchanged_node_records_and_sees_changed_ones(etcd_session, job_name):
+    """A reload parses only the node records whose mod revision moved: the others keep the
+    very MemberInfo objects of the last parse (and count as unchanged); a rewritten record,
+    a new one and a deleted one are seen. The paged read (no sort asked) keeps key order."""
+    from resilient.coordinator.directory import Directory, paged_snapshot
+
+    store = Store(etcd_session.endpoints)
+    try:
+        for n in range(5):
+            _put_node(store, job_name, n, 2, ttl=60)
+        kvs, _ = paged_snapshot(store, keys.nodes(job_name), page=2)
+        assert [kv.key for kv in kvs] == sorted(kv.key for kv in kvs) and len(kvs) == 5
+        d = Directory(job_name)
+        d.load(store)
+        before = dict(d.members)
+        changed, _ = d.load(store)
+        assert changed == set() and all(d.members[m][0] is before[m][0] for m in before)
+        _put_node(store, job_name, 1, 3, ttl=60)         # rewritten: one rank more
+        store.delete(keys.node(job_name, "n2"))
+        _put_node(store, job_name, 7, 1, ttl=60)
+        changed, _ = d.load(store)
+        assert changed == {"n1-r0", "n1-r1", "n1-r2", "n2-r0", "n2-r1", "n7-r0"}
+        assert d.members["n1-r0"][0] is not before["n1-r0"][0] and d.members["n0-r0"][0] is before["n0-r0"][0]
+        assert "n2-r0" not in d.members and d.node_of["n7-r0"] == "n7"
+    finally:
+        store.close()
