@@ -68,10 +68,6 @@ def _run_with_coordinator(etcd: str, job: str, call: str, tmp: Path) -> tuple[di
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("calls", PAIRS, ids=["+".join(p) for p in PAIRS])
-# the ring on one host: under the direct shared-memory algorithms a survivor of the killed
-# all_reduce_coalesced finished it over the full set and then reported size_after 1 (not
-# explained yet; see the issue-16 note)
-@pytest.mark.usefixtures("ring_on_one_host")
 def test_call_every_dtype_then_a_kill_mid_call(calls, etcd_session, job_name, tmp_path):
     etcd = etcd_session.endpoint_arg
     with ThreadPoolExecutor(len(calls)) as ex:

@@ -508,8 +508,18 @@ def main() -> int:
         record["checks"] = checks
         record["kill"] = kill_phase(engine, members0)
         print(f"kill {time.monotonic() - t0:.2f}", file=sys.stderr, flush=True)
-        dist.barrier()  # the survivors: nobody leaves while another may still need its part
+        # The barrier needs every member of its epoch: it cannot finish in the victim's epoch,
+        # so past it every survivor has entered one without the victim (its kill-phase op may
+        # have finished over the full set, e.g. the direct shared-memory allreduce, before any
+        # epoch removed the victim).
+        dist.barrier()
         record["kill"]["size_after"] = dist.get_world_size()
+        # Nobody exits before every survivor has read its size: an exited rank's lease is
+        # revoked at once (RankProcs' reaper), and the epoch removing it would shrink the
+        # live world of a survivor that leaves the first barrier later (a recovered barrier's
+        # survivors leave it up to ~0.2 s apart on a loaded host). Nor while another may still
+        # need its part.
+        dist.barrier()
     except BaseException:  # noqa: BLE001 - reported to the test
         record["checks"] = checks
         record["crash"] = traceback.format_exc()[-3000:]
