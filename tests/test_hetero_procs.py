@@ -39,7 +39,10 @@ def test_sigkill_in_a_weighted_step_keeps_every_step_exact():
     kill = STEPS + 1  # the second step of the weighted phase
     out = run_bench("--victim", "m1", "--kill-step", str(kill))
     check_exact(out)
-    assert out["steps_without"] == {str(kill): ["m1"]}, out
+    # the ring: step K goes on without m1. The direct shared-memory allreduce (the default on
+    # one host): the failpoint fires after m1 published its input, so m1 still counts in step K
+    # (its segment stays mapped) and step K + 1 is the first without it
+    assert out["steps_without"] in ({str(kill): ["m1"]}, {str(kill + 1): ["m1"]}), out
     # the shares were re-published for the survivors: the slow member still gets less
     shares = out["shares"]
     assert sorted(shares) == ["m0", "m2", "m3"] and shares["m3"] < 0.8 * min(shares["m0"], shares["m2"]), shares
