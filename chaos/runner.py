@@ -138,7 +138,8 @@ class ChaosRunner:
     def __init__(self, scenario: Scenario, seed: int, workdir: str | os.PathLike[str] | None = None,
                  backend: str = "resilient", worker_args: Sequence[str] = (), start_timeout: float = 60.0,
                  end_condition: Callable[[ChaosRunner], bool] | None = None, end_deadline_s: float = 60.0,
-                 metrics: bool = False, on_finished: Callable[[ChaosRunner], None] | None = None) -> None:
+                 metrics: bool = False, on_finished: Callable[[ChaosRunner], None] | None = None,
+                 on_ready: Callable[[ChaosRunner], None] | None = None) -> None:
         """``end_condition`` (duration workloads): the end is named only once the duration
         is up *and* ``end_condition(runner)`` holds (e.g. "an epoch without member 2 was
         published"), or ``end_deadline_s`` after the duration at the latest — so a test
@@ -148,7 +149,11 @@ class ChaosRunner:
         (prometheus-client multiprocess mode) per member, as if each member ran on its own
         node (:attr:`metrics_urls` ``member index -> URL``), and each coordinator's own
         (:meth:`coordinator_metrics_url`). ``on_finished(runner)`` is called when every
-        op is done, while members, coordinators and endpoints are still up (to scrape)."""
+        op is done, while members, coordinators and endpoints are still up (to scrape).
+        ``on_ready(runner)`` is called once every member is in the first full epoch and its
+        endpoint is up, before the workload starts (the ``go`` file): a baseline scrape there
+        cannot see an op. An exception from either callback ends the run (every process
+        started is still stopped) and propagates."""
         reason = runner_unavailable_reason(backend)
         if reason is not None:
             raise RunnerUnavailable(reason)
@@ -157,7 +162,7 @@ class ChaosRunner:
         self.sc, self.seed, self.backend = scenario, seed, backend
         self.worker_args = list(worker_args)
         self.end_condition, self.end_deadline_s = end_condition, end_deadline_s
-        self.metrics, self.on_finished = metrics, on_finished
+        self.metrics, self.on_finished, self.on_ready = metrics, on_finished, on_ready
         self.metrics_urls: dict[int, str] = {}
         self._metrics_servers: dict[int, NodeMetricsServer] = {}
         self.start_timeout = start_timeout
@@ -283,6 +288,8 @@ class ChaosRunner:
                 tails = "\n".join(f"--- {p.name}\n{p.log_tail(10)}" for p in self.coordinators.values())
                 raise RunnerError(f"no epoch with all {self.sc.world_size} members within "
                                   f"{self.start_timeout:.0f}s ({exc}):\n{tails}") from None
+            if self.on_ready is not None:
+                self.on_ready(self)
             self.t0 = time.time()
             records.write_atomic(self.records / "go", repr(self.t0))
             watcher.subscribe(self._on_epoch, replay=True)

@@ -17,8 +17,6 @@ causes) rose by exactly K on every survivor, whether or not its op was in flight
 from __future__ import annotations
 
 import textwrap
-import threading
-import time
 import urllib.request
 
 import pytest
@@ -82,23 +80,17 @@ def run(tmp_path_factory):
     # over the full set without a recovery (tests/conftest.py ring_on_one_host)
     mp = pytest.MonkeyPatch()
     mp.setenv("RESILIENT_SHM_DIRECT", "0")
-    runner = ChaosRunner(sc, 0, tmp_path / "wd", backend="resilient", metrics=True, on_finished=on_finished)
 
-    def baseline() -> None:  # as the workload starts (the `go` file), before the first fault (op 3)
-        go = runner.records / "go"
-        deadline = time.monotonic() + 120
-        while not go.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        for i, url in list(runner.metrics_urls.items()):
+    def baseline(r: ChaosRunner) -> None:  # every member up, before the workload starts (the `go` file)
+        for i, url in list(r.metrics_urls.items()):
             before[i] = scrape(url)
 
-    t = threading.Thread(target=baseline, daemon=True)
-    t.start()
     try:
+        runner = ChaosRunner(sc, 0, tmp_path / "wd", backend="resilient", metrics=True, on_finished=on_finished,
+                             on_ready=baseline)
         log = runner.run()
     finally:
         mp.undo()
-    t.join(timeout=10)
     procs = list(runner.workers.values()) + list(runner.coordinators.values())
     assert all(p.popen.poll() is not None for p in procs), "the runner left a process behind"
     v = verify(log)
