@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+from launcher_util import wait_for
 import torch
 
 from resilient.collectives.communicator import Communicator
@@ -127,13 +127,6 @@ class _View:
         raise AssertionError("nobody is evicted here")
 
 
-def _wait(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.005)
-
-
 @pytest.mark.parametrize("growing", [False, True], ids=["removal", "removal-then-role-change"])
 def test_actives_leave_before_the_late_leaf_ran_the_last_op_and_it_still_reports_their_contributors(growing):
     """m2 is a deadline leaf under m0 (deadline 0 ms). After op 0 (everyone), m0, m1, m3
@@ -197,7 +190,7 @@ def test_actives_leave_before_the_late_leaf_ran_the_last_op_and_it_still_reports
                                     plan={"tree_parent": [-1, 0], "leaf_deadline_ms": 0.0}, cause="member_lost"))
         n = 2
         # m0 is in close(): its wait for m2 is aborted; it joins the recovery of epoch 2
-        _wait(lambda: control.has_blob(2, "ledger", "m0") or closed["m0"].is_set(), 20,
+        wait_for(lambda: control.has_blob(2, "ledger", "m0") or closed["m0"].is_set(), 20,
               "m0 neither served epoch 2 nor closed")
         if growing:
             n = 3
