@@ -28,10 +28,11 @@ etcd:
 
 # pytest exits 5 when it collects no test, so an empty run fails here too. Two workers
 # (a test file stays on one worker), then alone the tests that assert machine-wide state
-# (marked `serial` in tests/conftest.py).
+# (marked `serial` in tests/conftest.py). Each phase lists its 25 slowest tests: CI's bound
+# is 20 minutes, and that list says where the time goes.
 test: setup
-	$(PY) -m pytest -n 2 --dist loadfile -m "not serial"
-	$(PY) -m pytest -m serial
+	$(PY) -m pytest -n 2 --dist loadfile -m "not serial" --durations=25
+	$(PY) -m pytest -m serial --durations=25
 
 demo: setup
 	$(PY) examples/demo.py

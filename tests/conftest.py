@@ -41,13 +41,14 @@ def ring_on_one_host(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 #: test files that assert machine-wide state (nothing new in /dev/shm; network namespaces,
-#: veths and qdiscs they create and remove), and two whose outcome shifts under the load of
-#: a second worker (torch_api_calls: a rank exiting without a goodbye; straggler_procs: a
-#: late member's deadline): `make test` runs them alone, after the rest has run on two
-#: workers (see the Makefile)
+#: veths and qdiscs they create and remove), and one whose outcome shifts under the load of
+#: a second worker (straggler_procs: a late member's deadline): `make test` runs them alone,
+#: after the rest has run on two workers (see the Makefile). test_torch_api_calls.py runs on
+#: the workers again: its size_after flake under load was a survivor's exit seen by the lease
+#: reaper before the read, fixed in the worker (it reads size_after between two barriers)
 SERIAL_FILES = frozenset({"test_shm_direct.py", "test_shm_direct_procs.py", "test_shm_direct_rs.py",
                           "test_transport_shm.py", "test_chaos_netns.py", "test_chaos_scenario.py",
-                          "test_node_loss_training.py", "test_torch_api_calls.py", "test_straggler_procs.py"})
+                          "test_node_loss_training.py", "test_straggler_procs.py"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
