@@ -1,9 +1,10 @@
 """The direct shared-memory allreduce's and reduce-scatter's fault contract with real etcd, coordinator and
 processes on one host: 4 members (shared memory between them, the default transport), a
-member SIGKILLed halfway through reducing its chunk of a large op, another in the copy
-phase of a small op (every member reduces everything), and every survivor's output of
-every op checked exactly against the contributors it reports (all survivors reporting
-the same set); nothing is left in /dev/shm."""
+member SIGKILLed halfway through reducing its chunk of a large op (after publishing its
+input: it stays a contributor, the survivors reduce its chunk from its segment, no
+recovery), another in the copy phase of a small op (every member reduces everything),
+and every survivor's output of every op checked exactly against the contributors it
+reports (all survivors reporting the same set); nothing is left in /dev/shm."""
 from __future__ import annotations
 
 import os
@@ -58,7 +59,10 @@ def test_sigkill_mid_op_every_survivor_exact_and_nothing_left_in_dev_shm(etcd_se
                 recs = w.records(mid)
                 assert recs[0]["algorithm"] == recs[3]["algorithm"] == "ShmDirectAllreduce", (mid, recs[0], recs[3])
             assert contrib_of[0] == ["m0", "m1", "m2", "m3"]
-            assert contrib_of[1] == ["m0", "m2", "m3"]   # m1's chunk was never reduced: the survivors' set
+            # m1 had published its input: the survivors reduced its chunk from its segment
+            assert contrib_of[1] == ["m0", "m1", "m2", "m3"]
+            for mid in survivors:
+                assert w.records(mid)[1]["recovery"] is None, w.records(mid)[1]
             assert set(survivors) <= set(contrib_of[2]) and "m1" not in contrib_of[2]
             assert contrib_of[3] == survivors
         finally:

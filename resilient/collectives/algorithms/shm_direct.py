@@ -65,7 +65,7 @@ from resilient.collectives import failpoints, tags
 from resilient.collectives.algorithms.base import Capabilities, OpContext, OpTransport, tag
 from resilient.collectives.algorithms.ring import RingReduceScatterAllgather
 from resilient.collectives.group import EpochLike
-from resilient.errors import OpMismatch, TransportError
+from resilient.errors import OpMismatch, TransportAborted, TransportError
 from resilient.kernels import ReduceOp
 from resilient.transport.hybrid import split_address
 from resilient.transport.shm_segment import (
@@ -274,7 +274,7 @@ class ShmDirect(ABC):
         return {q: bytes(b) for q, b in bufs.items()}
 
     def _room(self, ctx: OpContext, sess: _Session, nbytes: int) -> bool:
-        """Make this op's area free and large enough: wait until every peer finished
+        """Make this op's area free and ``nbytes`` large: wait until every peer finished
         reading the op that used it last (or, when the areas must grow and move, every
         earlier op). False when the segment cannot grow (the op then runs on the ring)."""
         if sess.stride < nbytes:
@@ -301,15 +301,16 @@ class ShmDirect(ABC):
             sess.stride = page_round(nbytes)
         return True
 
-    def _begin(self, ctx: OpContext, sess: _Session, nbytes: int) -> tuple[int, int, dict[int, int], bool]:
-        """Claim this op's area (:meth:`_room`) and write its header words (tickets
-        cleared, digest, size or -1 when it does not fit, offset): ``(area, own ticket,
-        peers' tickets, fits)``. Raises what :meth:`_room` raises."""
+    def _begin(self, ctx: OpContext, sess: _Session, nbytes: int,
+               span: int | None = None) -> tuple[int, int, dict[int, int], bool]:
+        """Claim this op's area (:meth:`_room`: ``span`` bytes, default ``nbytes``) and
+        write its header words (tickets cleared, digest, size or -1 when it does not fit,
+        offset): ``(area, own ticket, peers' tickets, fits)``. Raises what :meth:`_room` raises."""
         own = sess.own
         mine = ticket(sess.sid, ctx.seq)
         theirs = {q: ticket(sid, ctx.seq) for q, (_, sid) in sess.peers.items()}
         area = sess.count % AREAS
-        fits = self._room(ctx, sess, nbytes)
+        fits = self._room(ctx, sess, nbytes if span is None else span)
         sess.count += 1
         sess.seqs = (sess.seqs + [ctx.seq])[-AREAS:]
         own.set(area_word(area, A_IN), 0)
@@ -349,9 +350,11 @@ class ShmDirect(ABC):
         L.set_range(c * S, (c + 1) * S, L.full if mask is None else mask)
 
     def _view(self, ctx: OpContext, q: int, seg: PeerSegment, area: int, nbytes: int,
-              dtype: torch.dtype) -> torch.Tensor:
+              dtype: torch.dtype, at: int = 0) -> torch.Tensor:
+        """``nbytes`` of peer ``q``'s area ``area`` from byte ``at`` on; TransportError
+        when its segment does not hold them."""
         try:
-            return seg.view(seg.word(area_word(area, A_OFFSET)), nbytes, dtype)
+            return seg.view(seg.word(area_word(area, A_OFFSET)) + at, nbytes, dtype)
         except (OSError, ValueError) as exc:
             raise TransportError(f"op #{ctx.seq}: member {ctx.members[q]}'s shared-memory segment: {exc}") from None
 
@@ -413,7 +416,8 @@ class ShmDirect(ABC):
     def _await(ctx: OpContext, sess: _Session, q: int, ready: Callable[[], bool]) -> None:
         """Until ``ready()``: read, then sleep on peer ``q``'s bell (saying so in our
         ``W_WAITING``, so that it wakes us); the transport's abort (asked between sleeps)
-        raises ``TransportAborted``."""
+        raises ``TransportAborted`` — unless ``ready()`` holds when it is seen (the word
+        came during the last sleep: the op goes on, as it would have a moment earlier)."""
         for _ in range(SPINS):
             if ready():
                 return
@@ -426,7 +430,12 @@ class ShmDirect(ABC):
                 if ready():
                     return
                 seg.wait(bell, SLEEP_S)
-                ctx.transport.wait((), 0)
+                try:
+                    ctx.transport.wait((), 0)
+                except TransportAborted:
+                    if ready():
+                        return
+                    raise
                 if (not reported and ctx.op_timeout is not None and time.monotonic() - t0 > ctx.op_timeout):
                     reported = True
                     ctx.on_suspect(ctx.members[q], f"op #{ctx.seq}: waited more than {ctx.op_timeout}s "
@@ -459,18 +468,16 @@ class ShmDirectAllreduce(ShmDirect):
         L, own = ctx.ledger, sess.own
         inp = L.inp
         nbytes, dtype = inp.numel() * inp.element_size(), inp.dtype
-        area, mine, theirs, fits = self._begin(ctx, sess, nbytes)
+        every = nbytes <= ALL_MAX_BYTES
+        # chunk mode: the whole input, then (a page boundary on) the reduced own chunk at its
+        # place in a buffer of the op's length (the pages of the other chunks stay untouched)
+        red_at = page_round(nbytes)
+        area, mine, theirs, fits = self._begin(ctx, sess, nbytes, None if every else red_at + nbytes)
         failed = True
         try:
             region = own.view(area * sess.stride, nbytes, dtype) if fits else None
-            every = nbytes <= ALL_MAX_BYTES
             if region is not None:
-                if every:
-                    region.copy_(inp)
-                else:   # the own chunk is read by nobody else: its reduced value goes there
-                    a, b = self._chunk(ctx, ctx.me)
-                    region[:a].copy_(inp[:a])
-                    region[b:].copy_(inp[b:])
+                region.copy_(inp)   # all of it: a peer reduces this member's chunk from it if it dies
             self._publish(sess, area_word(area, A_IN), mine)
             mismatch = self._await_inputs(ctx, sess, area, theirs)
             if mismatch is not None:
@@ -486,11 +493,11 @@ class ShmDirectAllreduce(ShmDirect):
             if every:
                 self._reduce_every(ctx, sess, area, ins, theirs)
             else:
-                self._reduce_own(ctx, ins, region, "rs")
+                self._reduce_own(ctx, ins, own.view(area * sess.stride + red_at, nbytes, dtype), "rs")
                 self._check(ctx, sess, area_word(area, A_IN), theirs, sess.peers)
                 self._mark(ctx, ctx.me)
                 self._publish(sess, area_word(area, A_RED), mine)
-                self._gather(ctx, sess, area, ins, theirs)
+                self._gather(ctx, sess, area, ins, theirs, red_at)
             COUNTS.direct += 1
             failed = False
         finally:
@@ -512,28 +519,53 @@ class ShmDirectAllreduce(ShmDirect):
             self._check(ctx, sess, area_word(area, A_IN), theirs, sess.peers)
             self._mark(ctx, c)
 
-    def _gather(self, ctx: OpContext, sess: _Session, area: int, views: list[torch.Tensor],
-                theirs: dict[int, int]) -> None:
+    def _gather(self, ctx: OpContext, sess: _Session, area: int, ins: list[torch.Tensor],
+                theirs: dict[int, int], red_at: int) -> None:
         """Copy every peer's reduced chunk as soon as it is ready (then check it was not
-        overwritten meanwhile), marking its pieces final."""
+        overwritten meanwhile), marking its pieces final.
+
+        Every input is published (and stays so until this member's ``W_DONE``), so a peer's
+        chunk never *has* to come from that peer: once the transport is aborted (an epoch
+        removed someone — the peer died or was stopped after publishing its input — or
+        this member is being left behind), this member stops waiting and reduces each chunk
+        not yet published itself, from every member's input in member order (the bits the
+        peer would have published), re-checking the input tickets afterwards. So a victim
+        that published its input stays a contributor on every survivor and the op needs no
+        recovery; nothing here waits after the abort."""
         out, pending = ctx.ledger.out, sorted(sess.peers)
         probe = failpoints.ACTIVE and ctx.ledger.enabled
         red = area_word(area, A_RED)
-        copied = 0
+        nbytes, dtype = out.numel() * out.element_size(), out.dtype
+        copied, aborted = 0, False
         while pending:
             ready = [q for q in pending if sess.peers[q][0].word(red) == theirs[q]]
-            if not ready:
+            if not ready and not aborted:
                 q = pending[0]
-                self._await(ctx, sess, q, self._ready(ctx, q, sess.peers[q][0], red, theirs[q]))
+                try:
+                    self._await(ctx, sess, q, self._ready(ctx, q, sess.peers[q][0], red, theirs[q]))
+                except TransportAborted as exc:
+                    log.info("op #%d: %s; reducing the chunks of %s from their inputs", ctx.seq, exc,
+                             [ctx.members[p] for p in pending if sess.peers[p][0].word(red) != theirs[p]])
+                    aborted = True
+                continue
+            if not ready:   # aborted: the first pending chunk, reduced here
+                q = pending[0]
+                self._reduce_own(ctx, ins, None, "ag", q, copied / len(sess.peers), 1 / len(sess.peers))
+                self._check(ctx, sess, area_word(area, A_IN), theirs, sess.peers)
+                self._mark(ctx, q)
+                pending.remove(q)
+                copied += 1
                 continue
             for q in ready:
+                seg = sess.peers[q][0]
+                view = self._view(ctx, q, seg, area, nbytes, dtype, red_at)
                 a, b = self._chunk(ctx, q)
                 parts = 8 if probe else 1
                 for j in range(parts):
                     x, y = a + (b - a) * j // parts, a + (b - a) * (j + 1) // parts
                     if probe:
                         ctx.failpoint("ag", (copied + j / parts) / len(sess.peers))
-                    out[x:y].copy_(views[q][x:y])
+                    out[x:y].copy_(view[x:y])
                 self._check(ctx, sess, red, theirs, {q: sess.peers[q]})
                 self._mark(ctx, q)
                 pending.remove(q)
