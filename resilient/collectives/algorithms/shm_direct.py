@@ -9,9 +9,13 @@ memfd, mapped read-only by its peers). One op, member ``p`` of ``n``:
 2. **rs** — once every peer's ``W_IN`` shows the op, reduce chunk ``p`` (the ring's
    chunk ``p``: ``split(numel, n)``) reading every member's input straight from its
    segment, in cache-sized blocks in member-index order (so the bits do not depend on
-   timing), into its output and into chunk ``p`` of its own segment; publish ``W_RED``;
+   timing), into its output and into chunk ``p`` of its segment's *reduced* buffer (one
+   page boundary after its input); publish ``W_RED``;
 3. **ag** — copy each peer's reduced chunk out of that peer's segment as soon as its
    ``W_RED`` shows the op; publish ``W_DONE`` (it no longer reads anyone's segment).
+   After the transport's abort (an epoch removed a member) it waits for nobody: it
+   reduces each chunk not yet published itself, from the published inputs (step 2's
+   bits).
 
 A member overwrites its segment at its next op only after every peer's ``W_DONE``
 passed its previous op. Waits read the peer's words, then sleep on the peer's futex bell
@@ -32,19 +36,27 @@ are unmapped when a new session starts (a dead member's segment is freed then).
 
 **Ledger and recovery.** The layout is the ring's (``n`` chunks x ``slices``); a piece's
 mask is 0 until its final value is in ``out``, then the full set; the input (``inp``)
-is never written. So at any abort the masks describe ``out`` exactly and the ordinary
-recovery (:mod:`..resume`) finishes the op over the survivors from their kept inputs
-(or, when every piece is final somewhere, over the full set) — the restart semantics of
-a ring that had not finished its reduce-scatter. A member that leaves an op by an error
+is never written. **A member that dies (or is stopped) after publishing its input stays a
+contributor:** its input stays readable in the survivors' mappings (segments never
+shrink), so every survivor that saw every input finishes the op over the full set —
+copying the reduced chunks that were published and, after the epoch's abort, reducing
+the others itself (step 3) — with no recovery and no resend. A member that dies before
+publishing leaves the survivors waiting for its ``W_IN``; the abort raises
+``TransportAborted`` there, the masks describe ``out`` exactly and the ordinary recovery
+(:mod:`..resume`) finishes the op over the survivors from their kept inputs. A survivor
+aborted before it saw every input while another finished gets the finished member's
+(full) sets through the recovery's decided sets (docs/recovery.md), so every survivor
+reports one set. A member that leaves an op by an error
 invalidates its ``W_IN``/``W_RED`` first, and every read of a peer's region is checked
 against the peer's ticket afterwards (a seqlock): a SIGSTOPped member that resumes after
 the survivors moved on fails its op (``TransportError``) instead of delivering a torn
 chunk, and a peer dying mid-op leaves its mapping readable (no SIGBUS: segments never
 shrink). Failpoints: phases ``rs`` (fraction of the own chunk reduced) and ``ag``
-(fraction of the peers' chunks copied), as the ring's.
+(fraction of the peers' chunks copied or reduced), as the ring's.
 
-Failure behaviour: the transport's abort raises ``TransportAborted`` from the next wait;
-a peer's descriptor digest that differs from ours raises
+Failure behaviour: the transport's abort raises ``TransportAborted`` from a wait for
+the peers' inputs or for room in the own segment (once every input is seen it only ends
+the waiting: step 3); a peer's descriptor digest that differs from ours raises
 :class:`~resilient.errors.OpMismatch` (every member sees one, since every digest is
 published before anyone waits); a peer that gave the op up or moved past it raises
 :class:`~resilient.errors.TransportError` (the op loop then recovers in the next epoch).
