@@ -20,7 +20,7 @@ busbw = 2(n-1)/n * size / time (NCCL tests' definition) in bytes/s from the medi
 ``cpu_per_op_*_s`` = median process CPU seconds (all threads, user+sys) per op on one member
 (on a machine with fewer cores than members, busbw is bounded by this);
 ``ledger_overhead`` = median over rounds of t(ledger on) / t(ledger off) - 1;
-``ledger_overhead_paired`` = the same from extra rounds of ``max(2, iters)`` ops in which
+``ledger_overhead_paired`` = the same from extra rounds of ``max(PAIRED_MIN, iters)`` ops in which
 every member switches the ledger on and off at every op (the sum of the on-ops' times
 over the off-ops', the slowest member's of each; a change of load between two timings
 cannot land on one side).
@@ -39,6 +39,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import BenchCluster, busbw, emit, join, median, parse_size, wait_go, worker_argparser  # noqa: E402
 
 VARIANTS = ("gloo", "ledger_on", "ledger_off")
+#: ops per paired round at least (4 a side: with one a side, at 64 MiB, a round's ratio was
+#: one op's wall time over another's, and the median swung by +-0.08 between runs)
+PAIRED_MIN = 8
 
 
 def iters_for(size: int) -> int:
@@ -113,7 +116,7 @@ def worker(args) -> None:
             for v in VARIANTS:
                 times[v].append(acc[v][0] / (2 * half))
                 cpu[v].append(acc[v][1] / (2 * half))
-        paired = [run_paired(r, max(2, k)) for r in range(rounds)]
+        paired = [run_paired(r, max(PAIRED_MIN, k)) for r in range(rounds)]
         comm.ledger_enabled = True
         emit("times", size=size, iters=2 * half, times=times, cpu=cpu, paired=paired)
     dist.destroy_process_group()

@@ -1,9 +1,11 @@
 """The direct shared-memory allreduce's and reduce-scatter's fault contract with real etcd, coordinator and
-processes on one host: 4 members (shared memory between them, the default transport), a
-member SIGKILLed halfway through reducing its chunk of a large op, another in the copy
-phase of a small op (every member reduces everything), and every survivor's output of
-every op checked exactly against the contributors it reports (all survivors reporting
-the same set); nothing is left in /dev/shm."""
+processes on one host: 5 members (shared memory between them, the default transport), a
+member SIGKILLed halfway through reducing its chunk of a large op (after publishing its
+input: it stays a contributor, the survivors reduce its chunk from its segment, no
+recovery), another in the copy phase of a small op (every member reduces everything), a
+third SIGSTOPped reducing its chunk (the same, once its lease expires), and every
+survivor's output of every op checked exactly against the contributors it
+reports (all survivors reporting the same set); nothing is left in /dev/shm."""
 from __future__ import annotations
 
 import os
@@ -36,31 +38,47 @@ TTL = 2.0
 OPS = [{"k": "allreduce", "numel": 400_003, "dtype": "int64", "op": "sum"},    # 3.2 MB: chunk mode
        {"k": "allreduce", "numel": 400_003, "dtype": "int64", "op": "sum"},    # m1 dies reducing its chunk
        {"k": "allreduce", "numel": 100_003, "dtype": "float64", "op": "sum"},  # 800 KB: every-member mode, m3 dies
+       {"k": "barrier"},                                                        # the epoch without m3
+       {"k": "allreduce", "numel": 400_003, "dtype": "int64", "op": "sum"},    # m4 stopped reducing its chunk
        {"k": "allreduce", "numel": 200_003, "dtype": "int64", "op": "max"}]    # the two survivors
-FAILPOINTS = {"m1": "kill@op=1,phase=rs,frac=0.5", "m3": "kill@op=2,phase=ag,frac=0.5;kill@op=2,phase=recovery"}
+FAILPOINTS = {"m1": "kill@op=1,phase=rs,frac=0.5", "m3": "kill@op=2,phase=ag,frac=0.5;kill@op=2,phase=recovery",
+              "m4": "stop@op=4,phase=rs,frac=0.5"}
+AR = [seq for seq, spec in enumerate(OPS) if spec["k"] == "allreduce"]
 
 
 def test_sigkill_mid_op_every_survivor_exact_and_nothing_left_in_dev_shm(etcd_session, job_name, tmp_path):
+    """Members killed or stopped after publishing their input stay contributors (the
+    survivors reduce their chunks from their segments, no recovery); the stopped one,
+    resumed after the survivors went on, never delivers a torn result."""
     dev_shm = set(os.listdir("/dev/shm"))
     with coordinator(etcd_session.endpoint_arg, job_name, ttl=TTL):
-        w = Workers(etcd_session.endpoint_arg, job_name, 4, OPS, tmp_path, failpoints=FAILPOINTS, ttl=TTL)
+        w = Workers(etcd_session.endpoint_arg, job_name, 5, OPS, tmp_path, failpoints=FAILPOINTS, ttl=TTL)
         try:
-            w.wait_done(list(w.procs), 120)
-            for victim in FAILPOINTS:
-                assert w.procs[victim].wait(10) == -9, f"{victim} was not killed at {FAILPOINTS[victim]}"
             survivors = ["m0", "m2"]
+            w.wait_done(survivors, 120)
+            os.kill(w.procs["m4"].pid, signal.SIGCONT)
+            w.wait_done(["m4"], 60)
+            for victim in ("m1", "m3"):
+                assert w.procs[victim].wait(10) == -9, f"{victim} was not killed at {FAILPOINTS[victim]}"
             contrib_of: dict[int, list[str]] = {}
             for mid in survivors:
-                for seq, spec in enumerate(OPS):
-                    contrib = check_allreduce(w, mid, seq, spec)
+                for seq in AR:
+                    contrib = check_allreduce(w, mid, seq, OPS[seq])
                     assert contrib_of.setdefault(seq, contrib) == contrib, (mid, seq, contrib, contrib_of[seq])
-                # the epochs of 4 and of 2 members on one host select the direct path
+                # the epochs of 5, 4, 3 and 2 members on one host select the direct path
                 recs = w.records(mid)
-                assert recs[0]["algorithm"] == recs[3]["algorithm"] == "ShmDirectAllreduce", (mid, recs[0], recs[3])
-            assert contrib_of[0] == ["m0", "m1", "m2", "m3"]
-            assert contrib_of[1] == ["m0", "m2", "m3"]   # m1's chunk was never reduced: the survivors' set
+                assert all(recs[seq]["algorithm"] == "ShmDirectAllreduce" for seq in AR), (mid, recs)
+                # m1 and m4 had published their inputs: their chunks were reduced from their segments
+                assert recs[1]["recovery"] is None and recs[4]["recovery"] is None, (recs[1], recs[4])
+            assert contrib_of[0] == contrib_of[1] == ["m0", "m1", "m2", "m3", "m4"]
             assert set(survivors) <= set(contrib_of[2]) and "m1" not in contrib_of[2]
-            assert contrib_of[3] == survivors
+            assert contrib_of[4] == ["m0", "m2", "m4"]
+            assert contrib_of[5] == survivors
+            # the resumed m4: removed; an op it delivered is exact over what it reports
+            assert w.procs["m4"].wait(30) == 4
+            for rec in w.records("m4"):
+                if rec["ok"] and rec["seq"] in AR:
+                    check_allreduce(w, "m4", rec["seq"], OPS[rec["seq"]])
         finally:
             w.close()
     assert set(os.listdir("/dev/shm")) == dev_shm

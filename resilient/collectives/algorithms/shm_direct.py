@@ -9,9 +9,13 @@ memfd, mapped read-only by its peers). One op, member ``p`` of ``n``:
 2. **rs** — once every peer's ``W_IN`` shows the op, reduce chunk ``p`` (the ring's
    chunk ``p``: ``split(numel, n)``) reading every member's input straight from its
    segment, in cache-sized blocks in member-index order (so the bits do not depend on
-   timing), into its output and into chunk ``p`` of its own segment; publish ``W_RED``;
+   timing), into its output and into chunk ``p`` of its segment's *reduced* buffer (one
+   page boundary after its input); publish ``W_RED``;
 3. **ag** — copy each peer's reduced chunk out of that peer's segment as soon as its
    ``W_RED`` shows the op; publish ``W_DONE`` (it no longer reads anyone's segment).
+   After the transport's abort (an epoch removed a member) it waits for nobody: it
+   reduces each chunk not yet published itself, from the published inputs (step 2's
+   bits).
 
 A member overwrites its segment at its next op only after every peer's ``W_DONE``
 passed its previous op. Waits read the peer's words, then sleep on the peer's futex bell
@@ -32,19 +36,27 @@ are unmapped when a new session starts (a dead member's segment is freed then).
 
 **Ledger and recovery.** The layout is the ring's (``n`` chunks x ``slices``); a piece's
 mask is 0 until its final value is in ``out``, then the full set; the input (``inp``)
-is never written. So at any abort the masks describe ``out`` exactly and the ordinary
-recovery (:mod:`..resume`) finishes the op over the survivors from their kept inputs
-(or, when every piece is final somewhere, over the full set) — the restart semantics of
-a ring that had not finished its reduce-scatter. A member that leaves an op by an error
+is never written. **A member that dies (or is stopped) after publishing its input stays a
+contributor:** its input stays readable in the survivors' mappings (segments never
+shrink), so every survivor that saw every input finishes the op over the full set —
+copying the reduced chunks that were published and, after the epoch's abort, reducing
+the others itself (step 3) — with no recovery and no resend. A member that dies before
+publishing leaves the survivors waiting for its ``W_IN``; the abort raises
+``TransportAborted`` there, the masks describe ``out`` exactly and the ordinary recovery
+(:mod:`..resume`) finishes the op over the survivors from their kept inputs. A survivor
+aborted before it saw every input while another finished gets the finished member's
+(full) sets through the recovery's decided sets (docs/recovery.md), so every survivor
+reports one set. A member that leaves an op by an error
 invalidates its ``W_IN``/``W_RED`` first, and every read of a peer's region is checked
 against the peer's ticket afterwards (a seqlock): a SIGSTOPped member that resumes after
 the survivors moved on fails its op (``TransportError``) instead of delivering a torn
 chunk, and a peer dying mid-op leaves its mapping readable (no SIGBUS: segments never
 shrink). Failpoints: phases ``rs`` (fraction of the own chunk reduced) and ``ag``
-(fraction of the peers' chunks copied), as the ring's.
+(fraction of the peers' chunks copied or reduced), as the ring's.
 
-Failure behaviour: the transport's abort raises ``TransportAborted`` from the next wait;
-a peer's descriptor digest that differs from ours raises
+Failure behaviour: the transport's abort raises ``TransportAborted`` from a wait for
+the peers' inputs or for room in the own segment (once every input is seen it only ends
+the waiting: step 3); a peer's descriptor digest that differs from ours raises
 :class:`~resilient.errors.OpMismatch` (every member sees one, since every digest is
 published before anyone waits); a peer that gave the op up or moved past it raises
 :class:`~resilient.errors.TransportError` (the op loop then recovers in the next epoch).
@@ -65,7 +77,7 @@ from resilient.collectives import failpoints, tags
 from resilient.collectives.algorithms.base import Capabilities, OpContext, OpTransport, tag
 from resilient.collectives.algorithms.ring import RingReduceScatterAllgather
 from resilient.collectives.group import EpochLike
-from resilient.errors import OpMismatch, TransportError
+from resilient.errors import OpMismatch, TransportAborted, TransportError
 from resilient.kernels import ReduceOp
 from resilient.transport.hybrid import split_address
 from resilient.transport.shm_segment import (
@@ -274,7 +286,7 @@ class ShmDirect(ABC):
         return {q: bytes(b) for q, b in bufs.items()}
 
     def _room(self, ctx: OpContext, sess: _Session, nbytes: int) -> bool:
-        """Make this op's area free and large enough: wait until every peer finished
+        """Make this op's area free and ``nbytes`` large: wait until every peer finished
         reading the op that used it last (or, when the areas must grow and move, every
         earlier op). False when the segment cannot grow (the op then runs on the ring)."""
         if sess.stride < nbytes:
@@ -301,15 +313,16 @@ class ShmDirect(ABC):
             sess.stride = page_round(nbytes)
         return True
 
-    def _begin(self, ctx: OpContext, sess: _Session, nbytes: int) -> tuple[int, int, dict[int, int], bool]:
-        """Claim this op's area (:meth:`_room`) and write its header words (tickets
-        cleared, digest, size or -1 when it does not fit, offset): ``(area, own ticket,
-        peers' tickets, fits)``. Raises what :meth:`_room` raises."""
+    def _begin(self, ctx: OpContext, sess: _Session, nbytes: int,
+               span: int | None = None) -> tuple[int, int, dict[int, int], bool]:
+        """Claim this op's area (:meth:`_room`: ``span`` bytes, default ``nbytes``) and
+        write its header words (tickets cleared, digest, size or -1 when it does not fit,
+        offset): ``(area, own ticket, peers' tickets, fits)``. Raises what :meth:`_room` raises."""
         own = sess.own
         mine = ticket(sess.sid, ctx.seq)
         theirs = {q: ticket(sid, ctx.seq) for q, (_, sid) in sess.peers.items()}
         area = sess.count % AREAS
-        fits = self._room(ctx, sess, nbytes)
+        fits = self._room(ctx, sess, nbytes if span is None else span)
         sess.count += 1
         sess.seqs = (sess.seqs + [ctx.seq])[-AREAS:]
         own.set(area_word(area, A_IN), 0)
@@ -349,9 +362,11 @@ class ShmDirect(ABC):
         L.set_range(c * S, (c + 1) * S, L.full if mask is None else mask)
 
     def _view(self, ctx: OpContext, q: int, seg: PeerSegment, area: int, nbytes: int,
-              dtype: torch.dtype) -> torch.Tensor:
+              dtype: torch.dtype, at: int = 0) -> torch.Tensor:
+        """``nbytes`` of peer ``q``'s area ``area`` from byte ``at`` on; TransportError
+        when its segment does not hold them."""
         try:
-            return seg.view(seg.word(area_word(area, A_OFFSET)), nbytes, dtype)
+            return seg.view(seg.word(area_word(area, A_OFFSET)) + at, nbytes, dtype)
         except (OSError, ValueError) as exc:
             raise TransportError(f"op #{ctx.seq}: member {ctx.members[q]}'s shared-memory segment: {exc}") from None
 
@@ -413,7 +428,8 @@ class ShmDirect(ABC):
     def _await(ctx: OpContext, sess: _Session, q: int, ready: Callable[[], bool]) -> None:
         """Until ``ready()``: read, then sleep on peer ``q``'s bell (saying so in our
         ``W_WAITING``, so that it wakes us); the transport's abort (asked between sleeps)
-        raises ``TransportAborted``."""
+        raises ``TransportAborted`` — unless ``ready()`` holds when it is seen (the word
+        came during the last sleep: the op goes on, as it would have a moment earlier)."""
         for _ in range(SPINS):
             if ready():
                 return
@@ -426,7 +442,12 @@ class ShmDirect(ABC):
                 if ready():
                     return
                 seg.wait(bell, SLEEP_S)
-                ctx.transport.wait((), 0)
+                try:
+                    ctx.transport.wait((), 0)
+                except TransportAborted:
+                    if ready():
+                        return
+                    raise
                 if (not reported and ctx.op_timeout is not None and time.monotonic() - t0 > ctx.op_timeout):
                     reported = True
                     ctx.on_suspect(ctx.members[q], f"op #{ctx.seq}: waited more than {ctx.op_timeout}s "
@@ -459,18 +480,16 @@ class ShmDirectAllreduce(ShmDirect):
         L, own = ctx.ledger, sess.own
         inp = L.inp
         nbytes, dtype = inp.numel() * inp.element_size(), inp.dtype
-        area, mine, theirs, fits = self._begin(ctx, sess, nbytes)
+        every = nbytes <= ALL_MAX_BYTES
+        # chunk mode: the whole input, then (a page boundary on) the reduced own chunk at its
+        # place in a buffer of the op's length (the pages of the other chunks stay untouched)
+        red_at = page_round(nbytes)
+        area, mine, theirs, fits = self._begin(ctx, sess, nbytes, None if every else red_at + nbytes)
         failed = True
         try:
             region = own.view(area * sess.stride, nbytes, dtype) if fits else None
-            every = nbytes <= ALL_MAX_BYTES
             if region is not None:
-                if every:
-                    region.copy_(inp)
-                else:   # the own chunk is read by nobody else: its reduced value goes there
-                    a, b = self._chunk(ctx, ctx.me)
-                    region[:a].copy_(inp[:a])
-                    region[b:].copy_(inp[b:])
+                region.copy_(inp)   # all of it: a peer reduces this member's chunk from it if it dies
             self._publish(sess, area_word(area, A_IN), mine)
             mismatch = self._await_inputs(ctx, sess, area, theirs)
             if mismatch is not None:
@@ -486,11 +505,11 @@ class ShmDirectAllreduce(ShmDirect):
             if every:
                 self._reduce_every(ctx, sess, area, ins, theirs)
             else:
-                self._reduce_own(ctx, ins, region, "rs")
+                self._reduce_own(ctx, ins, own.view(area * sess.stride + red_at, nbytes, dtype), "rs")
                 self._check(ctx, sess, area_word(area, A_IN), theirs, sess.peers)
                 self._mark(ctx, ctx.me)
                 self._publish(sess, area_word(area, A_RED), mine)
-                self._gather(ctx, sess, area, ins, theirs)
+                self._gather(ctx, sess, area, ins, theirs, red_at)
             COUNTS.direct += 1
             failed = False
         finally:
@@ -512,28 +531,53 @@ class ShmDirectAllreduce(ShmDirect):
             self._check(ctx, sess, area_word(area, A_IN), theirs, sess.peers)
             self._mark(ctx, c)
 
-    def _gather(self, ctx: OpContext, sess: _Session, area: int, views: list[torch.Tensor],
-                theirs: dict[int, int]) -> None:
+    def _gather(self, ctx: OpContext, sess: _Session, area: int, ins: list[torch.Tensor],
+                theirs: dict[int, int], red_at: int) -> None:
         """Copy every peer's reduced chunk as soon as it is ready (then check it was not
-        overwritten meanwhile), marking its pieces final."""
+        overwritten meanwhile), marking its pieces final.
+
+        Every input is published (and stays so until this member's ``W_DONE``), so a peer's
+        chunk never *has* to come from that peer: once the transport is aborted (an epoch
+        removed someone — the peer died or was stopped after publishing its input — or
+        this member is being left behind), this member stops waiting and reduces each chunk
+        not yet published itself, from every member's input in member order (the bits the
+        peer would have published), re-checking the input tickets afterwards. So a victim
+        that published its input stays a contributor on every survivor and the op needs no
+        recovery; nothing here waits after the abort."""
         out, pending = ctx.ledger.out, sorted(sess.peers)
         probe = failpoints.ACTIVE and ctx.ledger.enabled
         red = area_word(area, A_RED)
-        copied = 0
+        nbytes, dtype = out.numel() * out.element_size(), out.dtype
+        copied, aborted = 0, False
         while pending:
             ready = [q for q in pending if sess.peers[q][0].word(red) == theirs[q]]
-            if not ready:
+            if not ready and not aborted:
                 q = pending[0]
-                self._await(ctx, sess, q, self._ready(ctx, q, sess.peers[q][0], red, theirs[q]))
+                try:
+                    self._await(ctx, sess, q, self._ready(ctx, q, sess.peers[q][0], red, theirs[q]))
+                except TransportAborted as exc:
+                    log.info("op #%d: %s; reducing the chunks of %s from their inputs", ctx.seq, exc,
+                             [ctx.members[p] for p in pending if sess.peers[p][0].word(red) != theirs[p]])
+                    aborted = True
+                continue
+            if not ready:   # aborted: the first pending chunk, reduced here
+                q = pending[0]
+                self._reduce_own(ctx, ins, None, "ag", q, copied / len(sess.peers), 1 / len(sess.peers))
+                self._check(ctx, sess, area_word(area, A_IN), theirs, sess.peers)
+                self._mark(ctx, q)
+                pending.remove(q)
+                copied += 1
                 continue
             for q in ready:
+                seg = sess.peers[q][0]
+                view = self._view(ctx, q, seg, area, nbytes, dtype, red_at)
                 a, b = self._chunk(ctx, q)
                 parts = 8 if probe else 1
                 for j in range(parts):
                     x, y = a + (b - a) * j // parts, a + (b - a) * (j + 1) // parts
                     if probe:
                         ctx.failpoint("ag", (copied + j / parts) / len(sess.peers))
-                    out[x:y].copy_(views[q][x:y])
+                    out[x:y].copy_(view[x:y])
                 self._check(ctx, sess, red, theirs, {q: sess.peers[q]})
                 self._mark(ctx, q)
                 pending.remove(q)
