@@ -111,6 +111,8 @@ def _text() -> bytes:
 MODELS = {"small": 0, "hashed": 1 << 16}
 DEFAULT_MODEL = "hashed"
 D_MODEL = 64
+#: the PowerSGD arm's DDP bucket cap (MiB): larger than any model's gradient, so one bucket
+POWERSGD_BUCKET_MB = 256
 
 
 def _model(name: str = DEFAULT_MODEL) -> torch.nn.Module:
@@ -230,13 +232,20 @@ def worker(args: argparse.Namespace) -> int:
     if arm.startswith("gloo"):
         os.environ["GLOO_SOCKET_IFNAME"] = args.ifname   # lo, or this namespace's veth
         dist.init_process_group("gloo", init_method=f"tcp://{args.ip0}:{args.port}", rank=rank, world_size=WORLD)
-        ddp = DDP(model)
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
         if arm == "gloo_powersgd":
+            # one DDP bucket: torch's PowerSGD hook waits, inside a future callback, for
+            # the next allreduce of its chain, and gloo runs callbacks on its 2 worker
+            # threads; with DDP's default buckets (1 MiB first, 25 MiB after: 2 at this
+            # model) both threads block in unpack_uncompressed_tensors_and_allreduce_ps
+            # waiting for P allreduces that no thread is left to run (stacks dumped
+            # with faulthandler) and the 4 workers hang. One bucket: one chain at a time.
+            ddp = DDP(model, bucket_cap_mb=POWERSGD_BUCKET_MB)
             ddp.register_comm_hook(powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=2,
                                                                start_powerSGD_iter=2), powerSGD_hook.powerSGD_hook)
         else:
+            ddp = DDP(model)
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     else:
         from resilient.collectives import Communicator
