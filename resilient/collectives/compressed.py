@@ -105,8 +105,9 @@ class Compression:
     segments: tuple[tuple[int, int, int], ...] | None = None
     auto: bool = False  #: let the measured-link switch choose between this and fp32 per call
     #: error feedback's buffer (flat float32, the input's size, not overlapping it): the
-    #: op also writes ``x - s*q_own`` there as it quantizes (``info["residual"]`` says it
-    #: did); not part of the op's identity. Left as it was if the op fails before quantizing
+    #: op also writes ``x - s*q_own`` there as it quantizes, before the ring
+    #: (``info["residual"]`` is the buffer when it did); not part of the op's identity.
+    #: If the op then fails, the buffer holds that op's values and the caller drops them
     residual: torch.Tensor | None = field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
