@@ -14,7 +14,11 @@ transformer alone (398 KiB per step, compute-bound on this CPU). Adam is torch's
 Arms, one after the other with the same initial weights and batches: resilient fp32 (the
 contributor-mean hook), resilient q8 and q4 with error feedback
 (:func:`resilient.ddp.compression_hook`), and over gloo torch's PowerSGD (rank 2) and fp16
-hooks. Adam with a warm-up and a cosine decay of the learning rate to 5 % of its peak,
+hooks. The PowerSGD arm's DDP has one bucket: torch's hook waits for its next allreduce
+inside a future callback, which gloo runs on one of its two worker threads, so two
+buckets' chains at once deadlock (see docs/compression.md). Every worker of every arm
+``gc.freeze()``s after setup (``--no-gc-freeze``: not), and reports its seconds in the
+cyclic collector (``gc_seconds``: each arm's slowest worker). Adam with a warm-up and a cosine decay of the learning rate to 5 % of its peak,
 so the loss reaches a plateau at the end instead of being measured on a steep slope.
 Real processes, a real etcd and coordinator; ``--kill`` SIGKILLs member 3 at mid-run,
 30 % into the reduce-scatter of the step's first gradient bucket (the integer ring in
