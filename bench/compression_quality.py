@@ -14,7 +14,11 @@ transformer alone (398 KiB per step, compute-bound on this CPU). Adam is torch's
 Arms, one after the other with the same initial weights and batches: resilient fp32 (the
 contributor-mean hook), resilient q8 and q4 with error feedback
 (:func:`resilient.ddp.compression_hook`), and over gloo torch's PowerSGD (rank 2) and fp16
-hooks. Adam with a warm-up and a cosine decay of the learning rate to 5 % of its peak,
+hooks. The PowerSGD arm's DDP has one bucket: torch's hook waits for its next allreduce
+inside a future callback, which gloo runs on one of its two worker threads, so two
+buckets' chains at once deadlock (see docs/compression.md). Every worker of every arm
+``gc.freeze()``s after setup (``--no-gc-freeze``: not), and reports its seconds in the
+cyclic collector (``gc_seconds``: each arm's slowest worker). Adam with a warm-up and a cosine decay of the learning rate to 5 % of its peak,
 so the loss reaches a plateau at the end instead of being measured on a steep slope.
 Real processes, a real etcd and coordinator; ``--kill`` SIGKILLs member 3 at mid-run,
 30 % into the reduce-scatter of the step's first gradient bucket (the integer ring in
@@ -93,6 +97,7 @@ class ArmResult(TypedDict):
     trace: list[list[float]]
     final: float
     sha: str
+    gc_s: float   #: seconds this worker spent in Python's cyclic garbage collector while training
 
 
 def _text() -> bytes:
@@ -111,6 +116,8 @@ def _text() -> bytes:
 MODELS = {"small": 0, "hashed": 1 << 16}
 DEFAULT_MODEL = "hashed"
 D_MODEL = 64
+#: the PowerSGD arm's DDP bucket cap (MiB): larger than any model's gradient, so one bucket
+POWERSGD_BUCKET_MB = 256
 
 
 def _model(name: str = DEFAULT_MODEL) -> torch.nn.Module:
@@ -209,6 +216,7 @@ def _lr(step: int, steps: int, peak: float = 3e-3, warmup: int = 20, floor: floa
 
 
 def worker(args: argparse.Namespace) -> int:
+    import gc
     import hashlib
 
     import torch
@@ -230,13 +238,20 @@ def worker(args: argparse.Namespace) -> int:
     if arm.startswith("gloo"):
         os.environ["GLOO_SOCKET_IFNAME"] = args.ifname   # lo, or this namespace's veth
         dist.init_process_group("gloo", init_method=f"tcp://{args.ip0}:{args.port}", rank=rank, world_size=WORLD)
-        ddp = DDP(model)
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
         if arm == "gloo_powersgd":
+            # one DDP bucket: torch's PowerSGD hook waits, inside a future callback, for
+            # the next allreduce of its chain, and gloo runs callbacks on its 2 worker
+            # threads; with DDP's default buckets (1 MiB first, 25 MiB after: 2 at this
+            # model) both threads block in unpack_uncompressed_tensors_and_allreduce_ps
+            # waiting for P allreduces that no thread is left to run (stacks dumped
+            # with faulthandler) and the 4 workers hang. One bucket: one chain at a time.
+            ddp = DDP(model, bucket_cap_mb=POWERSGD_BUCKET_MB)
             ddp.register_comm_hook(powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=2,
                                                                start_powerSGD_iter=2), powerSGD_hook.powerSGD_hook)
         else:
+            ddp = DDP(model)
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     else:
         from resilient.collectives import Communicator
@@ -266,6 +281,20 @@ def worker(args: argparse.Namespace) -> int:
         closers = [comm.close, session.close, watcher.close, tr.close, store.close]
     trace = []   # (step, training seconds so far, held-out loss on trace_windows windows)
     evals = 0.0   # seconds spent evaluating: not training time, left out of the trace's clock
+    gc_s = [0.0, 0.0]   # seconds in the cyclic collector during training; the start of a collection
+    if args.gc_freeze:
+        # setup's objects (torch modules, the etcd/grpc clients) to the permanent generation:
+        # every full collection during training would traverse them again; every arm alike
+        gc.collect()
+        gc.freeze()
+
+    def _gc_clock(phase: str, _info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_s[1] = time.perf_counter()
+        else:
+            gc_s[0] += time.perf_counter() - gc_s[1]
+
+    gc.callbacks.append(_gc_clock)
     t0 = time.perf_counter()
     final = float("nan")
     for step in range(total):
@@ -291,7 +320,9 @@ def worker(args: argparse.Namespace) -> int:
                 final = _heldout(model, held, args.eval_windows)
             evals += time.perf_counter() - e0
     sha = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
-    print(json.dumps({"rank": rank, "arm": args.arm, "trace": trace, "final": final, "sha": sha}), flush=True)
+    gc.callbacks.remove(_gc_clock)
+    print(json.dumps({"rank": rank, "arm": args.arm, "trace": trace, "final": final, "sha": sha,
+                      "gc_s": round(gc_s[0], 3)}), flush=True)
     if arm.startswith("gloo"):
         dist.destroy_process_group()
     for c in closers:
@@ -318,7 +349,8 @@ def run_arm(arm: str, etcd: str, lab: MemberLab, args: argparse.Namespace) -> li
                    "--arm", arm, "--etcd", etcd, "--job", job, "--port", str(port), "--steps", str(args.steps), "--extra-steps", str(args.extra_steps),
                    "--ip", lab.ips[i], "--ip0", lab.ips[0], "--ifname", lab.ns_veths[i],
                    "--eval-windows", str(args.eval_windows), "--eval-every", str(args.eval_every),
-                   "--trace-windows", str(args.trace_windows), "--model", args.model] + (["--kill"] if args.kill else []) \
+                   "--trace-windows", str(args.trace_windows), "--model", args.model,
+                   "--gc-freeze" if args.gc_freeze else "--no-gc-freeze"] + (["--kill"] if args.kill else []) \
                 + ([] if args.bucket is None else ["--bucket", str(args.bucket)])
             err = DEVNULL if not args.worker_logs else str(Path(args.worker_logs) / f"{arm}-m{i}.err")
             child = pool.start(Spec(cmd, stdout=PIPE, stderr=err, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
@@ -410,6 +442,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket", type=int, default=None,
                     help="elements per quantization scale in the compressed arms (default: ErrorFeedback's)")
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
+                    help="gc.freeze() in every worker of every arm after setup (default: on; "
+                         "--no-gc-freeze: the interpreter's default collector)")
     ap.add_argument("--worker-logs", default="", help="a folder: each worker's stderr appended to ARM-mI.err there")
     ap.add_argument("--arms", default="res_fp32,res_q8,res_q4,gloo_powersgd,gloo_fp16",
                     help="comma-separated subset (res_fp32 is needed as the reference)")
@@ -447,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         "q8_within_0_5pct": None if q8 is None else abs(q8) <= 0.005,
         "params_identical": identical, "survivors": {a: len(got[a]) for a in arms},
         "eval_tokens": args.eval_windows * CTX, "grad_kib": sum(p.numel() for p in _model(args.model).parameters()) * 4 // 1024, "bucket": args.bucket or _default_bucket(),
+        "gc_freeze": args.gc_freeze, "gc_seconds": {a: max(r.get("gc_s", 0.0) for r in got[a]) for a in arms if got[a]},
         "cap_mb_s": args.cap_mb_s or None, "eval_every": args.eval_every, "trace_windows": args.trace_windows,
         **time_to_loss({a: got[a][0]["trace"] for a in arms if got[a]}, schedule_end=args.steps - 1),
         "link": "loopback (uncapped)" if not args.cap_mb_s else f"htb {args.cap_mb_s:g} MB/s per member egress, netns"}),

@@ -170,6 +170,7 @@ class ErrorFeedback:
         self.residuals: dict[str, torch.Tensor] = {}
         self.bucket_bits: dict[str, int] = {}
         self._spare: dict[str, torch.Tensor] = {}   # per bucket: the buffer the next input goes in
+        self._next: dict[str, torch.Tensor] = {}    # per bucket: the buffer the op writes the next residual in
         self._lock = threading.Lock()
 
     def state_dict(self) -> dict[str, Any]:
@@ -211,12 +212,24 @@ class ErrorFeedback:
             torch.add(grad, e, out=x)
         return x
 
-    def settle(self, key: str, x: torch.Tensor, agg: torch.Tensor, contributed: bool, res: OpOutcome) -> None:
-        """:meth:`update` for a float32 ``x`` from :meth:`stage`, without temporaries: the
-        new residual ``x - s*q_own`` is written over the old residual's storage (``x``
-        itself when left out; ``x - x`` when the op ran uncompressed), and the buffer no
-        longer needed becomes the bucket's spare. The same bits as :meth:`update` with
-        ``own`` = the op's dequantized input (``x`` when uncompressed)."""
+    def residual_buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        """A buffer (kept from the bucket's previous step, else new) for the op to write
+        this step's residual in as it quantizes (``Compression.residual``); it becomes the
+        residual only in :meth:`settle`, so a failed op leaves the residual as it was."""
+        with self._lock:
+            r = self._next.pop(key, None)
+        return r if r is not None and r.shape == like.shape and r.dtype == like.dtype else torch.empty_like(like)
+
+    def settle(self, key: str, x: torch.Tensor, agg: torch.Tensor, contributed: bool, res: OpOutcome,
+               fresh: torch.Tensor | None = None) -> None:
+        """:meth:`update` for a float32 ``x`` from :meth:`stage`, without temporaries.
+        ``fresh``: the :meth:`residual_buffer` the op was given; when the op wrote
+        ``x - s*q_own`` there (``info["residual"] is fresh``) it becomes the residual, no
+        pass over ``q`` here. Otherwise the new residual is written over the old
+        residual's storage (``x`` itself when left out; ``x - x`` when the op ran
+        uncompressed). The buffers no longer needed are kept for the bucket's next step.
+        The same bits as :meth:`update` with ``own`` = the op's dequantized input (``x``
+        when uncompressed)."""
         from resilient.collectives.compressed import CompressedResult
         from resilient.collectives.quantization import dequantize
 
@@ -225,10 +238,13 @@ class ErrorFeedback:
             old = self.residuals.get(key)
         if old is not None and (old.shape != x.shape or old.dtype != x.dtype):
             old = None
+        nxt = fresh
         if not contributed:   # delayed, not lost
             e, spare = x, old
         elif info is None:    # uncompressed: nothing held back
             e, spare = torch.sub(x, x, out=x), old
+        elif fresh is not None and _same(info.get("residual"), fresh):   # written as the op quantized
+            e, spare, nxt = fresh, x, old
         else:
             e = old if old is not None else torch.empty_like(x)
             dequantize(info["q"], info["scales"], info["segments"], info["bucket"], out=e)   # own = s*q
@@ -238,6 +254,8 @@ class ErrorFeedback:
             self.residuals[key] = e
             if spare is not None:
                 self._spare[key] = spare
+            if nxt is not None:
+                self._next[key] = nxt
         self._adapt(key, agg, info)
 
     def bits_for(self, key: str) -> int:
@@ -292,6 +310,10 @@ class ErrorFeedback:
                 self.bucket_bits[key] = nxt
 
 
+def _same(a: object, b: object) -> bool:
+    return a is b
+
+
 def compression_hook(state: ErrorFeedback, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the exact compressed allreduce with error feedback (see
     :class:`ErrorFeedback`). The bucket becomes the exact mean over the op's contributors
@@ -316,9 +338,11 @@ def compression_hook(state: ErrorFeedback, bucket: GradBucket) -> torch.futures.
     # residual bookkeeping reuses this bucket's buffers from its previous step; any other
     # dtype takes the allocating path (the same arithmetic)
     inplace = buf.dtype == torch.float32 and buf.is_contiguous()
+    fresh = None
     if inplace:
         x = state.stage(key, buf)
         inp = buf.copy_(x)
+        fresh = state.residual_buffer(key, buf)   # the op writes x - s*q_own here as it quantizes
     else:
         x = state.input_for(key, buf)
         inp = x.clone()
@@ -326,7 +350,7 @@ def compression_hook(state: ErrorFeedback, bucket: GradBucket) -> torch.futures.
 
     segs = state.segments(bucket, state.bits_for(key))
     compression = Compression(bits=state.bits_for(key), bucket=state.bucket, segments=segs,
-                              auto=state.switch == "auto")
+                              auto=state.switch == "auto", residual=fresh)
     work = comm.allreduce(inp, op="avg", async_op=True, compression=compression)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
@@ -336,7 +360,7 @@ def compression_hook(state: ErrorFeedback, bucket: GradBucket) -> torch.futures.
             members = tuple(res.contributors)
             contributed = state.member_id in members
             if inplace:
-                state.settle(key, x, inp, contributed, res)
+                state.settle(key, x, inp, contributed, res, fresh)
             else:
                 # the automatic switch may have run the op uncompressed: a plain result
                 compressed = res if isinstance(res, CompressedResult) else None

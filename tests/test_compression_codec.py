@@ -135,3 +135,26 @@ def test_multi_part_wire_round_trips(sizes, k, seed):
     for a, b, w, off in plan[0]:
         unpack_add(wire[off:off + wire_nbytes(b - a, w)], b - a, w, out[a:b], add[a:b])
     assert torch.equal(out, q + add)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 3000), st.integers(1, 300), st.sampled_from([2, 4, 8, FINE]), st.integers(0, 2**31 - 1),
+       st.booleans(), st.floats(1e-30, 1e30))
+def test_residual_written_as_it_quantizes_is_x_minus_the_dequantized_input(n, bucket, bits, seed, special, mag):
+    """quantize(..., residual=e) gives the same q and e == x - dequantize(q) bitwise, on
+    layouts with a fixed-point segment, zero buckets, -0.0 and non-finite inputs."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * float(mag)
+    h = n // 2
+    x[h:h + bucket] = 0.0   # a zero bucket (the hashed table's untouched rows): scale 0
+    if special:
+        x[torch.randint(0, n, (3,), generator=g)] = torch.tensor([-0.0, float("nan"), float("inf")])
+    segs = [Segment(0, h, FINE), Segment(h, n, bits)] if 0 < h < n else [Segment(0, n, bits)]
+    m = bucket_maxima(x, segs, bucket).nan_to_num(nan=0.0, posinf=1e30)
+    sc = scales(m, segs, bucket, members=3)
+    e = torch.full((n,), 5.0)
+    q = quantize(x, sc, segs, bucket, 3, residual=e)
+    assert torch.equal(q, quantize(x, sc, segs, bucket, 3))
+    want = x - dequantize(q, sc, segs, bucket)
+    assert torch.equal(e.view(torch.int32)[~want.isnan()], want.view(torch.int32)[~want.isnan()])
+    assert torch.equal(e.isnan(), want.isnan())

@@ -35,7 +35,7 @@ def test_in_place_bookkeeping_gives_the_allocating_rules_bits():
     from resilient.collectives.quantization import Segment, bucket_maxima, clean_maxima, quantize, scales
 
     segs = [Segment(0, 40, 32), Segment(40, 1064, 4)]
-    fast, ref = ErrorFeedback(bits=4, bucket=128), ErrorFeedback(bits=4, bucket=128)
+    fast, ref, fused = (ErrorFeedback(bits=4, bucket=128) for _ in range(3))
     g = torch.Generator().manual_seed(3)
     for step, (contributed, compressed) in enumerate([(True, True), (True, True), (False, True),
                                                       (True, False), (True, True), (False, False), (True, False)]):
@@ -52,6 +52,17 @@ def test_in_place_bookkeeping_gives_the_allocating_rules_bits():
         ref.update("0", xr, own, agg, contributed, res)
         fast.settle("0", x, agg, contributed, res)
         assert torch.equal(fast.residuals["0"], ref.residuals["0"]), step
+        # the op's way: the residual written as it quantizes (Compression.residual), in a
+        # buffer of the bucket's own that becomes the residual only on settle
+        fresh = fused.residual_buffer("0", grad)
+        before = fused.residuals.get("0")
+        xf = fused.stage("0", grad)
+        qf = quantize(xf, sc, segs, 128, 3, residual=fresh)
+        assert torch.equal(qf, q) and (before is None or torch.equal(fused.residuals["0"], before))
+        res_f = CompressedResult(("m0",), compression=dict(info, q=qf, residual=fresh) if compressed else None)
+        fused.settle("0", xf, agg, contributed, res_f, fresh)
+        assert torch.equal(fused.residuals["0"], ref.residuals["0"]), step
+        assert (fused.residuals["0"] is fresh) == (contributed and compressed)
     assert fast.residuals["0"].abs().max() == 0   # the last contributed step ran uncompressed
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import threading
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -104,6 +104,11 @@ class Compression:
     min_numel: int = 4096
     segments: tuple[tuple[int, int, int], ...] | None = None
     auto: bool = False  #: let the measured-link switch choose between this and fp32 per call
+    #: error feedback's buffer (flat float32, the input's size, not overlapping it): the
+    #: op also writes ``x - s*q_own`` there as it quantizes, before the ring
+    #: (``info["residual"]`` is the buffer when it did); not part of the op's identity.
+    #: If the op then fails, the buffer holds that op's values and the caller drops them
+    residual: torch.Tensor | None = field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.bits not in BITS or self.bits == FINE:
@@ -221,7 +226,12 @@ def run_compressed(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Comp
         ring_seq = seqs[1]
     n_bound = max(1, int(scale_in[-1].item()))
     sc = scales(scale_in[:-1], segs, bucket, n_bound)
-    q = quantize(x, sc, segs, bucket, n_bound, out=_Q_BUFFERS.take(numel), finite=finite)
+    rbuf = comp.residual
+    if rbuf is not None and not (x.dtype == torch.float32 and rbuf.dtype == torch.float32 and rbuf.is_contiguous()
+                                 and rbuf.numel() == numel):
+        rbuf = None   # not a buffer this op can fill: the caller dequantizes its own input
+    q = quantize(x, sc, segs, bucket, n_bound, out=_Q_BUFFERS.take(numel), finite=finite,
+                 residual=None if rbuf is None else rbuf.view(-1))
     nbytes = numel * 4
 
     def build(members: list[str], me: int, seq: int, digest: int) -> tuple[Ledger, Any]:
@@ -256,7 +266,7 @@ def run_compressed(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Comp
     if not direct:
         t.copy_(res.view(t.shape))
     info = {"seq": L.seq, "scales": sc, "q": q, "scale_contributors": tuple(res_s.contributors),
-            "members_bound": n_bound, "segments": segs, "bucket": bucket}
+            "members_bound": n_bound, "segments": segs, "bucket": bucket, "residual": rbuf}
     comm.last_compression = info
     r = result_of(L)
     return CompressedResult(r.contributors, r.piece_contributors, r.recovered, info)

@@ -158,10 +158,20 @@ def _per_element(vals: torch.Tensor, seg: Segment, bucket: int, off: int) -> tup
 
 
 def quantize(x: torch.Tensor, sc: torch.Tensor, segments: list[Segment], bucket: int, members: int,
-             out: torch.Tensor | None = None, finite: bool = False) -> torch.Tensor:
+             out: torch.Tensor | None = None, finite: bool = False,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
     """int32 ``q`` of the flat float tensor ``x`` under per-bucket scales ``sc``
-    (``finite``: the caller knows ``x`` has no NaN/inf, one pass less)."""
+    (``finite``: the caller knows ``x`` has no NaN/inf, one pass less).
+
+    ``residual`` (flat float32, ``x.numel()`` elements, not overlapping ``x``; ``x`` must
+    be float32 then): also write ``x - dequantize(q)`` into it, block by block while the
+    block is in cache — error feedback's residual without a second pass over ``q`` and
+    ``x`` after the op. Bitwise what ``x - dequantize(q, sc, ...)`` gives (the same ops
+    per element)."""
     out = torch.empty(x.numel(), dtype=torch.int32) if out is None else out
+    if residual is not None and (x.dtype != torch.float32 or residual.dtype != torch.float32
+                                 or residual.numel() != x.numel()):
+        raise ConfigError("quantize's residual needs float32 x and a float32 residual of the same size")
     off = 0
     for s in segments:
         qm = float(qmax(s.bits, members))
@@ -171,19 +181,33 @@ def quantize(x: torch.Tensor, sc: torch.Tensor, segments: list[Segment], bucket:
         hs, ts = _per_element(sc.to(dt), s, bucket, off)
         off += s.n_buckets(bucket)
         (vh, vt), (oh, ot) = _rows(v, bucket), _rows(o, bucket)
-        for vv, ss, oo in ((vh, hs, oh), (vt, ts, ot)):
+        (xh, xt), (eh, et) = ((_rows(x[s.start:s.end], bucket), _rows(residual[s.start:s.end], bucket))
+                              if residual is not None else ((None, None), (None, None)))
+        for vv, ss, oo, xx, ee in ((vh, hs, oh, xh, eh), (vt, ts, ot, xt, et)):
             if vv is None or vv.numel() == 0:
                 continue
             assert ss is not None and oo is not None   # a head/tail row block has its scales and output
             inv = torch.where(ss > 0, 1.0 / ss, torch.zeros_like(ss))  # a zero bound: everything -> 0
             rows, width = vv.shape
             scratch = torch.empty(min(rows, max(1, BLOCK // width)), width, dtype=dt)
+            own = None if ee is None else torch.empty(scratch.shape, dtype=dt)
+            own32 = None if ee is None or dt is torch.float32 else torch.empty(scratch.shape, dtype=torch.float32)
             for a, b in _row_blocks(rows, width):
                 r = scratch[:b - a]
                 torch.mul(vv[a:b], inv[a:b], out=r)
                 if not finite:
                     r.nan_to_num_(nan=0.0, posinf=qm, neginf=-qm)
                 oo[a:b].copy_(r.clamp_(-qm, qm).round_())
+                if ee is not None:
+                    assert own is not None and xx is not None
+                    # dequantize's ops on this block (from the int32 q: -0.0 rounds to +0)
+                    d = own[:b - a]
+                    d.copy_(oo[a:b])
+                    d.mul_(ss[a:b])
+                    if own32 is not None:   # fixed point: the float64 product rounded once
+                        d = own32[:b - a]
+                        d.copy_(own[:b - a])
+                    torch.sub(xx[a:b], d, out=ee[a:b])
     return out
 
 
