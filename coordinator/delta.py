@@ -314,7 +314,7 @@ def snapshot_ops(job: str, state: EpochState, phash: str) -> tuple[list[Put], Pu
     chunks: list[bytes] = []
     for i in range(0, max(1, len(ids)), CHUNK_MEMBERS):
         part = ids[i:i + CHUNK_MEMBERS]
-        body = json.dumps({"infos": [state.infos[m].to_dict() for m in part],
+        body = json.dumps({"infos": [state.infos[m].record_view() for m in part],   # to_dict() without copies
                            "roles": {m: state.roles[m] for m in part if m in state.roles},
                            "link_bps": {m: state.speeds[m] for m in part if m in state.speeds}},
                           separators=(",", ":")).encode()

@@ -19,6 +19,7 @@ until a valid record is written, exactly as :func:`~.membership.read_members` tr
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import Iterable
@@ -60,7 +61,20 @@ class NodeRecord:
 
     @classmethod
     def from_json(cls, raw: bytes, key: str = "") -> "NodeRecord":
-        """Parse; :class:`RecordError` if malformed or the key's node id differs."""
+        """Parse; :class:`RecordError` if malformed or the key's node id differs.
+
+        A record of the form :meth:`to_json` writes is parsed by :func:`_parse_common`,
+        which applies the same rules inline (4x cheaper: the generic :class:`~.records.Fields`
+        getters were most of the coordinator's CPU from a 12,500-node registration to its
+        first epoch); anything else (an unknown field, a broken rule, not JSON) goes through
+        the generic parse, which names the rule broken. Both give equal records
+        (``tests/test_scale_delta.py``)."""
+        rec = _parse_common(raw, key)
+        return rec if rec is not None else cls._from_json_generic(raw, key)
+
+    @classmethod
+    def _from_json_generic(cls, raw: bytes, key: str = "") -> "NodeRecord":
+        """:meth:`from_json` through the generic :mod:`.records` getters."""
         f = records.fields("node", raw, key)
         node, host = f.name("node"), f.str("host", "", max_len=255)
         labels = f.str_map("labels", {}, max_len=255)
@@ -79,6 +93,109 @@ class NodeRecord:
         if len({r.member_id for r in ranks}) != len(ranks):
             f.fail("lists a rank twice")
         return cls(node, host, labels, tuple(ranks), ttl)
+
+
+_NODE_FIELDS = frozenset(("node", "host", "labels", "ttl", "ranks"))
+_RANK_FIELDS = frozenset(("member_id", "local_rank", "address", "pid", "device", "state", "host", "labels"))
+_is_name = keys.NAME_PATTERN.fullmatch
+
+
+def _str_map(v: object) -> dict[str, str] | None:
+    """``v`` if it is a JSON object of string -> string, each at most 255 characters (the
+    rule :meth:`NodeRecord._from_json_generic` applies to ``labels``), else None."""
+    if type(v) is not dict or len(v) > records.MAX_ITEMS:
+        return None
+    for k, x in v.items():
+        if len(k) > 255 or type(x) is not str or len(x) > 255:
+            return None
+    return v
+
+
+def _parse_common(raw: object, key: str) -> NodeRecord | None:
+    """``raw`` parsed as a node record when it has the shape :meth:`NodeRecord.to_json`
+    writes and breaks none of the generic parse's rules (:mod:`.records`: size, strict
+    UTF-8 and JSON, ids, string lengths, integers in [0, MAX_INT], a finite ``ttl`` >= 0,
+    the key's node id, no rank twice); None for anything else, which the caller hands to
+    the generic parse (it gives the same record or the error naming the rule). Only known
+    fields are accepted here, all scalars or string maps, so the nesting-depth rule holds
+    by construction. Never raises."""
+    if type(raw) is not bytes or len(raw) > records.MAX_RECORD_BYTES:
+        return None
+    try:
+        d = json.loads(raw.decode("utf-8"), parse_constant=records.reject_constant)
+    except Exception:   # not UTF-8, not JSON, NaN, too deep, too many digits: the generic parse says which
+        return None
+    if type(d) is not dict or not d.keys() <= _NODE_FIELDS:
+        return None
+    node, host, labels, ttl, ranks = d.get("node"), d.get("host"), d.get("labels"), d.get("ttl"), d.get("ranks")
+    if type(node) is not str or not _is_name(node) or (key and key.rsplit("/", 1)[-1] != node):
+        return None
+    if host is None:
+        host = ""
+    elif type(host) is not str or len(host) > 255:
+        return None
+    if labels is None:
+        labels = {}
+    elif _str_map(labels) is None:
+        return None
+    if ttl is None:
+        ttl = 0.0
+    elif type(ttl) is float:
+        if not 0.0 <= ttl < math.inf:
+            return None
+    elif type(ttl) is int and 0 <= ttl <= records.MAX_INT:
+        ttl = float(ttl)
+    else:
+        return None
+    if ranks is None:
+        ranks = ()
+    elif type(ranks) is not list or len(ranks) > records.MAX_ITEMS:
+        return None
+    out: list[MemberInfo] = []
+    seen: set[str] = set()
+    of = MemberInfo.of_checked
+    big = records.MAX_INT
+    for r in ranks:
+        if type(r) is not dict or not r.keys() <= _RANK_FIELDS:
+            return None
+        mid = r.get("member_id")
+        if type(mid) is not str or not _is_name(mid) or mid in seen:
+            return None
+        seen.add(mid)
+        rh, lr, dev, addr = r.get("host"), r.get("local_rank"), r.get("device"), r.get("address")
+        own, pid, state = r.get("labels"), r.get("pid"), r.get("state")
+        if rh is None:
+            rh = host
+        elif type(rh) is not str or len(rh) > 255:
+            return None
+        if lr is None:
+            lr = 0
+        elif type(lr) is not int or not 0 <= lr <= big:
+            return None
+        if dev is None:
+            dev = "cpu"
+        elif type(dev) is not str or len(dev) > 64:
+            return None
+        if addr is None:
+            addr = ""
+        elif type(addr) is not str or len(addr) > 300:
+            return None
+        if pid is None:
+            pid = 0
+        elif type(pid) is not int or not 0 <= pid <= big:
+            return None
+        if state is None:
+            state = "joining"
+        elif type(state) is not str or len(state) > 32:
+            return None
+        if own is None:
+            lab = labels
+        elif _str_map(own) is None:
+            return None
+        else:
+            lab = {**labels, **own} if own else labels
+        out.append(of(mid, rh, lr, dev, addr, lab, pid, state, ttl))
+    return NodeRecord(node, host, labels, tuple(out), ttl)
 
 
 def paged_snapshot(store: Store, prefix: str, page: int = PAGE, revision: int = 0,

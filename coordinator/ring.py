@@ -77,6 +77,10 @@ class IncrementalRing:
         latest = {m.member_id: (m, demoted) for m, demoted in upsert}   # the last one of an id wins
         dropping = set(gone)
         gone += [mid for mid in latest if mid in self._key_of and mid not in dropping]
+        if not self._keys and not gone:   # the first build (a state loaded, the first epoch): one sort
+            self._keys = sorted(self._remember(m, demoted) for m, demoted in latest.values())
+            self._ids = [k[2] for k in self._keys]
+            return
         if len(gone) + len(latest) >= BATCH:
             self._rebuild(gone, latest)
             return
