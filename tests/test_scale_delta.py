@@ -241,26 +241,47 @@ def test_directory_paged_load_sees_every_record_at_one_revision(etcd_session, jo
 def test_directory_reload_reuses_unchanged_node_records_and_sees_changed_ones(etcd_session, job_name):
     """A reload parses only the node records whose mod revision moved: the others keep the
     very MemberInfo objects of the last parse (and count as unchanged); a rewritten record,
-    a new one and a deleted one are seen. The paged read (no sort asked) keeps key order."""
+    a new one and a deleted one are seen. The paged read (no sort asked) keeps key order.
+    Once the directory holds parses, a reload reads ``nodes/`` keys only and fetches just
+    the records that moved (a full read when more than a quarter did)."""
     from resilient.coordinator.directory import Directory, paged_snapshot
 
-    store = Store(etcd_session.endpoints)
+    class Counting(Store):
+        def __init__(self, endpoints: list[str]) -> None:
+            super().__init__(endpoints)
+            self.pages: list[tuple[str, bool]] = []
+
+        def snapshot_page(self, prefix, start, limit, revision=0, keys_only=False):
+            self.pages.append((start, keys_only))
+            return super().snapshot_page(prefix, start, limit, revision, keys_only)
+
+    store = Counting(etcd_session.endpoints)
     try:
-        for n in range(5):
+        for n in range(9):
             _put_node(store, job_name, n, 2, ttl=60)
         kvs, _ = paged_snapshot(store, keys.nodes(job_name), page=2)
-        assert [kv.key for kv in kvs] == sorted(kv.key for kv in kvs) and len(kvs) == 5
+        assert [kv.key for kv in kvs] == sorted(kv.key for kv in kvs) and len(kvs) == 9
         d = Directory(job_name)
         d.load(store)
         before = dict(d.members)
+        store.pages.clear()
         changed, _ = d.load(store)
         assert changed == set() and all(d.members[m][0] is before[m][0] for m in before)
+        assert [k for _, k in store.pages] == [False, True]   # members/ in full, nodes/ keys only
         _put_node(store, job_name, 1, 3, ttl=60)         # rewritten: one rank more
         store.delete(keys.node(job_name, "n2"))
-        _put_node(store, job_name, 7, 1, ttl=60)
+        _put_node(store, job_name, 9, 1, ttl=60)
+        store.pages.clear()
         changed, _ = d.load(store)
-        assert changed == {"n1-r0", "n1-r1", "n1-r2", "n2-r0", "n2-r1", "n7-r0"}
+        assert changed == {"n1-r0", "n1-r1", "n1-r2", "n2-r0", "n2-r1", "n9-r0"}
+        assert sorted(start for start, k in store.pages[2:]) == [keys.node(job_name, "n1"), keys.node(job_name, "n9")]
         assert d.members["n1-r0"][0] is not before["n1-r0"][0] and d.members["n0-r0"][0] is before["n0-r0"][0]
-        assert "n2-r0" not in d.members and d.node_of["n7-r0"] == "n7"
+        assert "n2-r0" not in d.members and d.node_of["n9-r0"] == "n9" and len(d.members) == 8 * 2 + 1 + 1
+        for n in range(3, 7):                           # more than a quarter moved: one full read
+            _put_node(store, job_name, n, 1, ttl=60)
+        store.pages.clear()
+        changed, _ = d.load(store)
+        assert changed == {f"n{n}-r1" for n in range(3, 7)} | {f"n{n}-r0" for n in range(3, 7)}
+        assert [k for _, k in store.pages] == [False, True, False]
     finally:
         store.close()
