@@ -176,9 +176,8 @@ class EpochState:
 
     def ring_index(self) -> IncrementalRing:
         if self._ring is None:
-            r = IncrementalRing()
-            r.update(upsert=[(i, self.roles.get(m) == "demoted") for m, i in self.infos.items()])
-            self._ring = r
+            roles = self.roles
+            self._ring = IncrementalRing.of((i, roles.get(m) == "demoted") for m, i in self.infos.items())
         return self._ring
 
     def apply(self, d: EpochDelta, key: str = "", in_place: bool = False) -> "EpochState":
@@ -307,6 +306,13 @@ def speed_changes(old: Mapping[str, float], new: Mapping[str, float],
 # -- snapshots --------------------------------------------------------------------------
 
 
+def _record(i: MemberInfo) -> dict[str, object]:
+    """:meth:`MemberInfo.to_dict`'s object (same keys, same order) without its copy of the
+    labels: for an encoder that only reads it. Built per chunk and dropped with it."""
+    return {"member_id": i.member_id, "host": i.host, "local_rank": i.local_rank, "device": i.device,
+            "address": i.address, "labels": i.labels, "pid": i.pid, "state": i.state, "ttl": i.ttl}
+
+
 def snapshot_ops(job: str, state: EpochState, phash: str) -> tuple[list[Put], Put]:
     """(chunk puts, the meta put) for a snapshot of ``state``. The chunks are written
     first (plain puts: each under the request limit); the meta goes in the epoch's txn."""
@@ -314,7 +320,7 @@ def snapshot_ops(job: str, state: EpochState, phash: str) -> tuple[list[Put], Pu
     chunks: list[bytes] = []
     for i in range(0, max(1, len(ids)), CHUNK_MEMBERS):
         part = ids[i:i + CHUNK_MEMBERS]
-        body = json.dumps({"infos": [state.infos[m].record_view() for m in part],   # to_dict() without copies
+        body = json.dumps({"infos": [_record(state.infos[m]) for m in part],
                            "roles": {m: state.roles[m] for m in part if m in state.roles},
                            "link_bps": {m: state.speeds[m] for m in part if m in state.speeds}},
                           separators=(",", ":")).encode()
