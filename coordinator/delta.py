@@ -35,7 +35,7 @@ import hashlib
 import json
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
 
 from resilient.coordinator import keys, records
 from resilient.coordinator.link_classes import parse_speeds
@@ -313,24 +313,35 @@ def _record(i: MemberInfo) -> dict[str, object]:
             "address": i.address, "labels": i.labels, "pid": i.pid, "state": i.state, "ttl": i.ttl}
 
 
-def snapshot_ops(job: str, state: EpochState, phash: str) -> tuple[list[Put], Put]:
-    """(chunk puts, the meta put) for a snapshot of ``state``. The chunks are written
-    first (plain puts: each under the request limit); the meta goes in the epoch's txn."""
+def snapshot_chunks(job: str, state: EpochState) -> Iterator[Put]:
+    """The chunk puts of a snapshot of ``state``, encoded one at a time (2,048 members
+    each: the caller may pace its writes between them), in order."""
     ids = sorted(state.infos)
-    chunks: list[bytes] = []
-    for i in range(0, max(1, len(ids)), CHUNK_MEMBERS):
+    for n, i in enumerate(range(0, max(1, len(ids)), CHUNK_MEMBERS)):
         part = ids[i:i + CHUNK_MEMBERS]
         body = json.dumps({"infos": [_record(state.infos[m]) for m in part],
                            "roles": {m: state.roles[m] for m in part if m in state.roles},
                            "link_bps": {m: state.speeds[m] for m in part if m in state.speeds}},
                           separators=(",", ":")).encode()
-        chunks.append(zlib.compress(body, 6))
-    digest = hashlib.sha256(b"".join(chunks)).hexdigest()
-    puts = [Put(keys.snapshot_chunk(job, state.number, i), c) for i, c in enumerate(chunks)]
-    meta = json.dumps({"number": state.number, "chunks": len(chunks), "sha256": digest, "plan_hash": phash,
-                       "extras": state.extras, "token": state.token, "size": len(ids)},
+        yield Put(keys.snapshot_chunk(job, state.number, n), zlib.compress(body, 6))
+
+
+def snapshot_meta(job: str, state: EpochState, phash: str, chunks: Sequence[bytes]) -> Put:
+    """The meta put of a snapshot of ``state`` whose chunk values are ``chunks``."""
+    h = hashlib.sha256()
+    for c in chunks:
+        h.update(c)
+    meta = json.dumps({"number": state.number, "chunks": len(chunks), "sha256": h.hexdigest(), "plan_hash": phash,
+                       "extras": state.extras, "token": state.token, "size": len(state.infos)},
                       separators=(",", ":")).encode()
-    return puts, Put(keys.snapshot_meta(job, state.number), meta)
+    return Put(keys.snapshot_meta(job, state.number), meta)
+
+
+def snapshot_ops(job: str, state: EpochState, phash: str) -> tuple[list[Put], Put]:
+    """(chunk puts, the meta put) for a snapshot of ``state``. The chunks are written
+    first (plain puts: each under the request limit); the meta goes in the epoch's txn."""
+    puts = list(snapshot_chunks(job, state))
+    return puts, snapshot_meta(job, state, phash, [p.value for p in puts])
 
 
 def load_snapshot(store: Store, job: str, number: int) -> EpochState:
