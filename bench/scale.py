@@ -525,6 +525,10 @@ def main() -> None:
                     help="--real-etcd: lease-holding client processes (default: one per core; each keeps its "
                          "share over 8 asyncio streams, and more processes than cores only add GIL hand-offs)")
     ap.add_argument("--hold", type=float, default=60.0)
+    ap.add_argument("--coordinator-after-ready", action="store_true",
+                    help="--real-etcd: start the coordinator once every node has registered (it then reads all "
+                         "the records at once), instead of before registration (the default, as deployed: it "
+                         "builds its directory from the watch as the nodes register)")
     ap.add_argument("--timeline", default=None,
                     help="--real-etcd: write a diagnostic timeline (CPU per process every 0.5 s, each client's "
                          "answer lag and losses, the coordinator's reloads, snapshots and slow etcd calls, etcd's "

@@ -319,11 +319,31 @@ def run_real(args: argparse.Namespace) -> dict:
                  "keepalive_interval_s": round(every, 3), "keepalives_scheduled_per_s": round(args.nodes / every),
                  # a refresh may come this much later than due (beyond a third of the TTL) with no lease at risk
                  "keepalive_margin_s": round(granted - every - granted / 3, 3)}
+    before = not args.coordinator_after_ready
+    out["coordinator_start"] = "before registration" if before else "after ready"
     with LocalEtcd() as etcd:
         children: list[_Child] = []
         stop = threading.Event()
-        coord_thread = None
+        coord_thread: threading.Thread | None = None
+        coord_events: list[list[object]] = []
+        store = Store(etcd.endpoints)
+
+        def start_coordinator(min_members: int) -> "Coordinator":
+            """The real coordinator in a thread of this process. Started before registration
+            (the default, as in a deployment: it builds its directory from the watch as the
+            nodes register), its first epoch waits for every rank (``min_members``), as a
+            job's first epoch waits for its minimum size."""
+            nonlocal coord_thread
+            config = CoordinatorConfig(ttl=args.ttl, delta_min_members=1, min_members=min_members)
+            c = (_timed_coordinator(store, config, coord_events) if args.timeline
+                 else Coordinator(store, JOB, "coord-real", config))
+            coord_thread = threading.Thread(target=c.run, args=(stop,), daemon=True)
+            coord_thread.start()
+            return c
+
         try:
+            if before:
+                coord = start_coordinator(args.nodes * args.gpus_per_node)
             per = -(-args.nodes // args.client_processes)
             t0 = time.monotonic()
             for i in range(args.client_processes):
@@ -332,7 +352,6 @@ def run_real(args: argparse.Namespace) -> dict:
                                         "--lo", str(lo), "--hi", str(hi), "--ttl", str(args.ttl),
                                         "--gpus-per-node", str(args.gpus_per_node)]))
             cpu = _CpuMeter(etcd.members[0].proc.pid, [c.p.pid for c in children])
-            coord_events: list[list[object]] = []
             cpu_rows = cpu.sample_every(0.5, stop) if args.timeline else []
             ready_at = []
             for c in children:
@@ -346,13 +365,9 @@ def run_real(args: argparse.Namespace) -> dict:
             t_all_ready = time.monotonic()
             for c in children:
                 c.first_lost_at = None     # from here on: when (if) the first lease goes, per client
-            store = Store(etcd.endpoints)
-            config = CoordinatorConfig(ttl=args.ttl, delta_min_members=1)
-            coord = (_timed_coordinator(store, config, coord_events) if args.timeline
-                     else Coordinator(store, JOB, "coord-real", config))
+            if not before:
+                coord = start_coordinator(1)
             out["t_all_ready"] = time.time()
-            coord_thread = threading.Thread(target=coord.run, args=(stop,), daemon=True)
-            coord_thread.start()
             deadline = time.monotonic() + 600
             while not coord.published and time.monotonic() < deadline:
                 time.sleep(0.2)
@@ -412,13 +427,11 @@ def run_real(args: argparse.Namespace) -> dict:
                        publish_ms=round((result["at"] - t_stop) * 1000, 1) if published else None,
                        epoch_bytes=result.get("bytes"), keepalives_sent=sum(s["sent"] for s in stats),
                        stream_reconnects=sum(s["reconnects"] for s in stats))
-            stop.set()
-            coord_thread.join(timeout=10)
-            store.close()
         finally:
             stop.set()
             if coord_thread is not None:
                 coord_thread.join(timeout=10)
+            store.close()
             for c in children:
                 if c.p.poll() is None:
                     c.p.terminate()

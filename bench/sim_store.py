@@ -22,6 +22,7 @@ latency itself). Pure in-memory; never touches the network.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import itertools
 import math
@@ -221,11 +222,13 @@ class SimStore:
         self._respond(kvs)
         return kvs, self._rev
 
-    def snapshot_page(self, prefix: str, start: str, limit: int, revision: int = 0) -> tuple[list[KV], int, bool]:
+    def snapshot_page(self, prefix: str, start: str, limit: int, revision: int = 0,
+                      keys_only: bool = False) -> tuple[list[KV], int, bool]:
         i = bisect.bisect_left(self._sorted, start)
         out: list[KV] = []
         while i < len(self._sorted) and self._sorted[i].startswith(prefix) and len(out) < limit:
-            out.append(self._kv[self._sorted[i]])
+            kv = self._kv[self._sorted[i]]
+            out.append(dataclasses.replace(kv, value=b"") if keys_only else kv)
             i += 1
         more = i < len(self._sorted) and self._sorted[i].startswith(prefix)
         self._respond(out)

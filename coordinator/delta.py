@@ -35,7 +35,7 @@ import hashlib
 import json
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
 
 from resilient.coordinator import keys, records
 from resilient.coordinator.link_classes import parse_speeds
@@ -176,9 +176,8 @@ class EpochState:
 
     def ring_index(self) -> IncrementalRing:
         if self._ring is None:
-            r = IncrementalRing()
-            r.update(upsert=[(i, self.roles.get(m) == "demoted") for m, i in self.infos.items()])
-            self._ring = r
+            roles = self.roles
+            self._ring = IncrementalRing.of((i, roles.get(m) == "demoted") for m, i in self.infos.items())
         return self._ring
 
     def apply(self, d: EpochDelta, key: str = "", in_place: bool = False) -> "EpochState":
@@ -307,24 +306,42 @@ def speed_changes(old: Mapping[str, float], new: Mapping[str, float],
 # -- snapshots --------------------------------------------------------------------------
 
 
-def snapshot_ops(job: str, state: EpochState, phash: str) -> tuple[list[Put], Put]:
-    """(chunk puts, the meta put) for a snapshot of ``state``. The chunks are written
-    first (plain puts: each under the request limit); the meta goes in the epoch's txn."""
+def _record(i: MemberInfo) -> dict[str, object]:
+    """:meth:`MemberInfo.to_dict`'s object (same keys, same order) without its copy of the
+    labels: for an encoder that only reads it. Built per chunk and dropped with it."""
+    return {"member_id": i.member_id, "host": i.host, "local_rank": i.local_rank, "device": i.device,
+            "address": i.address, "labels": i.labels, "pid": i.pid, "state": i.state, "ttl": i.ttl}
+
+
+def snapshot_chunks(job: str, state: EpochState) -> Iterator[Put]:
+    """The chunk puts of a snapshot of ``state``, encoded one at a time (2,048 members
+    each: the caller may pace its writes between them), in order."""
     ids = sorted(state.infos)
-    chunks: list[bytes] = []
-    for i in range(0, max(1, len(ids)), CHUNK_MEMBERS):
+    for n, i in enumerate(range(0, max(1, len(ids)), CHUNK_MEMBERS)):
         part = ids[i:i + CHUNK_MEMBERS]
-        body = json.dumps({"infos": [state.infos[m].to_dict() for m in part],
+        body = json.dumps({"infos": [_record(state.infos[m]) for m in part],
                            "roles": {m: state.roles[m] for m in part if m in state.roles},
                            "link_bps": {m: state.speeds[m] for m in part if m in state.speeds}},
                           separators=(",", ":")).encode()
-        chunks.append(zlib.compress(body, 6))
-    digest = hashlib.sha256(b"".join(chunks)).hexdigest()
-    puts = [Put(keys.snapshot_chunk(job, state.number, i), c) for i, c in enumerate(chunks)]
-    meta = json.dumps({"number": state.number, "chunks": len(chunks), "sha256": digest, "plan_hash": phash,
-                       "extras": state.extras, "token": state.token, "size": len(ids)},
+        yield Put(keys.snapshot_chunk(job, state.number, n), zlib.compress(body, 6))
+
+
+def snapshot_meta(job: str, state: EpochState, phash: str, chunks: Sequence[bytes]) -> Put:
+    """The meta put of a snapshot of ``state`` whose chunk values are ``chunks``."""
+    h = hashlib.sha256()
+    for c in chunks:
+        h.update(c)
+    meta = json.dumps({"number": state.number, "chunks": len(chunks), "sha256": h.hexdigest(), "plan_hash": phash,
+                       "extras": state.extras, "token": state.token, "size": len(state.infos)},
                       separators=(",", ":")).encode()
-    return puts, Put(keys.snapshot_meta(job, state.number), meta)
+    return Put(keys.snapshot_meta(job, state.number), meta)
+
+
+def snapshot_ops(job: str, state: EpochState, phash: str) -> tuple[list[Put], Put]:
+    """(chunk puts, the meta put) for a snapshot of ``state``. The chunks are written
+    first (plain puts: each under the request limit); the meta goes in the epoch's txn."""
+    puts = list(snapshot_chunks(job, state))
+    return puts, snapshot_meta(job, state, phash, [p.value for p in puts])
 
 
 def load_snapshot(store: Store, job: str, number: int) -> EpochState:

@@ -31,7 +31,7 @@ from resilient.errors import ConfigError
 ROOT = "/resilient"
 EPOCHS_KEPT = 8
 #: a whole job/member/data name (matched with ``fullmatch``: no trailing newline slips through)
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_NAME = NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def check_name(kind: str, value: str) -> str:

@@ -68,7 +68,8 @@ def _short(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _reject_constant(name: str) -> float:
+def reject_constant(name: str) -> float:
+    """``json.loads``'s ``parse_constant``: ``NaN`` and ``Infinity`` are refused (ValueError)."""
     raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
 
 
@@ -97,7 +98,7 @@ def load(kind: str, raw: bytes | bytearray | memoryview | str, key: str = "") ->
                           "accepted", kind, key)
     try:
         text = bytes(raw).decode("utf-8")
-        value: object = json.loads(text, parse_constant=_reject_constant)
+        value: object = json.loads(text, parse_constant=reject_constant)
     except UnicodeDecodeError as exc:
         raise RecordError(f"bad {kind} record{where}: not UTF-8 ({exc.reason} at byte {exc.start})",
                           kind, key) from None

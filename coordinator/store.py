@@ -621,16 +621,18 @@ class Store:
         resp = self._retry(f"get {prefix}*", lambda: self._client.get_prefix_response(prefix, sort_order="ascend"))
         return [_kv(kv) for kv in resp.kvs], resp.header.revision
 
-    def snapshot_page(self, prefix: str, start: str, limit: int, revision: int = 0) -> tuple[list[KV], int, bool]:
+    def snapshot_page(self, prefix: str, start: str, limit: int, revision: int = 0,
+                      keys_only: bool = False) -> tuple[list[KV], int, bool]:
         """Up to ``limit`` keys under ``prefix`` from ``start`` on, at ``revision`` (0: now):
         ``(kvs, revision read, more keys follow)``. Paged reads stay under gRPC's receive
         limit whatever the prefix holds (:func:`~.directory.paged_snapshot`). No sort is
         asked: etcd returns a range in key order, and etcd 3.4 ignores ``limit`` on a sorted
         range (it reads every key to the range's end, sorts, then truncates: each page of
-        a 12,500-node ``nodes/`` read cost up to the whole 12 MB prefix, 3x the CPU)."""
+        a 12,500-node ``nodes/`` read cost up to the whole 12 MB prefix, 3x the CPU).
+        ``keys_only``: every field but the value (``b""``), as etcd's ``keys_only`` range."""
         end = prefix_range_end(prefix.encode())
         resp = self._retry(f"get {prefix}* page", lambda: self._client.get_range_response(
-            start, end, limit=limit, revision=revision or None))
+            start, end, limit=limit, revision=revision or None, keys_only=keys_only))
         return [_kv(kv) for kv in resp.kvs], resp.header.revision, bool(resp.more)
 
     def put(self, key: str, value: bytes | str, lease: int | None = None) -> int:

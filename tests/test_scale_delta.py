@@ -94,6 +94,60 @@ def test_node_record_roundtrip_and_rules():
         NodeRecord.from_json(twice.to_json())
 
 
+_ODD_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 3), st.sampled_from([2 ** 63 - 1, 2 ** 63, -(2 ** 63), 10 ** 400]),
+    st.floats(allow_nan=False, allow_infinity=False), st.sampled_from(["", "x", "n1", "x\n", "a" * 129, "b" * 256,
+                                                                        "c" * 301, "-bad", "ok.id_1"]),
+    st.lists(st.integers(0, 2), max_size=2), st.dictionaries(st.sampled_from(["rack", "a" * 256, "k"]),
+                                                             st.one_of(st.text(max_size=3), st.integers()),
+                                                             max_size=2))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(["node", "host", "labels", "ttl", "ranks", "extra"]),
+       st.sampled_from(["member_id", "local_rank", "address", "pid", "device", "state", "host", "labels", "extra"]),
+       st.booleans(), _ODD_VALUES, st.sampled_from(["", "nan", "inf", "1e400", "deep", "dup", "latin1", "key"]))
+def test_node_record_fast_parse_agrees_with_the_generic_parse(top, rank_field, in_rank, value, raw_edit):
+    """NodeRecord.from_json parses the common form inline (directory._parse_common) and
+    hands anything else to the generic parse: on any record (one field of a valid one set
+    to an odd value, or the raw text altered) the inline parse gives the generic parse's
+    record exactly (repr: field types too), or None where the generic parse refuses the
+    record (from_json then raises the generic parse's RecordError)."""
+    from resilient.coordinator.directory import _parse_common
+
+    rec = NodeRecord("n1", "host1", {"rack": "k1"}, (_info(0), _info(1)), 5.0)
+    key = "/resilient/j/nodes/n1"
+    assert repr(_parse_common(rec.to_json(), key)) == repr(NodeRecord._from_json_generic(rec.to_json(), key))
+    d = json.loads(rec.to_json())
+    if in_rank:
+        d["ranks"][1][rank_field] = value
+    else:
+        d[top] = value
+    text = json.dumps(d)
+    if raw_edit in ("nan", "inf", "1e400"):
+        text = text.replace('"ttl": 5.0', '"ttl": ' + {"nan": "NaN", "inf": "Infinity", "1e400": "1e400"}[raw_edit])
+    elif raw_edit == "deep":
+        text = text.replace('"ttl":', '"extra": ' + "[" * 20 + "]" * 20 + ', "ttl":')
+    elif raw_edit == "dup":
+        text = text.replace('"r1"', '"r0"')
+    elif raw_edit == "key":
+        key = "/resilient/j/nodes/n2"
+    raw = text.encode("latin-1" if raw_edit == "latin1" else "utf-8", "replace")
+    if raw_edit == "latin1":
+        raw = raw.replace(b"host1", b"host\xe9")
+    fast = _parse_common(raw, key)
+    try:
+        slow = NodeRecord._from_json_generic(raw, key)
+    except RecordError as exc:
+        assert fast is None
+        with pytest.raises(RecordError) as got:
+            NodeRecord.from_json(raw, key)
+        assert str(got.value) == str(exc)
+    else:
+        assert fast is None or repr(fast) == repr(slow)
+        assert repr(NodeRecord.from_json(raw, key)) == repr(slow)
+
+
 def _put_node(store: Store, job: str, node: int, ranks: int, ttl: float = 5.0) -> int:
     lease = store.grant(ttl)
     infos = tuple(MemberInfo(member_id=f"n{node}-r{r}", host=f"host{node}", local_rank=r,
@@ -187,26 +241,47 @@ def test_directory_paged_load_sees_every_record_at_one_revision(etcd_session, jo
 def test_directory_reload_reuses_unchanged_node_records_and_sees_changed_ones(etcd_session, job_name):
     """A reload parses only the node records whose mod revision moved: the others keep the
     very MemberInfo objects of the last parse (and count as unchanged); a rewritten record,
-    a new one and a deleted one are seen. The paged read (no sort asked) keeps key order."""
+    a new one and a deleted one are seen. The paged read (no sort asked) keeps key order.
+    Once the directory holds parses, a reload reads ``nodes/`` keys only and fetches just
+    the records that moved (a full read when more than a quarter did)."""
     from resilient.coordinator.directory import Directory, paged_snapshot
 
-    store = Store(etcd_session.endpoints)
+    class Counting(Store):
+        def __init__(self, endpoints: list[str]) -> None:
+            super().__init__(endpoints)
+            self.pages: list[tuple[str, bool]] = []
+
+        def snapshot_page(self, prefix, start, limit, revision=0, keys_only=False):
+            self.pages.append((start, keys_only))
+            return super().snapshot_page(prefix, start, limit, revision, keys_only)
+
+    store = Counting(etcd_session.endpoints)
     try:
-        for n in range(5):
+        for n in range(9):
             _put_node(store, job_name, n, 2, ttl=60)
         kvs, _ = paged_snapshot(store, keys.nodes(job_name), page=2)
-        assert [kv.key for kv in kvs] == sorted(kv.key for kv in kvs) and len(kvs) == 5
+        assert [kv.key for kv in kvs] == sorted(kv.key for kv in kvs) and len(kvs) == 9
         d = Directory(job_name)
         d.load(store)
         before = dict(d.members)
+        store.pages.clear()
         changed, _ = d.load(store)
         assert changed == set() and all(d.members[m][0] is before[m][0] for m in before)
+        assert [k for _, k in store.pages] == [False, True]   # members/ in full, nodes/ keys only
         _put_node(store, job_name, 1, 3, ttl=60)         # rewritten: one rank more
         store.delete(keys.node(job_name, "n2"))
-        _put_node(store, job_name, 7, 1, ttl=60)
+        _put_node(store, job_name, 9, 1, ttl=60)
+        store.pages.clear()
         changed, _ = d.load(store)
-        assert changed == {"n1-r0", "n1-r1", "n1-r2", "n2-r0", "n2-r1", "n7-r0"}
+        assert changed == {"n1-r0", "n1-r1", "n1-r2", "n2-r0", "n2-r1", "n9-r0"}
+        assert sorted(start for start, k in store.pages[2:]) == [keys.node(job_name, "n1"), keys.node(job_name, "n9")]
         assert d.members["n1-r0"][0] is not before["n1-r0"][0] and d.members["n0-r0"][0] is before["n0-r0"][0]
-        assert "n2-r0" not in d.members and d.node_of["n7-r0"] == "n7"
+        assert "n2-r0" not in d.members and d.node_of["n9-r0"] == "n9" and len(d.members) == 8 * 2 + 1 + 1
+        for n in range(3, 7):                           # more than a quarter moved: one full read
+            _put_node(store, job_name, n, 1, ttl=60)
+        store.pages.clear()
+        changed, _ = d.load(store)
+        assert changed == {f"n{n}-r1" for n in range(3, 7)} | {f"n{n}-r0" for n in range(3, 7)}
+        assert [k for _, k in store.pages] == [False, True, False]
     finally:
         store.close()

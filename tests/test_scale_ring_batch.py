@@ -34,6 +34,11 @@ def test_batched_updates_give_the_planners_ring(batches: list[tuple[set[int], di
         assert ring.demoted_count == len(p.demoted)
         assert ring.hash() == plan_hash(p.ring, len(p.demoted))
         assert all(ring.position(m) == i for i, m in enumerate(p.ring))
+        # a ring built at once (IncrementalRing.of, a loaded state's) is the same ring, and updates alike
+        built = IncrementalRing.of([(_info(k), v) for k, v in present.items()] + [(_info(k), v) for k, v in upsert.items()])
+        assert built.ring() == p.ring and built.demoted_count == len(p.demoted)
+        built.update(remove=[f"r{k}" for k in list(present)[:2]])
+        assert built.ring() == tuple(m for m in p.ring if m not in {f"r{k}" for k in list(present)[:2]})
 
 
 def test_a_large_batch_removing_and_reinserting_one_id() -> None:
