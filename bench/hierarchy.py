@@ -33,8 +33,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -64,16 +67,40 @@ def _expected(world: int, numel: int):
 def _batch(mode: str, barrier: Any, allreduce: Any, index: int, args: argparse.Namespace, exp: Any) -> None:
     """One timed batch of ``args.ops`` allreduces after a barrier; emits its time and
     how many outputs were not the exact sum."""
-    barrier()
+    def within(what: str, fn: Any, *fa: Any) -> None:
+        # a hang fails with a message: past --op-timeout every thread's stack goes to
+        # stderr and the worker exits 3 (the driver raises BenchError with that tail)
+        def expired() -> None:
+            import faulthandler
+
+            msg = f"{args.id}: {mode} {what} did not finish within {args.op_timeout}s\n"
+            sys.stderr.write(msg)
+            faulthandler.dump_traceback(all_threads=True)
+            sys.stderr.write(msg)   # last too: the driver reports the stderr's tail
+            sys.stderr.flush()
+            os._exit(3)
+
+        timer = threading.Timer(args.op_timeout, expired)
+        timer.daemon = True
+        timer.start()
+        try:
+            fn(*fa)
+        finally:
+            timer.cancel()
+
+    within("barrier", barrier)
     t0, wrong = time.monotonic(), 0
-    for _ in range(args.ops):
+    for i in range(args.ops):
         x = _input(index, args.numel)
-        allreduce(x)
+        within(f"allreduce {i}", allreduce, x)
         wrong += int(not bool((x == exp).all()))
     emit("batch", mode=mode, seconds=time.monotonic() - t0, wrong=wrong)
 
 
 def worker(args: argparse.Namespace) -> int:
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 <pid>`: every thread's stack to stderr
     index = int(args.id.lstrip("m"))
     exp = _expected(args.world, args.numel)
     if args.backend == "gloo":
@@ -182,7 +209,7 @@ def cap_egress(lab: Any, i: int, default_mbit: float, to: dict[int, float] | Non
 
 
 def _common_args(a: argparse.Namespace, ops: int) -> list[str]:
-    return ["--numel", str(a.numel), "--ops", str(ops), "--rounds", str(a.rounds)]
+    return ["--numel", str(a.numel), "--ops", str(ops), "--rounds", str(a.rounds), "--op-timeout", str(a.op_timeout)]
 
 
 def case_hosts(a: argparse.Namespace) -> dict[str, Any]:
@@ -196,10 +223,12 @@ def case_hosts(a: argparse.Namespace) -> dict[str, Any]:
         ns_of = {f"m{i}": i // k for i in range(world)}
         host = {m: f"host{'AB'[n]}" for m, n in ns_of.items()}
         extra = {m: [*_common_args(a, a.ops), "--bind", lab.ips[ns_of[m]], "--host-label", host[m],
-                     "--modes", "flat,hier"] for m in ns_of}
+                     "--modes", a.hosts_modes] for m in ns_of}
         with NetnsCluster(lab, ns_of, extra, {}, "hier-hosts", world) as cl:
             plan = cl.ready["m0"]["plan"]
-            ours = cl.run_batches(a.rounds, ["flat", "hier"])
+            ours = cl.run_batches(a.rounds, a.hosts_modes.split(","))
+        if not a.gloo:
+            return {"case": "hosts", "cap_mbit": a.cap_mbit, "wrong": ours["wrong"], "batches": ours["batches"]}
         port = free_port()   # any port: namespace 0 has its own port space
         gextra = {m: [*_common_args(a, a.ops), "--backend", "gloo", "--master", f"{lab.ips[0]}:{port}"] for m in ns_of}
         genv = {m: {"GLOO_SOCKET_IFNAME": lab.ns_veths[ns_of[m]]} for m in ns_of}
@@ -254,6 +283,19 @@ def case_weighted(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _stop_on_signals() -> None:
+    """SIGTERM like SIGINT: the first raises KeyboardInterrupt in the driver, so the
+    ``with`` blocks stop the workers, the coordinator, etcd (by PID) and remove the
+    namespaces and veths; later ones are ignored so that cleanup runs to its end."""
+    def handler(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
 def main() -> int:
     ap = worker_argparser(__doc__)
     ap.add_argument("--cases", default="hosts,weighted")
@@ -261,6 +303,13 @@ def main() -> int:
     ap.add_argument("--numel", type=int, default=1 << 21, help="float32 elements per allreduce (default 8 MiB)")
     ap.add_argument("--ops", type=int, default=3, help="allreduces per timed batch")
     ap.add_argument("--rounds", type=int, default=3, help="timed batches per mode")
+    ap.add_argument("--op-timeout", type=float, default=120.0,
+                    help="seconds one worker op (barrier or allreduce) may take; past it the worker dumps its "
+                         "threads' stacks to stderr and exits, and the bench fails naming it")
+    ap.add_argument("--hosts-modes", default="flat,hier",
+                    help="case hosts: the modes to run (a subset of flat,hier; not both: no ratios)")
+    ap.add_argument("--no-gloo", dest="gloo", action="store_false",
+                    help="case hosts: skip the gloo run (and so the ratios)")
     # worker side
     ap.add_argument("--world", type=int, default=8, help=argparse.SUPPRESS)
     ap.add_argument("--backend", default="resilient", help=argparse.SUPPRESS)
@@ -278,12 +327,17 @@ def main() -> int:
     if why is not None:
         print(json.dumps({"error": why}))
         return 2
+    _stop_on_signals()
     rc = 0
     for case in a.cases.split(","):
         try:
             res = {"hosts": case_hosts, "weighted": case_weighted}[case](a)
         except (BenchError, KeyError) as exc:
             res, rc = {"case": case, "error": str(exc)}, 1
+        except KeyboardInterrupt:   # SIGINT / SIGTERM: the with-blocks above stopped everything
+            print(json.dumps({"case": case, "error": "interrupted (SIGINT/SIGTERM); workers, etcd, "
+                              "coordinator and namespaces removed"}), flush=True)
+            return 130
         res["loadavg"] = open("/proc/loadavg").read().split()[:3]
         print(json.dumps(res), flush=True)
     return rc
