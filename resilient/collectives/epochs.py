@@ -5,6 +5,8 @@
 * An epoch that only **grows** the group (joiners, role changes) is adopted at an op
   boundary the whole group agrees on: every member announces under ``epochs/<n>/`` the
   first op seq it has not started (``joinseq``), and all adopt it at the largest one.
+  Several growing epochs are adopted one by one, in order, each at its own agreed seq
+  (never skipping one the group may adopt: docs/recovery.md).
 
 Failure behaviour: a member not in the newest epoch gets
 :class:`~resilient.errors.RemovedFromGroup` (``Evicted`` when the plan says so); a growing
