@@ -18,7 +18,9 @@ Case ``weighted``: 2 hosts x 2, one namespace per member, so each cross-host pai
 its own link: local index 0's pair capped at ``--cap-mbit`` (B), index 1's at 2B (htb
 classes per destination; the intra-host pairs are uncapped). Hierarchical allreduce with
 uniform shards (members declare no link speed) against weighted shards (members declare
-``link_bps`` labels B / 2B; the planner classes them and publishes ``shard_weights``).
+``link_bps`` labels B / 2B; the planner classes them and publishes ``shard_weights``);
+the coordinator runs with ``--no-measure-links`` in both, else it would weight the
+uniform arm's shards by the measured speeds as well.
 Output: ``{"case": "weighted", "uniform_s", "weighted_s", "ratio_vs_uniform",
 "shard_weights", "measured_link_classes"}`` — the last is what the health reporter
 measured during the weighted run (``link_bps`` windows through
@@ -157,9 +159,10 @@ class NetnsCluster(BenchCluster):
     ready_timeout = 180.0
 
     def __init__(self, lab: Any, ns_of: dict[str, int], extra: dict[str, list[str]], env: dict[str, dict[str, str]],
-                 job: str, world: int) -> None:
+                 job: str, world: int, coordinator_args: list[str] | None = None) -> None:
         super().__init__(__file__, world, job=job, ttl=10.0, env_for=lambda mid: env.get(mid, {}))
         self.lab, self.ns_of, self.extra = lab, ns_of, extra
+        self.coordinator_args = list(coordinator_args or [])
         self.etcd_host = lab.host_ip
 
     def member_prefix(self, mid: str) -> list[str]:
@@ -267,7 +270,9 @@ def case_weighted(a: argparse.Namespace) -> dict[str, Any]:
             labels = {m: ({"link_bps": str(speed[m] * 1e6 / 8)} if mode == "weighted" else {}) for m in host}
             extra = {m: [*_common_args(a, a.ops), "--bind", lab.ips[ns_of[m]], "--host-label", host[m],
                          "--modes", "hier", "--labels", json.dumps(labels[m])] for m in host}
-            with NetnsCluster(lab, ns_of, extra, {}, f"hier-{mode}", world) as cl:
+            # declared labels only: with measured link speeds (the coordinator's default)
+            # the "uniform" arm would be weighted too, by the health reporters' figures
+            with NetnsCluster(lab, ns_of, extra, {}, f"hier-{mode}", world, ["--no-measure-links"]) as cl:
                 plan = cl.ready["m0"]["plan"]
                 r = cl.run_batches(a.rounds, ["hier"])
                 if mode == "weighted":
