@@ -67,6 +67,8 @@ class BenchCluster:
     etcd_host = "127.0.0.1"
     join_debounce_ms = 100
     ready_timeout = 120.0
+    #: extra ``resilient coordinator`` arguments (e.g. ``--no-measure-links``)
+    coordinator_args: list[str] = []
 
     def __init__(self, script: str, world: int, job: str = "bench", ttl: float = 30.0,
                  worker_args: list[str] | None = None, env_for: Callable[[str], dict[str, str]] | None = None) -> None:
@@ -96,7 +98,8 @@ class BenchCluster:
             self._coord = self._pool.start(Spec(
                 [sys.executable, "-c", "import sys; from resilient.cli import main; sys.exit(main())",
                  "coordinator", "--etcd", self._etcd.endpoint_arg, "--job", self.job, "--ttl", str(self.ttl),
-                 "--metrics-port", "-1", "--log-level", "WARNING", "--join-debounce-ms", str(self.join_debounce_ms)],
+                 "--metrics-port", "-1", "--log-level", "WARNING", "--join-debounce-ms", str(self.join_debounce_ms),
+                 *self.coordinator_args],
                 stdout=DEVNULL, stderr=self._path("coordinator.stderr"), cwd=ROOT,
                 env={**os.environ, **self._etcd.access.child_env()}, name="coordinator"))
             for i in range(self.world):

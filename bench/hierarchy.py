@@ -18,7 +18,9 @@ Case ``weighted``: 2 hosts x 2, one namespace per member, so each cross-host pai
 its own link: local index 0's pair capped at ``--cap-mbit`` (B), index 1's at 2B (htb
 classes per destination; the intra-host pairs are uncapped). Hierarchical allreduce with
 uniform shards (members declare no link speed) against weighted shards (members declare
-``link_bps`` labels B / 2B; the planner classes them and publishes ``shard_weights``).
+``link_bps`` labels B / 2B; the planner classes them and publishes ``shard_weights``);
+the coordinator runs with ``--no-measure-links`` in both, else it would weight the
+uniform arm's shards by the measured speeds as well.
 Output: ``{"case": "weighted", "uniform_s", "weighted_s", "ratio_vs_uniform",
 "shard_weights", "measured_link_classes"}`` — the last is what the health reporter
 measured during the weighted run (``link_bps`` windows through
@@ -33,8 +35,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -64,16 +69,40 @@ def _expected(world: int, numel: int):
 def _batch(mode: str, barrier: Any, allreduce: Any, index: int, args: argparse.Namespace, exp: Any) -> None:
     """One timed batch of ``args.ops`` allreduces after a barrier; emits its time and
     how many outputs were not the exact sum."""
-    barrier()
+    def within(what: str, fn: Any, *fa: Any) -> None:
+        # a hang fails with a message: past --op-timeout every thread's stack goes to
+        # stderr and the worker exits 3 (the driver raises BenchError with that tail)
+        def expired() -> None:
+            import faulthandler
+
+            msg = f"{args.id}: {mode} {what} did not finish within {args.op_timeout}s\n"
+            sys.stderr.write(msg)
+            faulthandler.dump_traceback(all_threads=True)
+            sys.stderr.write(msg)   # last too: the driver reports the stderr's tail
+            sys.stderr.flush()
+            os._exit(3)
+
+        timer = threading.Timer(args.op_timeout, expired)
+        timer.daemon = True
+        timer.start()
+        try:
+            fn(*fa)
+        finally:
+            timer.cancel()
+
+    within("barrier", barrier)
     t0, wrong = time.monotonic(), 0
-    for _ in range(args.ops):
+    for i in range(args.ops):
         x = _input(index, args.numel)
-        allreduce(x)
+        within(f"allreduce {i}", allreduce, x)
         wrong += int(not bool((x == exp).all()))
     emit("batch", mode=mode, seconds=time.monotonic() - t0, wrong=wrong)
 
 
 def worker(args: argparse.Namespace) -> int:
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 <pid>`: every thread's stack to stderr
     index = int(args.id.lstrip("m"))
     exp = _expected(args.world, args.numel)
     if args.backend == "gloo":
@@ -130,9 +159,10 @@ class NetnsCluster(BenchCluster):
     ready_timeout = 180.0
 
     def __init__(self, lab: Any, ns_of: dict[str, int], extra: dict[str, list[str]], env: dict[str, dict[str, str]],
-                 job: str, world: int) -> None:
+                 job: str, world: int, coordinator_args: list[str] | None = None) -> None:
         super().__init__(__file__, world, job=job, ttl=10.0, env_for=lambda mid: env.get(mid, {}))
         self.lab, self.ns_of, self.extra = lab, ns_of, extra
+        self.coordinator_args = list(coordinator_args or [])
         self.etcd_host = lab.host_ip
 
     def member_prefix(self, mid: str) -> list[str]:
@@ -182,7 +212,7 @@ def cap_egress(lab: Any, i: int, default_mbit: float, to: dict[int, float] | Non
 
 
 def _common_args(a: argparse.Namespace, ops: int) -> list[str]:
-    return ["--numel", str(a.numel), "--ops", str(ops), "--rounds", str(a.rounds)]
+    return ["--numel", str(a.numel), "--ops", str(ops), "--rounds", str(a.rounds), "--op-timeout", str(a.op_timeout)]
 
 
 def case_hosts(a: argparse.Namespace) -> dict[str, Any]:
@@ -196,10 +226,12 @@ def case_hosts(a: argparse.Namespace) -> dict[str, Any]:
         ns_of = {f"m{i}": i // k for i in range(world)}
         host = {m: f"host{'AB'[n]}" for m, n in ns_of.items()}
         extra = {m: [*_common_args(a, a.ops), "--bind", lab.ips[ns_of[m]], "--host-label", host[m],
-                     "--modes", "flat,hier"] for m in ns_of}
+                     "--modes", a.hosts_modes] for m in ns_of}
         with NetnsCluster(lab, ns_of, extra, {}, "hier-hosts", world) as cl:
             plan = cl.ready["m0"]["plan"]
-            ours = cl.run_batches(a.rounds, ["flat", "hier"])
+            ours = cl.run_batches(a.rounds, a.hosts_modes.split(","))
+        if not a.gloo:
+            return {"case": "hosts", "cap_mbit": a.cap_mbit, "wrong": ours["wrong"], "batches": ours["batches"]}
         port = free_port()   # any port: namespace 0 has its own port space
         gextra = {m: [*_common_args(a, a.ops), "--backend", "gloo", "--master", f"{lab.ips[0]}:{port}"] for m in ns_of}
         genv = {m: {"GLOO_SOCKET_IFNAME": lab.ns_veths[ns_of[m]]} for m in ns_of}
@@ -238,7 +270,9 @@ def case_weighted(a: argparse.Namespace) -> dict[str, Any]:
             labels = {m: ({"link_bps": str(speed[m] * 1e6 / 8)} if mode == "weighted" else {}) for m in host}
             extra = {m: [*_common_args(a, a.ops), "--bind", lab.ips[ns_of[m]], "--host-label", host[m],
                          "--modes", "hier", "--labels", json.dumps(labels[m])] for m in host}
-            with NetnsCluster(lab, ns_of, extra, {}, f"hier-{mode}", world) as cl:
+            # declared labels only: with measured link speeds (the coordinator's default)
+            # the "uniform" arm would be weighted too, by the health reporters' figures
+            with NetnsCluster(lab, ns_of, extra, {}, f"hier-{mode}", world, ["--no-measure-links"]) as cl:
                 plan = cl.ready["m0"]["plan"]
                 r = cl.run_batches(a.rounds, ["hier"])
                 if mode == "weighted":
@@ -254,6 +288,19 @@ def case_weighted(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _stop_on_signals() -> None:
+    """SIGTERM like SIGINT: the first raises KeyboardInterrupt in the driver, so the
+    ``with`` blocks stop the workers, the coordinator, etcd (by PID) and remove the
+    namespaces and veths; later ones are ignored so that cleanup runs to its end."""
+    def handler(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
 def main() -> int:
     ap = worker_argparser(__doc__)
     ap.add_argument("--cases", default="hosts,weighted")
@@ -261,6 +308,13 @@ def main() -> int:
     ap.add_argument("--numel", type=int, default=1 << 21, help="float32 elements per allreduce (default 8 MiB)")
     ap.add_argument("--ops", type=int, default=3, help="allreduces per timed batch")
     ap.add_argument("--rounds", type=int, default=3, help="timed batches per mode")
+    ap.add_argument("--op-timeout", type=float, default=120.0,
+                    help="seconds one worker op (barrier or allreduce) may take; past it the worker dumps its "
+                         "threads' stacks to stderr and exits, and the bench fails naming it")
+    ap.add_argument("--hosts-modes", default="flat,hier",
+                    help="case hosts: the modes to run (a subset of flat,hier; not both: no ratios)")
+    ap.add_argument("--no-gloo", dest="gloo", action="store_false",
+                    help="case hosts: skip the gloo run (and so the ratios)")
     # worker side
     ap.add_argument("--world", type=int, default=8, help=argparse.SUPPRESS)
     ap.add_argument("--backend", default="resilient", help=argparse.SUPPRESS)
@@ -278,12 +332,17 @@ def main() -> int:
     if why is not None:
         print(json.dumps({"error": why}))
         return 2
+    _stop_on_signals()
     rc = 0
     for case in a.cases.split(","):
         try:
             res = {"hosts": case_hosts, "weighted": case_weighted}[case](a)
         except (BenchError, KeyError) as exc:
             res, rc = {"case": case, "error": str(exc)}, 1
+        except KeyboardInterrupt:   # SIGINT / SIGTERM: the with-blocks above stopped everything
+            print(json.dumps({"case": case, "error": "interrupted (SIGINT/SIGTERM); workers, etcd, "
+                              "coordinator and namespaces removed"}), flush=True)
+            return 130
         res["loadavg"] = open("/proc/loadavg").read().split()[:3]
         print(json.dumps(res), flush=True)
     return rc

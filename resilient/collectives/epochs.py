@@ -5,6 +5,8 @@
 * An epoch that only **grows** the group (joiners, role changes) is adopted at an op
   boundary the whole group agrees on: every member announces under ``epochs/<n>/`` the
   first op seq it has not started (``joinseq``), and all adopt it at the largest one.
+  Several growing epochs are adopted one by one, in order, each at its own agreed seq
+  (never skipping one the group may adopt: docs/recovery.md).
 
 Failure behaviour: a member not in the newest epoch gets
 :class:`~resilient.errors.RemovedFromGroup` (``Evicted`` when the plan says so); a growing
@@ -74,6 +76,7 @@ class EpochTracker:
         self.published: dict[int, int] = {}  # epoch -> the next op seq this member announced there
         self.aborted_at: float | None = None  # wall time the watch thread last aborted the transport
         self.switch: tuple[int, EpochLike] | None = None  # (op seq, epoch) at which to adopt a growing epoch
+        self.seen: dict[int, EpochLike] = {}  # newer epochs the watch thread delivered, not adopted yet
         self.seq = 0
         self.admitted_at = 0  # the op seq at which the newest admission took effect (agreed: see boundary/start)
         self._unwatch: Callable[[], None] = lambda: None
@@ -132,6 +135,8 @@ class EpochTracker:
             self.aborted_at = time.time()
             self.transport.abort(f"epoch {e.number} removed {sorted(set(self.members()) - set(e.members))}")
         elif e.number > self.epoch.number:
+            with self.lock:
+                self.seen[e.number] = e
             try:
                 self.announce(e.number)
             except Exception as exc:  # noqa: BLE001 - the op thread announces at its next boundary
@@ -220,6 +225,7 @@ class EpochTracker:
         a member)."""
         if self.view.session_lost() and self.member_id not in (self.view.current() or self.epoch).members:
             raise RemovedFromGroup(f"member {self.member_id} lost its lease; it is no longer in the job")
+        nxt = self.seq if next_seq is None else next_seq
         while True:
             newest = self.view.current()
             if newest is None or newest.number <= self.epoch.number:
@@ -230,26 +236,44 @@ class EpochTracker:
             if self.removes(newest):
                 self.switch = None
                 return True
-            if self.switch is not None and self.switch[1].number == newest.number:
-                break
-            try:
-                self.adopt_growing(newest)
-            except EpochChanged:
-                continue
-            except TimeoutError as exc:
-                raise CollectiveError(f"epoch {newest.number} adds members but not every member announced its op "
-                                      f"sequence number within {self.epoch_timeout}s: {exc}") from None
-            break
-        if self.switch is not None and (self.seq if next_seq is None else next_seq) >= self.switch[0]:
+            if self.switch is None:
+                # Growing epochs are adopted one by one, in order, each at the op seq the
+                # group agreed for it: a member that reaches this boundary when a later
+                # epoch is already out must still switch to an earlier one it announced
+                # where the others do, else it runs an op in another epoch than they do.
+                e = self._next_growing(newest)
+                try:
+                    self.adopt_growing(e)
+                except EpochChanged:
+                    continue
+                except TimeoutError as exc:
+                    raise CollectiveError(f"epoch {e.number} adds members but not every member announced its op "
+                                          f"sequence number within {self.epoch_timeout}s: {exc}") from None
+            assert self.switch is not None   # set by adopt_growing
             at, e = self.switch
+            if nxt < at:
+                break   # later epochs take effect no earlier (announcements only grow): at a later boundary
             self.switch = None
             self.admitted_at = max(self.admitted_at, at)
             self.group |= set(e.members)
             self.enter(e)
+            with self.lock:
+                for n in [n for n in self.seen if n <= e.number]:
+                    del self.seen[n]
             self.set_metrics()
             log.info("member %s adopted epoch %d at op #%d (members %s)", self.member_id, e.number, self.seq,
                      list(e.members))
         return False
+
+    def _next_growing(self, newest: EpochLike) -> EpochLike:
+        """The oldest epoch newer than ours, removing no member of ours, that the watch
+        thread delivered (and so this member announced: the others may adopt it); else ``newest``."""
+        with self.lock:
+            for n in sorted(self.seen):
+                e = self.seen[n]
+                if self.epoch.number < n < newest.number and self.member_id in e.members and not self.removes(e):
+                    return e
+        return newest
 
     def reserve(self, seq: int | None, count: int) -> tuple[int, bool]:
         """The op's sequence number (``seq`` when pre-reserved, else the next ``count``
@@ -261,8 +285,10 @@ class EpochTracker:
             with self.lock:
                 # an epoch announced (by the watch thread) after boundary looked: resolve it
                 # first, this op must not start in the older epoch
+                # (none while a switch is pending: that epoch takes effect after this op, and a
+                # later one no earlier, as every member announces epochs in order)
                 late = [n for n, v in self.published.items() if n > self.epoch.number and v <= self.seq
-                        and not (self.switch is not None and self.switch[1].number >= n)]
+                        and self.switch is None]
                 if need_status or not late:
                     seq = self.seq
                     self.seq += count
