@@ -133,6 +133,7 @@ def worker(args) -> None:
     members = world.members
     phase_of = [p for p in PHASES for _ in range(args.steps)]
     rate_n, rate_s = 0, 0.0
+    grads = grad_rows(args, sum(p.numel() for p in model.parameters()), len(phase_of), "w+")
     try:
         for step, phase in enumerate(phase_of):
             if step == 0 or phase != phase_of[step - 1]:
@@ -153,9 +154,10 @@ def worker(args) -> None:
                 rate_n, rate_s = rate_n + len(idx), rate_s + t_compute
             contributors = sorted(state.tracker.step_contributors())
             state.tracker.reset()
-            # the gradient goes to a file (raw float64): too big for the report line
-            torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy().tofile(
-                os.path.join(args.out_dir, f"{args.id}-{step}.grad"))
+            # the gradient goes to row ``step`` of a file mapped shared (raw float64: too big
+            # for the report line): a copy into the page cache, no write() in the timed
+            # region, and a member SIGKILLed later still leaves its earlier rows
+            torch.cat([p.grad.reshape(-1) for p in model.parameters()], out=grads[step])
             emit("step", step=step, phase=phase, idx=idx, members=list(members), contributors=contributors,
                  total=state.last_total, t0=t0, t1=t1, sizes=sampler.sizes())
             sampler.record_step([members.index(m) for m in contributors])
@@ -200,6 +202,17 @@ def wait_shares(store, job: str, members: tuple[str, ...], timeout: float = 30.0
             return rec
         time.sleep(0.05)
     raise TimeoutError(f"no shares record for {list(members)} within {timeout}s (last: {rec}); is the coordinator up?")
+
+
+def grad_rows(args, numel: int, steps: int, mode: str):
+    """Member ``args.id``'s (or, reading, ``args.grad_of``'s) gradients, one float64 row
+    per step, in a file of ``args.out_dir`` mapped shared (``mode`` ``w+`` creates it)."""
+    import numpy as np
+    import torch
+
+    mid = args.id if mode == "w+" else args.grad_of
+    mm = np.memmap(os.path.join(args.out_dir, f"{mid}.grad"), dtype=np.float64, mode=mode, shape=(steps, numel))
+    return torch.from_numpy(mm)
 
 
 def reference_grad(model, idx: list[int], x_all, y_all):
@@ -294,7 +307,6 @@ def summarize(args, steps: dict[str, list[dict]], finished: dict[str, dict], tot
               batches: dict[tuple[int, str], list[int]]) -> dict:
     """Check every step against one process: the reference model takes the same SGD steps
     with the reference gradients (the members' differ from them by rounding only)."""
-    import numpy as np
     import torch
 
     x_all, y_all = dataset(args.samples, args.width)
@@ -304,6 +316,7 @@ def summarize(args, steps: dict[str, list[dict]], finished: dict[str, dict], tot
         for ev in evs:
             by_step.setdefault(ev["step"], {})[m] = ev
     err = 0.0
+    rows: dict[str, torch.Tensor] = {}
     short: dict[str, list[str]] = {}
     processed: list[int] = []
     span: dict[str, list[float]] = {}
@@ -325,7 +338,10 @@ def summarize(args, steps: dict[str, list[dict]], finished: dict[str, dict], tot
             short[str(s)] = missing
         ref = reference_grad(ref_model, idx, x_all, y_all)
         for m in evs:
-            got = torch.from_numpy(np.fromfile(os.path.join(args.out_dir, f"{m}-{s}.grad"), dtype=np.float64))
+            if m not in rows:
+                args.grad_of = m
+                rows[m] = grad_rows(args, ref.numel(), total_steps, "c")
+            got = rows[m][s]
             err = max(err, float((got - ref).abs().max()))
         with torch.no_grad():
             for p in ref_model.parameters():

@@ -22,7 +22,7 @@ into shares (:func:`compute_shares`: proportional to speed, with *hysteresis*: t
 published shares are kept until some member's share would move by more than
 ``hysteresis`` of its value, or the member set changed), and publishes them with a
 version counter. Every member reads the same record and converts it to integer batch
-sizes with :func:`batch_sizes` (largest remainder, deterministic), so all agree without
+sizes with :func:`batch_sizes` (the split with the shortest step, deterministic), so all agree without
 a further round. A member with no rate record gets the mean share of the others (a
 joiner is not starved before it has measured anything).
 
@@ -33,6 +33,7 @@ etcd errors propagate to its caller (the coordinator logs them and retries next 
 """
 from __future__ import annotations
 
+import heapq
 import json
 import logging
 import math
@@ -235,10 +236,16 @@ def read_shares(store: Store, job: str) -> SharesRecord | None:
 
 def batch_sizes(shares: Mapping[str, float], order: Sequence[str], global_batch: int) -> list[int]:
     """Per member of ``order`` (the ranks' order), its number of samples in a global batch
-    of ``global_batch``: proportional to ``shares`` (members not in ``shares`` weigh the
-    mean of the others), rounded by largest remainder (ties to the earlier rank), each at
-    least 1 while ``global_batch >= len(order)``. Deterministic: every member computes the
-    same list. Raises ConfigError on an empty ``order`` or ``global_batch < len(order)``."""
+    of ``global_batch``: the integer split with the shortest step, i.e. the least
+    ``max(size / share)`` (members not in ``shares`` weigh the mean of the others), each at
+    least 1 while ``global_batch >= len(order)``. Built by giving samples one at a time to
+    the member whose ``(size + 1) / share`` is least (ties to the earlier rank; started at
+    the floor of the proportional split, which lies on that path): a greedy that is optimal
+    for this min-max, and never below the floor of the exact proportional split. Rounding
+    proportions instead (largest remainder) can give a slow member one sample too many:
+    shares 0.285/0.282/0.285/0.148 of 56 gave 16/15/16/9 (the slow member 9 x 2 = 18 fast
+    units of step time) where 16/16/16/8 takes 16. Deterministic: every member computes
+    the same list. Raises ConfigError on an empty ``order`` or ``global_batch < len(order)``."""
     if not order:
         raise ConfigError("batch_sizes: no members")
     if global_batch < len(order):
@@ -247,13 +254,15 @@ def batch_sizes(shares: Mapping[str, float], order: Sequence[str], global_batch:
     mean = sum(known) / len(known) if known else 1.0
     w = [float(shares.get(m, mean)) for m in order]
     total = sum(w)
-    spare = global_batch - len(order)  # one sample each first, the rest by weight
-    exact = [spare * x / total for x in w]
-    sizes = [1 + int(math.floor(e)) for e in exact]
-    left = global_batch - sum(sizes)
-    by_rem = sorted(range(len(order)), key=lambda i: (-(exact[i] - math.floor(exact[i])), i))
-    for i in by_rem[:left]:
+    sizes = [max(1, int(math.floor(global_batch * x / total))) for x in w]
+    if sum(sizes) > global_batch:  # the floor of 1 each took too many: start from 1 each
+        sizes = [1] * len(order)
+    heap = [((n + 1) / x, i) for i, (n, x) in enumerate(zip(sizes, w))]
+    heapq.heapify(heap)
+    for _ in range(global_batch - sum(sizes)):
+        _, i = heapq.heappop(heap)
         sizes[i] += 1
+        heapq.heappush(heap, ((sizes[i] + 1) / w[i], i))
     return sizes
 
 
