@@ -74,6 +74,7 @@ def run(etcd_session, job, tmp_path, world, fps, ops=OPS, policy="default"):
             raise
 
 
+@pytest.mark.usefixtures("ring_on_one_host")
 @pytest.mark.parametrize("world,victims", [(5, ("m1", "m3")), (5, ("m1", "m2")), (4, ("m0", "m1"))],
                          ids=["non-adjacent-5", "adjacent-5", "adjacent-4"])
 def test_two_failures_in_one_op(etcd_session, job_name, tmp_path, rng, world, victims):
@@ -161,6 +162,7 @@ def test_allgather_reduce_scatter_broadcast_with_a_kill(etcd_session, job_name, 
         w.close()
 
 
+@pytest.mark.usefixtures("ring_on_one_host")
 def test_strict_policy_aborts_on_every_survivor(etcd_session, job_name, tmp_path, rng):
     fps = {"m1": f"kill@op=1,phase=rs,frac={rng.uniform(0.05, 0.6):.2f}"}
     w, survivors = run(etcd_session, job_name, tmp_path, 4, fps, policy="strict")
