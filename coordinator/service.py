@@ -314,7 +314,9 @@ class Coordinator:
 
     def run(self, stop: threading.Event) -> None:
         """Campaign, lead, and campaign again after losing leadership, until ``stop``;
-        then resign so a standby takes over at once."""
+        then resign so a standby takes over at once. etcd becoming unreachable as a term
+        begins (the directory's first load is not inside a pass's retry) ends that term,
+        not the process: the coordinator steps down and campaigns again."""
         self._running = True
         try:
             while not stop.is_set():
@@ -324,6 +326,10 @@ class Coordinator:
                 self.metrics.is_leader.set(1)
                 try:
                     self._lead(stop)
+                except StoreUnavailable as exc:
+                    log.warning("coordinator %s: etcd unreachable while taking over, campaigning again: %s",
+                                self.id, exc)
+                    stop.wait(0.5)
                 finally:
                     self.metrics.is_leader.set(0)
                     if not stop.is_set():

@@ -39,7 +39,10 @@ def main() -> int:
             say(f"etcd running at {etcd.endpoint_arg} (pid {etcd.members[0].proc.pid})")
             coord = subprocess.Popen(CLI + ["coordinator", "--etcd", etcd.endpoint_arg, "--job", JOB,
                                             "--metrics-port", "0", "--metrics-host", "127.0.0.1",
-                                            "--log-level", "WARNING"],
+                                            # the first epoch waits for all four (a worker
+                                            # starting after the join debounce would
+                                            # otherwise join in an epoch of its own)
+                                            "--min-members", "4", "--log-level", "WARNING"],
                                      stdout=subprocess.PIPE, text=True, start_new_session=True)
             print(coord.stdout.readline().strip(), f"(pid {coord.pid})")
             leases = {}
