@@ -70,8 +70,9 @@ class Settings:
         "RESILIENT_SELECTOR", "DefaultSelector", "`selectors` class the TCP transport polls with"))
     nccl_library: str | None = field(default=None, metadata=_var(
         "RESILIENT_NCCL_LIBRARY", "unset (wheel, then system)", "path of `libnccl.so.2` for the NCCL transport"))
-    node_lease: bool = field(default=False, metadata=_var(
-        "RESILIENT_NODE_LEASE", "0", "`1`: the launcher's workers share one node lease (docs/scale.md)"))
+    node_lease: bool = field(default=True, metadata=_var(
+        "RESILIENT_NODE_LEASE", "1", "`0` (or `resilient-run --no-node-lease`): one etcd lease per worker instead of "
+        "the launcher's node agent (one node lease and record, the local channel; docs/scale.md)"))
     log_level: str = field(default="INFO", metadata=_var(
         "RESILIENT_LOG_LEVEL", "INFO", "log level of `resilient-run` (`DEBUG`, `INFO`, `WARNING`, ...)"))
     staging: bool = field(default=False, metadata=_var(
@@ -222,7 +223,7 @@ DELEGATED: tuple[tuple[str, str, str], ...] = (
     ("RESILIENT_LEASE_KEEPER", "resilient.coordinator.membership", "`agent`: the launcher keeps the worker's lease alive"),
     ("RESILIENT_HEARTBEAT_FILE", "resilient.coordinator.membership", "file a worker touches for the agent's hang check"),
     ("RESILIENT_AGENT_SOCKET", "resilient.agent_channel",
-     "the node agent's local channel (set by `resilient-run` with `RESILIENT_NODE_LEASE=1`)"),
+     "the node agent's local channel (set by `resilient-run` unless `RESILIENT_NODE_LEASE=0`)"),
     ("RESILIENT_OP_LOG", "resilient.torch_backend.op_log", "path: one JSON line per torch-backend op"),
     ("RESILIENT_FAIL_FAST", "resilient.launcher.args", "`1`: `resilient-run --fail-fast` (torchrun's behaviour)"),
 )

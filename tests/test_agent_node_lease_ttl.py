@@ -1,4 +1,4 @@
-"""The launcher's agent in node-lease mode (``RESILIENT_NODE_LEASE=1``) grants its node
+"""The launcher's agent in node-lease mode (the default) grants its node
 lease ``node_lease_ttl(--lease-ttl)`` (real etcd: the TTL etcd reports for the lease), and
 a ``--lease-ttl`` under 2.5 s as given, with a warning naming the looser bound. The
 agent's hung-rank check stays on ``--lease-ttl`` (``control.lease_ttl``)."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import pytest
@@ -189,7 +190,9 @@ def test_wrong_etcd_endpoint_fails_fast_with_clear_error(tmp_path):
 def test_registered_worker_owns_its_keepalive_so_sigstop_expires_its_lease(etcd_session, store, job_name, tmp_path):
     """After the worker's MemberSession registered on the agent's lease, the agent stops
     refreshing it: a SIGSTOPped worker loses its membership by lease expiry (TTL 2 s) while
-    its running sibling keeps its own."""
+    its running sibling keeps its own. Under the default node agent too: a worker that
+    registers itself (no channel) is on a lease of its own, never on the node lease that
+    nobody would check for it."""
     stop = str(tmp_path / "stop")
     run = Launcher(_etcd_args(etcd_session, job_name, "--nproc-per-node", "2", "--lease-ttl", "2",
                               os.path.join(os.path.dirname(WORKER), "member_worker.py")),
@@ -199,6 +202,11 @@ def test_registered_worker_owns_its_keepalive_so_sigstop_expires_its_lease(etcd_
         w0, w1 = run.dump(0), run.dump(1)
         key1 = keys.member(job_name, w1["RESILIENT_MEMBER_ID"])
         assert store.get(key1).lease == int(w1["RESILIENT_LEASE_ID"])
+        assert w1["RESILIENT_AGENT_SOCKET"] and w0["RESILIENT_LEASE_ID"] != w1["RESILIENT_LEASE_ID"]  # node agent on
+        wait_for(lambda: f"member {w1['RESILIENT_MEMBER_ID']} registered itself on its own lease" in run.output(),
+                 30, "the agent to hand the self-registered worker's lease over to it")
+        node_lease = re.search(r"node lease ([0-9a-f]+) \(TTL", run.output())
+        assert node_lease and store.lease_ttl(int(node_lease.group(1), 16)) is not None   # the node's own, alive
         stopped = int(w1["PID"])
         os.kill(stopped, signal.SIGSTOP)
         wait_for(lambda: store.get(key1) is None, 30, "the stopped worker's member key to expire")

@@ -36,7 +36,7 @@ def test_every_torchrun_flag_is_in_resilient_run_help():
     assert {"--nproc-per-node", "--nproc_per_node", "--rdzv-endpoint", "-m", "-r", "-t"} <= torch_flags
     missing = sorted(torch_flags - _options(ours_help))
     assert not missing, f"torchrun flags missing from resilient-run --help: {missing}"
-    for ours in ("--etcd", "--job", "--lease-ttl", "--metrics-port", "--fail-fast"):
+    for ours in ("--etcd", "--job", "--lease-ttl", "--no-node-lease", "--metrics-port", "--fail-fast"):
         assert ours in ours_help
 
 
@@ -158,3 +158,15 @@ def test_fail_fast_default_off_and_env_spellings(monkeypatch):
     monkeypatch.setenv("PET_FAIL_FAST", "yes")
     with pytest.raises(ConfigError, match="PET_FAIL_FAST='yes' must be 0 or 1"):
         parse(["t.py"])
+
+
+def test_node_agent_is_the_default_and_both_opt_outs_work(monkeypatch):
+    """The node agent (node lease + local channel) is on unless --no-node-lease or
+    RESILIENT_NODE_LEASE=0."""
+    monkeypatch.delenv("RESILIENT_NODE_LEASE", raising=False)
+    assert parse(["t.py"]).node_lease is True
+    assert parse(["--no-node-lease", "t.py"]).node_lease is False
+    monkeypatch.setenv("RESILIENT_NODE_LEASE", "0")
+    assert parse(["t.py"]).node_lease is False
+    monkeypatch.setenv("RESILIENT_NODE_LEASE", "1")
+    assert parse(["--no_node_lease", "t.py"]).node_lease is False

@@ -1,5 +1,5 @@
-"""RESILIENT_NODE_LEASE=1 with the real launcher: one lease and one ``nodes/<node>`` record
-per node agent; ranks join, learn epochs and report health through the agent's local
+"""The node agent (resilient-run's default) with the real launcher: one lease and one
+``nodes/<node>`` record per node agent; ranks join, learn epochs and report health through the agent's local
 channel (no etcd watch, member key or keep-alive of their own); a SIGKILLed rank is
 published as an epoch without it and without touching its siblings; a SIGSTOPped rank is
 removed by the agent when its beats stop. Real etcd, coordinator, launcher, workers and
@@ -26,8 +26,7 @@ def test_node_record_epoch_relay_health_exit_and_hang(etcd_session, job_name, tm
     stop = str(tmp_path / "stop")
     run = Launcher(_etcd_args(etcd_session, job_name, "--nproc-per-node", "4", "--lease-ttl", "2",
                               "--node-health-interval", "0.5", WORKER),
-                   str(tmp_path / "d"), {"STOP_FILE": stop, "RESILIENT_NODE_LEASE": "1", "OPS": "15",
-                                         "OP_GAP": "0.1"})
+                   str(tmp_path / "d"), {"STOP_FILE": stop, "OPS": "15", "OP_GAP": "0.1"})
     stopped = None
 
     def dump(lr: int) -> dict:
@@ -48,7 +47,11 @@ def test_node_record_epoch_relay_health_exit_and_hang(etcd_session, job_name, tm
         (node_kv,) = store.get_prefix(keys.nodes(job_name))            # one node record, on the node lease
         node = NodeRecord.from_json(node_kv.value, node_kv.key)
         assert sorted(r.member_id for r in node.ranks) == sorted(ids)
-        assert node_kv.lease == int(d[0]["RESILIENT_LEASE_ID"]) and store.lease_ttl(node_kv.lease) is not None
+        assert store.lease_ttl(node_kv.lease) is not None
+        for x in d:   # each worker's own lease (for a worker that registers itself) is revoked once it joined
+            assert int(x["RESILIENT_LEASE_ID"]) != node_kv.lease
+            wait_for(lambda x=x: store.lease_ttl(int(x["RESILIENT_LEASE_ID"])) is None, 15,
+                     "the spare lease revoked")
         assert all(r.address for r in node.ranks)                      # each rank's listener, from its hello
         # hierarchical health: the ranks' windows arrive as one health/<node> summary, no per-rank key
         summary = wait_for(lambda: store.get(keys.health_of(job_name, node.node)), 30, "the node's health summary")

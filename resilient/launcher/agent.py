@@ -76,7 +76,6 @@ from resilient.launcher.env import Placement, ResilientIds, agent_process_env, w
 from resilient.launcher.logs import WorkerLogs, WorkerStreams
 from resilient.launcher.summary import Death, format_summary, job_exit_code, shrink_epoch
 from resilient.process_pool import DEVNULL, Child, ProcessPool, Spec, signal_name
-from resilient.settings import Settings
 
 if TYPE_CHECKING:  # pragma: no cover - the launcher imports the etcd client only with --etcd
     from resilient.coordinator.lease_mux import LeaseMux
@@ -143,6 +142,9 @@ class Worker:
     exitcode: int | None = None
     pids: list[int] = field(default_factory=list)
     vouched_out: bool = False         # node-lease mode: removed (stale beats, or its exit handled)
+    #: node-lease mode: the worker's own lease (RESILIENT_LEASE_ID) is still live; revoked once
+    #: the worker joined through the channel, kept by the worker if it registered itself
+    own_lease_live: bool = False
 
 
 def node_grant_ttl(bound: float) -> float:
@@ -187,7 +189,7 @@ class Agent:
         self._worker_of: dict[Child, Worker] = {}
         self._signal: int | None = None
         self.node: NodeMode | None = None
-        if control is not None and Settings.from_env().node_lease:
+        if control is not None and cfg.node_lease:
             self.node = self._start_node_mode(control)
 
     def _start_node_mode(self, c: ControlPlane) -> NodeMode:
@@ -231,20 +233,33 @@ class Agent:
         if self.control is not None:
             c = self.control
             w.member_id = f"g{self.placement.group_rank}-l{w.local_rank}-a{w.restart_count}-{self.token}"
-            if c.node_lease is not None:
-                w.lease_id, w.vouched_out = c.node_lease, False
-            else:
-                w.lease_id = c.store.grant(c.lease_ttl)
-                from resilient.coordinator import keys
+            # Every worker gets a lease of its own in RESILIENT_LEASE_ID, kept alive by the agent
+            # until it registers (a slow import must not look like a hang). In node-lease mode
+            # a worker that joins through the channel (resilient.connect) lives on the node
+            # lease and the agent revokes its own one (_hand_over); a worker that registers
+            # itself (MemberSession on RESILIENT_LEASE_ID) keeps it alive itself, so a hang
+            # expires it as without the node agent: never a member on the node lease that
+            # nobody checks.
+            w.lease_id, w.vouched_out = c.store.grant(c.lease_ttl), False
+            w.own_lease_live = c.node_lease is not None
+            from resilient.coordinator import keys
 
-                key = keys.member(c.job, w.member_id)
-                lease = w.lease_id
+            key = keys.member(c.job, w.member_id)
+            lease, mid, node = w.lease_id, w.member_id, self.node
 
-                def registered(key: str = key, lease: int = lease) -> bool:
-                    kv = c.store.get(key)
-                    return kv is not None and kv.lease == lease
+            def registered(key: str = key, lease: int = lease, mid: str = mid) -> bool:
+                if node is not None and node.members.registered_here(mid):
+                    return True     # joined through the channel: _hand_over revokes the lease
+                kv = c.store.get(key)
+                if kv is None or kv.lease != lease:
+                    return False
+                if node is not None:
+                    log.info("member %s registered itself on its own lease %x (not through the node agent's "
+                             "channel): its liveness is that lease's keep-alive, as with --no-node-lease",
+                             mid, lease)
+                return True
 
-                c.keeper.add(w.lease_id, until=registered)
+            c.keeper.add(w.lease_id, until=registered)
             ids = ResilientIds(tuple(c.endpoints), c.job, w.lease_id, w.member_id, c.lease_ttl)
         w.streams = self.logs.open(w.local_rank, w.restart_count)
         env = worker_env(
@@ -271,11 +286,14 @@ class Agent:
                  f"{w.lease_id:x}" if w.lease_id is not None else "-")
 
     def _release(self, w: Worker, rc: int) -> None:
-        """The worker's process has exited: revoke its lease at once, close its logs."""
-        if self.node is not None:
+        """The worker's process has exited: remove it from the node record (node-lease mode,
+        it joined through the channel) or revoke its own lease at once; close its logs."""
+        if self.node is not None and w.member_id is not None and self.node.members.registered_here(w.member_id):
             if not w.vouched_out:
                 self._vouch_out(w, f"exit code {rc}" if rc >= 0 else f"signal {-rc}")
+            self._hand_over(w)
         elif self.control is not None and w.lease_id is not None and w.member_id is not None:
+            w.own_lease_live = False
             from resilient.coordinator.membership import revoke_member
 
             self.control.keeper.remove(w.lease_id)
@@ -294,17 +312,29 @@ class Agent:
         if w.streams is not None:
             w.streams.close()
 
-    def _vouch_out(self, w: Worker, reason: str, tell: bool = False) -> None:
-        """Node-lease mode: remove one worker's membership (its siblings keep theirs):
-        from the node record, or — a worker that registered itself — its members/ key."""
-        from resilient.coordinator.membership import depart_member
+    def _hand_over(self, w: Worker) -> None:
+        """Node-lease mode: ``w`` joined through the channel, so it lives on the node lease:
+        stop keeping its own lease and revoke it (a failed revoke is logged; the lease then
+        expires after ``--lease-ttl``, holding nothing)."""
+        c = self.control
+        if c is None or not w.own_lease_live or w.lease_id is None:
+            return
+        w.own_lease_live = False
+        c.keeper.remove(w.lease_id)
+        try:
+            c.store.revoke(w.lease_id)
+        except StoreError as exc:
+            log.warning("could not revoke the spare lease %x of local rank %d (%s); it expires after %gs",
+                        w.lease_id, w.local_rank, exc, c.lease_ttl)
 
+    def _vouch_out(self, w: Worker, reason: str, tell: bool = False) -> None:
+        """Node-lease mode: remove one channel-registered worker from the node record (its
+        siblings keep theirs) and mark it departed, in one transaction."""
         c, node = self.control, self.node
         assert c is not None and node is not None and w.member_id is not None  # node-lease mode only
         w.vouched_out = True
         try:
-            if not node.members.remove(w.member_id, reason) and not node.members.registered_here(w.member_id):
-                depart_member(c.store, c.job, w.member_id, reason, node.members.lease)   # registered itself
+            node.members.remove(w.member_id, reason)
             log.info("local rank %d (%s): removed member %s from node %s", w.local_rank, reason, w.member_id,
                      node.members.node)
         except StoreError as exc:
@@ -314,10 +344,14 @@ class Agent:
         node.channel.forget(w.member_id, reason if tell else None)
 
     def _check_heartbeats(self) -> None:
-        """Node-lease mode: a running worker that sent no beat for the lease TTL is hung
-        (SIGSTOP, deadlock in C): vouch it out, as its own lease would expire."""
+        """Node-lease mode: revoke the own lease of each worker that joined through the
+        channel; a running worker that sent no beat for the lease TTL is hung (SIGSTOP,
+        deadlock in C): vouch it out, as its own lease would expire."""
         if self.node is None or self.control is None:
             return
+        for w in self.workers:
+            if w.own_lease_live and w.member_id is not None and self.node.members.registered_here(w.member_id):
+                self._hand_over(w)
         stale = set(self.node.channel.stale(self.control.lease_ttl))
         for w in self.workers:
             if w.member_id in stale and not w.done and not w.vouched_out and w.proc is not None and w.proc.alive():

@@ -5,7 +5,7 @@ The parser mirrors ``torch.distributed.run.get_args_parser`` of torch 2.13 flag 
 same ``PET_<FLAG>`` environment defaults), so a torchrun command line works unchanged; it
 does not import torch (the agent starts fast). ``tests/test_launcher_args.py`` compares
 it against ``python -m torch.distributed.run --help`` so a new torchrun flag cannot slip
-by. Our own flags are ``--etcd``, ``--job``, ``--lease-ttl``, ``--metrics-port``,
+by. Our own flags are ``--etcd``, ``--job``, ``--lease-ttl``, ``--no-node-lease``, ``--metrics-port``,
 ``--metrics-host``, ``--fail-fast`` and the etcd TLS/credential flags ``--etcd-ca-cert``, ``--etcd-cert``,
 ``--etcd-key``, ``--etcd-user``, ``--etcd-password-file``, ``--etcd-password`` (defaults from
 ``RESILIENT_ETCD_*``; see :mod:`resilient.coordinator.etcd_access`), which the workers receive
@@ -31,6 +31,7 @@ from typing import Sequence
 
 from resilient.coordinator.etcd_access import EtcdAccess, add_arguments as add_etcd_access_arguments
 from resilient.errors import ConfigError
+from resilient.settings import Settings
 
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_LEASE_TTL = 5.0
@@ -91,8 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Drop-in replacement for torchrun: the per-node agent of resilient. Spawns the "
             "workers with torchrun's environment plus RESILIENT_ETCD/JOB/LEASE_ID/MEMBER_ID/"
-            "LEASE_TTL, grants each worker an etcd lease, revokes it the moment the worker "
-            "dies and restarts only that worker (as a joiner) within --max-restarts. Unlike "
+            "LEASE_TTL and RESILIENT_AGENT_SOCKET, vouches for its workers in one etcd lease and "
+            "one record per node (--no-node-lease: one lease per worker), removes a worker "
+            "the moment it dies and restarts only that worker (as a joiner) within "
+            "--max-restarts. Unlike "
             "torchrun, a worker that dies with no restarts left does NOT stop the others: "
             "they finish the work without it and the job exits 0 (non-zero if a worker "
             "exited with an error code, or if no worker finished); --fail-fast restores "
@@ -195,13 +198,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="Job name: the etcd prefix /resilient/<job>/ (RESILIENT_JOB). Default: --rdzv-id.")
     add("lease-ttl", type=float, default=DEFAULT_LEASE_TTL,
         help="Seconds a worker's etcd lease lives without keep-alive (a hung/SIGSTOPped worker "
-             "is removed after this); RESILIENT_LEASE_TTL. With RESILIENT_NODE_LEASE=1 it is the "
+             "is removed after this); RESILIENT_LEASE_TTL. With the node agent (the default) it is the "
              "node's liveness bound: the node lease is granted floor(TTL - 0.5) s (etcd revokes "
              "expired leases up to 0.5 s late) so a silent node is declared dead within TTL; "
              "under 2.5 s it is granted as given and the bound is TTL + 0.5 s (a warning says so).")
     add("node-health-interval", type=float, default=15.0,
-        help="With RESILIENT_NODE_LEASE=1: seconds between the agent's health/<node> summaries of "
+        help="With the node agent (the default): seconds between the agent's health/<node> summaries of "
              "its ranks' health windows (sooner when a rank turns slow; docs/scale.md).")
+    g.add_argument("--no-node-lease", "--no_node_lease", dest="no_node_lease", action="store_true",
+                   help="One etcd lease per worker, kept alive by the worker itself, instead of the default "
+                        "node agent (one lease and one nodes/<node> record per node; resilient.connect() "
+                        "joins through the agent's local channel, which relays epochs and checks each "
+                        "rank's beats: docs/scale.md). Same as RESILIENT_NODE_LEASE=0. Only with etcd.")
     add("metrics-port", type=int, default=None,
         help="Serve Prometheus /metrics of this agent on this port (0: a free port; default: off).")
     add("metrics-host", type=str, default=None,
@@ -255,6 +263,8 @@ class LaunchConfig:
     metrics_port: int | None
     metrics_host: str = "0.0.0.0"
     node_health_interval: float = 15.0
+    #: the node agent (one node lease, the local channel); off: --no-node-lease / RESILIENT_NODE_LEASE=0
+    node_lease: bool = True
     cmd: list[str] = field(default_factory=list)
     etcd_access: EtcdAccess = field(default_factory=EtcdAccess)  # TLS files, credentials
     fail_fast: bool = False
@@ -447,6 +457,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host or ("127.0.0.1" if args.standalone else "0.0.0.0"),
         node_health_interval=args.node_health_interval,
+        node_lease=Settings.from_env().node_lease and not args.no_node_lease,
         cmd=worker_command(args),
         etcd_access=EtcdAccess.from_args(args),
         fail_fast=args.fail_fast,
