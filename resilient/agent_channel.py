@@ -1,7 +1,7 @@
 """Rank side of the node agent's local channel (node-lease mode, docs/scale.md).
 
-When the launcher runs with ``RESILIENT_NODE_LEASE=1`` it sets ``RESILIENT_AGENT_SOCKET``
-in every worker's environment, and :func:`resilient.connect` joins through the agent
+Unless run with ``--no-node-lease`` (``RESILIENT_NODE_LEASE=0``) the launcher sets
+``RESILIENT_AGENT_SOCKET`` in every worker's environment, and :func:`resilient.connect` joins through the agent
 instead of etcd (:func:`join_via_agent`):
 
 * **registration**: ``hello`` with this rank's :class:`~resilient.coordinator.MemberInfo`;
@@ -72,7 +72,7 @@ class _Link:
         except OSError as exc:
             self.sock.close()
             raise ConfigError(f"cannot reach the node agent at {path} ({exc}): {wire.SOCKET_ENV} is set by "
-                              "resilient-run with RESILIENT_NODE_LEASE=1; unset it outside the launcher") from exc
+                              "resilient-run (its node agent); unset it outside the launcher") from exc
         self._reader = threading.Thread(target=self._read_loop, name="agent-link", daemon=True)
         self._reader.start()
 

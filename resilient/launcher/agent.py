@@ -1,10 +1,13 @@
 """The node agent: spawn the workers, watch them, revoke dead ones' leases, restart them.
 
 For each worker incarnation the agent grants an etcd lease (``Store.grant``) and passes its
-id in ``RESILIENT_LEASE_ID``; until the worker's ``MemberSession`` has registered
-``members/<member id>`` on that lease, the agent keeps the lease alive (a slow import
-must not look like a hang), then it stops and the worker's own keep-alive is the only one
-(so a SIGSTOPped worker is removed when the lease expires).
+id in ``RESILIENT_LEASE_ID``; until the worker has registered — through the agent's
+channel (node-lease mode, the default: below) or by its own ``MemberSession`` writing
+``members/<member id>`` on that lease — the agent keeps the lease alive (a slow import
+must not look like a hang). Then it stops: a worker that joined through the channel lives
+on the node lease and its own lease is revoked; for one that registered itself the
+worker's own keep-alive is the only one (so a SIGSTOPped worker is removed when the lease
+expires).
 
 The workers are children of one :class:`~resilient.process_pool.ProcessPool` (each in its
 own session); its waiter threads hand each exit to the main loop, which at once writes
@@ -33,8 +36,8 @@ every running worker; the agent waits ``--shutdown-timeout`` seconds, SIGKILLs w
 (the worker's process group), revokes every lease and exits ``128 + signal number``
 (torchrun exits 1 with a traceback; the shell convention says which signal it was).
 
-**Node lease** (``RESILIENT_NODE_LEASE=1``, docs/scale.md): instead of a lease per worker,
-the agent grants one lease for the node (:func:`node_grant_ttl`: ``floor(--lease-ttl - 0.5)``
+**Node lease** (the default; ``--no-node-lease`` or ``RESILIENT_NODE_LEASE=0``: a lease per
+worker only, as above; docs/scale.md): the agent grants one lease for the node (:func:`node_grant_ttl`: ``floor(--lease-ttl - 0.5)``
 s, so that a silent node is published within ``--lease-ttl``), refreshed every third of that
 over one multiplexed keep-alive stream (:class:`~resilient.coordinator.lease_mux.LeaseMux`),
 and serves a local channel (:class:`~.node_channel.NodeChannel`, a unix socket in its run
@@ -46,11 +49,13 @@ summary (``--node-health-interval``) and their beats. The agent vouches for its 
 exit is handled at once by one transaction (the node record without the rank +
 ``departed/<member id>``, siblings untouched), and a hung worker — no beat for
 ``--lease-ttl`` seconds (SIGSTOP) — is removed the same way (reason ``heartbeat stale``)
-and told so. A worker that registers itself on the node lease (``MemberSession`` with
-``RESILIENT_LEASE_ID``, no channel) still gets its ``members/<id>`` key removed when it
-exits. A ``--lease-ttl`` under 2.5 s is granted as given, with a warning that the bound is
+and told so. A worker that registers itself (``MemberSession`` on ``RESILIENT_LEASE_ID``,
+no channel) is on its own lease, not the node's: it is handled exactly as with
+``--no-node-lease`` (its hang expires that lease; its exit revokes it), and the agent logs
+that it registered itself. A ``--lease-ttl`` under 2.5 s is granted as given, with a warning that the bound is
 then ``--lease-ttl`` + 0.5 s. At 100,000 GPUs this turns 100,000 leases, keep-alive
-streams and epoch watchers into one per node.
+streams and epoch watchers into one per node (each incarnation's own lease costs one
+grant at its start and one revoke when it joined, nothing per second after).
 
 Failure behaviour: if etcd is unreachable when a worker exits, the revoke is logged and the
 lease expires after ``--lease-ttl``; the restart still happens (a new lease needs etcd, so
