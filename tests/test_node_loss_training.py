@@ -39,6 +39,7 @@ import pytest
 from launcher_util import ROOT, alive, wait_for
 from resilient.chaos.netns import NetnsLab, netns_unavailable_reason
 from resilient.coordinator import keys
+from resilient.coordinator.directory import NodeRecord
 from resilient.coordinator.local_etcd import LocalEtcd
 from resilient.coordinator.membership import MemberInfo
 from resilient.coordinator.store import Store
@@ -174,8 +175,11 @@ def test_node_loss_survivors_continue_without_restart(placement, job_name, tmp_p
         # each node's workers listen on that node's address (its namespace IP, or loopback alias)
         store = Store(etcd.endpoints)
         try:
-            hosts = sorted(MemberInfo.from_json(kv.value).address.rsplit(":", 1)[0]
-                           for kv in store.get_prefix(keys.members(job_name)))
+            # the node agents' nodes/<node> records (resilient-run's default) and any members/ record
+            infos = [MemberInfo.from_json(kv.value) for kv in store.get_prefix(keys.members(job_name))]
+            infos += [r for kv in store.get_prefix(keys.nodes(job_name))
+                      for r in NodeRecord.from_json(kv.value, kv.key).ranks]
+            hosts = sorted(i.address.rsplit(":", 1)[0] for i in infos)
         finally:
             store.close()
         assert hosts == sorted([placement.addr["a"]] * 2 + [placement.addr["b"]] * 2), (placement.kind, hosts)

@@ -191,7 +191,8 @@ class NodeChannel:
         if rank.member_id is not None or not self.expects(mid):
             why = (f"this connection is already registered as {rank.member_id}" if rank.member_id is not None else
                    f"member id {mid!r} is not one this agent gave a running worker "
-                   "(connect with the RESILIENT_MEMBER_ID the launcher set)")
+                   "(connect with the RESILIENT_MEMBER_ID the launcher set, or run resilient-run "
+                   "--no-node-lease for members that pick their own ids)")
             rank.post(wire.Refused(why))
             return
         try:
