@@ -37,8 +37,9 @@ every running worker; the agent waits ``--shutdown-timeout`` seconds, SIGKILLs w
 (torchrun exits 1 with a traceback; the shell convention says which signal it was).
 
 **Node lease** (the default; ``--no-node-lease`` or ``RESILIENT_NODE_LEASE=0``: a lease per
-worker only, as above; docs/scale.md): the agent grants one lease for the node (:func:`node_grant_ttl`: ``floor(--lease-ttl - 0.5)``
-s, so that a silent node is published within ``--lease-ttl``), refreshed every third of that
+worker only, as above; docs/scale.md): the agent grants one lease for the node
+(:func:`node_grant_ttl`: ``floor(--lease-ttl - 0.5)`` s, so that a silent node is
+published within ``--lease-ttl``), refreshed every third of that
 over one multiplexed keep-alive stream (:class:`~resilient.coordinator.lease_mux.LeaseMux`),
 and serves a local channel (:class:`~.node_channel.NodeChannel`, a unix socket in its run
 directory, passed as ``RESILIENT_AGENT_SOCKET``) through which :func:`resilient.connect`
@@ -52,8 +53,8 @@ exit is handled at once by one transaction (the node record without the rank +
 and told so. A worker that registers itself (``MemberSession`` on ``RESILIENT_LEASE_ID``,
 no channel) is on its own lease, not the node's: it is handled exactly as with
 ``--no-node-lease`` (its hang expires that lease; its exit revokes it), and the agent logs
-that it registered itself. A ``--lease-ttl`` under 2.5 s is granted as given, with a warning that the bound is
-then ``--lease-ttl`` + 0.5 s. At 100,000 GPUs this turns 100,000 leases, keep-alive
+that it registered itself. A ``--lease-ttl`` under 2.5 s is granted as given, with a
+warning that the bound is then ``--lease-ttl`` + 0.5 s. At 100,000 GPUs this turns 100,000 leases, keep-alive
 streams and epoch watchers into one per node (each incarnation's own lease costs one
 grant at its start and one revoke when it joined, nothing per second after).
 
