@@ -173,12 +173,16 @@ def test_unchanged_ddp_script_sigkill_default_flags_exit_0_exact(tmp_path):
     rc, out, ops, steps = _run(tmp_path)
     assert rc == 0, out
     assert "job FINISHED (exit code 0)" in out and "killed by SIGKILL" in out and "shrank in : epoch" in out
+    assert "the agent vouches for" in out, out   # the default: the node agent
     _check_survivors_exact(out, ops, steps)
 
 
 def test_unchanged_ddp_script_max_restarts_1_joiner_not_admitted_exits_0(tmp_path):
-    rc, out, ops, steps = _run(tmp_path, "--max-restarts", "1")
+    """With --no-node-lease (a lease per worker, the path before the node agent became the
+    default; the other tests here run under the node agent)."""
+    rc, out, ops, steps = _run(tmp_path, "--max-restarts", "1", "--no-node-lease")
     assert rc == 0, out
+    assert "the agent vouches for" not in out, out   # no node lease, no channel
     assert "restarted as a joiner (restart 1 of 1)" in out, out
     assert "is not admitted to the running job" in out and "exits with code 0" in out, out
     assert "local rank 2 finished" in out, out  # the restarted incarnation exited 0
