@@ -263,19 +263,21 @@ def run_compressed(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Comp
         if not lazy.done:
             L.fill_input = lazy.bind(pieces)
         if isinstance(algo, QuantizedRing) and algo.on_final is not None:
-            early.bind(L, lambda span: dequantize(L.out, sc, segs, bucket, out=x, span=span))
+            early.bind(L, algo, lambda span: dequantize(L.out, sc, segs, bucket, out=x, span=span))
         return L, algo
 
     desc_r = {"k": "allreduce", "shape": [numel], "dtype": "torch.int32", "op": "sum", "q": "ring", "layout": lay}
     L = comm.run_op(desc_r, _Layout(build), policy=policy, seq=ring_seq)
     lazy.complete()   # q outlives the op (last_compression, the DDP hook's residual)
+    L.fill_input = None
     r = result_of(L)
-    if direct and early.ledger is L and not r.recovered:
+    if direct and early.clean(L):
         res = x   # the pieces the ring did not dequantize as it went (none, normally)
         for p in early.missing():
             dequantize(L.out, sc, segs, bucket, out=x, span=L.pieces[p])
     else:   # after a recovery every piece again, from the final sums
         res = dequantize(L.out, sc, segs, bucket, out=x if direct else None)
+    early.release()   # the ring and early refer to each other: free the ledger (and q) now, not at a gc
     if op is ReduceOp.AVG:
         for p, m in enumerate(L.need or [L.full] * len(L.pieces)):
             a, b = L.pieces[p]
@@ -286,6 +288,10 @@ def run_compressed(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Comp
             "members_bound": n_bound, "segments": segs, "bucket": bucket, "residual": rbuf}
     comm.last_compression = info
     return CompressedResult(r.contributors, r.piece_contributors, r.recovered, info)
+
+
+def _nothing(span: tuple[int, int]) -> None:
+    return None
 
 
 class _LazyInput:
@@ -326,6 +332,9 @@ class _LazyInput:
             for p in range(len(self.pieces)):
                 self.fill(p)
         self.done = True
+        # drop the closure over q, x and the residual: a retained ledger keeps its
+        # fill_input, and a held q would stop _Q_BUFFERS from reusing the buffer
+        self.write = _nothing
 
 
 class _Early:
@@ -333,11 +342,20 @@ class _Early:
 
     def __init__(self) -> None:
         self.ledger: Ledger | None = None
+        self.ring: QuantizedRing | None = None
         self.written: list[bool] = []
         self.write: Callable[[tuple[int, int]], object] | None = None
 
-    def bind(self, L: Ledger, write: Callable[[tuple[int, int]], object]) -> None:
-        self.ledger, self.written, self.write = L, [False] * len(L.pieces), write
+    def bind(self, L: Ledger, ring: QuantizedRing, write: Callable[[tuple[int, int]], object]) -> None:
+        self.ledger, self.ring, self.written, self.write = L, ring, [False] * len(L.pieces), write
+
+    def clean(self, L: Ledger) -> bool:
+        """Whether ``L`` is this ring's ledger and the ring ran to its end: no recovery
+        changed a sum after it was dequantized (else every piece is dequantized again)."""
+        return self.ledger is L and self.ring is not None and self.ring.finished
+
+    def release(self) -> None:
+        self.ledger = self.ring = self.write = None
 
     def final(self, p: int) -> None:
         L = self.ledger

@@ -70,6 +70,8 @@ class QuantizedRing:
         slices are on the wire. Not called for pieces a recovery finishes."""
         self.piece_parts, self.per_chunk, self.members_bound = piece_parts, per_chunk, members_bound
         self.on_final = on_final
+        #: the run ended without an error (no recovery touched ``out`` after on_final)
+        self.finished = False
 
     def _plan(self, piece: int, k: int) -> Plan:
         return wire_plan(self.piece_parts[piece], k, self.members_bound)
@@ -145,6 +147,7 @@ class QuantizedRing:
             if final is not None:
                 final(prev[j][1])
         ctx.wait(sends)
+        self.finished = True
 
     @staticmethod
     def _frac(idx: int, j: int, S: int, n: int) -> float:
