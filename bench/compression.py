@@ -13,7 +13,7 @@ all contributors' inputs with the agreed scales (``exact``). One JSON line per (
 ``q4_vs_gloo_fp16``, ``switch_choice``, ``switch_loss`` (auto's time over the best arm's,
 minus 1; timed after the switch's probes, in its steady state), ``switch_vs_fp32`` (auto
 over plain resilient fp32, the two timed alternately call by call, ``iters * 64 / size``
-rounds; ``switch_vs_fp32_mean`` the same from mean times, which include the votes), ``switch_votes`` (votes held in those calls: one every ``revote_every`` = 64), ``exact``, and the median
+rounds; ``switch_vs_fp32_mean`` the same from mean times, which include the votes), ``switch_votes`` (votes held in those calls: one every ``revote_every`` = 64), ``switch_measured`` (per member, the seconds the switch's probes measured for fp32 and q4: it picks q4 only when every member measured q4 faster by its margin), ``exact``, and the median
 seconds per arm.
 
 Every member runs torch with one intra-op thread (``torch.set_num_threads(1)``, what
@@ -169,6 +169,10 @@ def worker(args: argparse.Namespace) -> int:
         res[s]["res_fp32_paired"] = statistics.median(fp32_t)
         res[s]["res_auto_mean"], res[s]["res_fp32_paired_mean"] = statistics.mean(auto_t), statistics.mean(fp32_t)
         res[s]["switch_choice"] = choices[-1]
+        sw = comm.compression_switch   # what its probes measured (size class of the op), per member
+        c = (numel * 4).bit_length()
+        res[s]["switch_measured"] = ({arm: round(sw.measured[(c, arm)], 4) for arm in ("fp32", "q4")
+                                      if (c, arm) in sw.measured} if sw is not None else {})
         res[s]["switch_votes"] = (comm.compression_switch.votes - votes0) if comm.compression_switch else 0
         res[s]["exact"] = exact
     print(json.dumps({"rank": rank, "results": res}), flush=True)
@@ -217,6 +221,7 @@ def run_cap(lab: MemberLab, etcd: str, mb_s: float, args: argparse.Namespace) ->
                       "switch_vs_fp32": round(t["res_auto"] / t["res_fp32_paired"] - 1, 3),
                       "switch_vs_fp32_mean": round(t["res_auto_mean"] / t["res_fp32_paired_mean"] - 1, 3),
                       "switch_votes": max(r["switch_votes"] for r in per),
+                      "switch_measured": [r.get("switch_measured") for r in per],
                       "exact": all(r["exact"] for r in per), "seconds": {k: round(v, 4) for k, v in t.items()}})
     return lines
 
