@@ -8,8 +8,10 @@ torch thread each. Every member runs ``--iters`` compressed allreduces of ``--si
 with the codec stages, the scale agreement, the ring's receive waits and sends wrapped in
 timers: wall seconds and the calling thread's CPU seconds (``time.thread_time``) per
 phase. One JSON line per member: the median call's total and, per phase, wall / CPU
-seconds and call count summed over that call; ``cpu_total`` is the op thread's CPU over
-the call. Timers cost a few microseconds per call (a few hundred calls per op).
+seconds and call count summed over that call (``op_thread_total``: the whole op body on
+the op thread), the same for the first timed call (``first_call``, after one warm-up), each
+call's wall seconds (``walls``) and the process's minor page faults per call (``faults``:
+16 K per call means a fresh 64 MiB buffer). Timers cost a few microseconds per call (a few hundred calls per op).
 Every process and namespace it starts is ended here.
 """
 from __future__ import annotations
