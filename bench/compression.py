@@ -7,13 +7,13 @@ egress is capped by an ``htb`` root class at ``cap`` MB/s (0 = uncapped). Arms, 
 side in one run per cap: gloo fp32, gloo with torch's fp16-hook semantics (cast to fp16,
 allreduce, cast back, divide), resilient fp32, resilient q8 / q4 (the exact compressed
 allreduce), and resilient ``compression="auto"`` (the switch). Every compressed output is
-checked bitwise, on every member, against ``fl32(sum_{i in C} s * q_i)`` recomputed from
+checked bitwise (the second of two untimed warm-up calls per compressed arm), on every member, against ``fl32(sum_{i in C} s * q_i)`` recomputed from
 all contributors' inputs with the agreed scales (``exact``). One JSON line per (cap, size):
 ``cap_mb_s`` (null uncapped), ``size_mib``, ``q4_vs_fp32``, ``q8_vs_fp32``,
 ``q4_vs_gloo_fp16``, ``switch_choice``, ``switch_loss`` (auto's time over the best arm's,
 minus 1; timed after the switch's probes, in its steady state), ``switch_vs_fp32`` (auto
 over plain resilient fp32, the two timed alternately call by call, ``iters * 64 / size``
-rounds; ``switch_vs_fp32_mean`` the same from mean times, which include the votes), ``switch_votes`` (votes held in those calls: one every ``revote_every`` = 64), ``exact``, and the median
+rounds; ``switch_vs_fp32_mean`` the same from mean times, which include the votes), ``switch_votes`` (votes held in those calls: one every ``revote_every`` = 64), ``switch_measured`` (per member, the seconds the switch's probes measured for fp32 and q4: it picks q4 only when every member measured q4 faster by its margin), ``exact``, and the median
 seconds per arm.
 
 Every member runs torch with one intra-op thread (``torch.set_num_threads(1)``, what
@@ -138,10 +138,14 @@ def worker(args: argparse.Namespace) -> int:
             def run(comp: str | None = comp) -> None:
                 t.copy_(x)
                 comm.allreduce(t, compression=comp)
-            res[s][arm] = _timed(run, args.iters)
-            if comp is not None:  # the last output of the arm, checked bitwise
+            if comp is not None:
+                # two untimed calls first, the second checked bitwise: the first compressed
+                # arm of a size faults in its q buffers (two: last_compression holds the
+                # previous call's q), which cost q8 at 64 MiB up to 1 s per call
+                run()
                 w = comm.allreduce(t.copy_(x), compression=comp)
                 exact &= _exact(comm, t, w.contributors, numel, 0)
+            res[s][arm] = _timed(run, args.iters)
         choices = []
 
         def auto() -> None:
@@ -165,6 +169,10 @@ def worker(args: argparse.Namespace) -> int:
         res[s]["res_fp32_paired"] = statistics.median(fp32_t)
         res[s]["res_auto_mean"], res[s]["res_fp32_paired_mean"] = statistics.mean(auto_t), statistics.mean(fp32_t)
         res[s]["switch_choice"] = choices[-1]
+        sw = comm.compression_switch   # what its probes measured (size class of the op), per member
+        c = (numel * 4).bit_length()
+        res[s]["switch_measured"] = ({arm: round(sw.measured[(c, arm)], 4) for arm in ("fp32", "q4")
+                                      if (c, arm) in sw.measured} if sw is not None else {})
         res[s]["switch_votes"] = (comm.compression_switch.votes - votes0) if comm.compression_switch else 0
         res[s]["exact"] = exact
     print(json.dumps({"rank": rank, "results": res}), flush=True)
@@ -213,6 +221,7 @@ def run_cap(lab: MemberLab, etcd: str, mb_s: float, args: argparse.Namespace) ->
                       "switch_vs_fp32": round(t["res_auto"] / t["res_fp32_paired"] - 1, 3),
                       "switch_vs_fp32_mean": round(t["res_auto_mean"] / t["res_fp32_paired_mean"] - 1, 3),
                       "switch_votes": max(r["switch_votes"] for r in per),
+                      "switch_measured": [r.get("switch_measured") for r in per],
                       "exact": all(r["exact"] for r in per), "seconds": {k: round(v, 4) for k, v in t.items()}})
     return lines
 

@@ -158,3 +158,48 @@ def test_residual_written_as_it_quantizes_is_x_minus_the_dequantized_input(n, bu
     want = x - dequantize(q, sc, segs, bucket)
     assert torch.equal(e.view(torch.int32)[~want.isnan()], want.view(torch.int32)[~want.isnan()])
     assert torch.equal(e.isnan(), want.isnan())
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(sizes=st.lists(st.tuples(st.integers(1, 700), st.sampled_from([2, 4, 8, FINE])), min_size=1, max_size=3),
+       bucket=st.integers(1, 300), cuts=st.lists(st.integers(0, 2100), max_size=6), seed=st.integers(0, 2**16),
+       special=st.booleans(), reverse=st.booleans())
+def test_quantize_and_dequantize_by_spans_are_the_whole_calls_bits(sizes, bucket, cuts, seed, special, reverse):
+    """The span kernels (the ring quantizes and dequantizes piece by piece): any tiling of
+    the tensor by spans, in any order, writes bitwise the whole call's ``q``, residual
+    and dequantized values, which equal the per-element reference; elements outside a
+    span are left as they were. Spans start and end inside buckets, segments and blocks."""
+    segs, pos = [], 0
+    for n, bits in sizes:
+        segs.append(Segment(pos, pos + n, bits))
+        pos += n
+    n = pos
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * 3
+    if special:
+        x[torch.randint(0, n, (4,), generator=g)] = torch.tensor([-0.0, float("nan"), float("inf"), -float("inf")])
+    m = bucket_maxima(x, segs, bucket).nan_to_num(nan=0.0, posinf=1e30)
+    sc = scales(m, segs, bucket, members=3)
+    bounds = sorted({0, n, *[c % (n + 1) for c in cuts]})
+    spans = list(zip(bounds, bounds[1:]))
+    if reverse:
+        spans.reverse()
+    e_whole = torch.empty(n)
+    q_whole = quantize(x, sc, segs, bucket, 3, residual=e_whole)
+    assert torch.equal(q_whole, _reference(x, sc, segs, bucket, 3))
+    q = torch.full((n,), 12345, dtype=torch.int32)
+    e = torch.full((n,), 7.0)
+    for a, b in spans:
+        quantize(x, sc, segs, bucket, 3, out=q, residual=e, span=(a, b))
+        rest = q[:a] if reverse else q[b:]   # the spans not written yet
+        assert bool((rest == 12345).all()) and bool((e[:a] if reverse else e[b:]).eq(7.0).all())
+    assert torch.equal(q, q_whole)
+    assert torch.equal(e.isnan(), e_whole.isnan())
+    assert torch.equal(e.nan_to_num(0.0).view(torch.int32), e_whole.nan_to_num(0.0).view(torch.int32))
+    Q = q * 2 - 1
+    d_whole = dequantize(Q, sc, segs, bucket)
+    assert torch.equal(d_whole, (Q.double() * _per_element(sc, segs, bucket).double()).float())
+    d = torch.full((n,), -3.0)
+    for a, b in spans:
+        assert dequantize(Q, sc, segs, bucket, out=d, span=(a, b)) is d
+    assert torch.equal(d, d_whole)

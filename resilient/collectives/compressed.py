@@ -230,18 +230,26 @@ def run_compressed(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Comp
     if rbuf is not None and not (x.dtype == torch.float32 and rbuf.dtype == torch.float32 and rbuf.is_contiguous()
                                  and rbuf.numel() == numel):
         rbuf = None   # not a buffer this op can fill: the caller dequantizes its own input
-    q = quantize(x, sc, segs, bucket, n_bound, out=_Q_BUFFERS.take(numel), finite=finite,
-                 residual=None if rbuf is None else rbuf.view(-1))
+    q = _Q_BUFFERS.take(numel)
+    lazy = _LazyInput(numel, lambda span: quantize(x, sc, segs, bucket, n_bound, out=q, finite=finite,
+                                            residual=None if rbuf is None else rbuf.view(-1), span=span))
     nbytes = numel * 4
+    # straight into the caller's tensor when it is flat float32 memory (no temporary, no copy)
+    direct = t.dtype == torch.float32 and t.is_contiguous()
+    early = _Early()   # pieces the ring dequantized into x as they became final
 
     def build(members: list[str], me: int, seq: int, digest: int) -> tuple[Ledger, Any]:
         n = len(members)
         leaf = LeafPath.for_epoch(members, comm.epoch)
         nr = leaf.ring_size if leaf else n
         algo: Any
-        if leaf is None and n > 1 and numel >= n and nbytes > comm.sizing.small_bytes:
+        ring = leaf is None and n > 1 and numel >= n and nbytes > comm.sizing.small_bytes
+        if not (ring and lazy.fresh):
+            lazy.complete()   # a rerun or another algorithm: q whole before the ledger
+        if ring:
             pieces, parts, per_chunk = ring_layout(segs, n, comm.sizing.slices)
-            algo = QuantizedRing(parts, per_chunk, n_bound)
+            early.ledger = None
+            algo = QuantizedRing(parts, per_chunk, n_bound, on_final=early.final if direct else None)
         elif comm.sizing.ring_or_rd(nbytes, nr) and numel >= nr:  # leaf path: exact int32 ring, full width
             S = comm.sizing.slices_for(nbytes, nr)
             pieces = [(s0 + a, s0 + b) for (s0, e0) in split(numel, nr) for (a, b) in split(e0 - s0, S)]
@@ -252,13 +260,24 @@ def run_compressed(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Comp
             algo = leaf.wrap(algo)
         L = Ledger(seq, "allreduce", tuple(members), me, comm.epoch.number, digest, q,
                    comm.take_buffer(numel, torch.int32), pieces)
+        if not lazy.done:
+            L.fill_input = lazy.bind(pieces)
+        if isinstance(algo, QuantizedRing) and algo.on_final is not None:
+            early.bind(L, algo, lambda span: dequantize(L.out, sc, segs, bucket, out=x, span=span))
         return L, algo
 
     desc_r = {"k": "allreduce", "shape": [numel], "dtype": "torch.int32", "op": "sum", "q": "ring", "layout": lay}
     L = comm.run_op(desc_r, _Layout(build), policy=policy, seq=ring_seq)
-    # straight into the caller's tensor when it is flat float32 memory (no temporary, no copy)
-    direct = t.dtype == torch.float32 and t.is_contiguous()
-    res = dequantize(L.out, sc, segs, bucket, out=x if direct else None)
+    lazy.complete()   # q outlives the op (last_compression, the DDP hook's residual)
+    L.fill_input = None
+    r = result_of(L)
+    if direct and early.clean(L):
+        res = x   # the pieces the ring did not dequantize as it went (none, normally)
+        for p in early.missing():
+            dequantize(L.out, sc, segs, bucket, out=x, span=L.pieces[p])
+    else:   # after a recovery every piece again, from the final sums
+        res = dequantize(L.out, sc, segs, bucket, out=x if direct else None)
+    early.release()   # the ring and early refer to each other: free the ledger (and q) now, not at a gc
     if op is ReduceOp.AVG:
         for p, m in enumerate(L.need or [L.full] * len(L.pieces)):
             a, b = L.pieces[p]
@@ -268,8 +287,86 @@ def run_compressed(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Comp
     info = {"seq": L.seq, "scales": sc, "q": q, "scale_contributors": tuple(res_s.contributors),
             "members_bound": n_bound, "segments": segs, "bucket": bucket, "residual": rbuf}
     comm.last_compression = info
-    r = result_of(L)
     return CompressedResult(r.contributors, r.piece_contributors, r.recovered, info)
+
+
+def _nothing(span: tuple[int, int]) -> None:
+    return None
+
+
+class _LazyInput:
+    """This call's ``q``, written piece by piece as the ring first reads each piece
+    (:attr:`.Ledger.fill_input`): the first sends leave after one piece is quantized,
+    the rest is quantized while they are on the wire. ``write(span)`` quantizes one
+    element range. Bound to the first ledger's pieces only; :meth:`complete` writes
+    whatever is left (before a rerun's ledger, a recovery, the caller's use of ``q``)."""
+
+    def __init__(self, numel: int, write: Callable[[tuple[int, int]], object]) -> None:
+        self.numel, self.write = numel, write
+        self.pieces: list[tuple[int, int]] | None = None
+        self.written: list[bool] = []
+        self.done = False
+
+    @property
+    def fresh(self) -> bool:
+        """Not bound to a ledger yet (the op's first layout)."""
+        return self.pieces is None and not self.done
+
+    def bind(self, pieces: list[tuple[int, int]]) -> Callable[[int], None]:
+        self.pieces, self.written = pieces, [False] * len(pieces)
+        return self.fill
+
+    def fill(self, p: int) -> None:
+        if not self.written[p]:
+            self.written[p] = True
+            a, b = self.pieces[p] if self.pieces is not None else (0, 0)
+            if b > a:
+                self.write((a, b))
+
+    def complete(self) -> None:
+        if self.done:
+            return
+        if self.pieces is None:
+            self.write((0, self.numel))
+        else:
+            for p in range(len(self.pieces)):
+                self.fill(p)
+        self.done = True
+        # drop the closure over q, x and the residual: a retained ledger keeps its
+        # fill_input, and a held q would stop _Q_BUFFERS from reusing the buffer
+        self.write = _nothing
+
+
+class _Early:
+    """Pieces of one ring ledger already dequantized into the caller's tensor."""
+
+    def __init__(self) -> None:
+        self.ledger: Ledger | None = None
+        self.ring: QuantizedRing | None = None
+        self.written: list[bool] = []
+        self.write: Callable[[tuple[int, int]], object] | None = None
+
+    def bind(self, L: Ledger, ring: QuantizedRing, write: Callable[[tuple[int, int]], object]) -> None:
+        self.ledger, self.ring, self.written, self.write = L, ring, [False] * len(L.pieces), write
+
+    def clean(self, L: Ledger) -> bool:
+        """Whether ``L`` is this ring's ledger and the ring ran to its end: no recovery
+        changed a sum after it was dequantized (else every piece is dequantized again)."""
+        return self.ledger is L and self.ring is not None and self.ring.finished
+
+    def release(self) -> None:
+        self.ledger = self.ring = self.write = None
+
+    def final(self, p: int) -> None:
+        L = self.ledger
+        if L is not None and self.write is not None and not self.written[p]:
+            self.written[p] = True
+            a, b = L.pieces[p]
+            if b > a:
+                self.write((a, b))
+
+    def missing(self) -> list[int]:
+        return [p for p, w in enumerate(self.written) if not w]
 
 
 class _Layout:

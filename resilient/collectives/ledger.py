@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +76,11 @@ class Ledger:
     ops: DeviceOps = field(default_factory=lambda: device_ops("cpu"))
     stage_elems: int = 0
     staged_posts: int = 0           # transfers posted through host staging (diagnostics, tests)
+    #: a lazily written input: called with a piece index before that piece's input is
+    #: read (:meth:`input_view`, :meth:`input_buf`; idempotent), so the compressed ring
+    #: quantizes each piece as it needs it; whoever reads ``inp`` directly calls
+    #: :meth:`ready_input` first. None: ``inp`` is complete
+    fill_input: Callable[[int], None] | None = field(default=None, repr=False, compare=False)
     #: byte views of ``out`` / ``inp`` made once per op (see :meth:`buf`)
     _views: dict[str, memoryview | bool] = field(default_factory=dict, init=False, repr=False, compare=False)
     _digest: str = field(default="", init=False, repr=False, compare=False)
@@ -88,7 +93,15 @@ class Ledger:
         s, e = self.pieces[p]
         return self.out[s:e]
 
+    def ready_input(self) -> None:
+        """Make every piece's input complete (a no-op without :attr:`fill_input`)."""
+        if self.fill_input is not None:
+            for p in range(len(self.pieces)):
+                self.fill_input(p)
+
     def input_view(self, p: int) -> torch.Tensor:
+        if self.fill_input is not None:
+            self.fill_input(p)
         s, e = self.pieces[p]
         off = s if self.inp_offset is None else self.inp_offset[p]
         return self.inp[off:off + (e - s)]
@@ -101,6 +114,8 @@ class Ledger:
 
     def input_buf(self, p: int) -> Any:
         """Piece ``p``'s input as a transport buffer (see :meth:`buf`)."""
+        if self.fill_input is not None:
+            self.fill_input(p)
         start = self.pieces[p][0] if self.inp_offset is None else self.inp_offset[p]
         return self._bytes("_inp_mv", self.inp, start, p)
 

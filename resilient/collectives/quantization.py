@@ -150,16 +150,43 @@ def scales(maxima: torch.Tensor, segments: list[Segment], bucket: int, members: 
     return (maxima.to(torch.float32) / q).to(torch.float32)
 
 
-def _per_element(vals: torch.Tensor, seg: Segment, bucket: int, off: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    nb = seg.n_buckets(bucket)
-    v = vals[off:off + nb]
-    full = seg.numel // bucket
-    return v[:full].view(-1, 1), (v[full:full + 1].view(1, 1) if full < nb else None)
+def _blocks(s: Segment, bucket: int, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
+    """The part of segment ``s`` inside the element range ``[lo, hi)`` as blocks
+    ``(e0, e1, r0, r1)``: elements ``[e0, e1)`` relative to the segment, its buckets
+    ``[r0, r1)``. A block is either whole buckets (about :data:`BLOCK` elements, at least
+    one bucket) or a single bucket's part (a range that starts or ends inside a bucket,
+    or the segment's shorter last bucket)."""
+    a, b = max(lo, s.start) - s.start, min(hi, s.end) - s.start
+    out: list[tuple[int, int, int, int]] = []
+    if a >= b:
+        return out
+    if a % bucket:   # a range starting inside a bucket: that bucket's part first
+        e = min(b, (a // bucket + 1) * bucket)
+        out.append((a, e, a // bucket, a // bucket + 1))
+        a = e
+    whole = b // bucket * bucket
+    step = max(1, BLOCK // bucket) * bucket
+    while a < whole:
+        e = min(whole, a + step)
+        out.append((a, e, a // bucket, e // bucket))
+        a = e
+    if a < b:   # a range ending inside a bucket (or the short last bucket)
+        out.append((a, b, a // bucket, a // bucket + 1))
+    return out
+
+
+def _bucket_offsets(segments: list[Segment], bucket: int) -> list[int]:
+    """Index of each segment's first bucket scale in the concatenated scales."""
+    offs, off = [], 0
+    for s in segments:
+        offs.append(off)
+        off += s.n_buckets(bucket)
+    return offs
 
 
 def quantize(x: torch.Tensor, sc: torch.Tensor, segments: list[Segment], bucket: int, members: int,
              out: torch.Tensor | None = None, finite: bool = False,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
+             residual: torch.Tensor | None = None, span: tuple[int, int] | None = None) -> torch.Tensor:
     """int32 ``q`` of the flat float tensor ``x`` under per-bucket scales ``sc``
     (``finite``: the caller knows ``x`` has no NaN/inf, one pass less).
 
@@ -167,77 +194,99 @@ def quantize(x: torch.Tensor, sc: torch.Tensor, segments: list[Segment], bucket:
     be float32 then): also write ``x - dequantize(q)`` into it, block by block while the
     block is in cache — error feedback's residual without a second pass over ``q`` and
     ``x`` after the op. Bitwise what ``x - dequantize(q, sc, ...)`` gives (the same ops
-    per element)."""
+    per element).
+
+    ``span`` (``(lo, hi)``, element indices): only those elements of ``out`` (and of
+    ``residual``) are written, the others are left as they are — the compressed ring
+    quantizes its input piece by piece as it needs it. Every element gets the same ops
+    whatever the span (and the block it falls in), so any set of spans tiling the tensor
+    gives bitwise the whole call's result."""
     out = torch.empty(x.numel(), dtype=torch.int32) if out is None else out
     if residual is not None and (x.dtype != torch.float32 or residual.dtype != torch.float32
                                  or residual.numel() != x.numel()):
         raise ConfigError("quantize's residual needs float32 x and a float32 residual of the same size")
-    off = 0
-    for s in segments:
+    lo, hi = (0, x.numel()) if span is None else span
+    sc64: torch.Tensor | None = None
+    for s, off in zip(segments, _bucket_offsets(segments, bucket)):
+        blocks = _blocks(s, bucket, lo, hi)
+        if not blocks:
+            continue
         qm = float(qmax(s.bits, members))
-        dt = torch.float64 if s.bits == FINE else torch.float32  # the fixed-point qmax needs 53 bits
-        v = x[s.start:s.end].to(dt)
-        o = out[s.start:s.end]
-        hs, ts = _per_element(sc.to(dt), s, bucket, off)
-        off += s.n_buckets(bucket)
-        (vh, vt), (oh, ot) = _rows(v, bucket), _rows(o, bucket)
-        (xh, xt), (eh, et) = ((_rows(x[s.start:s.end], bucket), _rows(residual[s.start:s.end], bucket))
-                              if residual is not None else ((None, None), (None, None)))
-        for vv, ss, oo, xx, ee in ((vh, hs, oh, xh, eh), (vt, ts, ot, xt, et)):
-            if vv is None or vv.numel() == 0:
-                continue
-            assert ss is not None and oo is not None   # a head/tail row block has its scales and output
+        fine = s.bits == FINE
+        dt = torch.float64 if fine else torch.float32  # the fixed-point qmax needs 53 bits
+        if fine and sc64 is None:
+            sc64 = sc.to(torch.float64)
+        ssc = (sc64 if fine else sc.to(torch.float32))
+        assert ssc is not None
+        ssc = ssc[off:off + s.n_buckets(bucket)]
+        size = max(e1 - e0 for e0, e1, _, _ in blocks)
+        scratch = torch.empty(size, dtype=dt)
+        own = None if residual is None else torch.empty(size, dtype=dt)
+        own32 = None if residual is None or not fine else torch.empty(size, dtype=torch.float32)
+        for e0, e1, r0, r1 in blocks:
+            rows = r1 - r0
+            a, b = s.start + e0, s.start + e1
+            ss = ssc[r0:r1].view(rows, 1)
             inv = torch.where(ss > 0, 1.0 / ss, torch.zeros_like(ss))  # a zero bound: everything -> 0
-            rows, width = vv.shape
-            scratch = torch.empty(min(rows, max(1, BLOCK // width)), width, dtype=dt)
-            own = None if ee is None else torch.empty(scratch.shape, dtype=dt)
-            own32 = None if ee is None or dt is torch.float32 else torch.empty(scratch.shape, dtype=torch.float32)
-            for a, b in _row_blocks(rows, width):
-                r = scratch[:b - a]
-                torch.mul(vv[a:b], inv[a:b], out=r)
-                if not finite:
-                    r.nan_to_num_(nan=0.0, posinf=qm, neginf=-qm)
-                oo[a:b].copy_(r.clamp_(-qm, qm).round_())
-                if ee is not None:
-                    assert own is not None and xx is not None
-                    # dequantize's ops on this block (from the int32 q: -0.0 rounds to +0)
-                    d = own[:b - a]
-                    d.copy_(oo[a:b])
-                    d.mul_(ss[a:b])
-                    if own32 is not None:   # fixed point: the float64 product rounded once
-                        d = own32[:b - a]
-                        d.copy_(own[:b - a])
-                    torch.sub(xx[a:b], d, out=ee[a:b])
+            r = scratch[:b - a].view(rows, -1)
+            xv = x[a:b].view(rows, -1)
+            if xv.dtype == dt:
+                torch.mul(xv, inv, out=r)
+            else:   # widen (exact) first, then the same-dtype multiply
+                r.copy_(xv)
+                r.mul_(inv)
+            if not finite:
+                r.nan_to_num_(nan=0.0, posinf=qm, neginf=-qm)
+            oo = out[a:b].view(rows, -1)
+            oo.copy_(r.clamp_(-qm, qm).round_())
+            if residual is not None:
+                assert own is not None
+                # dequantize's ops on this block (from the int32 q: -0.0 rounds to +0)
+                d = own[:b - a].view(rows, -1)
+                d.copy_(oo)
+                d.mul_(ss)
+                if own32 is not None:   # fixed point: the float64 product rounded once
+                    d32 = own32[:b - a].view(rows, -1)
+                    d32.copy_(d)
+                    d = d32
+                torch.sub(xv, d, out=residual[a:b].view(rows, -1))
     return out
 
 
 def dequantize(Q: torch.Tensor, sc: torch.Tensor, segments: list[Segment], bucket: int,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, span: tuple[int, int] | None = None) -> torch.Tensor:
     """float32 ``fl32(s * Q)`` per bucket (exact product in float64, one rounding);
-    ``out`` (float32, flat) may be the caller's tensor: no temporary of its size."""
+    ``out`` (float32, flat) may be the caller's tensor: no temporary of its size.
+    ``span`` (``(lo, hi)``): only those elements of ``out`` are written (the ring
+    dequantizes each piece once it is final); the same bits as the whole call's."""
     out = torch.empty(Q.numel(), dtype=torch.float32) if out is None else out
-    off = 0
-    for s in segments:
+    lo, hi = (0, Q.numel()) if span is None else span
+    sc64: torch.Tensor | None = None
+    for s, off in zip(segments, _bucket_offsets(segments, bucket)):
+        blocks = _blocks(s, bucket, lo, hi)
+        if not blocks:
+            continue
         # |Q| < 2**24 outside fixed point: Q is exact in float32 and one float32 multiply is
         # the correctly rounded exact product; fixed point needs the float64 product
-        dt = torch.float64 if s.bits == FINE else torch.float32
-        hs, ts = _per_element(sc.to(dt), s, bucket, off)
-        off += s.n_buckets(bucket)
-        (qh, qt), (oh, ot) = _rows(Q[s.start:s.end], bucket), _rows(out[s.start:s.end], bucket)
-        for qq, ss, oo in ((qh, hs, oh), (qt, ts, ot)):
-            if qq is None or not qq.numel():
-                continue
-            assert ss is not None and oo is not None   # a head/tail row block has its scales and output
-            rows, width = qq.shape
-            wide = torch.empty(min(rows, max(1, BLOCK // width)), width, dtype=dt) if dt is torch.float64 else None
-            for a, b in _row_blocks(rows, width):
-                if wide is None:
-                    oo[a:b].copy_(qq[a:b])  # exact (|Q| < 2**24); then one same-dtype multiply
-                    oo[a:b].mul_(ss[a:b])
-                else:
-                    w = wide[:b - a]
-                    w.copy_(qq[a:b])
-                    oo[a:b].copy_(w.mul_(ss[a:b]))
+        fine = s.bits == FINE
+        if fine and sc64 is None:
+            sc64 = sc.to(torch.float64)
+        ssc = sc64 if fine else sc.to(torch.float32)
+        assert ssc is not None
+        ssc = ssc[off:off + s.n_buckets(bucket)]
+        wide = torch.empty(max(e1 - e0 for e0, e1, _, _ in blocks), dtype=torch.float64) if fine else None
+        for e0, e1, r0, r1 in blocks:
+            rows = r1 - r0
+            a, b = s.start + e0, s.start + e1
+            ss = ssc[r0:r1].view(rows, 1)
+            qq, oo = Q[a:b].view(rows, -1), out[a:b].view(rows, -1)
+            if wide is None:
+                oo.copy_(qq)  # exact (|Q| < 2**24); then one same-dtype multiply
+                oo.mul_(ss)
+            else:
+                w = wide[:b - a].view(rows, -1)
+                w.copy_(qq)
+                oo.copy_(w.mul_(ss))
     return out
 
 

@@ -109,6 +109,7 @@ class RecoveryPath:
         ``policy``; see :mod:`.resume`. ``awaiting``: the op failed, so wait for an epoch
         newer than the current one (else start from the newest published)."""
         L = ctx.ledger
+        L.ready_input()   # a lazily written input (the compressed ring's q) is read from here on
         t0 = time.monotonic()
         wall0 = time.time()
         sent0, retries0 = self.transport.stats.bytes_sent, self.op_transport.retries

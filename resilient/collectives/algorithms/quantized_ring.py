@@ -28,6 +28,8 @@ ledger); a failpoint fires at the same progress marks as the float ring (``rs``/
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from resilient.collectives import tags
@@ -61,8 +63,15 @@ class QuantizedRing:
     final_order = staticmethod(index_order)
 
     def __init__(self, piece_parts: list[tuple[tuple[int, int, int], ...]], per_chunk: int,
-                 members_bound: int) -> None:
+                 members_bound: int, on_final: Callable[[int], None] | None = None) -> None:
+        """``on_final(piece)``: called once a piece's sum in ``out`` is final (after the
+        last reduce-scatter step for this member's chunk, after each all-gather receive),
+        right after the send it feeds is posted — the caller dequantizes it while later
+        slices are on the wire. Not called for pieces a recovery finishes."""
         self.piece_parts, self.per_chunk, self.members_bound = piece_parts, per_chunk, members_bound
+        self.on_final = on_final
+        #: the run ended without an error (no recovery touched ``out`` after on_final)
+        self.finished = False
 
     def _plan(self, piece: int, k: int) -> Plan:
         return wire_plan(self.piece_parts[piece], k, self.members_bound)
@@ -110,11 +119,12 @@ class QuantizedRing:
         keep: list[torch.Tensor] = []  # wire buffers of sends in flight
         sends: list[Request] = []
         prev: list[_Posted] | None = None
+        final = self.on_final
         for idx, (phase, sc, _rc, _s, k) in enumerate(steps):
             for j in range(S):
                 ps = sc * S + j
                 if prev is None:
-                    wire = self._pack(L.input_view(ps), self._plan(ps, k))
+                    wire = self._pack(L.input_view(ps), self._plan(ps, k))   # a lazy input: quantized here
                 else:
                     got = self._complete(ctx, prev[j])
                     wire = got if phase == "ag" and steps[idx - 1][0] == "ag" else self._pack(L.view(ps), self._plan(ps, k))
@@ -122,11 +132,22 @@ class QuantizedRing:
                     ctx.failpoint(phase, self._frac(idx, j, S, n))
                 keep.append(wire)
                 sends.append(tr.isend(nxt, wire, ctx.seq, tag(idx, j, self.SPACE), ctx.digest))
+                if final is not None and phase == "ag":
+                    final(ps)   # final since the receive just completed (or the last reduce-scatter step)
+            if prev is None and L.fill_input is not None:
+                # the first sends are on the wire: write the rest of a lazy input now, in the
+                # order the reduce-scatter adds it, before waiting for anything
+                for s in range(n - 1):
+                    for j in range(S):
+                        L.input_view(((p - s - 1) % n) * S + j)
             prev = posted[idx]
         assert prev is not None   # n >= 2: at least one step
         for j in range(S):
             self._complete(ctx, prev[j])
+            if final is not None:
+                final(prev[j][1])
         ctx.wait(sends)
+        self.finished = True
 
     @staticmethod
     def _frac(idx: int, j: int, S: int, n: int) -> float:
