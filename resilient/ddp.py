@@ -411,9 +411,7 @@ def weighted_ddp_comm_hook(state: SampleCount, bucket: GradBucket) -> torch.futu
     count the bucket's dtype cannot hold exactly (fp16 above 2048 summed samples, bf16
     above 256) raises ConfigError; an op failure fails the future (DDP raises it from
     ``backward()``, as with :func:`ddp_comm_hook`). Needs the ``default`` or ``strict``
-    recovery policy (one contributor set per op). On a Communicator op the division and
-    the completion of the returned future run on the communicator's op thread as the op
-    ends (DDP only waits on that future; chain nothing on it that waits for another op)."""
+    recovery policy (one contributor set per op)."""
     from resilient.errors import ConfigError
 
     n = state.samples
@@ -435,7 +433,8 @@ def weighted_ddp_comm_hook(state: SampleCount, bucket: GradBucket) -> torch.futu
     opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
     work = pg.allreduce([flat], opts)
 
-    def mean(out: torch.Tensor) -> torch.Tensor:
+    def divide(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        out: torch.Tensor = fut.value()[0]
         members = tuple(work.contributors) if isinstance(work, ResilientWork) else ()
         state.tracker.add(members)
         total = float(out[-1].item())
@@ -444,23 +443,7 @@ def weighted_ddp_comm_hook(state: SampleCount, bucket: GradBucket) -> torch.futu
             return buf.zero_()
         return torch.div(out[:-1], total, out=buf)
 
-    on_done = getattr(work.handle, "add_done_callback", None) if isinstance(work, ResilientWork) else None
-    if on_done is None:  # another backend, or a handle without a done-callback
-        return work.get_future().then(lambda fut: mean(fut.value()[0]))
-    # A Communicator op: the division runs on its op thread as the op ends and completes
-    # the future DDP waits on (one thread handoff fewer per bucket than a completion
-    # thread); DDP's reducer only waits on this future, it chains nothing on it
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-
-    def done(_w: object) -> None:
-        try:
-            work.wait()   # re-raises the op's error; settles work's own future too
-            fut.set_result(mean(flat))
-        except BaseException as exc:  # noqa: BLE001 - delivered to DDP through the future
-            fut.set_exception(exc)  # type: ignore[arg-type]  # torch's stub types it as the result type T
-
-    on_done(done)
-    return fut
+    return work.get_future().then(divide)
 
 
 def make_weighted(ddp: torch.nn.parallel.DistributedDataParallel, state: SampleCount) -> torch.nn.parallel.DistributedDataParallel:
