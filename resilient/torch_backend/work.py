@@ -4,11 +4,13 @@
 the op is done (re-raising its error, e.g. :class:`~resilient.errors.CollectiveError`),
 ``is_completed()`` polls, ``get_future()`` returns a ``torch.futures.Future`` completed
 with the op's output tensors (what DDP comm hooks chain on), and ``contributors`` is the
-exact member set in the result. Completion is delivered by one daemon thread per op
-in flight that waits on the handle (taken from up to ``KEEP_IDLE`` idle ones that earlier
-ops left, a new one when none is idle: ``Thread.start()`` blocks its caller until the new
-thread runs, 1–2 ms per DDP bucket on a loaded host); if the op fails the future is
-completed with the exception. Callbacks chained on the future run on that thread, never on
+exact member set in the result. Completion is delivered by a daemon completion thread
+(taken from up to ``KEEP_IDLE`` idle ones that earlier ops left, a new one when none is
+idle: ``Thread.start()`` blocks its caller until the new thread runs, 1–2 ms per DDP
+bucket on a loaded host). For a Communicator op the op thread hands the completion to
+that thread when the op ends (the handle's done-callback: nothing is woken when the op is
+issued, and no thread sits blocked on the handle); other handles get a thread that waits
+on them. If the op fails the future is completed with the exception. Callbacks chained on the future run on that thread, never on
 the communicator's op thread, so one may wait for another op.
 """
 from __future__ import annotations
@@ -112,7 +114,14 @@ class ResilientWork(dist.Work):
             if self._started:
                 return
             self._started = True
-        _COMPLETERS.run(self._finish_quietly)
+        on_done = getattr(self.handle, "add_done_callback", None)
+        if on_done is not None:
+            # a Communicator op: its op thread hands the completion to an idle completer
+            # when the op ends (no thread woken now, while the op thread starts the op, and
+            # none blocked on the handle meanwhile)
+            on_done(lambda _w: _COMPLETERS.run(self._finish_quietly))
+        else:
+            _COMPLETERS.run(self._finish_quietly)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         secs = None if timeout in (None, timedelta(0)) else timeout.total_seconds()
