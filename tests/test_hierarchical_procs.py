@@ -76,7 +76,11 @@ def _kill_case(etcd: str, job: str, tmp: Path, case: str) -> None:
             w.wait_done(list(w.procs), 120)
             for v in fps:
                 assert w.procs[v].wait(10) == -9, f"{case}: {v} was not killed at {fps[v]}"
-            contrib = _check_survivors(w, survivors)
+            try:
+                contrib = _check_survivors(w, survivors)
+            except AssertionError as exc:   # every member's log (transport warnings: dropped links) with it
+                tails = "\n".join(f"--- {m}\n" + (tmp / f"{m}.stderr").read_text()[-1500:] for m in sorted(w.procs))
+                raise AssertionError(f"{case}: {exc}\n{tails}") from exc
             assert contrib[0] == sorted(w.procs), (case, contrib)
             assert set(survivors) <= set(contrib[1]), (case, contrib)
             assert contrib[2] == survivors, (case, contrib)

@@ -99,6 +99,12 @@ def _check(call: str, res: dict, rcs: list[int], logs: str) -> None:
             if r == 0:  # PeerLost; or exact when the victim's bytes were all out before its kill
                 # (a small dtype's message can leave in one write ahead of the failpoint)
                 assert (not k["ok"] and k["error"] == "PeerLost") or (k["ok"] and k["exact"]), (r, k)
+            elif r == 2 and k.get("at_issue"):
+                # rank 2 issued its batch after it had adopted the epoch without the victim
+                # (a loaded host: the victim dies at its own pace, 256 KiB into its send):
+                # its send to rank 3, a rank the live group no longer has, is refused at issue
+                # (p2p: a peer rank outside the group -> ConfigError), before anything moved
+                assert k["error"] == "ConfigError" and k["size_at_issue"] == WORLD - 1, (r, k)
             else:  # the transfers between survivors go on in the new epoch: exact (or a message
                 # its sender finished just before the epoch change, gone with it: DataLost);
                 # rank 2's send to the victim may not have finished: PeerLost
