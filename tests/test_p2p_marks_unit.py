@@ -63,3 +63,25 @@ def test_a_malformed_start_marker_is_refused_by_name():
     st.put(start_markers._prefix("job") + "m-0", b'{"members": "m-1"}')
     with pytest.raises(RecordError):
         start_markers.started_without(st, "job", "m-1", ["m-0", "m-1"])
+
+
+class _ShrinkingHost:
+    """Just what PointToPoint's issue-time rank check reads (members, epoch number)."""
+
+    def __init__(self, members: list[str]) -> None:
+        self.members, self.member_id = members, members[0]
+        self.epoch = type("E", (), {"number": 1})()
+
+
+def test_a_rank_the_group_had_before_it_shrank_is_peer_lost_and_one_it_never_had_is_a_config_error():
+    import torch
+    from resilient.collectives.p2p import PointToPoint
+    from resilient.errors import CollectiveError, ConfigError, PeerLost
+    host = _ShrinkingHost(["m0", "m1", "m2", "m3"])
+    p2p = PointToPoint(host)  # type: ignore[arg-type]
+    host.members, host.epoch.number = ["m0", "m1", "m2"], 2   # m3 died: epoch 2 has 3 members
+    with pytest.raises(PeerLost, match="shrank from 4 members") as exc:
+        p2p.send(torch.zeros(2), 3, 0)
+    assert isinstance(exc.value, CollectiveError) and exc.value.epoch == 2
+    with pytest.raises(ConfigError, match="not in this 3-member group"):
+        p2p.send(torch.zeros(2), 4, 0)   # never a rank of this group: the caller's mistake

@@ -42,7 +42,10 @@ handed out as a result (its ``wait()`` raises). A link that breaks before the ep
 verdict up to ``epoch_timeout``: an epoch without the peer -> PeerLost; none -> the
 TransportError. A sender's marks not published within ``epoch_timeout`` (it runs no
 point-to-point op in the new epoch) -> :class:`~resilient.errors.CollectiveError` naming
-it. A peer rank outside the group -> ConfigError. A transfer with no progress for
+it. A peer rank outside the group -> ConfigError, unless the group was that large
+before and shrank (a member died; the ranks are the live group's): then
+:class:`~resilient.errors.PeerLost` at issue, a CollectiveError a training loop already
+handles, saying to read ``dist.get_rank()``/``get_world_size()`` again. A transfer with no progress for
 ``op_timeout`` seconds gets its peer reported suspect (as the Communicator's own
 point-to-point does) and keeps waiting: the coordinator's verdict (an epoch that removes
 the peer, or none) ends it.
@@ -146,6 +149,8 @@ class PointToPoint:
         self._posted: list[_Op] = []
         self._epoch = host.epoch.number
         self._marks: dict[str, int] | None = None
+        #: the largest group this member has been in (a rank below it was valid once)
+        self._peak = len(host.members)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
         """Send ``tensor`` to rank ``dst`` of the live group (``tensor`` must not change
@@ -159,6 +164,12 @@ class PointToPoint:
 
     def _register(self, tensor: torch.Tensor, peer_rank: int, tag: int, is_send: bool) -> Work:
         members: Sequence[str] = self.host.members
+        self._peak = max(self._peak, len(members))
+        if len(members) <= peer_rank < self._peak:
+            raise PeerLost(f"rank {peer_rank} is not in this {len(members)}-member group any more: the group "
+                           f"shrank from {self._peak} members (epoch {self.host.epoch.number}: a member died or "
+                           "was removed); ranks are those of the live group: read dist.get_rank() and "
+                           "dist.get_world_size() again", epoch=self.host.epoch.number)
         if not 0 <= peer_rank < len(members):
             raise ConfigError(f"rank {peer_rank} is not in this {len(members)}-member group (epoch "
                               f"{self.host.epoch.number}; ranks are those of the live group, dist.get_rank())")

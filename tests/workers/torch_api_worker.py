@@ -466,7 +466,7 @@ def kill_batch(engine) -> dict:
                                        dist.P2POp(dist.isend, torch.full((n,), RANK + 1, dtype=torch.uint8), nxt)])
     except ResilientError as exc:
         # a survivor that issues its batch after it adopted the epoch without the victim:
-        # rank ``nxt`` is not in the live group any more (ConfigError at issue, p2p._register)
+        # rank ``nxt`` is not in the live group any more (PeerLost at issue: the group shrank, p2p._register)
         res.update(ok=False, error=type(exc).__name__, message=str(exc)[:300], at_issue=True,
                    size_at_issue=dist.get_world_size())
         return res
