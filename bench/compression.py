@@ -12,8 +12,9 @@ all contributors' inputs with the agreed scales (``exact``). One JSON line per (
 ``cap_mb_s`` (null uncapped), ``size_mib``, ``q4_vs_fp32``, ``q8_vs_fp32``,
 ``q4_vs_gloo_fp16``, ``switch_choice``, ``switch_loss`` (auto's time over the best arm's,
 minus 1; timed after the switch's probes, in its steady state), ``switch_vs_fp32`` (auto
-over plain resilient fp32, the two timed alternately call by call, ``iters * 64 / size``
-rounds; ``switch_vs_fp32_mean`` the same from mean times, which include the votes), ``switch_votes`` (votes held in those calls: one every ``revote_every`` = 64), ``switch_measured`` (per member, the seconds the switch's probes measured for fp32 and q4: it picks q4 only when every member measured q4 faster by its margin), ``exact``, and the median
+over plain resilient fp32, the two timed alternately call by call, ``max(paired_rounds,
+iters * 64 / size)`` rounds (``--paired-rounds``, 15 by default: with 3 rounds the median of
+two identical ops differed by up to 32 % at 64 MiB on this loaded 2-core machine); ``switch_vs_fp32_mean`` the same from mean times, which include the votes), ``switch_votes`` (votes held in those calls: one every ``revote_every`` = 64), ``switch_measured`` (per member, the seconds the switch's probes measured for fp32 and q4: it picks q4 only when every member measured q4 faster by its margin), ``exact``, and the median
 seconds per arm.
 
 Every member runs torch with one intra-op thread (``torch.set_num_threads(1)``, what
@@ -160,9 +161,10 @@ def worker(args: argparse.Namespace) -> int:
             sw = comm.compression_switch
         votes0 = sw.votes if sw is not None else 0
         # auto and plain fp32 alternate call by call, so a load change hits both alike;
-        # iters x (64 MiB / size) rounds: a small op gets more (and its share of the votes)
+        # max(paired_rounds, iters x (64 MiB / size)) rounds: a small op gets more (and its
+        # share of the votes); a floor of rounds so that two medians of the same op agree
         fp32_t, auto_t = [], []
-        for _ in range(args.iters * max(1, 64 // s)):
+        for _ in range(max(args.paired_rounds, args.iters * max(1, 64 // s))):
             fp32_t.append(_timed(lambda: comm.allreduce(t.copy_(x)), 1))
             auto_t.append(_timed(auto, 1))
         res[s]["res_auto"] = statistics.median(auto_t)
@@ -198,7 +200,8 @@ def run_cap(lab: MemberLab, etcd: str, mb_s: float, args: argparse.Namespace) ->
         for i in range(WORLD):
             cmd = [*lab.exec_prefix(i), PY, str(Path(__file__).resolve()), "--worker", "--rank", str(i),
                    "--ip", lab.ips[i], "--ip0", lab.ips[0], "--ifname", lab.ns_veths[i], "--gloo-port", str(port),
-                   "--etcd", etcd, "--job", job, "--sizes", args.sizes, "--iters", str(args.iters)]
+                   "--etcd", etcd, "--job", job, "--sizes", args.sizes, "--iters", str(args.iters),
+                   "--paired-rounds", str(args.paired_rounds)]
             procs.append(pool.start(Spec(cmd, stdout=PIPE, stderr=PIPE, cwd=ROOT,
                                          env=dict(os.environ, PYTHONPATH=str(ROOT)), name=f"m{i}")).popen)
         outs = []
@@ -235,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--caps", default="100,400,0", help="MB/s per member egress, 0 = uncapped")
     ap.add_argument("--sizes", default="4,16,64", help="MiB of float32 per allreduce")
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--paired-rounds", type=int, default=15,
+                    help="floor on the rounds of auto and plain fp32 timed alternately (switch_vs_fp32)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--loopback", action="store_true",
                     help="no namespaces (no root needed): members on 127.0.0.1, uncapped only (--caps 0)")
