@@ -5,9 +5,10 @@
 A fresh real etcd, coordinator and ``--world`` member processes training one small linear
 model with ``DistributedDataParallel`` over the resilient process group
 (:func:`resilient.ddp.weighted_ddp_comm_hook`) on an :class:`~resilient.elastic.ElasticSampler`.
-Per-sample device time is modelled with a sleep of ``--t-sample`` s per sample, times
-``--slowdown`` on member ``--slow`` (so the run measures the batch split, not this
-machine's shared CPU). Phases, ``--steps`` global steps each, in one job:
+Per-sample device time is modelled with a sleep of ``--t-sample`` s per sample (4 ms by
+default), times ``--slowdown`` on member ``--slow`` (so the run measures the batch split, not
+this machine's shared CPU: at 2 ms per sample the members' own ~3.5 ms of host CPU per step,
+four processes on two cores, is a quarter of the modelled step; docs/hetero.md). Phases, ``--steps`` global steps each, in one job:
 
 * ``uniform``: ``global_batch / world`` samples each (what a member slow per sample gets
   today; ``--straggler-policy demote`` moves it to a leaf of the collective but leaves its
@@ -382,7 +383,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12, help="global steps per phase")
     ap.add_argument("--global-batch", type=int, default=56)
     ap.add_argument("--samples", type=int, default=4096, help="samples in the data epoch")
-    ap.add_argument("--t-sample", type=float, default=0.002, help="modelled device seconds per sample")
+    ap.add_argument("--t-sample", type=float, default=0.004,
+                    help="modelled device seconds per sample (default 4 ms: a 56 ms uniform step; at 2 ms the "
+                         "members' own ~3.5 ms of host CPU per step, four processes on this 2-core machine, "
+                         "is a quarter of the modelled step and the ratio measures the shared CPU)")
     ap.add_argument("--width", type=int, default=1200,
                     help="model outputs: (8+1)*width float64 gradients, > 64 KiB so the ring (not recursive doubling) runs")
     ap.add_argument("--out-dir", help=argparse.SUPPRESS)
