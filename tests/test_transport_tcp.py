@@ -132,3 +132,42 @@ def test_peer_killed_fails_requests_naming_it(tmp_path):
                 b.recv_into("a", np.zeros(8), 1, 1)
     finally:
         b.close()
+
+
+def test_a_link_refused_for_a_stale_epoch_is_dialled_again_in_the_new_one():
+    """The dialler sent its HELLO in epoch 2, moved to epoch 3 before the peer (already in
+    epoch 3) refused it: the next request dials again with epoch 3's HELLO and is delivered
+    (the link stayed failed for the whole epoch before: a survivor hang after a kill)."""
+    a, b = TcpTransport("a", "job"), TcpTransport("b", "job")
+    addrs = {"a": a.address, "b": b.address}
+    got: list = []
+    y = np.zeros(1000)
+
+    def receive() -> None:   # b's progress: refuses the epoch-2 HELLO, then gets op 2
+        try:
+            got.append(b.wait([b.irecv("a", y, 2, 0)], timeout=10))
+        except (TransportError, TransportAborted) as exc:
+            got.append(exc)
+
+    th = threading.Thread(target=receive, daemon=True)
+    try:
+        b.configure(3, "t3", addrs)
+        a.configure(2, "t2", addrs)
+        # dials with epoch 2's HELLO; 32 MiB cannot all fit in the socket buffers, so it is
+        # still being written (offset > 0, kept across configure) when b refuses the link
+        first = a.isend("b", np.ones(1 << 22), 1, 0)
+        a.configure(3, "t3", addrs)                 # before b has read (and refused) it
+        th.start()
+        with pytest.raises(TransportError):
+            a.wait([first], timeout=10)             # b refused the stale HELLO: reset / EPIPE
+        x = np.arange(1000, dtype=np.float64)
+        assert a.wait([a.isend("b", x, 2, 0)], timeout=10) is True   # what the retrying layer re-posts
+        th.join(10)
+        assert got == [True], got
+        assert np.array_equal(y, x)
+        assert b.stats.dropped.get("hello_refused") == 1
+    finally:
+        b.abort("test over")
+        th.join(10)
+        a.close()
+        b.close()
