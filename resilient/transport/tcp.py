@@ -163,7 +163,7 @@ class TcpTransport(TcpReading, TcpProbing, OpLayer):
             req._fail(TransportError(f"member {req.peer!r} is not a peer in epoch {self._epoch}"))
             return None
         conn = self._conns.get(req.peer)
-        if conn is not None and conn.failed is not None and conn.sock is None and self.member_id < req.peer:
+        if conn is not None and conn.failed is not None and self.member_id < req.peer:
             # A link this side dials failed in this epoch (its HELLO refused because the peer
             # had moved to a newer epoch before it arrived, or a reset): dial it again with
             # this epoch's HELLO. Kept failed, every re-post of the retrying layer failed at
