@@ -5,7 +5,10 @@ windows into one summary, and the rank's fallback to its own watch when the agen
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
+import stat
 import struct
 
 import pytest
@@ -19,6 +22,7 @@ from resilient.coordinator.health import make_record
 from resilient.coordinator.membership import MemberInfo
 from resilient.errors import ConfigError, RecordError
 from resilient.launcher import channel_wire as wire
+from resilient.launcher.agent import SOCKET_NAME, UNIX_PATH_MAX, agent_run_dir
 from resilient.launcher.node_channel import NodeChannel
 from resilient.launcher.node_members import NodeMembers
 
@@ -150,3 +154,21 @@ def test_leave_removes_only_that_rank_and_marks_it_departed(etcd_session, job_na
         chan.close()
         store.revoke(lease)
         store.close()
+
+
+@pytest.mark.parametrize("deep", [False, True])
+def test_agent_run_dir_is_private_and_short_enough_for_its_socket(tmp_path, deep):
+    """Under the given directory when the socket path fits, under /tmp when it would pass
+    the unix limit; mode 0700 either way, and the socket binds there (a real bind)."""
+    base = str(tmp_path / ("d" * 100)) if deep else str(tmp_path)
+    os.makedirs(base, exist_ok=True)
+    run_dir = agent_run_dir(base)
+    try:
+        assert os.path.dirname(run_dir) == ("/tmp" if deep else base)
+        assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
+        path = os.path.join(run_dir, SOCKET_NAME)
+        assert len(os.fsencode(path)) <= UNIX_PATH_MAX
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.bind(path)
+    finally:
+        shutil.rmtree(run_dir)

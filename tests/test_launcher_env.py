@@ -121,3 +121,19 @@ def test_pet_environment_defaults(tmp_path):
     with open(os.path.join(dump_dir, "2.0.json")) as f:
         e = json.load(f)
     assert (e["WORLD_SIZE"], e["TORCHELASTIC_MAX_RESTARTS"], e["MASTER_PORT"]) == ("3", "2", env["PET_MASTER_PORT"])
+
+
+def test_standalone_under_a_tmpdir_too_deep_for_a_unix_socket(tmp_path):
+    """A TMPDIR whose ``resilient-agent-XXXXXXXX/agent.sock`` would pass the 107-byte unix
+    socket limit (a deep pytest ``tmp_path``: the failure that once stopped CI) runs: the
+    node agent's channel goes under /tmp, private, and is removed when the job ends."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    dump_dir = str(deep / "dump")
+    os.makedirs(dump_dir)
+    assert len(os.fsencode(os.path.join(str(deep), "resilient-agent-xxxxxxxx", "agent.sock"))) > 107
+    ours = _run([os.path.join(VENV_BIN, "resilient-run"), "--standalone", "--nproc_per_node=2", DUMP], dump_dir, 2)
+    socks = {ours[lr]["RESILIENT_AGENT_SOCKET"] for lr in range(2)}
+    assert len(socks) == 1, socks
+    sock = socks.pop()
+    assert sock.startswith("/tmp/resilient-agent-") and sock.endswith("/agent.sock"), sock
+    assert not os.path.exists(os.path.dirname(sock)), f"{sock}: the run directory outlived the job"

@@ -67,9 +67,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -153,6 +155,27 @@ class Worker:
     own_lease_live: bool = False
 
 
+SOCKET_NAME = "agent.sock"
+UNIX_PATH_MAX = 107  # bytes of a unix socket path Linux accepts (sun_path is 108 with its NUL)
+
+
+def agent_run_dir(tmpdir: str | None = None) -> str:
+    """A new private directory (mode 0700, :func:`tempfile.mkdtemp`) for the agent's
+    channel socket: under ``tmpdir`` (default: ``TMPDIR``, as :mod:`tempfile` picks it),
+    or, when ``<that dir>/resilient-agent-XXXXXXXX/agent.sock`` would be longer than a
+    unix socket path may be (a deep TMPDIR: pytest's ``tmp_path`` under a long test name,
+    a home-directory TMPDIR), under ``/tmp`` instead, with a log line saying so. The
+    directory is as private there (0700, this user's); the caller removes it. Raises
+    :class:`OSError` when no directory can be made (the launcher reports it)."""
+    base = tmpdir if tmpdir is not None else tempfile.gettempdir()
+    probe = os.path.join(base, "resilient-agent-" + "x" * 8, SOCKET_NAME)
+    if len(os.fsencode(probe)) > UNIX_PATH_MAX and os.path.isdir("/tmp"):
+        log.info("TMPDIR %s is too deep for a unix socket path (%d bytes > %d): the agent's channel goes "
+                 "under /tmp", base, len(os.fsencode(probe)), UNIX_PATH_MAX)
+        base = "/tmp"
+    return tempfile.mkdtemp(prefix="resilient-agent-", dir=base)
+
+
 def node_grant_ttl(bound: float) -> float:
     """The TTL the agent grants its node lease for ``--lease-ttl`` ``bound``:
     :func:`~resilient.coordinator.liveness.node_lease_ttl` (``floor(bound - 0.5)``: etcd
@@ -200,7 +223,6 @@ class Agent:
 
     def _start_node_mode(self, c: ControlPlane) -> NodeMode:
         """Grant the node lease (kept over one LeaseMux stream), open the channel."""
-        import tempfile
 
         from resilient.coordinator.lease_mux import LeaseMux
         from resilient.launcher.node_channel import NodeChannel
@@ -214,9 +236,19 @@ class Agent:
             "drops every rank of this node", lid))
         node_id = f"n{self.placement.group_rank}-{self.token}"
         members = NodeMembers(c.store, c.job, node_id, socket.gethostname(), c.node_lease, c.lease_ttl)
-        run_dir = tempfile.mkdtemp(prefix="resilient-agent-")
-        channel = NodeChannel(os.path.join(run_dir, "agent.sock"), c.store, c.job, members, self._expects,
-                              self.cfg.node_health_interval)
+        run_dir = agent_run_dir()
+        try:
+            channel = NodeChannel(os.path.join(run_dir, SOCKET_NAME), c.store, c.job, members, self._expects,
+                                  self.cfg.node_health_interval)
+        except BaseException:  # the channel could not open: nothing of node mode is left behind
+            shutil.rmtree(run_dir, ignore_errors=True)
+            mux.close()
+            try:
+                c.store.revoke(c.node_lease)
+            except StoreError:
+                pass  # it expires after its TTL
+            c.node_lease = None
+            raise
         log.info("node lease %x (TTL %gs for --lease-ttl %gs), node record %s: the agent vouches for its %d ranks",
                  c.node_lease, granted, c.lease_ttl, node_id, self.cfg.nproc_per_node)
         return NodeMode(mux, members, channel, run_dir, granted)
@@ -420,7 +452,6 @@ class Agent:
 
     def _drop_node_lease(self) -> None:
         """Node-lease mode: every worker is gone; close the channel, revoke the node lease."""
-        import shutil
 
         c, node = self.control, self.node
         if c is None or node is None or c.node_lease is None:
