@@ -259,3 +259,50 @@ def test_mutual_tls_keeps_same_host_pairs_on_tls(tmp_path):
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_a_link_dialled_in_an_older_epoch_and_not_acknowledged_is_redialled_by_configure(kind):
+    """The dialler ``a`` sends a small message in epoch 2 (it fits the socket buffer or the
+    ring: counted sent) to ``b``, already in epoch 3 but not progressing, and moves to
+    epoch 3 before ``b`` has read the link. ``b`` will refuse that link's epoch-2 HELLO; an
+    epoch-3 message written into it would be lost although counted sent. ``configure``
+    drops the link it dialled that ``b`` never acknowledged, so the epoch-3 message goes
+    over a new link and arrives. A link ``b`` did acknowledge is kept across epochs."""
+    cls = HybridTransport if kind == "shm" else TcpTransport
+    a, b = cls("a", "job"), cls("b", "job")
+    addrs = {"a": a.address, "b": b.address}
+    try:
+        b.configure(3, "t3", addrs)
+        a.configure(2, "t2", addrs)
+        stale = a.isend("b", np.ones(8), 1, 0)
+        assert a.wait([stale], timeout=10) is True      # written: the kernel or the ring took it
+        assert not getattr(a._conns["b"], "accepted", False)   # b has not even accepted the connection
+        a.configure(3, "t3", addrs)
+        x = np.arange(8, dtype=np.float64)
+        y = np.zeros(8)
+        fresh = a.isend("b", x, 1, 0)
+        assert a.wait([fresh], timeout=10) is True
+        assert b.wait([b.irecv("a", y, 1, 0)], timeout=10) is True, "the epoch-3 message was lost"
+        assert np.array_equal(y, x)
+        # the epoch-2 link, refused by b: at its HELLO, or (shared memory) already at the
+        # ring's setup when a has closed it first
+        refused = {k: v for k, v in b.stats.dropped.items() if k in ("hello_refused", "shm_setup")}
+        assert sum(refused.values()) == 1, b.stats.dropped
+        if kind == "shm":
+            assert isinstance(a._conns["b"].sock, shm.ShmChannel)
+        # acknowledged now: the link survives the next epoch (no redial, no refusal)
+        wait_for_ack = time.monotonic() + 10
+        while not a._conns["b"].accepted and time.monotonic() < wait_for_ack:
+            a.idle(0.05)
+        link = a._conns["b"]
+        assert link.accepted
+        a.configure(4, "t4", addrs)
+        b.configure(4, "t4", addrs)
+        both(a, a.isend("b", x * 2, 1, 0), b, b.irecv("a", y, 1, 0), timeout=10)
+        assert np.array_equal(y, x * 2)
+        assert a._conns["b"] is link
+        assert sum(v for k, v in b.stats.dropped.items() if k in ("hello_refused", "shm_setup")) == 1
+    finally:
+        a.close()
+        b.close()

@@ -6,7 +6,11 @@ Design (see :mod:`resilient.transport.base` for the contract):
   whose id sorts lower and opened lazily on the first request. The dialler's first frame
   is HELLO {job, epoch, token, member, session}; the acceptor checks job and token of
   *its* epoch (a HELLO from a newer epoch is parked until this side reaches it; an older
-  one is refused by closing the connection).
+  one is refused by closing the connection) and acknowledges one it accepts with an empty
+  HELLO, written at once. :meth:`TcpTransport.configure` to a newer epoch drops a link
+  this side dialled in an older epoch that was never acknowledged (its acceptor may refuse
+  it after this side moved on, losing a send that fit the socket buffer); the next
+  request dials again with the new epoch's HELLO.
 * Hardening against whoever can reach the listener (:mod:`resilient.transport.handshake`):
   connections that have not completed a HELLO are capped in number and buffered bytes
   (across connections) and closed after a deadline; a HELLO is refused unless its job
@@ -101,10 +105,14 @@ class TcpTransport(TcpReading, TcpProbing, OpLayer):
         if epoch < self._epoch:
             raise TransportError(f"configure: epoch {epoch} is older than the current {self._epoch}")
         self._handle_abort()  # turn half-done frames into padding/discards first
+        unacknowledged = [c for c in self._conns.values() if self._unacknowledged(c, epoch)]
+        for conn in unacknowledged:
+            self._guarded(conn, self._read)  # in the old epoch: its acknowledgement may be waiting
         self._epoch, self._token = epoch, token
         addresses = dict(addresses)
         for peer, conn in list(self._conns.items()):
-            if conn.failed is not None or addresses.get(peer) != self._addresses.get(peer) or peer not in addresses:
+            if (conn.failed is not None or addresses.get(peer) != self._addresses.get(peer) or peer not in addresses
+                    or (conn in unacknowledged and not conn.accepted)):
                 self._drop(conn)
                 continue
             for req in list(conn.sendq):
@@ -127,6 +135,16 @@ class TcpTransport(TcpReading, TcpProbing, OpLayer):
             if conn.cur is not None and conn.sock is not None and conn.failed is None:
                 self._guarded(conn, self._read)
         self._update_masks()
+
+    def _unacknowledged(self, conn: Conn, epoch: int) -> bool:
+        """A live link this side dialled with the HELLO of an epoch older than ``epoch``
+        that its acceptor has not acknowledged. Its acceptor may already be in a newer epoch
+        and refuse it (closing the link) after this side moved on: what this side then wrote
+        into it is lost although counted sent (a small send fits the socket buffer or the
+        shared-memory ring). :meth:`configure` drops such a link; the next request dials
+        again with the new epoch's HELLO."""
+        return (conn.sock is not None and conn.failed is None and conn.peer is not None
+                and self.member_id < conn.peer and not conn.accepted and conn.hello_epoch < epoch)
 
     def isend(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request:
         req = TcpRequest(peer, as_memoryview(buf), op_seq, tag, digest, True)

@@ -123,6 +123,8 @@ class Conn:
         self.stalled = False  # member link: a header waits for its receive (early_cap reached)
         self.early_bytes = 0  # bytes of ``unexpected`` payloads (and one being read into)
         self.session = ""     # acceptor: the dialler's HELLO session
+        self.hello_epoch = -1  # dialler: the epoch its HELLO carried
+        self.accepted = False  # dialler: the acceptor acknowledged its HELLO (an empty HELLO back)
         self.origin = ""      # acceptor: remote address, for logs
         self.quiet = False    # parked HELLO that sent more bytes: no longer watched for EOF
         self.tls_handshaking = False  # TLS: handshake not finished (no frame I/O yet)

@@ -6,7 +6,9 @@ acceptor caps and times out unauthenticated connections
 (:mod:`~resilient.transport.handshake`), runs mutual TLS when configured, parks a HELLO of
 a newer epoch until ``configure`` reaches it, refuses a wrong job/token/member, and never
 lets a HELLO replace a live link of the member it names (unless it comes from the same
-dialling transport, ``session``, or the old link is really closed).
+dialling transport, ``session``, or the old link is really closed). A HELLO it accepts is
+acknowledged at once with an empty HELLO frame (:data:`ACK`), the first frame the
+acceptor writes on the link; the dialler marks the link ``accepted``.
 
 Failure behaviour: every refusal closes the connection and is counted in
 ``stats.dropped`` (``hello_refused``, ``link_taken``, ``tls_refused``, ``tls_identity``,
@@ -31,6 +33,9 @@ from resilient.transport.tcp_conn import ACCEPT_BATCH, ACCEPT_PAUSE_MAX_S, ACCEP
 from resilient.transport.tcp_links import Listener, TcpLinks, log
 from resilient.transport.tls import names_of
 
+#: the acceptor's answer to a HELLO it accepted: a HELLO frame with no payload
+ACK = frames.encode_header(frames.Header(frames.HELLO, 0, 0, 0, 0))
+
 
 class TcpHandshake(TcpLinks):
     """Dialling, accepting and validating member links (see the module docstring)."""
@@ -54,6 +59,7 @@ class TcpHandshake(TcpLinks):
         else:
             conn.connecting = err != 0
             hello = frames.Hello(self.job, self._epoch, self._token, self.member_id, self._session)
+            conn.hello_epoch = self._epoch
             conn.raw_out.append(memoryview(frames.encode_hello(hello)))
             conn.raw_out.extend(memoryview(m) for m in self._ops.posted())
             self._sel.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
@@ -203,8 +209,12 @@ class TcpHandshake(TcpLinks):
                         req.header = frames.encode_header(frames.Header(frames.DATA, self._epoch, req.op_seq, req.tag, req.nbytes, req.digest))
             else:
                 self._fail_conn(old, TransportError(f"member {member} reconnected; the old connection is closed"))
+        # The acknowledgement (an empty HELLO), first and at once: the dialler tells a link
+        # accepted from one refused before it could notice (see TcpTransport.configure).
+        conn.raw_out.appendleft(memoryview(ACK))
         conn.raw_out.extend(memoryview(m) for m in self._ops.posted())
         self._conns[member] = conn
+        self._try_write(conn)
 
     def _next_timer(self) -> float | None:
         t = self._accepting.next_deadline()

@@ -200,5 +200,9 @@ class TcpLinks(abc.ABC):
         """Read what ``conn`` has (:mod:`~resilient.transport.tcp_read`)."""
 
     @abc.abstractmethod
+    def _try_write(self, conn: Conn) -> None:
+        """Write what ``conn`` has queued, as far as the socket takes it (:mod:`~resilient.transport.tcp_write`)."""
+
+    @abc.abstractmethod
     def _on_probe(self, conn: Conn, h: frames.Header) -> None:
         """A PROBE header was read from ``conn`` (:mod:`~resilient.transport.tcp_probe`)."""

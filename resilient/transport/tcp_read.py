@@ -133,7 +133,8 @@ class TcpReading(TcpMatching, TcpHandshake):
             conn.hello = frames.decode_hello(target)
             self._validate_hello(conn)
             return
-        if h.kind == frames.HELLO:
+        if h.kind == frames.HELLO:  # the acceptor's acknowledgement of our HELLO
+            conn.accepted = True
             return
         if h.kind == frames.ERROR:
             if h.epoch >= self._epoch:
