@@ -235,10 +235,7 @@ class EpochState:
         ring = self.ring_index()
         if not avoid:
             return ring.hash()
-        ids = list(ring.ring())
-        for final, base in self.avoid_moves().items():
-            ids[final] = ring.at(base)
-        return plan_hash(ids, ring.demoted_count, avoid)
+        return ring.hash(avoid, self.avoid_moves())
 
     def avoid_moves(self) -> dict[int, int]:
         """The planner's link separation on this state's ring, as sparse moves
