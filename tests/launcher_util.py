@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Callable
 
@@ -49,6 +51,11 @@ class Launcher:
         os.makedirs(dump_dir, exist_ok=True)
         self.dump_dir = dump_dir
         env = dict(os.environ, DUMP_DIR=dump_dir, PYTHONPATH=ROOT, RESILIENT_LOG_LEVEL="INFO")
+        # a TMPDIR of its own (short: the agent's unix socket goes in it), removed by close():
+        # a SIGKILLed agent cannot remove its run directory itself
+        self._tmp: str | None = None
+        if "TMPDIR" not in (extra_env or {}):
+            self._tmp = env["TMPDIR"] = tempfile.mkdtemp(prefix="rrun-", dir="/tmp")
         env.update(extra_env or {})
         self.log_path = os.path.join(dump_dir, "agent.log")
         self._log = open(self.log_path, "w")
@@ -79,3 +86,5 @@ class Launcher:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         self._log.close()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)

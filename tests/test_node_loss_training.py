@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from dataclasses import dataclass
@@ -99,7 +101,10 @@ class Proc:
     def __init__(self, cmd: list[str], log_path: Path) -> None:
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in kill()
-        env = dict(os.environ, PYTHONPATH=ROOT, RESILIENT_LOG_LEVEL="INFO")
+        # a TMPDIR of its own, removed by kill(): a SIGKILLed agent (the node loss) cannot
+        # remove its run directory (the channel socket) itself
+        self._tmp = tempfile.mkdtemp(prefix="rrun-", dir="/tmp")
+        env = dict(os.environ, PYTHONPATH=ROOT, RESILIENT_LOG_LEVEL="INFO", TMPDIR=self._tmp)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
 
@@ -112,6 +117,7 @@ class Proc:
             self.proc.kill()
             self.proc.wait(timeout=10)
         self._log.close()
+        shutil.rmtree(self._tmp, ignore_errors=True)
 
 
 @pytest.mark.timeout(180)
