@@ -38,6 +38,12 @@ def read_dump(dump_dir: str, local_rank: int, restart: int) -> dict | None:
         return json.load(f)
 
 
+def private_tmpdir() -> str:
+    """A short TMPDIR of its own for one resilient-run (the agent's unix socket goes in it),
+    for the caller to remove: a SIGKILLed agent cannot remove its run directory itself."""
+    return tempfile.mkdtemp(prefix="rrun-", dir="/tmp")
+
+
 def alive(pid: int) -> bool:
     """A process with this pid exists and is not a zombie."""
     return pid_state(pid) not in (None, "Z", "X")
@@ -55,7 +61,7 @@ class Launcher:
         # a SIGKILLed agent cannot remove its run directory itself
         self._tmp: str | None = None
         if "TMPDIR" not in (extra_env or {}):
-            self._tmp = env["TMPDIR"] = tempfile.mkdtemp(prefix="rrun-", dir="/tmp")
+            self._tmp = env["TMPDIR"] = private_tmpdir()
         env.update(extra_env or {})
         self.log_path = os.path.join(dump_dir, "agent.log")
         self._log = open(self.log_path, "w")

@@ -31,14 +31,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from dataclasses import dataclass
 
 import pytest
 
-from launcher_util import ROOT, alive, wait_for
+from launcher_util import ROOT, alive, private_tmpdir, wait_for
 from resilient.chaos.netns import NetnsLab, netns_unavailable_reason
 from resilient.coordinator import keys
 from resilient.coordinator.directory import NodeRecord
@@ -103,7 +102,7 @@ class Proc:
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in kill()
         # a TMPDIR of its own, removed by kill(): a SIGKILLed agent (the node loss) cannot
         # remove its run directory (the channel socket) itself
-        self._tmp = tempfile.mkdtemp(prefix="rrun-", dir="/tmp")
+        self._tmp = private_tmpdir()
         env = dict(os.environ, PYTHONPATH=ROOT, RESILIENT_LOG_LEVEL="INFO", TMPDIR=self._tmp)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)

@@ -105,7 +105,7 @@ class TcpTransport(TcpReading, TcpProbing, OpLayer):
         if epoch < self._epoch:
             raise TransportError(f"configure: epoch {epoch} is older than the current {self._epoch}")
         self._handle_abort()  # turn half-done frames into padding/discards first
-        unacknowledged = [c for c in self._conns.values() if self._unacknowledged(c, epoch)]
+        unacknowledged = {c for c in self._conns.values() if self._unacknowledged(c, epoch)}
         for conn in unacknowledged:
             self._guarded(conn, self._read)  # in the old epoch: its acknowledgement may be waiting
         self._epoch, self._token = epoch, token
