@@ -80,6 +80,10 @@ class Settings:
     shm_direct: bool = field(default=True, metadata=_var(
         "RESILIENT_SHM_DIRECT", "1", "CPU allreduces and reduce-scatters between members of one host take the direct "
         "shared-memory algorithms; `0`: the ring over shared-memory links instead (docs/hierarchy.md)"))
+    join_tree: bool = field(default=False, metadata=_var(
+        "RESILIENT_JOIN_TREE", "0", "`1` (experimental): a growing epoch's op seq is agreed along a tree of the old "
+        "members over the data plane, its root writing one etcd key, instead of one `joinseq` key per old member "
+        "(docs/scale.md)"))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -112,6 +116,7 @@ class Settings:
             log_level=get("RESILIENT_LOG_LEVEL", _log_level, d.log_level),
             staging=get("RESILIENT_STAGING", _flag, d.staging),
             shm_direct=get("RESILIENT_SHM_DIRECT", _flag, d.shm_direct),
+            join_tree=get("RESILIENT_JOIN_TREE", _flag, d.join_tree),
         )
 
     def make_selector(self) -> selectors.BaseSelector:

@@ -97,13 +97,13 @@ class Proc:
     """A process in its own session with its output in a file; :meth:`kill` ends it by PID
     (``ip netns exec`` execs the command, so a prefixed command keeps its PID)."""
 
-    def __init__(self, cmd: list[str], log_path: Path) -> None:
+    def __init__(self, cmd: list[str], log_path: Path, extra_env: dict[str, str] | None = None) -> None:
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in kill()
         # a TMPDIR of its own, removed by kill(): a SIGKILLed agent (the node loss) cannot
         # remove its run directory (the channel socket) itself
         self._tmp = private_tmpdir()
-        env = dict(os.environ, PYTHONPATH=ROOT, RESILIENT_LOG_LEVEL="INFO", TMPDIR=self._tmp)
+        env = dict(os.environ, PYTHONPATH=ROOT, RESILIENT_LOG_LEVEL="INFO", TMPDIR=self._tmp, **(extra_env or {}))
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
 
@@ -120,7 +120,11 @@ class Proc:
 
 
 @pytest.mark.timeout(180)
-def test_node_loss_survivors_continue_without_restart(placement, job_name, tmp_path):
+@pytest.mark.parametrize("join_tree", ["0", "1"], ids=["joinseq-keys", "join-tree"])
+def test_node_loss_survivors_continue_without_restart(placement, job_name, tmp_path, join_tree):
+    # join-tree: node B's admission agreed along the tree (RESILIENT_JOIN_TREE=1); the
+    # rebuild after it runs a fresh Communicator per rank on the same transports (it used
+    # to hang in its first op, 2 runs of 3: docs/scale.md)
     etcd = placement.etcd
     procs: list[Proc] = []
     worker_pids: set[int] = set()
@@ -134,7 +138,7 @@ def test_node_loss_survivors_continue_without_restart(placement, job_name, tmp_p
                         "--nnodes", "1:2", "--nproc-per-node", "2", "--local-addr", placement.addr[name],
                         "--lease-ttl", "2",
                         TRAIN, "--steps", str(STEPS), "--step-sleep", str(STEP_SLEEP), "--log-dir", str(dirs[name])],
-                 tmp_path / f"agent-{name}.log")
+                 tmp_path / f"agent-{name}.log", {"RESILIENT_JOIN_TREE": join_tree})
         procs.append(p)
         return p
 

@@ -3,8 +3,16 @@
 * An epoch that **removes** a member of ours aborts the transport at once (watch thread,
   :meth:`EpochTracker.on_epoch`); the op thread then recovers the op in it.
 * An epoch that only **grows** the group (joiners, role changes) is adopted at an op
-  boundary the whole group agrees on: every member announces under ``epochs/<n>/`` the
-  first op seq it has not started (``joinseq``), and all adopt it at the largest one.
+  boundary the whole group agrees on: every old member announces (from the watch thread)
+  the first op seq it has not started, and all adopt it at the largest one. With
+  ``RESILIENT_JOIN_TREE=1`` (experimental, off by default: docs/scale.md says why), over a
+  transport with a join side channel (TCP, hybrid), the largest is reduced
+  along a tree of the old members and its root writes the one key
+  ``epochs/<n>/data/joinseq/<root>`` everyone waits on (:mod:`.join_agreement`); the op
+  thread carries the tree's messages while it waits on an op, at a boundary, or in a
+  short progress task queued when the epoch is seen (which gives the thread back to any
+  op queued behind it). Otherwise (the default, and over NCCL) every old member puts its
+  own ``joinseq`` key and everyone waits for all of them.
   Several growing epochs are adopted one by one, in order, each at its own agreed seq
   (never skipping one the group may adopt: docs/recovery.md).
 
@@ -23,11 +31,15 @@ import threading
 import time
 from typing import Callable, Protocol
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 from resilient.collectives.eviction import removed_error
 from resilient.collectives.group import EpochLike, GroupView, addresses_of
+from resilient.collectives.join_agreement import JoinAgreement, old_members
 from resilient.coordinator import records
 from resilient.errors import CollectiveError, EpochChanged, RemovedFromGroup
-from resilient.transport.base import Transport
+from resilient.settings import Settings
+from resilient.transport.base import JoinCarrier, Transport
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +73,20 @@ def joinseq(raw: bytes) -> int:
     return int(records.fields("rendezvous", raw, "joinseq").int("seq"))
 
 
+#: epochs ahead of this member's view whose join messages are kept until it sees them
+_EARLY_EPOCHS = 8
+
+
+class _Up:
+    """The :class:`~.join_agreement.Channel` over a transport's join side channel."""
+
+    def __init__(self, carrier: JoinCarrier) -> None:
+        self.carrier = carrier
+
+    def send_up(self, parent: str, epoch: int, seq: int) -> None:
+        self.carrier.post_join(parent, epoch, seq)
+
+
 class EpochTracker:
     """The epoch, group and op sequence counter of one Communicator (see the module
     docstring). ``transport``: aborted on a removal; ``op_transport``: configured on
@@ -80,6 +106,15 @@ class EpochTracker:
         self.seq = 0
         self.admitted_at = 0  # the op seq at which the newest admission took effect (agreed: see boundary/start)
         self._unwatch: Callable[[], None] = lambda: None
+        #: the join side channel (None: one etcd key per old member) and its agreements
+        self.carrier: JoinCarrier | None = transport.join_carrier() if Settings.from_env().join_tree else None
+        self.agreements: dict[int, JoinAgreement] = {}
+        self._early: dict[int, dict[str, int]] = {}  # epoch -> child -> seq, before we saw that epoch
+        self._on_op_thread: Callable[[Callable[[], None]], None] | None = None
+        self._ops_queued: Callable[[], int] = lambda: 0
+        self._waiter: ThreadPoolExecutor | None = None
+        if self.carrier is not None:
+            self.carrier.on_join(self._on_join_message)
         epoch = view.current()
         if epoch is None or self.member_id not in epoch.members:
             epoch = view.wait_for(lambda e: self.member_id in e.members, epoch_timeout)
@@ -97,12 +132,42 @@ class EpochTracker:
             # Admitted at an op boundary: the group's members announce under epochs/<n>/
             # the op seq at which they adopt this epoch; we start there.
             olds = [m for m in epoch.members if m not in epoch.added]
-            raw = self.view.wait_blobs(epoch.number, "joinseq", olds, self.epoch_timeout) if olds else {}
-            self.seq = self.admitted_at = max((joinseq(v) for v in raw.values()), default=0)
+            if not olds:
+                self.seq = self.admitted_at = 0
+            elif self.carrier is not None:
+                self.seq = self.admitted_at = self._agreement(epoch).wait(self.epoch_timeout)
+            else:
+                raw = self.view.wait_blobs(epoch.number, "joinseq", olds, self.epoch_timeout)
+                self.seq = self.admitted_at = max(joinseq(v) for v in raw.values())
             log.info("member %s joins epoch %d at op #%d", self.member_id, epoch.number, self.seq)
         else:
-            self.announce(epoch.number)
+            # also a fresh Communicator built in an epoch that admitted others a moment
+            # after its own start (cause "joined" at start-up): they wait for this
+            self.announce(epoch)
         self.set_metrics()
+
+    def use_op_thread(self, submit: Callable[[Callable[[], None]], None],
+                      queued: Callable[[], int] = lambda: 0) -> None:
+        """``submit`` queues a function on the op thread (the transport's one user): the
+        tree messages of an agreement seen while the op thread is idle go out through it
+        (:meth:`_progress_agreement`, which gives the thread back as soon as ``queued()``
+        says an op waits: the op's own waits progress the transport, so the tree's
+        messages keep moving). Agreements announced before this are queued now."""
+        self._on_op_thread = submit
+        self._ops_queued = queued
+        with self.lock:
+            pending = [a for n, a in self.agreements.items() if n >= self.epoch.number and a.reduction is not None]
+        for ag in pending:
+            self._queue_progress(ag)
+
+    def _queue_progress(self, ag: JoinAgreement) -> None:
+        submit = self._on_op_thread
+        if submit is None:
+            return  # before use_op_thread: queued there
+        try:
+            submit(lambda: self._progress_agreement(ag))
+        except Exception as exc:  # noqa: BLE001 - closed: nothing to progress for
+            log.debug("join agreement of epoch %d not progressed: %s", ag.number, exc)
 
     def watch(self, *also: Callable[[EpochLike], None]) -> None:
         """From now on, :meth:`on_epoch` (then each of ``also``, e.g. the device route's)
@@ -115,9 +180,14 @@ class EpochTracker:
         self._unwatch = unwatch
 
     def unwatch(self) -> None:
-        """Stop :meth:`watch`; never raises (best effort on the way out)."""
+        """Stop :meth:`watch` (and the join side channel's handler); never raises (best
+        effort on the way out)."""
         try:
             self._unwatch()
+            if self.carrier is not None:
+                self.carrier.drop_join(self._on_join_message)   # not a successor's (rebuild)
+            if self._waiter is not None:
+                self._waiter.shutdown(wait=False)
         except Exception:  # noqa: BLE001
             pass
 
@@ -138,26 +208,110 @@ class EpochTracker:
             with self.lock:
                 self.seen[e.number] = e
             try:
-                self.announce(e.number)
+                self.announce(e)
             except Exception as exc:  # noqa: BLE001 - the op thread announces at its next boundary
                 log.warning("could not announce op seq for epoch %d: %s", e.number, exc)
 
-    def announce(self, number: int) -> int:
+    def announce(self, e: EpochLike) -> int:
         """Publish (once per epoch) the first op seq this member has not started yet; from
-        then on it starts no op of that seq or later in an older epoch."""
+        then on it starts no op of that seq or later in an older epoch. With a join side
+        channel it goes into ``e``'s agreement tree (its messages leave from the op
+        thread: a progress task is queued for it), else into this member's own key."""
+        number = e.number
         with self.lock:
             if number in self.published:
                 return self.published[number]
             self.published[number] = seq = self.seq
-        self.view.put_blob(number, "joinseq", json.dumps({"seq": seq}).encode())
+        if self.carrier is None:
+            self.view.put_blob(number, "joinseq", json.dumps({"seq": seq}).encode())
+            return seq
+        if not old_members(e):
+            return seq  # nobody was there before e: nothing to agree
+        ag = self._agreement(e)
+        if ag.reduction is None:
+            return seq  # not an old member of e (e.g. a joiner of it): it only waits
+        tree = ag.tree
+        parent = tree.parent(self.member_id)
+        self.carrier.join_links([*tree.children(self.member_id), *([parent] if parent is not None else [])])
+        ag.contribute(seq)
+        self._queue_progress(ag)
         return seq
+
+    # -- the join agreement over the data plane (see the module docstring) -------------------
+
+    def _agreement(self, e: EpochLike) -> JoinAgreement:
+        """``e``'s agreement at this member (made once; child messages that came before it
+        are replayed into it)."""
+        assert self.carrier is not None
+        with self.lock:
+            ag = self.agreements.get(e.number)
+            if ag is None:
+                ag = self.agreements[e.number] = JoinAgreement(self.view, e, self.member_id, _Up(self.carrier))
+                for old in [n for n in self.agreements if n < self.epoch.number]:
+                    del self.agreements[old]
+            early = self._early.pop(e.number, {})
+        for child, seq in early.items():
+            ag.on_child(child, seq)
+        return ag
+
+    def _on_join_message(self, peer: str, number: int, seq: int) -> None:
+        """The carrier's handler (the op thread, inside the transport's progress): a
+        child's subtree maximum for epoch ``number``'s agreement."""
+        with self.lock:
+            ag = self.agreements.get(number)
+            if ag is None:
+                if number < self.epoch.number:
+                    return  # an agreement this member is past
+                if number not in self._early and len(self._early) >= _EARLY_EPOCHS:
+                    raise ValueError(f"join messages for {len(self._early)} epochs this member has not seen; "
+                                     f"refused the one for epoch {number}")
+                self._early.setdefault(number, {})[peer] = seq
+                return
+        ag.on_child(peer, seq)
+
+    def _progress_agreement(self, ag: JoinAgreement) -> None:
+        """On the op thread: progress the transport until this member's part of ``ag``
+        went out (its subtree is complete and its frame written), an op is queued behind
+        this task (it progresses the transport itself: an op must never wait for an
+        agreement its peers need that op to finish), the transport is aborted (an epoch
+        removed a member), a newer epoch supersedes ``ag``'s, or ``epoch_timeout``
+        passes. Never raises."""
+        assert self.carrier is not None and ag.reduction is not None
+        deadline = time.monotonic() + self.epoch_timeout
+        try:
+            while time.monotonic() < deadline and not self.transport.aborted and not self.transport.closed:
+                if ag.reduction.done and not self.carrier.joins_pending() or self._ops_queued() > 0:
+                    return
+                newest = self.view.current()
+                if newest is not None and newest.number > ag.number or self.epoch.number > ag.number:
+                    return
+                self.transport.idle(0.02)
+        except Exception as exc:  # noqa: BLE001 - the op after it reports a broken transport
+            log.debug("join agreement of epoch %d: %s", ag.number, exc)
+
+    def _await_agreement(self, ag: JoinAgreement) -> int:
+        """On the op thread: the agreed seq of ``ag``, progressing the transport (the
+        tree's messages) while a helper thread waits on the root's key. Raises what
+        :meth:`JoinAgreement.wait` raises."""
+        if self._waiter is None:
+            self._waiter = ThreadPoolExecutor(1, thread_name_prefix=f"resilient-join:{self.member_id}")
+        fut: Future[int] = self._waiter.submit(ag.wait, self.epoch_timeout)
+        while not fut.done():
+            if self.transport.aborted or self.transport.closed:
+                time.sleep(0.005)  # the wait ends with the newer epoch (EpochChanged)
+            else:
+                self.transport.idle(0.01)
+        return fut.result()
 
     def adopt_growing(self, e: EpochLike) -> None:
         """At an op boundary: agree with the group on the op seq at which the epoch ``e``
         (which removes no member of ours) takes effect — the largest seq any member
         announced — and adopt it there. Raises ``EpochChanged`` when a newer epoch
         supersedes ``e`` meanwhile, TimeoutError after ``epoch_timeout``."""
-        self.announce(e.number)
+        self.announce(e)
+        if self.carrier is not None:
+            self.switch = (self._await_agreement(self._agreement(e)), e)
+            return
         olds = [m for m in self.members() if m in e.members]
         raw = self.view.wait_blobs(e.number, "joinseq", olds, self.epoch_timeout)
         at = max(joinseq(v) for v in raw.values())

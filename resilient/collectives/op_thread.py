@@ -8,6 +8,7 @@ timed.
 """
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
@@ -24,20 +25,35 @@ class OpThread:
         self.metrics, self.epoch = metrics, epoch
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"resilient-ops:{member_id}")
         self.closed = False
+        self._queued = 0   # submitted, not started yet
+        self._lock = threading.Lock()
+
+    def queued(self) -> int:
+        """How many submitted functions have not started yet (a background task on this
+        thread, e.g. a join agreement's progress, yields to them)."""
+        return self._queued
 
     def submit(self, fn: Callable[[], Any], async_op: bool, kind: str = "", nbytes: int = 0) -> Work:
         """Queue ``fn`` after the ops before it; wait for it unless ``async_op``. ``kind``
         (a collective's name) times it into the metrics with ``nbytes``."""
         if self.closed:
             raise ClosedError("the communicator is closed: build a new Communicator (or resilient.connect())")
-        body = fn
-        if kind:
-            def body() -> Any:
-                t0 = time.monotonic()
-                res = fn()
+        def body() -> Any:
+            with self._lock:
+                self._queued -= 1
+            t0 = time.monotonic()
+            res = fn()
+            if kind:
                 self.metrics.op_finished(kind, time.monotonic() - t0, nbytes, self.epoch())
-                return res
-        fut: Future[Any] = self._pool.submit(body)
+            return res
+        with self._lock:
+            self._queued += 1
+        try:
+            fut: Future[Any] = self._pool.submit(body)
+        except BaseException:
+            with self._lock:
+                self._queued -= 1
+            raise
         work = Work(fut)
         if not async_op:
             fut.result()

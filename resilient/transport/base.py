@@ -75,7 +75,7 @@ import abc
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from resilient.transport.ops import OpMismatch, PeerReportedError
 from resilient.transport.tags import CONTROL_NAMESPACE, control_seq, is_control
@@ -252,6 +252,28 @@ class CoreTransport(abc.ABC):
             time.sleep(min(0.005, left))
 
 
+class JoinCarrier(Protocol):
+    """A transport's side channel for join agreements
+    (:mod:`resilient.collectives.join_agreement`; the TCP one: :mod:`~resilient.transport.tcp_join`).
+    ``post_join``/``join_links`` may be called from any thread and return at once; the
+    handler of ``on_join`` runs on the thread that progresses the transport, with
+    ``(peer, agreement epoch, seq)`` (one handler per transport: the Communicator that
+    runs on it now; ``drop_join(h)`` clears it only while it is ``h``, so a Communicator
+    closed after its successor took the transport over leaves the successor's handler
+    in place); ``joins_pending``: whether posted frames have not gone out yet
+    (progressing thread only)."""
+
+    def post_join(self, peer: str, epoch: int, seq: int) -> None: ...
+
+    def join_links(self, peers: Sequence[str]) -> None: ...
+
+    def on_join(self, handler: Callable[[str, int, int], None] | None) -> None: ...
+
+    def drop_join(self, handler: Callable[[str, int, int], None]) -> None: ...
+
+    def joins_pending(self) -> bool: ...
+
+
 class Transport(CoreTransport):
     """A core transport with the op-level guarantees (digest checks, :meth:`cancel_op`,
     :meth:`post_error`); concrete transports get them from
@@ -280,6 +302,11 @@ class Transport(CoreTransport):
         in another op, or in this op with our digest, changes nothing (it is slower, or
         waits for someone else). Never raises; a peer without a link, or with nothing
         pending, is not asked / does not answer."""
+
+    def join_carrier(self) -> JoinCarrier | None:
+        """The side channel join agreements travel over, None where this transport has
+        none (NCCL: the agreement then uses one etcd key per old member)."""
+        return None
 
     # -- conveniences -------------------------------------------------------------------
 

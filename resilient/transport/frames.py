@@ -4,7 +4,7 @@ Header (48 bytes)::
 
     magic    4s   b"RSLC"
     version  u8   1
-    kind     u8   HELLO | DATA | ERROR | PROBE
+    kind     u8   HELLO | DATA | ERROR | PROBE | JOIN
     flags    u16  reserved, 0
     epoch    u64  epoch the sender was in when it posted the message
     op_seq   u64  the op's sequence number within the communicator
@@ -16,12 +16,16 @@ Header (48 bytes)::
 The payload is raw bytes (DATA, ERROR) or UTF-8 JSON (HELLO); a PROBE has none: it asks
 a peer which op it is in (``tag`` :data:`PROBE_QUERY`, carrying the asker's op and
 descriptor digest in ``op_seq`` / ``digest``) or answers that (``tag``
-:data:`PROBE_ANSWER`), see :func:`check_probe`. Nothing is ever unpickled.
+:data:`PROBE_ANSWER`), see :func:`check_probe`; a JOIN has none either: it carries one
+member's subtree maximum of a join agreement (``epoch``: the growing epoch, ``op_seq``:
+the seq; :mod:`resilient.collectives.join_agreement`), see :func:`check_join`. Nothing is
+ever unpickled.
 
 Failure behaviour: every function here raises :class:`~resilient.errors.FrameError` and
 nothing else on bad input — :func:`decode_header` on a bad size, magic, version, kind,
 checksum or a payload length over the kind's cap (:data:`PAYLOAD_CAP`), :func:`check_probe`
-on a PROBE frame that is not one of the two documented forms, :func:`decode_hello` / :func:`decode_json` on a
+on a PROBE frame that is not one of the two documented forms, :func:`check_join` on a
+JOIN frame that is not the documented form, :func:`decode_hello` / :func:`decode_json` on a
 payload that is not the documented JSON object, and :func:`encode_header` on a field that
 does not fit its u64/u32 slot (e.g. an epoch number >= 2**64 from a corrupt epoch record),
 so a corrupt stream is refused at the first bad header instead of being written into a
@@ -36,12 +40,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from resilient.errors import FrameError
-from resilient.transport.tags import OP_NAMESPACE, namespace_of
+from resilient.transport.tags import OP_NAMESPACE, SEQ_MASK, namespace_of
 
 MAGIC = b"RSLC"
 VERSION = 1
-HELLO, DATA, ERROR, PROBE = 1, 2, 3, 4
-KINDS = {HELLO: "HELLO", DATA: "DATA", ERROR: "ERROR", PROBE: "PROBE"}
+HELLO, DATA, ERROR, PROBE, JOIN = 1, 2, 3, 4, 5
+KINDS = {HELLO: "HELLO", DATA: "DATA", ERROR: "ERROR", PROBE: "PROBE", JOIN: "JOIN"}
 #: the two PROBE forms (its ``tag`` field)
 PROBE_QUERY, PROBE_ANSWER = 0, 1
 
@@ -55,7 +59,8 @@ MAX_PAYLOAD = 1 << 48
 #: the largest payload a header of each kind may announce (DATA: :data:`MAX_PAYLOAD`); a
 #: PROBE carries none, but one that announces a short payload is refused by
 #: :func:`check_probe` after its header, so the stream stays in step and the link lives
-PAYLOAD_CAP = {HELLO: MAX_HELLO_PAYLOAD, ERROR: MAX_CONTROL_PAYLOAD, PROBE: MAX_CONTROL_PAYLOAD}
+PAYLOAD_CAP = {HELLO: MAX_HELLO_PAYLOAD, ERROR: MAX_CONTROL_PAYLOAD, PROBE: MAX_CONTROL_PAYLOAD,
+               JOIN: MAX_CONTROL_PAYLOAD}
 U64_MAX = (1 << 64) - 1
 #: longest job name / member id / token / session a HELLO may carry
 MAX_HELLO_FIELD = 512
@@ -145,6 +150,30 @@ def check_probe(h: Header, peer: str) -> Probe:
     if namespace_of(h.op_seq) != OP_NAMESPACE:
         raise FrameError(f"{what}: op #{h.op_seq:#x} is not a collective op (probes ask about collectives only)")
     return Probe(h.op_seq, h.digest, h.tag == PROBE_ANSWER)
+
+
+def encode_join(epoch: int, seq: int) -> bytes:
+    """The whole JOIN frame carrying ``seq`` for the agreement of epoch ``epoch`` (a
+    header, no payload); :class:`FrameError` for a field out of range."""
+    if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= SEQ_MASK:
+        raise FrameError(f"join seq {seq!r} is not an op sequence number in [0, {SEQ_MASK}]")
+    return encode_header(Header(JOIN, epoch, seq, 0, 0))
+
+
+def check_join(h: Header, peer: str) -> tuple[int, int]:
+    """``(epoch, seq)`` of a JOIN header ``h`` from member ``peer``. :class:`FrameError`
+    naming ``peer`` and the field when it is not the documented form: a payload (a JOIN
+    has none), a non-zero ``tag`` or ``digest``, or a seq outside the collective ops' 40
+    bits."""
+    what = f"member {peer} sent a bad JOIN frame"
+    if h.kind != JOIN:
+        raise FrameError(f"{what}: kind {KINDS.get(h.kind, h.kind)} is not JOIN")
+    if h.length or h.tag or h.digest:
+        raise FrameError(f"{what}: a join frame has no payload, tag or digest (got {h.length} bytes, tag {h.tag}, "
+                         f"digest {h.digest}); the peer runs an incompatible transport, upgrade both sides")
+    if h.op_seq > SEQ_MASK:
+        raise FrameError(f"{what}: seq {h.op_seq:#x} is not an op sequence number of the collectives")
+    return h.epoch, h.op_seq
 
 
 def encode_json(obj: Any) -> bytes:

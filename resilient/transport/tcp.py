@@ -65,16 +65,17 @@ from typing import Callable, Mapping, Sequence
 
 from resilient.errors import TransportAborted, TransportError
 from resilient.transport import frames
-from resilient.transport.base import Buffer, Request, TransportStats
+from resilient.transport.base import Buffer, JoinCarrier, Request, TransportStats
 from resilient.transport.op_layer import OpLayer
 from resilient.transport.tcp_conn import Conn, TcpRequest, as_memoryview
+from resilient.transport.tcp_join import TcpJoining
 from resilient.transport.tcp_probe import TcpProbing
 from resilient.transport.tcp_read import TcpReading
 
 __all__ = ["TcpTransport", "as_memoryview"]
 
 
-class TcpTransport(TcpReading, TcpProbing, OpLayer):
+class TcpTransport(TcpReading, TcpProbing, TcpJoining, OpLayer):
     """The CPU transport. Thread model: one thread at a time calls configure/isend/irecv/
     wait/cancel_op/post_error (the communicator's op thread); :meth:`abort` from any.
 
@@ -99,6 +100,9 @@ class TcpTransport(TcpReading, TcpProbing, OpLayer):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def join_carrier(self) -> JoinCarrier:
+        return self
 
     def configure(self, epoch: int, token: str, addresses: Mapping[str, str]) -> None:
         frames.check_u64("epoch", epoch)
@@ -302,6 +306,7 @@ class TcpTransport(TcpReading, TcpProbing, OpLayer):
             self._progress(max(0.0, timeout))
 
     def _progress(self, timeout: float | None) -> None:
+        self._flush_joins()
         self._update_masks()
         timer = self._next_timer()
         if timer is not None:

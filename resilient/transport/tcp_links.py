@@ -102,6 +102,11 @@ class TcpLinks(abc.ABC):
         self._spare: dict[int, list[bytearray]] = {}   # reusable early-arrival buffers by size
         self._spare_bytes = 0
         self._closed = False
+        #: join agreement frames (:mod:`~resilient.transport.tcp_join`): posted from any thread
+        self._join_lock = threading.Lock()
+        self._join_out: list[tuple[str, int, bytes]] = []  # (peer, agreement epoch, frame)
+        self._join_dial: set[str] = set()
+        self._join_handler: Callable[[str, int, int], None] | None = None
 
     @property
     def epoch(self) -> int:
@@ -206,3 +211,7 @@ class TcpLinks(abc.ABC):
     @abc.abstractmethod
     def _on_probe(self, conn: Conn, h: frames.Header) -> None:
         """A PROBE header was read from ``conn`` (:mod:`~resilient.transport.tcp_probe`)."""
+
+    @abc.abstractmethod
+    def _on_join(self, conn: Conn, h: frames.Header) -> None:
+        """A JOIN header was read from ``conn`` (:mod:`~resilient.transport.tcp_join`)."""

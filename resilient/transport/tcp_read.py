@@ -13,7 +13,8 @@ raises :class:`~resilient.errors.FrameError` (the caller's guard closes that lin
 a peer's ERROR frame fails that op's requests through the op guard. A PROBE frame is
 handed to :meth:`TcpReading._on_probe` (:mod:`~resilient.transport.tcp_probe`) as soon
 as its header is read, before any matching; a bad one is refused there without closing
-the link.
+the link. A JOIN frame likewise goes to :meth:`TcpReading._on_join`
+(:mod:`~resilient.transport.tcp_join`), whatever epoch it names.
 """
 from __future__ import annotations
 
@@ -99,6 +100,10 @@ class TcpReading(TcpMatching, TcpHandshake):
         if h.kind == frames.PROBE:  # outside the matching: a probe never waits for a receive
             conn.discard, conn.cur = h.length, None
             self._on_probe(conn, h)
+            return
+        if h.kind == frames.JOIN:  # outside the matching and of any epoch: a join agreement's message
+            conn.discard, conn.cur = h.length, None
+            self._on_join(conn, h)
             return
         if h.epoch < self._epoch or self._ops.cancelled(h.op_seq):
             conn.discard, conn.cur = h.length, None

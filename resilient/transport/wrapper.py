@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from resilient.transport.base import Buffer, Request, Transport, TransportStats
+from resilient.transport.base import Buffer, JoinCarrier, Request, Transport, TransportStats
 
 
 class WrappedTransport(Transport):
@@ -58,6 +58,9 @@ class WrappedTransport(Transport):
 
     def probe(self, peers: Sequence[str]) -> None:
         self.inner.probe(peers)
+
+    def join_carrier(self) -> JoinCarrier | None:
+        return self.inner.join_carrier()
 
     def abort(self, reason: str) -> None:
         self.inner.abort(reason)

@@ -1,0 +1,213 @@
+"""The op seq at which a growing epoch takes effect, agreed with one etcd key per epoch.
+
+One responsibility: the *join agreement* of a growing epoch (joiners added, nobody
+removed). Its contract:
+
+* **inputs** — the old members of the growing epoch ``n`` in the epoch's order
+  (:func:`old_members`: the members not in ``added``), and each old member's announced
+  seq: the first op seq it has not started (it then starts no op of that seq or later in
+  the older epoch);
+* **output** — the agreed seq, the largest announced one, identical at every old member
+  and every joiner.
+
+How: a max-reduction along a k-ary tree of the old members by position
+(:class:`JoinTree`; position 0 is the root, the children of position ``i`` are
+``k*i + 1 .. k*i + k``). Each member combines its own seq with its children's subtree
+maxima (:class:`Reduction`) and sends the result to its parent over a :class:`Channel`
+(the data plane); the root, once it has its whole tree, writes the one key
+``epochs/<n>/data/joinseq/<root>`` (:func:`encode_agreed`) exactly once, and every old
+member and joiner waits on that one key (:meth:`JoinAgreement.wait`). In etcd that is
+one put and one single-key watch per participant per growing epoch, instead of one put
+per old member and a wait on all of them (N puts, N reads of N keys).
+
+Why the result is the same everywhere: the root's key is the only source of the agreed
+seq (it is keyed by the root's id, only the root writes it, once; a retried put of the
+store writes the same bytes), and the root writes it only after every old member's seq
+went into it, so no member has started an op at or after it in the older epoch.
+
+Failure behaviour: a child that sends a second, different value, or a value from a member
+that is not its child, or a seq outside ``[0, 2**40)``, raises
+:class:`~resilient.errors.FrameError` from :meth:`Reduction.receive` (nothing of it is
+used; the sender is corrupt). A member that dies mid-agreement: the root never completes;
+the coordinator's next epoch (which removes it) supersedes ``n`` and :meth:`JoinAgreement.wait`
+raises :class:`~resilient.errors.EpochChanged` as the etcd wait does. A silent member: no
+key within ``timeout`` -> ``TimeoutError`` (:class:`~resilient.errors.ResilientTimeout`)
+naming the root. A malformed root record raises :class:`~resilient.errors.RecordError`
+naming the rule (a member never adopts a guessed seq). Nothing here hangs: every wait is
+the view's, with its deadline.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from resilient.collectives.group import BlobView, EpochLike
+from resilient.coordinator import records
+from resilient.errors import FrameError, RecordError
+
+#: children per tree node: depth log4(N) (8 hops at 100k members), 4 messages into a node
+ARITY = 4
+#: the blob name of the agreed seq (``epochs/<n>/data/joinseq/<root>``)
+BLOB = "joinseq"
+#: announced seqs are op seqs of the collective namespace (the low 40 bits)
+MAX_SEQ = (1 << 40) - 1
+
+
+def old_members(epoch: EpochLike) -> tuple[str, ...]:
+    """The members of the growing ``epoch`` that were members before it, in its order:
+    the participants of its agreement (a joiner computes the same from the record)."""
+    added = set(epoch.added)
+    return tuple(m for m in epoch.members if m not in added)
+
+
+@dataclass(frozen=True)
+class JoinTree:
+    """The k-ary reduction tree of ``members`` (in the epoch's order) by position."""
+
+    members: tuple[str, ...]
+    arity: int = ARITY
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            raise ValueError("a join agreement needs at least one old member")
+        if len(set(self.members)) != len(self.members):
+            raise ValueError(f"duplicate member ids in the join tree: {list(self.members)}")
+        if self.arity < 2:
+            raise ValueError(f"join tree arity must be >= 2, got {self.arity}")
+
+    @property
+    def root(self) -> str:
+        return self.members[0]
+
+    def position(self, member: str) -> int:
+        """``member``'s position; ValueError for a member not in the tree."""
+        return self.members.index(member)
+
+    def parent(self, member: str) -> str | None:
+        """The member ``member`` sends its subtree's maximum to (None: it is the root)."""
+        i = self.position(member)
+        return None if i == 0 else self.members[(i - 1) // self.arity]
+
+    def children(self, member: str) -> tuple[str, ...]:
+        """The members whose subtree maxima ``member`` waits for."""
+        first = self.arity * self.position(member) + 1
+        return self.members[first:first + self.arity]
+
+
+def check_seq(value: object, what: str) -> int:
+    """``value`` if it is an announced op seq (an int in ``[0, 2**40)``); else FrameError."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEQ:
+        raise FrameError(f"{what}: {value!r} is not an op sequence number in [0, {MAX_SEQ}]")
+    return value
+
+
+class Reduction:
+    """One member's part of the max-reduction: its own seq plus each child's subtree
+    maximum. :meth:`offer` and :meth:`receive` return the subtree's maximum once it is
+    complete (exactly once), None before and after."""
+
+    def __init__(self, tree: JoinTree, member: str) -> None:
+        self.tree, self.member = tree, member
+        self.waiting = set(tree.children(member))
+        self.got: dict[str, int] = {}
+        self.own: int | None = None
+        self.done = False
+        self._lock = threading.Lock()
+
+    def offer(self, seq: int) -> int | None:
+        """This member's announced seq (a repeat of the same value changes nothing)."""
+        seq = check_seq(seq, f"member {self.member}'s own seq")
+        with self._lock:
+            if self.own is not None and self.own != seq:
+                raise FrameError(f"member {self.member} announced op #{self.own} and then op #{seq} for one epoch")
+            self.own = seq
+            return self._complete()
+
+    def receive(self, child: str, seq: object) -> int | None:
+        """A child's subtree maximum; FrameError when ``child`` is not a child of this
+        member or sends two different values (see the module docstring)."""
+        value = check_seq(seq, f"member {child}'s subtree maximum")
+        with self._lock:
+            if child not in self.waiting:
+                raise FrameError(f"member {child} sent a join seq to {self.member}, which is not its parent in "
+                                    f"the join tree (its parent is {self.tree.parent(child) if child in self.tree.members else 'none: not an old member'})")
+            if child in self.got and self.got[child] != value:
+                raise FrameError(f"member {child} sent two different join seqs ({self.got[child]}, {value})")
+            self.got[child] = value
+            return self._complete()
+
+    def _complete(self) -> int | None:
+        if self.done or self.own is None or self.got.keys() != self.waiting:
+            return None
+        self.done = True
+        return max([self.own, *self.got.values()])
+
+
+def encode_agreed(epoch: int, seq: int, participants: int) -> bytes:
+    """The root's record: ``{"seq": n, "epoch": e, "members": count}``."""
+    return json.dumps({"seq": check_seq(seq, "agreed seq"), "epoch": epoch, "members": participants},
+                      sort_keys=True, separators=(",", ":")).encode()
+
+
+def decode_agreed(raw: bytes, epoch: int, participants: int) -> int:
+    """The agreed seq of a root record, validated like every etcd record: RecordError
+    naming the rule for a malformed record, or one of another epoch or participant count
+    (a record from another tree is never adopted)."""
+    f = records.fields("rendezvous", raw, "joinseq")
+    seq = int(f.int("seq", hi=MAX_SEQ))
+    got_epoch, got_members = int(f.int("epoch")), int(f.int("members"))
+    if got_epoch != epoch or got_members != participants:
+        raise RecordError(f"joinseq record for epoch {got_epoch} over {got_members} members read as the agreement "
+                          f"of epoch {epoch} over {participants}: a stale or foreign record; delete it")
+    return seq
+
+
+class Channel(Protocol):
+    """The data-plane side of the agreement: deliver ``seq`` (this member's subtree
+    maximum for the growing epoch ``epoch``) to ``parent``, whose :meth:`JoinAgreement.on_child`
+    it must reach. Best effort: a lost message makes the agreement time out (or a newer
+    epoch supersede it), never agree on a wrong seq."""
+
+    def send_up(self, parent: str, epoch: int, seq: int) -> None: ...
+
+
+class JoinAgreement:
+    """The agreement of one growing ``epoch`` at one participant (an old member, or a
+    joiner that only :meth:`wait` s). See the module docstring for the protocol and the
+    failure behaviour."""
+
+    def __init__(self, view: BlobView, epoch: EpochLike, member: str, channel: Channel, arity: int = ARITY) -> None:
+        self.view, self.number, self.member, self.channel = view, epoch.number, member, channel
+        self.tree = JoinTree(old_members(epoch), arity)
+        self.reduction = Reduction(self.tree, member) if member in self.tree.members else None
+
+    def contribute(self, seq: int) -> None:
+        """An old member's announced seq (call it once, off the op thread)."""
+        if self.reduction is None:
+            raise ValueError(f"member {self.member} is not an old member of epoch {self.number}: it only waits")
+        self._forward(self.reduction.offer(seq))
+
+    def on_child(self, child: str, seq: object) -> None:
+        """A child's subtree maximum arrived (the channel's receiver calls this)."""
+        if self.reduction is None:
+            raise FrameError(f"member {child} sent a join seq for epoch {self.number} to {self.member}, "
+                                "which is no old member of it")
+        self._forward(self.reduction.receive(child, seq))
+
+    def _forward(self, subtree_max: int | None) -> None:
+        if subtree_max is None:
+            return
+        parent = self.tree.parent(self.member)
+        if parent is None:
+            self.view.put_blob(self.number, BLOB, encode_agreed(self.number, subtree_max, len(self.tree.members)))
+        else:
+            self.channel.send_up(parent, self.number, subtree_max)
+
+    def wait(self, timeout: float) -> int:
+        """The agreed seq: waits on the root's one key (EpochChanged / TimeoutError /
+        RecordError as the module docstring says)."""
+        raw = self.view.wait_blobs(self.number, BLOB, [self.tree.root], timeout)
+        return decode_agreed(raw[self.tree.root], self.number, len(self.tree.members))
+
