@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,10 +27,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_etcd_dies_when_its_starter_is_sigkilled():
+def test_etcd_dies_when_its_starter_is_sigkilled(tmp_path):
     code = ("from resilient.coordinator.local_etcd import LocalEtcd; import time; "
             "e = LocalEtcd().start(); print(e.members[0].proc.pid, flush=True); time.sleep(120)")
-    starter = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    # the SIGKILLed starter cannot remove its etcd's data directory (~120 MB of WAL and
+    # db): it goes under this test's tmp_path (TMPDIR), not /tmp, and pytest removes it
+    starter = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                               env=dict(os.environ, TMPDIR=str(tmp_path)))
     try:
         etcd_pid = int(starter.stdout.readline())
         assert _alive(etcd_pid)
@@ -42,10 +46,14 @@ def test_etcd_dies_when_its_starter_is_sigkilled():
         if orphaned:  # clean up what we caused before failing
             os.kill(etcd_pid, signal.SIGKILL)
         assert not orphaned, "etcd outlived the process that started it"
+        left = list(tmp_path.glob("resilient-etcd-*"))
+        assert len(left) == 1, left   # the data directory went where TMPDIR says
     finally:
         if starter.poll() is None:
             starter.kill()
             starter.wait()
+        for d in tmp_path.glob("resilient-etcd-*"):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def test_stop_ends_every_member_and_restart_reuses_ports():
