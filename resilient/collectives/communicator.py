@@ -121,8 +121,7 @@ class Communicator:
         self._loop = OpLoop(self.member_id, self._op_transport, self._epochs, self._recovery, self._errors,
                             self._buffers, self.metrics, op_timeout, self._suspect, self._route)
         self._ops = OpThread(self.member_id, self.metrics, lambda: self.epoch.number)
-        self._epochs.use_op_thread(lambda fn: None if self._ops.submit(fn, async_op=True) else None,
-                                   self._ops.queued)
+        self._epochs.use_op_thread(lambda fn: self._ops.submit(fn, async_op=True), self._ops.queued)
         self._epochs.watch(self._route.on_epoch)
         self.last_compression: dict[str, Any] | None = None  # scales/q of the last compressed op
         self.compression_switch: CompressionSwitch | None = None  # compression="auto" (compression_switch.py)

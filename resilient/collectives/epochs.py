@@ -110,7 +110,7 @@ class EpochTracker:
         self.carrier: JoinCarrier | None = transport.join_carrier() if Settings.from_env().join_tree else None
         self.agreements: dict[int, JoinAgreement] = {}
         self._early: dict[int, dict[str, int]] = {}  # epoch -> child -> seq, before we saw that epoch
-        self._on_op_thread: Callable[[Callable[[], None]], None] | None = None
+        self._on_op_thread: Callable[[Callable[[], None]], object] | None = None  # its result is not used
         self._ops_queued: Callable[[], int] = lambda: 0
         self._waiter: ThreadPoolExecutor | None = None
         if self.carrier is not None:
@@ -146,7 +146,7 @@ class EpochTracker:
             self.announce(epoch)
         self.set_metrics()
 
-    def use_op_thread(self, submit: Callable[[Callable[[], None]], None],
+    def use_op_thread(self, submit: Callable[[Callable[[], None]], object],
                       queued: Callable[[], int] = lambda: 0) -> None:
         """``submit`` queues a function on the op thread (the transport's one user): the
         tree messages of an agreement seen while the op thread is idle go out through it

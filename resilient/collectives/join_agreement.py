@@ -38,6 +38,7 @@ the view's, with its deadline.
 """
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from dataclasses import dataclass
@@ -46,13 +47,14 @@ from typing import Protocol, Sequence
 from resilient.collectives.group import BlobView, EpochLike
 from resilient.coordinator import records
 from resilient.errors import FrameError, RecordError
+from resilient.transport.tags import SEQ_MASK
 
 #: children per tree node: depth log4(N) (8 hops at 100k members), 4 messages into a node
 ARITY = 4
 #: the blob name of the agreed seq (``epochs/<n>/data/joinseq/<root>``)
 BLOB = "joinseq"
 #: announced seqs are op seqs of the collective namespace (the low 40 bits)
-MAX_SEQ = (1 << 40) - 1
+MAX_SEQ = SEQ_MASK
 
 
 def old_members(epoch: EpochLike) -> tuple[str, ...]:
@@ -81,9 +83,17 @@ class JoinTree:
     def root(self) -> str:
         return self.members[0]
 
+    @functools.cached_property
+    def _index(self) -> dict[str, int]:
+        # built once per tree: members.index would scan up to 100k ids per parent/children call
+        return {m: i for i, m in enumerate(self.members)}
+
     def position(self, member: str) -> int:
         """``member``'s position; ValueError for a member not in the tree."""
-        return self.members.index(member)
+        try:
+            return self._index[member]
+        except KeyError:
+            raise ValueError(f"member {member!r} is not in the join tree") from None
 
     def parent(self, member: str) -> str | None:
         """The member ``member`` sends its subtree's maximum to (None: it is the root)."""

@@ -77,7 +77,10 @@ class TcpJoining(TcpWriting):
 
     def _flush_joins(self) -> None:
         """On the progressing thread: queue the posted JOIN frames on their links and open
-        the links asked for (see the module docstring)."""
+        the links asked for (see the module docstring). Runs at every progress: with
+        nothing posted (always, without the tree agreement) it returns before the lock."""
+        if not self._join_out and not self._join_dial:
+            return   # a racing post is seen at the next progress (it also writes the wake-up pipe)
         with self._join_lock:
             if not self._join_out and not self._join_dial:
                 return
