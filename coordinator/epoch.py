@@ -30,7 +30,7 @@ import time
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
 from resilient.coordinator import keys, records
 from resilient.coordinator.host_slots import slots_problem
@@ -39,6 +39,7 @@ from resilient.coordinator.store import Store, WatchEvent, WatchHandle
 from resilient.errors import Cancelled, EpochChanged, RecordError, ResilientTimeout
 
 log = logging.getLogger(__name__)
+_R = TypeVar("_R")
 
 #: Why an epoch was published (``Epoch.cause``).
 #: ``repaired``: published over a malformed ``epoch`` record (:mod:`.service`).
@@ -493,6 +494,24 @@ class EpochData:
         than this one is published — our choice: a newer epoch means a member we wait for
         may be gone, so the caller re-plans on the new epoch instead of waiting it out."""
         wanted = set(member_ids)
+
+        def done(got: Mapping[str, bytes]) -> dict[str, bytes] | None:
+            return {m: got[m] for m in wanted} if wanted <= got.keys() else None
+
+        def missing(got: Mapping[str, bytes]) -> str:
+            return f"still missing from {sorted(wanted - got.keys())}"
+
+        return self.wait_until(name, done, timeout, missing, wanted)
+
+    def wait_until(self, name: str, done: Callable[[Mapping[str, bytes]], _R | None], timeout: float,
+                   missing: Callable[[Mapping[str, bytes]], str] = lambda got: "not complete",
+                   wanted: Iterable[str] | None = None) -> _R:
+        """Wait until ``done`` (called with every member's ``name`` payload seen so far,
+        member id -> bytes, after each change) returns something other than None; returns
+        that. ``done`` may raise (e.g. :class:`RecordError` for a malformed record): the
+        wait ends with its exception. :class:`EpochChanged` as soon as a newer epoch is
+        published (its partial result: the payloads of ``wanted``, default all seen), and
+        :class:`ResilientTimeout` after ``timeout`` with ``missing(got)`` in its message."""
         prefix = keys.epoch_data(self.job, self.number, name)
         cond = threading.Condition()
         got: dict[str, bytes] = {}
@@ -501,6 +520,10 @@ class EpochData:
         for kv in kvs:
             got[keys.last_segment(kv.key)] = kv.value
         ekey = keys.epoch(self.job)
+        want = None if wanted is None else set(wanted)
+
+        def partial() -> dict[str, bytes]:
+            return dict(got) if want is None else {m: got[m] for m in want & got.keys()}
 
         def on_data(events: list[WatchEvent]) -> None:
             with cond:
@@ -524,30 +547,31 @@ class EpochData:
                             newer.append(n)
                 cond.notify_all()
 
-        if wanted <= got.keys():
-            return {m: got[m] for m in wanted}
+        result = done(got)
+        if result is not None:
+            return result
         current, erev, _ = read_epoch_lenient(self.store, self.job)
         if current is not None and current.number > self.number:
             raise EpochChanged(f"epoch {current.number} superseded epoch {self.number} while waiting for "
-                               f"{name!r}", current.number, {m: got[m] for m in wanted & got.keys()})
+                               f"{name!r}", current.number, partial())
         w1 = self.store.watch_prefix(prefix, rev + 1, on_data)
         w2 = self.store.watch_key(ekey, max(erev, rev) + 1, on_epoch)
         deadline = time.monotonic() + timeout
         try:
             with cond:
                 while True:
-                    if wanted <= got.keys():
-                        return {m: got[m] for m in wanted}
-                    partial = {m: got[m] for m in wanted & got.keys()}
+                    result = done(got)
+                    if result is not None:
+                        return result
                     if newer:
                         raise EpochChanged(
                             f"epoch {max(newer)} superseded epoch {self.number} while waiting for {name!r} "
-                            f"from {sorted(wanted - got.keys())}", max(newer), partial)
+                            f"({missing(got)})", max(newer), partial())
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise ResilientTimeout(
-                            f"epoch {self.number}: {name!r} still missing from {sorted(wanted - got.keys())} "
-                            f"after {timeout:.1f}s (have {sorted(partial)})")
+                            f"epoch {self.number}: {name!r} {missing(got)} after {timeout:.1f}s "
+                            f"(have {sorted(partial())})")
                     cond.wait(left)
         finally:
             w1.cancel()

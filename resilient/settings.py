@@ -80,10 +80,12 @@ class Settings:
     shm_direct: bool = field(default=True, metadata=_var(
         "RESILIENT_SHM_DIRECT", "1", "CPU allreduces and reduce-scatters between members of one host take the direct "
         "shared-memory algorithms; `0`: the ring over shared-memory links instead (docs/hierarchy.md)"))
-    join_tree: bool = field(default=False, metadata=_var(
-        "RESILIENT_JOIN_TREE", "0", "`1` (experimental): a growing epoch's op seq is agreed along a tree of the old "
-        "members over the data plane, its root writing one etcd key, instead of one `joinseq` key per old member "
-        "(docs/scale.md)"))
+    join_tree: bool = field(default=True, metadata=_var(
+        "RESILIENT_JOIN_TREE", "1", "a growing epoch's op seq is agreed along a tree of the old members over the "
+        "data plane, its root writing one etcd key; `0`: one `joinseq` key per old member (docs/scale.md)"))
+    join_tree_stall: float = field(default=1.0, metadata=_var(
+        "RESILIENT_JOIN_TREE_STALL", "1", "seconds an old member waits for the join tree's result before it also "
+        "writes its own `joinseq` key (a stalled tree then ends as the per-member agreement; > 0, docs/scale.md)"))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -117,6 +119,7 @@ class Settings:
             staging=get("RESILIENT_STAGING", _flag, d.staging),
             shm_direct=get("RESILIENT_SHM_DIRECT", _flag, d.shm_direct),
             join_tree=get("RESILIENT_JOIN_TREE", _flag, d.join_tree),
+            join_tree_stall=get("RESILIENT_JOIN_TREE_STALL", _positive_float, d.join_tree_stall),
         )
 
     def make_selector(self) -> selectors.BaseSelector:

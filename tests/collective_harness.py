@@ -61,7 +61,7 @@ class Workers:
             self.start(f"m{i}")
 
     def start(self, mid: str, world: int | None = None, join: bool = False) -> subprocess.Popen[str]:
-        env = dict(os.environ, PYTHONPATH=str(ROOT), **self.env, **self.member_env.get(mid, {}))
+        env = dict(os.environ, PYTHONPATH=str(ROOT), **{**self.env, **self.member_env.get(mid, {})})
         env.pop("RESILIENT_FAILPOINTS", None)
         if mid in self.failpoints:
             env["RESILIENT_FAILPOINTS"] = self.failpoints[mid]

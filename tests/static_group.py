@@ -66,6 +66,18 @@ class StaticView:
                 raise TimeoutError(f"blobs {name} missing")
             return {m: self.blobs[(epoch, name, m)] for m in members}
 
+    def wait_blobs_until(self, epoch, name, done, timeout):
+        found = []
+
+        def ready():
+            got = {k[2]: v for k, v in self.blobs.items() if isinstance(k, tuple) and k[:2] == (epoch, name)}
+            found[:] = [done(got)]
+            return found[0] is not None
+        with self.blobs["lock"]:
+            if not self.blobs["lock"].wait_for(ready, timeout):
+                raise TimeoutError(f"blobs {name}: not complete")
+            return found[0]
+
     def session_lost(self):
         return False
 

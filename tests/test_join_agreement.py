@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import json
 import random
+import threading
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable, TypeVar
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from resilient.collectives import join_agreement as ja
 from resilient.errors import FrameError, RecordError
+
+R = TypeVar("R")
 
 
 @dataclass
@@ -26,11 +31,12 @@ class FakeEpoch:
 
 @dataclass
 class MemoryBlobs:
-    """epoch -> name -> member -> payload; counts puts; a wait returns what is there or
-    raises TimeoutError (nothing here blocks)."""
+    """epoch -> name -> member -> payload; counts puts; a wait blocks until its condition
+    holds or raises TimeoutError at its deadline."""
 
     blobs: dict[tuple[int, str, str], bytes] = field(default_factory=dict)
     puts: list[tuple[int, str, str]] = field(default_factory=list)
+    cond: threading.Condition = field(default_factory=threading.Condition)
 
     def writer(self, member: str) -> "MemberView":
         return MemberView(self, member)
@@ -45,15 +51,29 @@ class MemberView:
         return None
 
     def put_blob(self, epoch: int, name: str, payload: bytes) -> None:
-        self.store.puts.append((epoch, name, self.member))
-        self.store.blobs[(epoch, name, self.member)] = payload
+        with self.store.cond:
+            self.store.puts.append((epoch, name, self.member))
+            self.store.blobs[(epoch, name, self.member)] = payload
+            self.store.cond.notify_all()
 
     def wait_blobs(self, epoch: int, name: str, members: Iterable[str], timeout: float) -> dict[str, bytes]:
-        out = {m: self.store.blobs[(epoch, name, m)] for m in members if (epoch, name, m) in self.store.blobs}
-        missing = [m for m in members if m not in out]
-        if missing:
-            raise TimeoutError(f"missing {missing}")
-        return out
+        wanted = list(members)
+        return self.wait_blobs_until(epoch, name, lambda got: dict(got) if all(m in got for m in wanted) else None,
+                                     timeout)
+
+    def wait_blobs_until(self, epoch: int, name: str, done: Callable[[Mapping[str, bytes]], R | None],
+                         timeout: float) -> R:
+        deadline = time.monotonic() + timeout
+        with self.store.cond:
+            while True:
+                got = {m: v for (e, n, m), v in self.store.blobs.items() if (e, n) == (epoch, name)}
+                result = done(got)
+                if result is not None:
+                    return result
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"epoch {epoch}: {name} not complete (have {sorted(got)})")
+                self.store.cond.wait(left)
 
 
 class Mailbox:
@@ -187,3 +207,107 @@ def test_a_joiner_cannot_contribute_and_refuses_child_messages():
     a = ja.JoinAgreement(store.writer("a"), e, "a", Mailbox().channel("a"))
     a.contribute(4)  # a lone old member is its own root: it writes at once
     assert j.wait(1.0) == 4
+
+
+def settle_all(parts: dict[str, ja.JoinAgreement], seqs: dict[str, int], stall: float,
+               timeout: float = 10.0) -> dict[str, int | BaseException]:
+    """Every old member's :meth:`JoinAgreement.settle` on a thread of its own (as each
+    member's helper thread runs it); member -> its result or exception."""
+    out: dict[str, int | BaseException] = {}
+
+    def one(m: str) -> None:
+        try:
+            out[m] = parts[m].settle(seqs[m], stall, timeout)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            out[m] = exc
+    threads = [threading.Thread(target=one, args=(m,)) for m in seqs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 5)
+    assert not any(t.is_alive() for t in threads), "a settle did not return by its deadline"
+    return out
+
+
+def test_a_stalled_tree_ends_as_the_per_member_agreement_with_the_same_result():
+    olds = tuple(f"m{i}" for i in range(6))
+    e = FakeEpoch(9, olds + ("j",), added=("j",))
+    store = MemoryBlobs()
+    parts = {m: ja.JoinAgreement(store.writer(m), e, m, Mailbox().channel(m), 2) for m in e.members}
+    seqs = {m: 10 + i for i, m in enumerate(olds)}
+    for m in olds:
+        parts[m].contribute(seqs[m])   # the leaves' messages are never delivered: the tree is stalled
+    assert store.puts == []
+    t0 = time.monotonic()
+    results = settle_all({m: parts[m] for m in olds}, seqs, stall=0.2)
+    assert results == {m: max(seqs.values()) for m in olds}
+    assert time.monotonic() - t0 < 5
+    assert sorted(m for _, _, m in store.puts) == sorted(olds)   # every old member's own key, once
+    assert all(parts[m].fell_back for m in olds)
+    assert parts["j"].wait(1.0) == max(seqs.values())
+
+
+def test_once_one_member_falls_back_the_others_do_not_wait_out_their_stall():
+    olds = ("a", "b", "c")
+    e = FakeEpoch(4, olds + ("j",), added=("j",))
+    store = MemoryBlobs()
+    parts = {m: ja.JoinAgreement(store.writer(m), e, m, Mailbox().channel(m)) for m in e.members}
+    store.writer("c").put_blob(4, ja.BLOB, ja.encode_own(7))   # c stalled and fell back already
+    t0 = time.monotonic()
+    results = settle_all({m: parts[m] for m in ("a", "b")}, {"a": 3, "b": 5}, stall=30.0)
+    assert results == {"a": 7, "b": 7}
+    assert time.monotonic() - t0 < 10, "a member waited out its 30 s stall though the fallback had begun"
+
+
+def test_a_completed_tree_costs_one_key_and_no_member_falls_back():
+    olds = tuple(f"m{i:03d}" for i in range(9))   # run_agreement's ids
+    seqs = list(range(20, 29))
+    parts, store = run_agreement(len(olds), seqs, 3, order_seed=5)
+    results = settle_all({m: parts[m] for m in olds}, dict(zip(olds, seqs)), stall=0.05)
+    assert results == {m: 28 for m in olds}
+    assert store.puts == [(7, "joinseq", "m000")]
+    assert not any(parts[m].fell_back for m in olds)
+
+
+def test_outcome_reads_the_roots_record_or_every_own_record_never_part_of_them():
+    tree = ja.JoinTree(("r", "a", "b"))
+    own = {"r": ja.encode_own(4), "a": ja.encode_own(9)}
+    assert ja.outcome(own, tree, 3) is None                       # b's is missing: no guess
+    assert ja.outcome({**own, "b": ja.encode_own(2)}, tree, 3) == 9
+    assert ja.outcome({"r": ja.encode_agreed(3, 9, 3)}, tree, 3) == 9
+    # the root's record beside (or instead of) own records: the same maximum either way
+    assert ja.outcome({**own, "r": ja.encode_agreed(3, 9, 3)}, tree, 3) == 9
+    with pytest.raises(RecordError, match="stale or foreign"):
+        ja.outcome({"r": ja.encode_agreed(2, 9, 3)}, tree, 3)
+    with pytest.raises(RecordError):
+        ja.outcome({**own, "b": b'{"seq": -1}'}, tree, 3)
+
+
+@dataclass
+class SlowFirstWait(MemberView):
+    """A view whose first condition wait times out at once, whatever is there (a watch
+    that had not caught up yet)."""
+
+    slow: bool = True
+
+    def wait_blobs_until(self, epoch, name, done, timeout):
+        if self.slow:
+            self.slow = False
+            raise TimeoutError("a watch that had not caught up yet")
+        return super().wait_blobs_until(epoch, name, done, timeout)
+
+
+def test_the_root_never_writes_its_own_seq_over_its_record():
+    e = FakeEpoch(5, ("r", "a", "j"), added=("j",))
+    store = MemoryBlobs()
+    box = Mailbox()
+    r = ja.JoinAgreement(SlowFirstWait(store, "r"), e, "r", box.channel("r"))
+    a = ja.JoinAgreement(store.writer("a"), e, "a", box.channel("a"))
+    a.contribute(6)
+    r.contribute(2)
+    (_, parent, _, seq), = box.queue
+    r.on_child("a", seq)            # the tree completes: the root's record is written
+    assert r.settle(2, 30.0, 5.0) == 6   # its stall wait "timed out"; its own seq (2) is not written over the record
+    assert store.puts == [(5, ja.BLOB, "r")]
+    assert ja.decode_entry(store.blobs[(5, ja.BLOB, "r")], 5, 2) == (6, True)
+    assert not r.fell_back

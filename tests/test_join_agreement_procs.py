@@ -1,7 +1,9 @@
 """The join agreement over the data plane with real processes, a real etcd and coordinator
 (resilient/collectives/join_agreement.py, EpochTracker): a growing epoch is agreed while
 old members are blocked inside an op, with one ``joinseq`` key in etcd under the tree
-agreement (``RESILIENT_JOIN_TREE=1``, opt-in) and one per old member without it."""
+agreement (``RESILIENT_JOIN_TREE=1``, the default), one per old member without it, and the
+same result when the tree stalls (a member that sends no tree message) and the agreement
+falls back to one key per old member."""
 from __future__ import annotations
 
 import sys
@@ -38,18 +40,25 @@ def _joinseq_keys(etcd_session, job: str) -> dict[int, list[str]]:
         store.close()
 
 
-@pytest.mark.parametrize("tree", ["1", "0"])
+@pytest.mark.parametrize("tree", ["1", "0", "stalled"])
 def test_growing_epoch_is_agreed_while_old_members_are_blocked_in_an_op(etcd_session, job_name, tmp_path, tree):
+    # stalled: m2, a leaf of the tree, runs without it (RESILIENT_JOIN_TREE=0: it sends no
+    # tree message and writes its own key at once); the others see that key and fall back,
+    # without waiting out their stall (set to 60 s so that a wait would fail the test)
     # op 2: m0 and m1 enter a barrier and block in it, waiting for m2, which enters it only
     # once the joiner is in the job: the agreement must run while their op threads are in it
     ops = [AR, AR, {"k": "barrier", "override": {"m2": {"k": "wait_world", "n": 4}}}, AR, AR]
     with coordinator(etcd_session.endpoint_arg, job_name):
-        w = Workers(etcd_session.endpoint_arg, job_name, 3, ops, tmp_path, env={"RESILIENT_JOIN_TREE": tree})
+        env = {"RESILIENT_JOIN_TREE": "0" if tree == "0" else "1", "RESILIENT_JOIN_TREE_STALL": "60"}
+        w = Workers(etcd_session.endpoint_arg, job_name, 3, ops, tmp_path, env=env,
+                    member_env={"m2": {"RESILIENT_JOIN_TREE": "0"}} if tree == "stalled" else None)
         try:
             _first_ops(w, "m0", 2)
             w.start("m3", world=4, join=True)
             everyone = ["m0", "m1", "m2", "m3"]
+            t0 = time.monotonic()
             w.wait_done(everyone, 120)
+            took = time.monotonic() - t0
             recs = {m: {r["seq"]: r for r in w.records(m)} for m in everyone}
             assert min(recs["m3"]) == 3, recs["m3"]  # m0 and m1 had started op 2: the largest seq wins
             for m in everyone:
@@ -68,4 +77,6 @@ def test_growing_epoch_is_agreed_while_old_members_are_blocked_in_an_op(etcd_ses
         assert all(len(v) == 1 for v in keys.values()), keys  # one key per growing epoch: the tree's root
     else:   # one per old member of the growing epoch
         assert any(v == ["m0", "m1", "m2"] for v in keys.values()), keys
+    if tree == "stalled":
+        assert took < 50, f"the fallback waited out the 60 s stall ({took:.0f} s)"
 

@@ -5,13 +5,14 @@
 * An epoch that only **grows** the group (joiners, role changes) is adopted at an op
   boundary the whole group agrees on: every old member announces (from the watch thread)
   the first op seq it has not started, and all adopt it at the largest one. With
-  ``RESILIENT_JOIN_TREE=1`` (experimental, off by default: docs/scale.md says why), over a
-  transport with a join side channel (TCP, hybrid), the largest is reduced
-  along a tree of the old members and its root writes the one key
+  ``RESILIENT_JOIN_TREE=1``, over a transport with a join side channel (TCP, hybrid),
+  the largest is reduced along a tree of the old members and its root writes the one key
   ``epochs/<n>/data/joinseq/<root>`` everyone waits on (:mod:`.join_agreement`); the op
   thread carries the tree's messages while it waits on an op, at a boundary, or in a
   short progress task queued when the epoch is seen (which gives the thread back to any
-  op queued behind it). Otherwise (the default, and over NCCL) every old member puts its
+  op queued behind it). A tree that gives no result within ``RESILIENT_JOIN_TREE_STALL``
+  seconds ends as the per-member agreement (every old member's helper thread writes its
+  own key). Otherwise (``RESILIENT_JOIN_TREE=0``, and over NCCL) every old member puts its
   own ``joinseq`` key and everyone waits for all of them.
   Several growing epochs are adopted one by one, in order, each at its own agreed seq
   (never skipping one the group may adopt: docs/recovery.md).
@@ -107,8 +108,11 @@ class EpochTracker:
         self.admitted_at = 0  # the op seq at which the newest admission took effect (agreed: see boundary/start)
         self._unwatch: Callable[[], None] = lambda: None
         #: the join side channel (None: one etcd key per old member) and its agreements
-        self.carrier: JoinCarrier | None = transport.join_carrier() if Settings.from_env().join_tree else None
+        settings = Settings.from_env()
+        self.carrier: JoinCarrier | None = transport.join_carrier() if settings.join_tree else None
+        self.join_stall = settings.join_tree_stall
         self.agreements: dict[int, JoinAgreement] = {}
+        self._settling: dict[int, Future[int]] = {}  # epoch -> this old member's JoinAgreement.settle
         self._early: dict[int, dict[str, int]] = {}  # epoch -> child -> seq, before we saw that epoch
         self._on_op_thread: Callable[[Callable[[], None]], object] | None = None  # its result is not used
         self._ops_queued: Callable[[], int] = lambda: 0
@@ -187,7 +191,7 @@ class EpochTracker:
             if self.carrier is not None:
                 self.carrier.drop_join(self._on_join_message)   # not a successor's (rebuild)
             if self._waiter is not None:
-                self._waiter.shutdown(wait=False)
+                self._waiter.shutdown(wait=False, cancel_futures=True)
         except Exception:  # noqa: BLE001
             pass
 
@@ -235,6 +239,7 @@ class EpochTracker:
         self.carrier.join_links([*tree.children(self.member_id), *([parent] if parent is not None else [])])
         ag.contribute(seq)
         self._queue_progress(ag)
+        self._settle(ag, seq)
         return seq
 
     # -- the join agreement over the data plane (see the module docstring) -------------------
@@ -289,13 +294,26 @@ class EpochTracker:
         except Exception as exc:  # noqa: BLE001 - the op after it reports a broken transport
             log.debug("join agreement of epoch %d: %s", ag.number, exc)
 
+    def _settle(self, ag: JoinAgreement, seq: int) -> Future[int]:
+        """This old member's :meth:`JoinAgreement.settle` of ``ag`` (announced ``seq``), begun
+        once, on the helper thread, when it announces: its fallback record goes out after
+        ``join_stall`` seconds even while the op thread is inside an op."""
+        with self.lock:
+            fut = self._settling.get(ag.number)
+            if fut is None:
+                if self._waiter is None:
+                    self._waiter = ThreadPoolExecutor(1, thread_name_prefix=f"resilient-join:{self.member_id}")
+                fut = self._settling[ag.number] = self._waiter.submit(ag.settle, seq, self.join_stall,
+                                                                       self.epoch_timeout)
+                for old in [n for n in self._settling if n < self.epoch.number]:
+                    del self._settling[old]
+        return fut
+
     def _await_agreement(self, ag: JoinAgreement) -> int:
-        """On the op thread: the agreed seq of ``ag``, progressing the transport (the
-        tree's messages) while a helper thread waits on the root's key. Raises what
-        :meth:`JoinAgreement.wait` raises."""
-        if self._waiter is None:
-            self._waiter = ThreadPoolExecutor(1, thread_name_prefix=f"resilient-join:{self.member_id}")
-        fut: Future[int] = self._waiter.submit(ag.wait, self.epoch_timeout)
+        """On the op thread: the agreed seq of ``ag`` (this old member's :meth:`_settle`),
+        progressing the transport (the tree's messages) meanwhile. Raises what
+        :meth:`JoinAgreement.settle` raises."""
+        fut = self._settle(ag, self.published[ag.number])   # announced (adopt_growing) before this
         while not fut.done():
             if self.transport.aborted or self.transport.closed:
                 time.sleep(0.005)  # the wait ends with the newer epoch (EpochChanged)

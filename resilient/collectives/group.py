@@ -4,7 +4,7 @@ The data plane sees etcd only through this small protocol, so pure-logic unit te
 use an in-memory view while every test that claims a feature works uses
 :class:`EtcdGroupView` over :mod:`resilient.coordinator` (a real etcd + coordinator).
 
-Failure behaviour: :meth:`GroupView.wait_blobs` raises ``EpochChanged`` (a
+Failure behaviour: :meth:`GroupView.wait_blobs` (and ``wait_blobs_until``) raises ``EpochChanged`` (a
 cancellation signal, :class:`~resilient.errors.Cancelled`) as soon as an epoch newer than the one waited on is
 published — the caller re-plans on the newer epoch — and ``TimeoutError`` naming the
 missing members after ``timeout``; etcd unreachable surfaces as
@@ -13,7 +13,7 @@ missing members after ``timeout``; etcd unreachable surfaces as
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from resilient.coordinator.epoch import EpochPlan
@@ -56,7 +56,22 @@ class BlobView(Protocol):
     def wait_blobs(self, epoch: int, name: str, members: Iterable[str], timeout: float) -> dict[str, bytes]: ...
 
 
-class GroupView(BlobView, Protocol):
+_R = TypeVar("_R")
+
+
+class AgreementView(BlobView, Protocol):
+    """A :class:`BlobView` that can also wait on a condition over one blob's payloads
+    (the join agreement's: the root's record, or every old member's)."""
+
+    def wait_blobs_until(self, epoch: int, name: str, done: Callable[[Mapping[str, bytes]], _R | None],
+                         timeout: float) -> _R:
+        """Until ``done`` (member id -> payload of every ``name`` put in ``epoch`` so far,
+        called after each change) returns non-None; returns that. Raises what ``done``
+        raises, ``EpochChanged`` and ``TimeoutError`` as :meth:`BlobView.wait_blobs`."""
+        ...
+
+
+class GroupView(AgreementView, Protocol):
     """The whole contract between the data plane and the control plane. Every method
     may raise :class:`~resilient.errors.StoreUnavailable` when etcd stays unreachable;
     see the module docstring for the waits."""
@@ -127,6 +142,12 @@ class EtcdGroupView:
         from resilient.coordinator.epoch import EpochData
 
         return EpochData(self.store, self.job, epoch).wait_all(name, members, timeout)
+
+    def wait_blobs_until(self, epoch: int, name: str, done: Callable[[Mapping[str, bytes]], _R | None],
+                         timeout: float) -> _R:
+        from resilient.coordinator.epoch import EpochData
+
+        return EpochData(self.store, self.job, epoch).wait_until(name, done, timeout)
 
     def session_lost(self) -> bool:
         return bool(self.session.lost.is_set())

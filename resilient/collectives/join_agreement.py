@@ -16,14 +16,29 @@ How: a max-reduction along a k-ary tree of the old members by position
 maxima (:class:`Reduction`) and sends the result to its parent over a :class:`Channel`
 (the data plane); the root, once it has its whole tree, writes the one key
 ``epochs/<n>/data/joinseq/<root>`` (:func:`encode_agreed`) exactly once, and every old
-member and joiner waits on that one key (:meth:`JoinAgreement.wait`). In etcd that is
-one put and one single-key watch per participant per growing epoch, instead of one put
-per old member and a wait on all of them (N puts, N reads of N keys).
+member and joiner waits on that key (:meth:`JoinAgreement.wait`, a watch of the epoch's
+``joinseq`` prefix). In etcd that is one put per growing epoch and one watch per
+participant, instead of one put per old member and every participant reading all N keys.
 
-Why the result is the same everywhere: the root's key is the only source of the agreed
-seq (it is keyed by the root's id, only the root writes it, once; a retried put of the
-store writes the same bytes), and the root writes it only after every old member's seq
-went into it, so no member has started an op at or after it in the older epoch.
+**A stalled tree falls back to one key per old member.** A tree message can stall: a
+member inside an op that does not progress the transport (the direct shared-memory
+algorithms wait on futex words) sends and reads nothing until that op ends, and the op may
+need a member that waits at its boundary for this very agreement. So each old member,
+:meth:`JoinAgreement.settle`, waits ``stall`` seconds for the root's record; without it (or
+as soon as another member's own record shows the fallback has begun) it also writes its own
+announced seq under its own key (``{"seq": n}``, the per-member agreement's record). The
+result is then read either way (:func:`outcome`): the root's record, or the maximum over
+every old member's own record once all are there. In etcd a stalled agreement costs what
+the per-member agreement always costs; an unstalled one costs one key.
+
+Why the result is the same everywhere: every old member announces one seq per epoch, and
+both forms of the result are the maximum over exactly those seqs — the root writes its
+record only after every old member's seq went into it, and the per-member form needs every
+old member's own record. So no member has started an op at or after the result in the
+older epoch, and any mix of readers of the two forms agrees. The root's key holds either
+its record or (fallen back first) its own seq; once its record is written the root never
+writes its own seq over it (:meth:`JoinAgreement.settle` checks under the lock its record
+is written under), so a late reader never sees the record replaced by a partial one.
 
 Failure behaviour: a child that sends a second, different value, or a value from a member
 that is not its child, or a seq outside ``[0, 2**40)``, raises
@@ -31,8 +46,9 @@ that is not its child, or a seq outside ``[0, 2**40)``, raises
 used; the sender is corrupt). A member that dies mid-agreement: the root never completes;
 the coordinator's next epoch (which removes it) supersedes ``n`` and :meth:`JoinAgreement.wait`
 raises :class:`~resilient.errors.EpochChanged` as the etcd wait does. A silent member: no
-key within ``timeout`` -> ``TimeoutError`` (:class:`~resilient.errors.ResilientTimeout`)
-naming the root. A malformed root record raises :class:`~resilient.errors.RecordError`
+result within ``timeout`` -> ``TimeoutError`` (:class:`~resilient.errors.ResilientTimeout`).
+A lost or stalled tree message costs ``stall`` seconds and the fallback's keys, never a
+wrong seq or a hang. A malformed ``joinseq`` record raises :class:`~resilient.errors.RecordError`
 naming the rule (a member never adopts a guessed seq). Nothing here hangs: every wait is
 the view's, with its deadline.
 """
@@ -40,14 +56,19 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import threading
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from resilient.collectives.group import BlobView, EpochLike
+from resilient.collectives.group import AgreementView, EpochLike
 from resilient.coordinator import records
 from resilient.errors import FrameError, RecordError
 from resilient.transport.tags import SEQ_MASK
+
+log = logging.getLogger(__name__)
 
 #: children per tree node: depth log4(N) (8 hops at 100k members), 4 messages into a node
 ARITY = 4
@@ -174,6 +195,36 @@ def decode_agreed(raw: bytes, epoch: int, participants: int) -> int:
     return seq
 
 
+def encode_own(seq: int) -> bytes:
+    """An old member's own record (the per-member agreement's): ``{"seq": n}``."""
+    return json.dumps({"seq": check_seq(seq, "announced seq")}, separators=(",", ":")).encode()
+
+
+def decode_entry(raw: bytes, epoch: int, participants: int) -> tuple[int, bool]:
+    """``(seq, is_root_record)`` of one ``joinseq`` key: the root's record
+    (:func:`decode_agreed`, it has ``members``) or an old member's own ``{"seq": n}``.
+    RecordError naming the rule for anything else."""
+    f = records.fields("rendezvous", raw, "joinseq")
+    if f.has("members"):
+        return decode_agreed(raw, epoch, participants), True
+    return int(f.int("seq", hi=MAX_SEQ)), False
+
+
+def outcome(got: Mapping[str, bytes], tree: JoinTree, epoch: int) -> int | None:
+    """The agreed seq from the ``joinseq`` keys seen (member id -> payload): the root's
+    record; else, once every old member's own record is there, their maximum; else None
+    (not known yet). RecordError for a malformed key it reads."""
+    n = len(tree.members)
+    root = got.get(tree.root)
+    if root is not None:
+        seq, is_record = decode_entry(root, epoch, n)
+        if is_record:
+            return seq
+    if len(got) < n or any(m not in got for m in tree.members):
+        return None
+    return max(decode_entry(got[m], epoch, n)[0] for m in tree.members)
+
+
 class Channel(Protocol):
     """The data-plane side of the agreement: deliver ``seq`` (this member's subtree
     maximum for the growing epoch ``epoch``) to ``parent``, whose :meth:`JoinAgreement.on_child`
@@ -188,10 +239,15 @@ class JoinAgreement:
     joiner that only :meth:`wait` s). See the module docstring for the protocol and the
     failure behaviour."""
 
-    def __init__(self, view: BlobView, epoch: EpochLike, member: str, channel: Channel, arity: int = ARITY) -> None:
+    def __init__(self, view: AgreementView, epoch: EpochLike, member: str, channel: Channel,
+                 arity: int = ARITY) -> None:
         self.view, self.number, self.member, self.channel = view, epoch.number, member, channel
         self.tree = JoinTree(old_members(epoch), arity)
         self.reduction = Reduction(self.tree, member) if member in self.tree.members else None
+        self._write = threading.Lock()   # the root's record vs its own fallback record (module docstring)
+        self._recorded = False           # the root's record is written (never overwritten by its own seq)
+        #: whether this member wrote its own record (the tree stalled; see :meth:`settle`)
+        self.fell_back = False
 
     def contribute(self, seq: int) -> None:
         """An old member's announced seq (call it once, off the op thread)."""
@@ -211,13 +267,51 @@ class JoinAgreement:
             return
         parent = self.tree.parent(self.member)
         if parent is None:
-            self.view.put_blob(self.number, BLOB, encode_agreed(self.number, subtree_max, len(self.tree.members)))
+            with self._write:
+                self.view.put_blob(self.number, BLOB, encode_agreed(self.number, subtree_max, len(self.tree.members)))
+                self._recorded = True
         else:
             self.channel.send_up(parent, self.number, subtree_max)
 
     def wait(self, timeout: float) -> int:
-        """The agreed seq: waits on the root's one key (EpochChanged / TimeoutError /
-        RecordError as the module docstring says)."""
-        raw = self.view.wait_blobs(self.number, BLOB, [self.tree.root], timeout)
-        return decode_agreed(raw[self.tree.root], self.number, len(self.tree.members))
+        """The agreed seq (:func:`outcome`): waits on this epoch's ``joinseq`` keys, one
+        prefix watch (EpochChanged / TimeoutError / RecordError as the module docstring
+        says)."""
+        return self.view.wait_blobs_until(self.number, BLOB, self._outcome, timeout)
 
+    def settle(self, seq: int, stall: float, timeout: float) -> int:
+        """An old member's wait for the agreed seq, ``seq`` being its own announced one:
+        up to ``stall`` seconds for the tree's result; then (or at once when another
+        member's own record shows the fallback has begun) it writes its own record too and
+        waits for whichever form completes first, up to ``timeout`` in all. Raises what
+        :meth:`wait` raises (EpochChanged in either phase: no own record is written then)."""
+        if self.reduction is None:
+            raise ValueError(f"member {self.member} is not an old member of epoch {self.number}: it only waits")
+        start = time.monotonic()
+        try:
+            got = self.view.wait_blobs_until(self.number, BLOB, self._outcome_or_fallback, min(stall, timeout))
+        except TimeoutError:   # ResilientTimeout from the etcd view
+            got = None
+        if got is not None and got >= 0:
+            return got
+        with self._write:
+            if not self._recorded:   # the root never replaces its record (module docstring)
+                self.view.put_blob(self.number, BLOB, encode_own(seq))
+                self.fell_back = True
+        if self.fell_back:
+            log.info("join agreement of epoch %d: the tree gave no result within %.1fs; member %s wrote its own "
+                     "join seq (op #%d) and waits for every old member's", self.number, stall, self.member, seq)
+        return self.wait(max(0.0, timeout - (time.monotonic() - start)))
+
+    def _outcome(self, got: Mapping[str, bytes]) -> int | None:
+        return outcome(got, self.tree, self.number)
+
+    def _outcome_or_fallback(self, got: Mapping[str, bytes]) -> int | None:
+        """:func:`outcome`, or -1 once a member's own record is there (the fallback began)."""
+        result = outcome(got, self.tree, self.number)
+        if result is not None:
+            return result
+        if any(m != self.tree.root or not decode_entry(got[m], self.number, len(self.tree.members))[1]
+               for m in got if m != self.member):
+            return -1
+        return None

@@ -4,7 +4,8 @@ filter: the one base of the torch backend's views (:class:`~.communicator_engine
 
 :class:`FilteredView` implements every method of the ``GroupView`` protocol explicitly:
 the epoch reads (``current``, ``wait_for``, ``subscribe``) pass each epoch through
-:meth:`FilteredView.filter_epoch`; blob names through :meth:`FilteredView.blob_name`; the
+:meth:`FilteredView.filter_epoch`; blob names (``put_blob``, ``wait_blobs``,
+``wait_blobs_until``) through :meth:`FilteredView.blob_name`; the
 membership calls (``report_suspect``, ``session_lost``, ``peer_alive``, ``leave``,
 ``request_readmission``) go to the inner view unchanged.
 
@@ -14,12 +15,15 @@ Failure behaviour: none of its own; every call raises what the inner view raises
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable, Iterable, cast
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, TypeVar, cast
 
 from resilient.collectives.group import EpochLike, GroupView
 
 if TYPE_CHECKING:  # pragma: no cover
     from _typeshed import DataclassInstance
+
+_R = TypeVar("_R")
 
 
 def replace_epoch(epoch: EpochLike, **changes: object) -> EpochLike:
@@ -64,6 +68,10 @@ class FilteredView:
 
     def wait_blobs(self, epoch: int, name: str, members: Iterable[str], timeout: float) -> dict[str, bytes]:
         return self.inner.wait_blobs(epoch, self.blob_name(name), members, timeout)
+
+    def wait_blobs_until(self, epoch: int, name: str, done: Callable[[Mapping[str, bytes]], _R | None],
+                         timeout: float) -> _R:
+        return self.inner.wait_blobs_until(epoch, self.blob_name(name), done, timeout)
 
     def report_suspect(self, suspect_id: str, reason: str) -> None:
         self.inner.report_suspect(suspect_id, reason)
