@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.calibrate_sim import DEFAULT_OUT as DEFAULT_PARAMS, load_params  # noqa: E402
 from bench.sim_store import EXPIRY_TICK, Clock, Latency, SimStore  # noqa: E402
+from resilient.collectives.join_agreement import encode_agreed  # noqa: E402
 from resilient.coordinator import keys  # noqa: E402
 from resilient.coordinator.delta import EpochDelta, EpochState, is_delta, parse_delta, resolve  # noqa: E402
 from resilient.coordinator.directory import NodeRecord  # noqa: E402
@@ -442,7 +443,14 @@ def run_sim(args: argparse.Namespace) -> Record:
     t_join = sim.clock.now
     sim.store.put(keys.node(JOB, a.node), a.record(), lease=a.lease)
     sim.clock.advance(sim.store.lat.watch)
-    sim.publish_after(t_join, "rank rejoined", debounce=coord.config.join_debounce)
+    joined = sim.publish_after(t_join, "rank rejoined", debounce=coord.config.join_debounce)
+    # the old members' join agreement (the data plane's, within milliseconds): its root's
+    # one record, which the coordinator reads before it lets a removal keep the joiner
+    # (docs/recovery.md, "a removal while an admission is pending")
+    d_join = parse_delta(sim.kv(keys.epoch(JOB)).value)
+    root = f"{sim.agents[0].node}-g0"
+    sim.store.put(keys.epoch_data_of(JOB, joined["number"], "joinseq", root),
+                  encode_agreed(joined["number"], 1000, d_join.size - joined["added"]))
 
     # -- an idle pass writes the periodic snapshot (off the publish path)
     snaps0, cpu_before = coord.snapshots_written, sim.coord_cpu

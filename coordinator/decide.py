@@ -88,7 +88,9 @@ class Snapshot:
     ``min_members``: needed before the first epoch; ``now``: wall time of the pass;
     ``measured_speeds``: member -> cross-host bytes/s from the health windows
     (:func:`.link_classes.speeds_from_health`; None: not measured, the plan uses declared
-    labels only), settled with hysteresis ``speed_band``."""
+    labels only), settled with hysteresis ``speed_band``; ``admitting``: the members the
+    published epoch added whose admission has no agreed op seq in etcd yet (an epoch that
+    removes someone leaves them out: docs/recovery.md)."""
 
     published: EpochFacts | None
     alive: Mapping[str, Entry]
@@ -110,6 +112,7 @@ class Snapshot:
     now: float = 0.0
     measured_speeds: Mapping[str, float] | None = None
     speed_band: float = SPEED_BAND
+    admitting: Set[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -244,6 +247,14 @@ def decide(s: Snapshot) -> Decision:
     if back and removed:   # a re-admission waits for the next epoch: joiners cannot follow one that also removes
         alive = {m: v for m, v in dict(alive).items() if m not in back}
         added = tuple(m for m in added if m not in back)
+    # A removal while the published epoch's admission is pending (its op seq not agreed in
+    # etcd): its joiners leave with the removed, and a later pass adds them again. Whether
+    # a member had adopted that epoch or not, the joiners are then out of its group, and
+    # every member agrees; kept, they would be in the group of some survivors only.
+    cancelled = {m for m in s.admitting if m in current and m in alive} if removed else set()
+    if cancelled:
+        alive = {m: v for m, v in dict(alive).items() if m not in cancelled}
+        removed = tuple(sorted(set(removed) | cancelled))
     if not s.corrupt and added and not removed and not s.joins_due and (pub is None or not demoted_changed):
         return Decision("joins_deferred", cleanup, gauges=gauges)
     cause, path, trigger = classify(s, removed, added, evicted.keys())
@@ -261,7 +272,7 @@ def decide(s: Snapshot) -> Decision:
     number = (pub.number if pub else 0) + 1 if not s.corrupt else repair_number(s.history_top, s.epoch_revision)
     return Decision("publish", cleanup, number=number, members=alive, demoted=demoted, avoid=avoid,
                     removed=removed, added=added, cause=cause, path=path, trigger=trigger, extras=extras,
-                    held_back=frozenset(added_set | back), gauges=gauges, link_speeds=speeds)
+                    held_back=frozenset(added_set | back | cancelled), gauges=gauges, link_speeds=speeds)
 
 
 def _link_speeds(s: Snapshot, alive: Mapping[str, Entry]) -> tuple[dict[str, float], bool]:

@@ -289,6 +289,7 @@ class Coordinator:
         self._measured_at = -math.inf  # monotonic time link speeds were last read from health/
         self._reload_due = True        # next pass re-reads the directory (paged)
         self._pub: _Published | None = None
+        self._admitted_epoch = -1   # the newest epoch whose admission is known agreed (_admitting)
         self._members_copy: tuple[int, dict[str, Entry]] = (-1, {})
         self._next_reload = 0.0
         #: ops of the last publishing transaction (bench/scale.py counts writes)
@@ -401,6 +402,7 @@ class Coordinator:
         """Load the directory and open the watches (returns their handles); the state of
         a previous term is dropped (another leader may have published meanwhile)."""
         self._pub = None
+        self._admitted_epoch = -1   # the newest epoch whose admission is known agreed (_admitting)
         self._dir = Directory(self.job)
         self._dirty = _DirtyMarks()
         self._members_copy = (-1, {})   # keyed by the new directory's versions, which restart
@@ -625,13 +627,38 @@ class Coordinator:
             facts = EpochFacts(pub.number, pub.members, pub.state.demoted(), pub.state.infos,
                                [list(p) for p in (extras.get("avoid") or [])], set(extras.get("evicted") or {}),
                                speeds)
+        admitting = self._admitting(pub) if pub is not None else frozenset()
         snapshot = Snapshot(
+            admitting=admitting,
             published=facts, alive=alive, full=full, dirty=marks.keys(), corrupt=corrupt is not None,
             epoch_revision=erev, history_top=history_top, confirmed=confirmed, departed=departed,
             node_of=node_of, bad_markers=bad_markers, consumed=consumed, health=health, lost_seen=lost_seen,
             join_seen=join_seen, joins_due=joins_due, min_members=self.config.min_members, now=time.time(),
             measured_speeds=measured, speed_band=self.config.link_band)
         return _PassRead(snapshot, pub, erev, corrupt, marks, full, suspects_pending)
+
+    def _admitting(self, pub: _Published) -> frozenset[str]:
+        """The members ``pub`` added whose admission has no agreed op seq in etcd yet: an
+        epoch that removes someone leaves them out (:func:`.decide.decide`; docs/recovery.md,
+        "a removal while an admission is pending"). One read of ``pub``'s ``joinseq`` keys
+        per pass until the result is there (then remembered: it never goes away); none for
+        an epoch that added nobody or had nobody before it."""
+        from resilient.collectives.join_agreement import BLOB, admission_complete
+
+        if self._admitted_epoch == pub.number:
+            return frozenset()
+        added = set(pub.epoch.added if pub.epoch is not None else (pub.delta.added if pub.delta is not None else ()))
+        n_olds = len(pub.members) - len(added & pub.members) if added else 0   # O(added), not O(members)
+        if n_olds <= 0:
+            self._admitted_epoch = pub.number
+            return frozenset()
+        from resilient.coordinator.epoch import EpochData
+
+        got = EpochData(self.store, self.job, pub.number).get_all(BLOB)
+        if admission_complete(got, lambda m: m in pub.members and m not in added, n_olds, pub.number):
+            self._admitted_epoch = pub.number
+            return frozenset()
+        return frozenset(added)
 
     def _write_pass(self, read: _PassRead, d: Decision) -> tuple[str, bool]:
         """Carry out decision ``d``: delete its cleanup keys and, for ``publish``, write the

@@ -154,6 +154,21 @@ def test_a_readmission_is_held_back_from_an_epoch_that_removes_and_published_alo
 # -- repair ----------------------------------------------------------------------------------
 
 
+def test_a_removal_while_an_admission_is_pending_leaves_the_joiners_out_and_marks_them_due():
+    # epoch 5 added j1; its op seq is not agreed yet (admitting) when m2 is lost
+    pending = decide(snap(epoch(5, "m0", "m1", "m2", "j1"), directory("m0", "m1", "j1"), admitting={"j1"},
+                          departed={"m2": ("/j/departed/m2", 9.0)}))
+    assert pending.outcome == "publish" and set(pending.members) == {"m0", "m1"}
+    assert pending.removed == ("j1", "m2") and pending.added == ()
+    assert pending.cause == "member_lost" and "j1" in pending.held_back   # added again by the next pass
+    # agreed (nothing admitting): the joiner stays, only the lost member goes
+    agreed = decide(snap(epoch(5, "m0", "m1", "m2", "j1"), directory("m0", "m1", "j1"),
+                         departed={"m2": ("/j/departed/m2", 9.0)}))
+    assert set(agreed.members) == {"m0", "m1", "j1"} and agreed.removed == ("m2",)
+    # no removal: a pending admission changes nothing
+    assert decide(snap(epoch(5, "m0", "j1"), directory("m0", "j1"), admitting={"j1"})).outcome == "unchanged"
+
+
 def test_a_malformed_epoch_record_is_published_over_after_the_history():
     pub = epoch(4, "m0", "m1")
     d = decide(snap(pub, directory("m0", "m1"), corrupt=True, history_top=7, epoch_revision=90))

@@ -64,6 +64,18 @@ def test_eight_members_one_epoch_then_revoke_yields_exactly_one_epoch(etcd_sessi
             s.close()
 
 
+def agree_admission(store, job: str, e) -> None:
+    """What the members' data plane writes within milliseconds of a growing epoch ``e``:
+    its join agreement's result. These tests register members without one, and the
+    coordinator keeps a joiner through a removal only once the result is there
+    (docs/recovery.md, "a removal while an admission is pending")."""
+    from resilient.collectives.join_agreement import encode_agreed, old_members
+
+    olds = old_members(e)
+    if e.added and olds:
+        EpochData(store, job, e.number).put(olds[0], "joinseq", encode_agreed(e.number, 0, len(olds)))
+
+
 def test_member_lost_while_a_new_leaders_first_pass_runs_is_published_next_pass(etcd_session, store, job_name):
     """A watch event for a member the pass already had marked (the new leader's directory
     load marks everyone) must survive the pass: the next pass publishes the loss. (A set
@@ -79,6 +91,7 @@ def test_member_lost_while_a_new_leaders_first_pass_runs_is_published_next_pass(
     coord = None
     try:
         e1 = watcher.wait_for(lambda e: len(e.members) == 3, 15)
+        agree_admission(store, job_name, e1)
         first.close()                                                   # resigns: the key is free
         coord = Coordinator(coord_store, job_name, "c-next", CoordinatorConfig(join_debounce=0.05))
         assert coord.election.campaign(stop)

@@ -311,3 +311,18 @@ def test_the_root_never_writes_its_own_seq_over_its_record():
     assert store.puts == [(5, ja.BLOB, "r")]
     assert ja.decode_entry(store.blobs[(5, ja.BLOB, "r")], 5, 2) == (6, True)
     assert not r.fell_back
+
+
+def test_admission_complete_takes_either_form_and_no_part_of_one():
+    olds = {"a", "b", "c"}
+
+    def done(got):
+        return ja.admission_complete(got, olds.__contains__, 3, 8)
+    assert done({}) is False
+    assert done({"a": ja.encode_own(1), "b": ja.encode_own(2)}) is False            # c missing
+    assert done({"a": ja.encode_own(1), "b": ja.encode_own(2), "c": ja.encode_own(0)}) is True
+    assert done({"b": ja.encode_agreed(8, 4, 3)}) is True                           # the root's record, any old key
+    assert done({"j": ja.encode_agreed(8, 4, 3)}) is False                          # not an old member's key
+    assert done({"a": ja.encode_agreed(7, 4, 3)}) is False                          # another epoch's record
+    assert done({"a": b"junk", "b": ja.encode_own(2), "c": ja.encode_own(0)}) is False
+    assert ja.admission_complete({}, olds.__contains__, 0, 8) is True              # nobody before: nothing to agree

@@ -16,6 +16,10 @@
   own ``joinseq`` key and everyone waits for all of them.
   Several growing epochs are adopted one by one, in order, each at its own agreed seq
   (never skipping one the group may adopt: docs/recovery.md).
+* A **removal while an admission is pending**: an agreed admission stands (every member
+  admits the joiners at the agreed seq, whichever path it took); one not agreed in etcd
+  is cancelled by the coordinator, which leaves the joiners out of the removal and adds
+  them again, and the joiner waits for that (docs/recovery.md).
 
 Failure behaviour: a member not in the newest epoch gets
 :class:`~resilient.errors.RemovedFromGroup` (``Evicted`` when the plan says so); a growing
@@ -36,9 +40,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from resilient.collectives.eviction import removed_error
 from resilient.collectives.group import EpochLike, GroupView, addresses_of
-from resilient.collectives.join_agreement import JoinAgreement, old_members
+from resilient.collectives.join_agreement import JoinAgreement, old_members, wait_outcome
 from resilient.coordinator import records
-from resilient.errors import CollectiveError, EpochChanged, RemovedFromGroup
+from resilient.errors import CollectiveError, EpochChanged, RecordError, RemovedFromGroup
 from resilient.settings import Settings
 from resilient.transport.base import JoinCarrier, Transport
 
@@ -133,22 +137,49 @@ class EpochTracker:
         if joining is None:
             joining = epoch.cause != "initial" and self.member_id in epoch.added
         if joining:
-            # Admitted at an op boundary: the group's members announce under epochs/<n>/
+            # Admitted at an op boundary: the group's members agree under epochs/<n>/ on
             # the op seq at which they adopt this epoch; we start there.
-            olds = [m for m in epoch.members if m not in epoch.added]
-            if not olds:
-                self.seq = self.admitted_at = 0
-            elif self.carrier is not None:
-                self.seq = self.admitted_at = self._agreement(epoch).wait(self.epoch_timeout)
-            else:
-                raw = self.view.wait_blobs(epoch.number, "joinseq", olds, self.epoch_timeout)
-                self.seq = self.admitted_at = max(joinseq(v) for v in raw.values())
-            log.info("member %s joins epoch %d at op #%d", self.member_id, epoch.number, self.seq)
+            self.seq = self.admitted_at = self._joiner_start()
+            log.info("member %s joins epoch %d at op #%d", self.member_id, self.epoch.number, self.seq)
         else:
             # also a fresh Communicator built in an epoch that admitted others a moment
             # after its own start (cause "joined" at start-up): they wait for this
             self.announce(epoch)
         self.set_metrics()
+
+    def _joiner_start(self) -> int:
+        """A joiner's first op seq: the agreed seq of the epoch that added it (either form,
+        :func:`~.join_agreement.wait_outcome`). When a newer epoch supersedes that epoch
+        first, the result is read once more (one in etcd is final then: the joiner is in the
+        group at that seq); when there is none, the coordinator left this joiner out of the
+        removal that superseded its admission (``coordinator/decide.py``) and adds it again
+        in a later epoch: it waits for that epoch, within ``epoch_timeout`` in all, and
+        starts there. Raises EpochChanged / TimeoutError when it is neither admitted nor
+        added again in time, RemovedFromGroup when a newer epoch keeps it without an
+        agreed seq (an inconsistent record)."""
+        deadline = time.monotonic() + self.epoch_timeout
+        while True:
+            epoch = self.epoch
+            if not old_members(epoch):
+                return 0
+            try:
+                return wait_outcome(self.view, epoch, max(0.0, deadline - time.monotonic()))
+            except EpochChanged:
+                pass
+            try:
+                return wait_outcome(self.view, epoch, 0.0)   # a result that landed just before the newer epoch
+            except (EpochChanged, TimeoutError):
+                pass
+            newest = self.view.current()
+            if newest is not None and self.member_id in newest.members and self.member_id not in newest.added:
+                raise RemovedFromGroup(f"member {self.member_id}: epoch {newest.number} keeps it in the group, but its "
+                                       f"admission in epoch {epoch.number} has no agreed op seq; restart it as a joiner")
+            log.info("member %s: its admission in epoch %d was superseded before its op seq was agreed; waiting to be "
+                     "added again", self.member_id, epoch.number)
+            again = self.view.wait_for(lambda e: e.number > epoch.number and self.member_id in e.members
+                                       and self.member_id in e.added, max(0.0, deadline - time.monotonic()))
+            self.group = set(again.members)
+            self.enter(again, first=True)
 
     def use_op_thread(self, submit: Callable[[Callable[[], None]], object],
                       queued: Callable[[], int] = lambda: 0) -> None:
@@ -314,6 +345,10 @@ class EpochTracker:
         progressing the transport (the tree's messages) meanwhile. Raises what
         :meth:`JoinAgreement.settle` raises."""
         fut = self._settle(ag, self.published[ag.number])   # announced (adopt_growing) before this
+        if fut.done() and not fut.cancelled() and fut.exception() is not None:
+            # it ended (a newer epoch, a timeout): the boundary asks again, read afresh
+            assert self._waiter is not None
+            fut = self._waiter.submit(ag.wait, self.epoch_timeout)
         while not fut.done():
             if self.transport.aborted or self.transport.closed:
                 time.sleep(0.005)  # the wait ends with the newer epoch (EpochChanged)
@@ -338,6 +373,8 @@ class EpochTracker:
     def enter(self, e: EpochLike, first: bool = False) -> None:
         """Adopt epoch ``e``: transport configured, epoch/world-size gauges set, and one
         membership recovery counted (cause from the epoch) when it removed members of ours."""
+        if not first and e.number > self.epoch.number and self.removes(e):
+            self._keep_agreed_switch(e, self.seq)   # the recovery path enters a removal here
         removed = set() if first else self.group - set(e.members)
         self.epoch = e
         self.group &= set(e.members)
@@ -399,6 +436,7 @@ class EpochTracker:
             raise RemovedFromGroup(f"member {self.member_id} lost its lease; it is no longer in the job")
         nxt = self.seq if next_seq is None else next_seq
         while True:
+            self._admit_kept(nxt)
             newest = self.view.current()
             if newest is None or newest.number <= self.epoch.number:
                 break
@@ -406,8 +444,10 @@ class EpochTracker:
                 raise removed_error(self.member_id, newest, f"member {self.member_id} is not in epoch {newest.number}: it was removed "
                                        "from the job (lease expired or evicted); restart it as a joiner")
             if self.removes(newest):
-                self.switch = None
+                self._keep_agreed_switch(newest, nxt)
                 return True
+            if self.switch is not None and self.switch[1].number <= self.epoch.number:
+                break   # a switch kept through a removal, at a later op: _admit_kept applies it there
             if self.switch is None:
                 # Growing epochs are adopted one by one, in order, each at the op seq the
                 # group agreed for it: a member that reaches this boundary when a later
@@ -436,6 +476,71 @@ class EpochTracker:
             log.info("member %s adopted epoch %d at op #%d (members %s)", self.member_id, e.number, self.seq,
                      list(e.members))
         return False
+
+    def _keep_agreed_switch(self, newest: EpochLike, nxt: int) -> None:
+        """A removal (``newest``) supersedes a growing epoch this member announced and has
+        not adopted yet: its admission stands if its op seq was agreed — every member then
+        admits the joiners still in ``newest`` at that seq, whichever path it took to get
+        there (a member that adopted it before the removal has them in its group already)
+        — and is dropped if not; the coordinator leaves the joiners out of a removal when
+        their seq had not been agreed (``coordinator/decide.py``), so both cases give every
+        member the same group (docs/recovery.md). The seq is read from etcd when this
+        member had not computed it: a result there is final once ``newest`` is out. An
+        admission whose result cannot be read (no result, a malformed record, etcd gone)
+        is dropped, with a warning naming the joiners left out."""
+        if self.switch is not None:
+            at: int | None = self.switch[0]
+            e = self.switch[1]
+        else:
+            with self.lock:
+                pending = [self.seen[n] for n in sorted(self.seen)
+                           if self.epoch.number < n < newest.number and self.member_id in self.seen[n].members]
+            if not pending:
+                return
+            at, e = None, pending[0]
+        joiners = (set(e.members) & set(newest.members)) - self.group
+        if not joiners:
+            self.switch = None
+            return
+        if at is None:
+            try:
+                at = wait_outcome(self.view, e, min(self.epoch_timeout, 10.0))
+            except (EpochChanged, TimeoutError, RecordError) as exc:
+                log.warning("member %s: epoch %d removed members while the admission of %s (epoch %d) had no agreed op "
+                            "seq (%s); left out of the group", self.member_id, newest.number, sorted(joiners),
+                            e.number, exc)
+                self.switch = None
+                return
+        self.switch = (at, e)
+        log.info("member %s: the admission of %s (epoch %d, op #%d) stands through the removal of epoch %d",
+                 self.member_id, sorted(joiners), e.number, at, newest.number)
+        if nxt >= at:   # its op is next: they take part in it (an op in flight is recovered by its own members)
+            self.switch = None
+            self.admitted_at = max(self.admitted_at, at)
+            self.group |= joiners
+            with self.lock:
+                for n in [n for n in self.seen if n <= e.number]:
+                    del self.seen[n]
+
+    def _admit_kept(self, nxt: int) -> None:
+        """At a boundary: apply a switch kept through a removal (:meth:`_keep_agreed_switch`;
+        its epoch is older than ours) once ``nxt`` reaches its op: its joiners that are in
+        our epoch join the group."""
+        if self.switch is None:
+            return
+        at, e = self.switch
+        if e.number > self.epoch.number or nxt < at:
+            return
+        self.switch = None
+        self.admitted_at = max(self.admitted_at, at)
+        joiners = (set(e.members) & set(self.epoch.members)) - self.group
+        self.group |= joiners
+        with self.lock:
+            for n in [n for n in self.seen if n <= e.number]:
+                del self.seen[n]
+        self.set_metrics()
+        log.info("member %s admitted %s of epoch %d at op #%d (in epoch %d)", self.member_id, sorted(joiners),
+                 e.number, at, self.epoch.number)
 
     def _next_growing(self, newest: EpochLike) -> EpochLike:
         """The oldest epoch newer than ours, removing no member of ours, that the watch

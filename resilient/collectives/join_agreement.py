@@ -61,11 +61,11 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from resilient.collectives.group import AgreementView, EpochLike
 from resilient.coordinator import records
-from resilient.errors import FrameError, RecordError
+from resilient.errors import EpochChanged, FrameError, RecordError
 from resilient.transport.tags import SEQ_MASK
 
 log = logging.getLogger(__name__)
@@ -225,6 +225,38 @@ def outcome(got: Mapping[str, bytes], tree: JoinTree, epoch: int) -> int | None:
     return max(decode_entry(got[m], epoch, n)[0] for m in tree.members)
 
 
+def admission_complete(got: Mapping[str, bytes], is_old: Callable[[str], bool], n_olds: int, epoch: int) -> bool:
+    """Whether the ``joinseq`` keys ``got`` (member id -> payload) of growing epoch
+    ``epoch`` with ``n_olds`` old members (``is_old``) hold the agreement's result in
+    either form: a root record of this epoch over ``n_olds`` members under an old member's
+    key, or every old member's own record. Needs no member order and costs O(keys), not
+    O(members) (the coordinator's check each pass: docs/recovery.md, "a removal while an
+    admission is pending"); a malformed key is no result."""
+    if n_olds <= 0:
+        return True   # nobody was there before: nothing to agree
+    own = 0
+    for m, raw in got.items():
+        if not is_old(m):
+            continue
+        try:
+            _, is_record = decode_entry(raw, epoch, n_olds)
+        except RecordError:
+            continue
+        if is_record:
+            return True
+        own += 1
+    return own == n_olds
+
+
+def wait_outcome(view: AgreementView, epoch: EpochLike, timeout: float) -> int:
+    """The agreed seq of growing ``epoch`` (either form, :func:`outcome`), waited for by a
+    member that takes no part (a joiner, or a member reading a superseded agreement): a
+    result already in etcd is returned even when a newer epoch is out; else EpochChanged /
+    TimeoutError / RecordError as :meth:`JoinAgreement.wait`."""
+    tree = JoinTree(old_members(epoch))
+    return view.wait_blobs_until(epoch.number, BLOB, lambda got: outcome(got, tree, epoch.number), timeout)
+
+
 class Channel(Protocol):
     """The data-plane side of the agreement: deliver ``seq`` (this member's subtree
     maximum for the growing epoch ``epoch``) to ``parent``, whose :meth:`JoinAgreement.on_child`
@@ -284,7 +316,9 @@ class JoinAgreement:
         up to ``stall`` seconds for the tree's result; then (or at once when another
         member's own record shows the fallback has begun) it writes its own record too and
         waits for whichever form completes first, up to ``timeout`` in all. Raises what
-        :meth:`wait` raises (EpochChanged in either phase: no own record is written then)."""
+        :meth:`wait` raises. EpochChanged in the first phase still writes the own record
+        first: the members adopt growing epochs in order, so a superseded one must still be
+        able to complete."""
         if self.reduction is None:
             raise ValueError(f"member {self.member} is not an old member of epoch {self.number}: it only waits")
         start = time.monotonic()
@@ -292,16 +326,29 @@ class JoinAgreement:
             got = self.view.wait_blobs_until(self.number, BLOB, self._outcome_or_fallback, min(stall, timeout))
         except TimeoutError:   # ResilientTimeout from the etcd view
             got = None
+        except EpochChanged:
+            # superseded by a growing epoch, the members still adopt this one first (in
+            # order): its per-member form must be able to complete whatever the tree does
+            try:
+                self._fall_back(seq, "a newer epoch is out")
+            except Exception as exc:  # noqa: BLE001 - the EpochChanged is what the caller acts on
+                log.warning("join agreement of epoch %d: member %s could not write its own join seq: %s",
+                            self.number, self.member, exc)
+            raise
         if got is not None and got >= 0:
             return got
-        with self._write:
-            if not self._recorded:   # the root never replaces its record (module docstring)
-                self.view.put_blob(self.number, BLOB, encode_own(seq))
-                self.fell_back = True
-        if self.fell_back:
-            log.info("join agreement of epoch %d: the tree gave no result within %.1fs; member %s wrote its own "
-                     "join seq (op #%d) and waits for every old member's", self.number, stall, self.member, seq)
+        self._fall_back(seq, f"the tree gave no result within {stall:.1f}s")
         return self.wait(max(0.0, timeout - (time.monotonic() - start)))
+
+    def _fall_back(self, seq: int, why: str) -> None:
+        """Write this member's own record (once; never over the root's record)."""
+        with self._write:
+            if self._recorded or self.fell_back:   # the root never replaces its record (module docstring)
+                return
+            self.view.put_blob(self.number, BLOB, encode_own(seq))
+            self.fell_back = True
+        log.info("join agreement of epoch %d: %s; member %s wrote its own join seq (op #%d)", self.number, why,
+                 self.member, seq)
 
     def _outcome(self, got: Mapping[str, bytes]) -> int | None:
         return outcome(got, self.tree, self.number)

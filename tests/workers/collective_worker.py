@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -57,6 +58,10 @@ def main() -> int:
     import resilient
     from resilient.errors import RemovedFromGroup, ResilientError
 
+    if os.environ.get("RESILIENT_TEST_LOG"):  # e.g. INFO: the library's log on this worker's stderr
+        import logging
+
+        logging.basicConfig(level=os.environ["RESILIENT_TEST_LOG"], format="%(asctime)s %(name)s: %(message)s")
     index = int(args.id.lstrip("m"))
     # RESILIENT_TRANSPORT: auto (shm on one host) | tcp; RESILIENT_TEST_HOST: an emulated
     # host label (hierarchical tests); a joiner waits only to be in an epoch
@@ -76,6 +81,15 @@ def main() -> int:
             spec = {**spec, **spec.get("override", {}).get(args.id, {})}  # this member's own fields, if any
             if spec["k"] == "wait_world":  # block until the group has n members, then a barrier
                 watcher.wait_for(lambda e: len(e.members) >= spec["n"], 60)
+                spec = {"k": "barrier"}
+            elif spec["k"] == "wait_gone":  # block until an epoch is without it, then a barrier
+                watcher.wait_for(lambda e: spec["id"] not in e.members, 60)
+                spec = {"k": "barrier"}
+            elif spec["k"] == "wait_member":  # block until an epoch (any, even one superseded at once) has it
+                seen = threading.Event()
+                unsubscribe = watcher.subscribe(lambda e: seen.set() if spec["id"] in e.members else None, replay=True)
+                seen.wait(60)
+                unsubscribe()
                 spec = {"k": "barrier"}
             t0 = time.monotonic()
             rec = {"seq": seq, "ok": False, "error": None, "contributors": None}
