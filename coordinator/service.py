@@ -642,7 +642,8 @@ class Coordinator:
         epoch that removes someone leaves them out (:func:`.decide.decide`; docs/recovery.md,
         "a removal while an admission is pending"). One read of ``pub``'s ``joinseq`` keys
         per pass until the result is there (then remembered: it never goes away); none for
-        an epoch that added nobody or had nobody before it."""
+        an epoch that added nobody, had nobody before it, or added only members without a
+        data-plane address (they take part in no collective, so no agreement comes)."""
         from resilient.collectives.join_agreement import BLOB, admission_complete
 
         if self._admitted_epoch == pub.number:
@@ -654,11 +655,18 @@ class Coordinator:
             return frozenset()
         from resilient.coordinator.epoch import EpochData
 
+        # only joiners with a data-plane address take part in collectives (a member
+        # registered without one, e.g. `member_process`, has no join agreement to wait for)
+        infos = pub.state.infos
+        joiners = frozenset(m for m in added if (info := infos.get(m)) is not None and info.address)
+        if not joiners:
+            self._admitted_epoch = pub.number
+            return frozenset()
         got = EpochData(self.store, self.job, pub.number).get_all(BLOB)
         if admission_complete(got, lambda m: m in pub.members and m not in added, n_olds, pub.number):
             self._admitted_epoch = pub.number
             return frozenset()
-        return frozenset(added)
+        return joiners
 
     def _write_pass(self, read: _PassRead, d: Decision) -> tuple[str, bool]:
         """Carry out decision ``d``: delete its cleanup keys and, for ``publish``, write the
