@@ -57,7 +57,7 @@ from resilient.coordinator.delta import (
 from resilient.coordinator.decide import Decision, Entry, EpochFacts, HealthOutcome, Snapshot, decide
 from resilient.coordinator.directory import Directory
 from resilient.coordinator.election import LeaderElection
-from resilient.coordinator.epoch import Epoch, EpochPlan, latest_valid_history
+from resilient.coordinator.epoch import Epoch, EpochData, EpochPlan, latest_valid_history
 from resilient.coordinator.epoch_view import EpochIndex, EpochView, StateView
 from resilient.coordinator.eviction import read_requests
 from resilient.coordinator.health import no_demotion, read_health, write_scores
@@ -653,8 +653,6 @@ class Coordinator:
         if n_olds <= 0:
             self._admitted_epoch = pub.number
             return frozenset()
-        from resilient.coordinator.epoch import EpochData
-
         # only joiners with a data-plane address take part in collectives (a member
         # registered without one, e.g. `member_process`, has no join agreement to wait for)
         infos = pub.state.infos

@@ -56,9 +56,8 @@ def test_growing_epoch_is_agreed_while_old_members_are_blocked_in_an_op(etcd_ses
             _first_ops(w, "m0", 2)
             w.start("m3", world=4, join=True)
             everyone = ["m0", "m1", "m2", "m3"]
-            t0 = time.monotonic()
-            w.wait_done(everyone, 120)
-            took = time.monotonic() - t0
+            # stalled: a member that waited out its 60 s stall misses this 45 s deadline
+            w.wait_done(everyone, 45 if tree == "stalled" else 120)
             recs = {m: {r["seq"]: r for r in w.records(m)} for m in everyone}
             assert min(recs["m3"]) == 3, recs["m3"]  # m0 and m1 had started op 2: the largest seq wins
             for m in everyone:
@@ -77,6 +76,4 @@ def test_growing_epoch_is_agreed_while_old_members_are_blocked_in_an_op(etcd_ses
         assert all(len(v) == 1 for v in keys.values()), keys  # one key per growing epoch: the tree's root
     else:   # one per old member of the growing epoch
         assert any(v == ["m0", "m1", "m2"] for v in keys.values()), keys
-    if tree == "stalled":
-        assert took < 50, f"the fallback waited out the 60 s stall ({took:.0f} s)"
 

@@ -469,9 +469,7 @@ class EpochTracker:
             self.admitted_at = max(self.admitted_at, at)
             self.group |= set(e.members)
             self.enter(e)
-            with self.lock:
-                for n in [n for n in self.seen if n <= e.number]:
-                    del self.seen[n]
+            self._forget_seen(e.number)
             self.set_metrics()
             log.info("member %s adopted epoch %d at op #%d (members %s)", self.member_id, e.number, self.seq,
                      list(e.members))
@@ -511,16 +509,12 @@ class EpochTracker:
                             e.number, exc)
                 self.switch = None
                 return
+        if self.switch != (at, e):   # called on the boundary and again on entering the removal
+            log.info("member %s: the admission of %s (epoch %d, op #%d) stands through the removal of epoch %d",
+                     self.member_id, sorted(joiners), e.number, at, newest.number)
         self.switch = (at, e)
-        log.info("member %s: the admission of %s (epoch %d, op #%d) stands through the removal of epoch %d",
-                 self.member_id, sorted(joiners), e.number, at, newest.number)
         if nxt >= at:   # its op is next: they take part in it (an op in flight is recovered by its own members)
-            self.switch = None
-            self.admitted_at = max(self.admitted_at, at)
-            self.group |= joiners
-            with self.lock:
-                for n in [n for n in self.seen if n <= e.number]:
-                    del self.seen[n]
+            self._admit(at, e, joiners)
 
     def _admit_kept(self, nxt: int) -> None:
         """At a boundary: apply a switch kept through a removal (:meth:`_keep_agreed_switch`;
@@ -531,16 +525,24 @@ class EpochTracker:
         at, e = self.switch
         if e.number > self.epoch.number or nxt < at:
             return
-        self.switch = None
-        self.admitted_at = max(self.admitted_at, at)
         joiners = (set(e.members) & set(self.epoch.members)) - self.group
-        self.group |= joiners
-        with self.lock:
-            for n in [n for n in self.seen if n <= e.number]:
-                del self.seen[n]
+        self._admit(at, e, joiners)
         self.set_metrics()
         log.info("member %s admitted %s of epoch %d at op #%d (in epoch %d)", self.member_id, sorted(joiners),
                  e.number, at, self.epoch.number)
+
+    def _admit(self, at: int, e: EpochLike, joiners: set[str]) -> None:
+        """The kept switch ``(at, e)`` takes effect: ``joiners`` join the group."""
+        self.switch = None
+        self.admitted_at = max(self.admitted_at, at)
+        self.group |= joiners
+        self._forget_seen(e.number)
+
+    def _forget_seen(self, number: int) -> None:
+        """Drop the delivered epochs up to ``number`` (adopted, or settled through a removal)."""
+        with self.lock:
+            for n in [n for n in self.seen if n <= number]:
+                del self.seen[n]
 
     def _next_growing(self, newest: EpochLike) -> EpochLike:
         """The oldest epoch newer than ours, removing no member of ours, that the watch

@@ -253,8 +253,11 @@ def wait_outcome(view: AgreementView, epoch: EpochLike, timeout: float) -> int:
     member that takes no part (a joiner, or a member reading a superseded agreement): a
     result already in etcd is returned even when a newer epoch is out; else EpochChanged /
     TimeoutError / RecordError as :meth:`JoinAgreement.wait`."""
-    tree = JoinTree(old_members(epoch))
-    return view.wait_blobs_until(epoch.number, BLOB, lambda got: outcome(got, tree, epoch.number), timeout)
+    return _wait_outcome(view, JoinTree(old_members(epoch)), epoch.number, timeout)
+
+
+def _wait_outcome(view: AgreementView, tree: JoinTree, epoch: int, timeout: float) -> int:
+    return view.wait_blobs_until(epoch, BLOB, lambda got: outcome(got, tree, epoch), timeout)
 
 
 class Channel(Protocol):
@@ -309,7 +312,7 @@ class JoinAgreement:
         """The agreed seq (:func:`outcome`): waits on this epoch's ``joinseq`` keys, one
         prefix watch (EpochChanged / TimeoutError / RecordError as the module docstring
         says)."""
-        return self.view.wait_blobs_until(self.number, BLOB, self._outcome, timeout)
+        return _wait_outcome(self.view, self.tree, self.number, timeout)
 
     def settle(self, seq: int, stall: float, timeout: float) -> int:
         """An old member's wait for the agreed seq, ``seq`` being its own announced one:
@@ -349,9 +352,6 @@ class JoinAgreement:
             self.fell_back = True
         log.info("join agreement of epoch %d: %s; member %s wrote its own join seq (op #%d)", self.number, why,
                  self.member, seq)
-
-    def _outcome(self, got: Mapping[str, bytes]) -> int | None:
-        return outcome(got, self.tree, self.number)
 
     def _outcome_or_fallback(self, got: Mapping[str, bytes]) -> int | None:
         """:func:`outcome`, or -1 once a member's own record is there (the fallback began)."""
