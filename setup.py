@@ -4,8 +4,12 @@
 ``resilient.kernels`` and ``chaos/`` as ``resilient.chaos`` (docs/design.md §1): ``chaos`` and
 ``kernels`` are names of unrelated PyPI packages, so nothing is installed top-level but
 ``resilient``.
+
+One C extension, ``resilient.kernels._stream_copy`` (``kernels/stream_copy.c``: a memory
+copy with streaming stores), is *optional*: where no C compiler is installed, setuptools
+warns and installs the rest, and ``resilient.kernels.copy`` falls back to torch's copy.
 """
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 MAPPED = {"coordinator": "resilient.coordinator", "kernels": "resilient.kernels", "chaos": "resilient.chaos"}
 
@@ -18,4 +22,7 @@ for folder, name in MAPPED.items():
         packages.append(f"{name}.{sub}")
         package_dir[f"{name}.{sub}"] = f"{folder}/{sub.replace('.', '/')}"
 
-setup(packages=packages, package_dir=package_dir)
+stream_copy = Extension("resilient.kernels._stream_copy", ["kernels/stream_copy.c"],
+                        extra_compile_args=["-O2"], optional=True)
+
+setup(packages=packages, package_dir=package_dir, ext_modules=[stream_copy])

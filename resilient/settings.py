@@ -80,6 +80,9 @@ class Settings:
     shm_direct: bool = field(default=True, metadata=_var(
         "RESILIENT_SHM_DIRECT", "1", "CPU allreduces and reduce-scatters between members of one host take the direct "
         "shared-memory algorithms; `0`: the ring over shared-memory links instead (docs/hierarchy.md)"))
+    stream_copy: bool = field(default=True, metadata=_var(
+        "RESILIENT_STREAM_COPY", "1", "large CPU copies of the direct shared-memory allreduce and of results handed "
+        "back use streaming stores (where the optional C extension was built); `0`: torch's copy (docs/bench.md)"))
     join_tree: bool = field(default=True, metadata=_var(
         "RESILIENT_JOIN_TREE", "1", "a growing epoch's op seq is agreed along a tree of the old members over the "
         "data plane, its root writing one etcd key; `0`: one `joinseq` key per old member (docs/scale.md)"))
@@ -118,6 +121,7 @@ class Settings:
             log_level=get("RESILIENT_LOG_LEVEL", _log_level, d.log_level),
             staging=get("RESILIENT_STAGING", _flag, d.staging),
             shm_direct=get("RESILIENT_SHM_DIRECT", _flag, d.shm_direct),
+            stream_copy=get("RESILIENT_STREAM_COPY", _flag, d.stream_copy),
             join_tree=get("RESILIENT_JOIN_TREE", _flag, d.join_tree),
             join_tree_stall=get("RESILIENT_JOIN_TREE_STALL", _positive_float, d.join_tree_stall),
         )

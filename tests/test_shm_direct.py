@@ -11,6 +11,7 @@ import gc
 import os
 import sys
 import threading
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from resilient.collectives.algorithms import shm_direct
 from resilient.collectives.algorithms.select import Sizing, allreduce as select_allreduce
 from resilient.collectives.algorithms.shm_direct import ShmDirectAllreduce, eligible
 from resilient.collectives.communicator import Communicator
+from resilient.kernels import copy as stream_copy
 from resilient.transport import shm_segment
 from resilient.transport.hybrid import HybridTransport
 
@@ -87,17 +89,28 @@ def _check(n: int, specs: list[tuple[int, torch.dtype, str]], out: dict[str, lis
             assert torch.equal(got, exp), f"{m} op {seq} ({numel} x {dtype} {op}) differs"
 
 
-@pytest.mark.parametrize("mode", ["every", "chunks"])
+@pytest.mark.parametrize("mode", ["every", "chunks", "chunks-streamed"])
 def test_exact_for_every_dtype_and_op_in_both_modes(monkeypatch, mode):
-    # n = 3 and odd sizes: chunks of unequal length; small blocks: several per chunk
+    # n = 3 and odd sizes: chunks of unequal length; small blocks: several per chunk;
+    # "streamed": every copy of any size (odd lengths, unaligned chunk starts) takes the
+    # streaming copy of kernels/copy.py where this environment built it
     monkeypatch.setattr(shm_direct, "BLOCK_BYTES", 4096)
     monkeypatch.setattr(shm_direct, "ALL_MAX_BYTES", 1 << 30 if mode == "every" else 1024)
+    streamed = []
+    if mode == "chunks-streamed":
+        if not stream_copy.STREAMING:
+            pytest.skip("the streaming copy's C extension is not built here")
+        ext = stream_copy._stream_copy
+        monkeypatch.setattr(stream_copy, "MIN_BYTES", 1)
+        monkeypatch.setattr(stream_copy, "_stream_copy", SimpleNamespace(
+            STREAMING=1, copy=lambda d, s, n: (streamed.append(n), ext.copy(d, s, n))))
     specs = [(numel, dt, op) for i, (dt, op) in enumerate((dt, op) for dt in DTYPES for op in OPS)
              for numel in [(5_003, 20_011, 997)[i % 3]]]
     before = shm_direct.COUNTS.direct
     out = _run(3, specs)
     _check(3, specs, out)
     assert shm_direct.COUNTS.direct - before == 3 * len(specs), "not every op ran through shared memory"
+    assert bool(streamed) == (mode == "chunks-streamed")
 
 
 def test_a_member_that_cannot_map_a_segment_takes_every_member_to_the_ring(monkeypatch):

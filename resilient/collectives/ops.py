@@ -27,6 +27,7 @@ from resilient.collectives.recovery import PieceKind, members_of
 from resilient.device import device_ops, whole
 from resilient.errors import ConfigError, DataLost
 from resilient.kernels import ReduceOp
+from resilient.kernels.copy import copy_into
 
 #: ``check_group(n0, members, seq, kind, what)``: raise GroupChanged (after telling every
 #: member) when ``members`` is not the ``n0`` members the op's buffers were made for
@@ -162,7 +163,7 @@ class AllreduceOp:
                                 self.pool.take(inp.numel(), inp.dtype, self.ops), pieces), algo, self.t.device, self.sizing)
 
     def finish(self, L: Ledger) -> OpResult:
-        self.t.copy_(finish_avg(L, self.op).view(self.t.shape))
+        copy_into(self.t, finish_avg(L, self.op).view(self.t.shape))
         return result_of(L)
 
 
@@ -191,7 +192,7 @@ class ReduceScatterOp:
 
     def finish(self, L: Ledger) -> OpResult:
         res, m = finish_avg(L, self.op), self.m
-        self.out.copy_(res[L.me * m:(L.me + 1) * m].view(self.out.shape))
+        copy_into(self.out, res[L.me * m:(L.me + 1) * m].view(self.out.shape))
         return result_of(L)
 
 
@@ -222,7 +223,7 @@ class AllgatherOp:
     def finish(self, L: Ledger) -> OpResult:
         m = self.m
         for i, o in enumerate(self.outs):
-            o.copy_(L.out[i * m:(i + 1) * m].view(o.shape))
+            copy_into(o, L.out[i * m:(i + 1) * m].view(o.shape))
         return OpResult(tuple(L.members))
 
 
@@ -244,7 +245,7 @@ class BroadcastOp:
                          self.sizing)
 
     def finish(self, L: Ledger) -> OpResult:
-        self.t.copy_(L.out.view(self.t.shape))
+        copy_into(self.t, L.out.view(self.t.shape))
         return OpResult((self.root_id,))
 
 

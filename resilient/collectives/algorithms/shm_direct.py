@@ -79,6 +79,7 @@ from resilient.collectives.algorithms.ring import RingReduceScatterAllgather
 from resilient.collectives.group import EpochLike
 from resilient.errors import OpMismatch, TransportAborted, TransportError
 from resilient.kernels import ReduceOp
+from resilient.kernels.copy import copy_into
 from resilient.transport.hybrid import split_address
 from resilient.transport.shm_segment import (
     A_DIGEST, A_IN, A_NBYTES, A_OFFSET, A_RED, AREAS, LOCATOR_BYTES, W_DONE, W_WAITING, Locator, OwnSegment,
@@ -489,7 +490,7 @@ class ShmDirectAllreduce(ShmDirect):
         try:
             region = own.view(area * sess.stride, nbytes, dtype) if fits else None
             if region is not None:
-                region.copy_(inp)   # all of it: a peer reduces this member's chunk from it if it dies
+                copy_into(region, inp)   # all of it: a peer reduces this member's chunk from it if it dies
             self._publish(sess, area_word(area, A_IN), mine)
             mismatch = self._await_inputs(ctx, sess, area, theirs)
             if mismatch is not None:
@@ -577,7 +578,7 @@ class ShmDirectAllreduce(ShmDirect):
                     x, y = a + (b - a) * j // parts, a + (b - a) * (j + 1) // parts
                     if probe:
                         ctx.failpoint("ag", (copied + j / parts) / len(sess.peers))
-                    out[x:y].copy_(view[x:y])
+                    copy_into(out[x:y], view[x:y])
                 self._check(ctx, sess, red, theirs, {q: sess.peers[q]})
                 self._mark(ctx, q)
                 pending.remove(q)

@@ -46,6 +46,7 @@ from resilient.collectives import tags
 from resilient.collectives.algorithms.base import OpContext
 from resilient.collectives.algorithms.ring import RingReduceScatterAllgather
 from resilient.collectives.algorithms.shm_direct import COUNTS, ShmDirect, _Session
+from resilient.kernels.copy import copy_into
 from resilient.transport.shm_segment import A_IN, W_DONE, area_word
 
 
@@ -76,8 +77,8 @@ class ShmDirectReduceScatter(ShmDirect):
             a, b = self._chunk(ctx, ctx.me)
             if fits:   # every chunk but its own: member c reads only chunk c
                 region = own.view(area * sess.stride, nbytes, dtype)
-                region[:a].copy_(inp[:a])
-                region[b:].copy_(inp[b:])
+                copy_into(region[:a], inp[:a])
+                copy_into(region[b:], inp[b:])
             # progress the recovery can finish from if a peer never publishes: its own chunk's
             # accumulator holds its own input (a rerun in a smaller epoch could not take the
             # caller's one-input-per-member list: GroupChanged)
