@@ -139,3 +139,14 @@ def test_setup_still_builds_without_a_c_compiler(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert not list((tmp_path / "out").rglob("_stream_copy*")), "a failed compile must leave no module"
     assert 'building extension "resilient.kernels._stream_copy" failed' in r.stdout + r.stderr   # and says so
+
+
+@needs_ext
+def test_inference_tensors_stream_too():
+    """Under ``torch.inference_mode`` (no version counters) the streamed copy works like ``copy_``."""
+    n = stream.MIN_BYTES // 4
+    with torch.inference_mode():
+        src, dst = torch.arange(n, dtype=torch.float32), torch.zeros(n)
+        assert dst.is_inference()
+        stream.copy_into(dst, src)
+    assert torch.equal(dst, src)
