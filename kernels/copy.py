@@ -55,20 +55,35 @@ def enabled() -> bool:
     return _enabled
 
 
-def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``, with streaming stores when both are contiguous CPU tensors of
-    one dtype and shape, of at least :data:`MIN_BYTES`, not overlapping, and ``dst``
-    does not require grad."""
+def _streamable(dst: torch.Tensor, src: torch.Tensor) -> bool:
     nbytes = dst.numel() * dst.element_size()
     if (nbytes < MIN_BYTES or dst.dtype != src.dtype or dst.shape != src.shape
             or dst.device.type != "cpu" or src.device.type != "cpu" or dst.requires_grad
             or not dst.is_contiguous() or not src.is_contiguous() or not enabled()):
-        dst.copy_(src)
-        return
+        return False
     d, s = dst.data_ptr(), src.data_ptr()
-    if d < s + nbytes and s < d + nbytes:   # overlapping (or the same) bytes: torch's copy
+    return not (d < s + nbytes and s < d + nbytes)   # overlapping (or the same) bytes: torch's copy
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor, also: torch.Tensor | None = None) -> None:
+    """``dst.copy_(src)`` (and ``also.copy_(src)``), with streaming stores when both are
+    contiguous CPU tensors of one dtype and shape, of at least :data:`MIN_BYTES`, not
+    overlapping, and ``dst`` does not require grad. With ``also``, when both destinations
+    stream and do not overlap, ``src`` is read once for the two."""
+    if also is not None:
+        a, d, n = also.data_ptr(), dst.data_ptr(), dst.numel() * dst.element_size()
+        if _streamable(dst, src) and _streamable(also, src) and not (a < d + n and d < a + n):
+            assert _stream_copy is not None   # enabled() implies it
+            _stream_copy.copy2(d, a, src.data_ptr(), n)
+            increment_version(dst)
+            increment_version(also)
+            return
+        copy_into(dst, src)
+        copy_into(also, src)
+        return
+    if not _streamable(dst, src):
         dst.copy_(src)
         return
     assert _stream_copy is not None   # enabled() implies it
-    _stream_copy.copy(d, s, nbytes)
+    _stream_copy.copy(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
     increment_version(dst)

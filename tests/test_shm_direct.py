@@ -103,7 +103,8 @@ def test_exact_for_every_dtype_and_op_in_both_modes(monkeypatch, mode):
         ext = stream_copy._stream_copy
         monkeypatch.setattr(stream_copy, "MIN_BYTES", 1)
         monkeypatch.setattr(stream_copy, "_stream_copy", SimpleNamespace(
-            STREAMING=1, copy=lambda d, s, n: (streamed.append(n), ext.copy(d, s, n))))
+            STREAMING=1, copy=lambda d, s, n: (streamed.append(n), ext.copy(d, s, n)),
+            copy2=lambda d, d2, s, n: (streamed.append(n), ext.copy2(d, d2, s, n))))
     specs = [(numel, dt, op) for i, (dt, op) in enumerate((dt, op) for dt in DTYPES for op in OPS)
              for numel in [(5_003, 20_011, 997)[i % 3]]]
     before = shm_direct.COUNTS.direct
@@ -225,3 +226,53 @@ def test_a_peer_that_finishes_between_two_reads_is_ready_not_gone():
     gone.reads = 1
     with pytest.raises(TransportError, match="gave it up"):
         ShmDirectAllreduce._ready(ctx, 1, gone, word, want)()
+
+
+@pytest.mark.parametrize("op", ["sum", "max"])
+def test_the_result_goes_straight_into_the_callers_tensor_and_an_error_restores_the_input(monkeypatch, op):
+    """Chunk mode writes each final value into the caller's tensor as it goes (``finish``
+    copies nothing). An error after part of the result is in (here: raised on every member
+    after its first peer chunk) leaves the caller's tensor holding its input again, so a
+    recovery or a rerun of the op reads the input, never a half-written result."""
+    from resilient.collectives import ops as ops_mod
+
+    monkeypatch.setattr(shm_direct, "ALL_MAX_BYTES", 1024)
+    numel, n = 30_011, 3
+    finished_copies = []
+    real_finish = ops_mod.AllreduceOp.finish
+
+    def finish(self, L):   # the op's own copy of out into t happens only when nothing was delivered
+        finished_copies.append(L.delivered)
+        return real_finish(self, L)
+
+    monkeypatch.setattr(ops_mod.AllreduceOp, "finish", finish)
+    out = _run(n, [(numel, torch.int64, op)])
+    _check(n, [(numel, torch.int64, op)], out)
+    assert finished_copies == [True] * n, "the direct chunk mode did not deliver into the caller's tensor"
+
+    real_copy = shm_direct.copy_into
+
+    def failing_copy(dst, src, also=None):   # the first peer chunk lands in t, then the op fails
+        real_copy(dst, src, also)
+        if also is not None:
+            raise RuntimeError("injected after a delivered chunk")
+
+    monkeypatch.setattr(shm_direct, "copy_into", failing_copy)
+
+    def body(m: str, c: Communicator) -> tuple[torch.Tensor, torch.Tensor, str]:
+        t = _input(int(m[1:]), 1, numel, torch.int64, op)
+        before = t.clone()
+        try:
+            c.allreduce(t, op)
+        except Exception as exc:   # whatever wraps it: the tensor is what matters
+            return before, t, repr(exc)
+        return before, t, "no error"
+
+    # a member whose peer gave the op up waits for an epoch that never comes here (no
+    # coordinator): 2 s, then CollectiveError; its tensor must be restored all the same
+    _, got = run_communicators(n, "shmdrestore", body, 90.0, transport=HybridTransport, small_bytes=1024,
+                               epoch_timeout=2.0)
+    assert any("injected" in err for _, _, err in got.values()), got
+    for m, (before, t, err) in got.items():
+        assert err != "no error", m
+        assert torch.equal(t, before), f"{m}: the caller's tensor was left half-written ({err})"

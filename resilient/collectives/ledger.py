@@ -71,6 +71,13 @@ class Ledger:
     done: bool = False
     need: list[int] | None = None   # final masks (after completion or recovery)
     enabled: bool = True
+    #: ``inp`` is the caller's tensor, which receives the result when the op is over: an
+    #: algorithm may write final values into ``inp`` as it goes, provided it keeps a copy of
+    #: the input and restores ``inp`` from it before it raises (so a recovery or a rerun
+    #: reads the input), and sets ``delivered`` once every piece's final value is in ``inp``
+    #: (the op then skips its copy of ``out`` into the caller's tensor)
+    deliver: bool = False
+    delivered: bool = False
     #: where ``inp``/``out`` live (CpuOps: today's path) and, when > 0, the chunk size in
     #: elements of the host-staged transfers (:mod:`.staged`; 0: transfers go direct)
     ops: DeviceOps = field(default_factory=lambda: device_ops("cpu"))

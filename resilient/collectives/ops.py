@@ -159,11 +159,18 @@ class AllreduceOp:
     def layout(self, members: list[str], me: int, seq: int, digest: int, epoch: EpochLike) -> tuple[Ledger, Algorithm]:
         inp = self.inp
         pieces, algo = select.allreduce(members, epoch, inp.numel(), inp.element_size(), self.sizing)
-        return ledger_on_device(Ledger(seq, self.kind, tuple(members), me, epoch.number, digest, inp,
-                                self.pool.take(inp.numel(), inp.dtype, self.ops), pieces), algo, self.t.device, self.sizing)
+        L, algo = ledger_on_device(Ledger(seq, self.kind, tuple(members), me, epoch.number, digest, inp,
+                                          self.pool.take(inp.numel(), inp.dtype, self.ops), pieces),
+                                   algo, self.t.device, self.sizing)
+        # the result may go straight into the caller's tensor: the kept input is a view of it
+        # (not a staged copy, not the copy of a strided tensor), and AVG divides at the end
+        L.deliver = (L.inp is self.inp and self.t.is_contiguous() and self.op is not ReduceOp.AVG
+                     and self.t.device.type == "cpu")
+        return L, algo
 
     def finish(self, L: Ledger) -> OpResult:
-        copy_into(self.t, finish_avg(L, self.op).view(self.t.shape))
+        if not L.delivered:   # else the algorithm wrote the result into t (inp is t's view)
+            copy_into(self.t, finish_avg(L, self.op).view(self.t.shape))
         return result_of(L)
 
 

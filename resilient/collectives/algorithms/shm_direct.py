@@ -35,8 +35,11 @@ ticket: every member then runs that op on the ring. Peers' segments of earlier s
 are unmapped when a new session starts (a dead member's segment is freed then).
 
 **Ledger and recovery.** The layout is the ring's (``n`` chunks x ``slices``); a piece's
-mask is 0 until its final value is in ``out``, then the full set; the input (``inp``)
-is never written. **A member that dies (or is stopped) after publishing its input stays a
+mask is 0 until its final value is in ``out``, then the full set. The input (``inp``)
+is written only in chunk mode when the ledger allows it (``Ledger.deliver``: ``inp`` is the
+caller's tensor): final values then go into it as well, this member's input is read from
+its segment copy, and on any error ``inp`` is restored from that copy before the error
+propagates, so a recovery or a rerun reads the input (``finish`` then has no copy to make). **A member that dies (or is stopped) after publishing its input stays a
 contributor:** its input stays readable in the survivors' mappings (segments never
 shrink), so every survivor that saw every input finishes the op over the full set —
 copying the reduced chunks that were published and, after the epoch's abort, reducing
@@ -372,10 +375,11 @@ class ShmDirect(ABC):
             raise TransportError(f"op #{ctx.seq}: member {ctx.members[q]}'s shared-memory segment: {exc}") from None
 
     def _reduce_own(self, ctx: OpContext, ins: list[torch.Tensor], region: torch.Tensor | None,
-                    phase: str, c: int | None = None, frac0: float = 0.0, share: float = 1.0) -> None:
+                    phase: str, c: int | None = None, frac0: float = 0.0, share: float = 1.0,
+                    deliver: torch.Tensor | None = None) -> None:
         """Chunk ``c`` (default: this member's) of every input, reduced in member order in
-        cache-sized blocks, into ``out`` (and into ``region``). Failpoint ``phase`` at
-        fractions ``frac0 .. frac0 + share`` of it."""
+        cache-sized blocks, into ``out`` (and into ``region`` and ``deliver``). Failpoint
+        ``phase`` at fractions ``frac0 .. frac0 + share`` of it."""
         a, b = self._chunk(ctx, ctx.me if c is None else c)
         out, combine = ctx.ledger.out, _COMBINE[ctx.op]
         step = max(1, BLOCK_BYTES // max(1, out.element_size()))
@@ -392,6 +396,8 @@ class ShmDirect(ABC):
                 combine(dst, src[x:y], out=dst)
             if region is not None:
                 region[x:y].copy_(dst)
+            if deliver is not None:
+                deliver[x:y].copy_(dst)
 
     @staticmethod
     def _check(ctx: OpContext, sess: _Session, word: int, theirs: dict[int, int],
@@ -506,11 +512,7 @@ class ShmDirectAllreduce(ShmDirect):
             if every:
                 self._reduce_every(ctx, sess, area, ins, theirs)
             else:
-                self._reduce_own(ctx, ins, own.view(area * sess.stride + red_at, nbytes, dtype), "rs")
-                self._check(ctx, sess, area_word(area, A_IN), theirs, sess.peers)
-                self._mark(ctx, ctx.me)
-                self._publish(sess, area_word(area, A_RED), mine)
-                self._gather(ctx, sess, area, ins, theirs, red_at)
+                self._chunks(ctx, sess, area, ins, theirs, region, red_at, mine)
             COUNTS.direct += 1
             failed = False
         finally:
@@ -518,6 +520,34 @@ class ShmDirectAllreduce(ShmDirect):
                 own.set(area_word(area, A_IN), 0)
                 own.set(area_word(area, A_RED), 0)
             self._publish(sess, W_DONE, mine)
+
+    def _chunks(self, ctx: OpContext, sess: _Session, area: int, ins: list[torch.Tensor], theirs: dict[int, int],
+                region: torch.Tensor, red_at: int, mine: int) -> None:
+        """Chunk mode: reduce the own chunk, publish it, gather the others.
+
+        When the ledger allows it (:attr:`~resilient.collectives.ledger.Ledger.deliver`:
+        ``inp`` is the caller's tensor), every final value goes into ``inp`` as well as into
+        ``out`` (a peer's chunk is read once for both), this member's input is read from its
+        segment copy (``region``) instead, and the op's ``finish`` skips its copy into the
+        caller's tensor. Whatever this raises, ``inp`` is first restored from ``region``
+        (the input again), so the recovery or a rerun of the op reads the input."""
+        L = ctx.ledger
+        deliver = L.inp if L.deliver else None
+        if deliver is not None:
+            ins = list(ins)
+            ins[ctx.me] = region
+        try:
+            self._reduce_own(ctx, ins, sess.own.view(area * sess.stride + red_at, region.numel() * region.element_size(),
+                                                     region.dtype), "rs", deliver=deliver)
+            self._check(ctx, sess, area_word(area, A_IN), theirs, sess.peers)
+            self._mark(ctx, ctx.me)
+            self._publish(sess, area_word(area, A_RED), mine)
+            self._gather(ctx, sess, area, ins, theirs, red_at, deliver)
+        except BaseException:
+            if deliver is not None:
+                copy_into(deliver, region)   # the caller's tensor holds the input again
+            raise
+        L.delivered = deliver is not None
 
     def _reduce_every(self, ctx: OpContext, sess: _Session, area: int, ins: list[torch.Tensor],
                       theirs: dict[int, int]) -> None:
@@ -533,9 +563,10 @@ class ShmDirectAllreduce(ShmDirect):
             self._mark(ctx, c)
 
     def _gather(self, ctx: OpContext, sess: _Session, area: int, ins: list[torch.Tensor],
-                theirs: dict[int, int], red_at: int) -> None:
+                theirs: dict[int, int], red_at: int, deliver: torch.Tensor | None = None) -> None:
         """Copy every peer's reduced chunk as soon as it is ready (then check it was not
-        overwritten meanwhile), marking its pieces final.
+        overwritten meanwhile), marking its pieces final (each copied or reduced chunk
+        goes into ``deliver`` too, when given).
 
         Every input is published (and stays so until this member's ``W_DONE``), so a peer's
         chunk never *has* to come from that peer: once the transport is aborted (an epoch
@@ -563,7 +594,7 @@ class ShmDirectAllreduce(ShmDirect):
                 continue
             if not ready:   # aborted: the first pending chunk, reduced here
                 q = pending[0]
-                self._reduce_own(ctx, ins, None, "ag", q, copied / len(sess.peers), 1 / len(sess.peers))
+                self._reduce_own(ctx, ins, None, "ag", q, copied / len(sess.peers), 1 / len(sess.peers), deliver)
                 self._check(ctx, sess, area_word(area, A_IN), theirs, sess.peers)
                 self._mark(ctx, q)
                 pending.remove(q)
@@ -578,7 +609,7 @@ class ShmDirectAllreduce(ShmDirect):
                     x, y = a + (b - a) * j // parts, a + (b - a) * (j + 1) // parts
                     if probe:
                         ctx.failpoint("ag", (copied + j / parts) / len(sess.peers))
-                    copy_into(out[x:y], view[x:y])
+                    copy_into(out[x:y], view[x:y], None if deliver is None else deliver[x:y])
                 self._check(ctx, sess, red, theirs, {q: sess.peers[q]})
                 self._mark(ctx, q)
                 pending.remove(q)
