@@ -55,9 +55,9 @@ def enabled() -> bool:
     return _enabled
 
 
-def _streamable(dst: torch.Tensor, src: torch.Tensor) -> bool:
+def _streamable(dst: torch.Tensor, src: torch.Tensor, min_bytes: int) -> bool:
     nbytes = dst.numel() * dst.element_size()
-    if (nbytes < MIN_BYTES or dst.dtype != src.dtype or dst.shape != src.shape
+    if (nbytes < min_bytes or dst.dtype != src.dtype or dst.shape != src.shape
             or dst.device.type != "cpu" or src.device.type != "cpu" or dst.requires_grad
             or not dst.is_contiguous() or not src.is_contiguous() or not enabled()):
         return False
@@ -65,23 +65,26 @@ def _streamable(dst: torch.Tensor, src: torch.Tensor) -> bool:
     return not (d < s + nbytes and s < d + nbytes)   # overlapping (or the same) bytes: torch's copy
 
 
-def copy_into(dst: torch.Tensor, src: torch.Tensor, also: torch.Tensor | None = None) -> None:
+def copy_into(dst: torch.Tensor, src: torch.Tensor, also: torch.Tensor | None = None,
+              min_bytes: int = MIN_BYTES) -> None:
     """``dst.copy_(src)`` (and ``also.copy_(src)``), with streaming stores when both are
-    contiguous CPU tensors of one dtype and shape, of at least :data:`MIN_BYTES`, not
-    overlapping, and ``dst`` does not require grad. With ``also``, when both destinations
-    stream and do not overlap, ``src`` is read once for the two."""
+    contiguous CPU tensors of one dtype and shape, of at least ``min_bytes`` (default
+    :data:`MIN_BYTES`; a caller that knows the destination is not read again soon may
+    stream smaller blocks), not overlapping, and ``dst`` does not require grad. With
+    ``also``, when both destinations stream and do not overlap, ``src`` is read once for
+    the two."""
     if also is not None:
         a, d, n = also.data_ptr(), dst.data_ptr(), dst.numel() * dst.element_size()
-        if _streamable(dst, src) and _streamable(also, src) and not (a < d + n and d < a + n):
+        if _streamable(dst, src, min_bytes) and _streamable(also, src, min_bytes) and not (a < d + n and d < a + n):
             assert _stream_copy is not None   # enabled() implies it
             _stream_copy.copy2(d, a, src.data_ptr(), n)
             increment_version(dst)
             increment_version(also)
             return
-        copy_into(dst, src)
-        copy_into(also, src)
+        copy_into(dst, src, min_bytes=min_bytes)
+        copy_into(also, src, min_bytes=min_bytes)
         return
-    if not _streamable(dst, src):
+    if not _streamable(dst, src, min_bytes):
         dst.copy_(src)
         return
     assert _stream_copy is not None   # enabled() implies it

@@ -237,6 +237,7 @@ def test_the_result_goes_straight_into_the_callers_tensor_and_an_error_restores_
     from resilient.collectives import ops as ops_mod
 
     monkeypatch.setattr(shm_direct, "ALL_MAX_BYTES", 1024)
+    monkeypatch.setattr(shm_direct, "BLOCK_BYTES", 4096)   # several blocks per chunk
     numel, n = 30_011, 3
     finished_copies = []
     real_finish = ops_mod.AllreduceOp.finish
@@ -251,11 +252,14 @@ def test_the_result_goes_straight_into_the_callers_tensor_and_an_error_restores_
     assert finished_copies == [True] * n, "the direct chunk mode did not deliver into the caller's tensor"
 
     real_copy = shm_direct.copy_into
+    local = threading.local()
 
-    def failing_copy(dst, src, also=None):   # the first peer chunk lands in t, then the op fails
-        real_copy(dst, src, also)
+    def failing_copy(dst, src, also=None, **kw):   # blocks of the result land in t, then the op fails
+        real_copy(dst, src, also, **kw)
         if also is not None:
-            raise RuntimeError("injected after a delivered chunk")
+            local.n = getattr(local, "n", 0) + 1
+            if local.n == 3:
+                raise RuntimeError("injected after a delivered block")
 
     monkeypatch.setattr(shm_direct, "copy_into", failing_copy)
 

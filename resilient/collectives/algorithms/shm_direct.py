@@ -394,10 +394,11 @@ class ShmDirect(ABC):
             combine(ins[0][x:y], ins[1][x:y], out=dst)
             for src in ins[2:]:
                 combine(dst, src[x:y], out=dst)
+            # streamed whatever the block's size: neither destination is read by this member again
             if region is not None:
-                region[x:y].copy_(dst)
-            if deliver is not None:
-                deliver[x:y].copy_(dst)
+                copy_into(region[x:y], dst, None if deliver is None else deliver[x:y], min_bytes=0)
+            elif deliver is not None:
+                copy_into(deliver[x:y], dst, min_bytes=0)
 
     @staticmethod
     def _check(ctx: OpContext, sess: _Session, word: int, theirs: dict[int, int],
