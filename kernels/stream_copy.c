@@ -26,47 +26,29 @@
 #include <emmintrin.h>
 #define STREAMING 1
 
-static void stream_copy(char *d, const char *s, size_t n)
+/* One 64-byte line of streaming stores at d (16-byte aligned). */
+static inline void stream_line(char *d, __m128i a, __m128i b, __m128i c, __m128i e)
 {
-    size_t head = (size_t)(-(uintptr_t)d) & 63;   /* bytes up to the first 64-byte line */
-    if (head > n)
-        head = n;
-    memcpy(d, s, head);
-    d += head;
-    s += head;
-    n -= head;
-    size_t body = n & ~(size_t)63;
-    for (size_t i = 0; i < body; i += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
-        __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
-        __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
-        _mm_stream_si128((__m128i *)(d + i), a);
-        _mm_stream_si128((__m128i *)(d + i + 16), b);
-        _mm_stream_si128((__m128i *)(d + i + 32), c);
-        _mm_stream_si128((__m128i *)(d + i + 48), e);
-    }
-    _mm_sfence();
-    memcpy(d + body, s + body, n - body);
+    _mm_stream_si128((__m128i *)d, a);
+    _mm_stream_si128((__m128i *)(d + 16), b);
+    _mm_stream_si128((__m128i *)(d + 32), c);
+    _mm_stream_si128((__m128i *)(d + 48), e);
 }
 
-/* The same bytes into two destinations, the source read once. Both are streamed when
- * they sit at one offset modulo 16 (the streaming store needs 16-byte alignment);
- * otherwise this is two copies. */
-static void stream_copy2(char *d, char *d2, const char *s, size_t n)
+/* n bytes from s to d, and to d2 as well unless it is NULL (d2 then at d's offset modulo
+ * 16: the streaming store needs 16-byte alignment). The head up to d's next 64-byte line
+ * and the tail are memcpy; the lines between are streamed, the source read once. */
+static void stream_lines(char *d, char *d2, const char *s, size_t n)
 {
-    if ((((uintptr_t)d ^ (uintptr_t)d2) & 15) != 0) {
-        stream_copy(d, s, n);
-        stream_copy(d2, s, n);
-        return;
-    }
     size_t head = (size_t)(-(uintptr_t)d) & 63;
     if (head > n)
         head = n;
     memcpy(d, s, head);
-    memcpy(d2, s, head);
+    if (d2 != NULL) {
+        memcpy(d2, s, head);
+        d2 += head;
+    }
     d += head;
-    d2 += head;
     s += head;
     n -= head;
     size_t body = n & ~(size_t)63;
@@ -75,18 +57,31 @@ static void stream_copy2(char *d, char *d2, const char *s, size_t n)
         __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
         __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
         __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
-        _mm_stream_si128((__m128i *)(d + i), a);
-        _mm_stream_si128((__m128i *)(d + i + 16), b);
-        _mm_stream_si128((__m128i *)(d + i + 32), c);
-        _mm_stream_si128((__m128i *)(d + i + 48), e);
-        _mm_stream_si128((__m128i *)(d2 + i), a);
-        _mm_stream_si128((__m128i *)(d2 + i + 16), b);
-        _mm_stream_si128((__m128i *)(d2 + i + 32), c);
-        _mm_stream_si128((__m128i *)(d2 + i + 48), e);
+        stream_line(d + i, a, b, c, e);
+        if (d2 != NULL)
+            stream_line(d2 + i, a, b, c, e);
     }
     _mm_sfence();
     memcpy(d + body, s + body, n - body);
-    memcpy(d2 + body, s + body, n - body);
+    if (d2 != NULL)
+        memcpy(d2 + body, s + body, n - body);
+}
+
+static void stream_copy(char *d, const char *s, size_t n)
+{
+    stream_lines(d, NULL, s, n);
+}
+
+/* The same bytes into two destinations: one streamed pass when they sit at one offset
+ * modulo 16, otherwise two copies. */
+static void stream_copy2(char *d, char *d2, const char *s, size_t n)
+{
+    if ((((uintptr_t)d ^ (uintptr_t)d2) & 15) != 0) {
+        stream_lines(d, NULL, s, n);
+        stream_lines(d2, NULL, s, n);
+        return;
+    }
+    stream_lines(d, d2, s, n);
 }
 #else
 #define STREAMING 0
