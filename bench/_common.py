@@ -15,12 +15,14 @@ on stdin ("go"-style lines), so driver and workers proceed in lockstep without s
 
 Failure behaviour: a worker that dies or prints something that is not JSON makes the
 driver raise :class:`BenchError` with the worker's stderr tail; a worker whose stdin
-closes (driver gone) exits.
+closes (driver gone) exits. A SIGTERM to the driver ends it like Ctrl-C: every process the
+cluster started (members, coordinator, etcd) is stopped on the way out.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -85,12 +87,18 @@ class BenchCluster:
         self._pool = ProcessPool()
         self._coord: Child | None = None
         self._reaper: LeaseReaper | None = None
+        self._old_term: Any = None
 
     # -- lifecycle ----------------------------------------------------------------------
 
     def __enter__(self) -> "BenchCluster":
         from resilient.coordinator import LocalEtcd
 
+        # SIGTERM ends the run like Ctrl-C, so that __exit__ stops every process started
+        # here (by default Python dies at once and leaves the coordinator running)
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
             self._etcd = LocalEtcd(host=self.etcd_host).start()
             self.store = self._etcd.access.open_store(self._etcd.endpoints)
@@ -168,6 +176,9 @@ class BenchCluster:
             self._etcd.stop()
             self._etcd = None
         self._tmp.cleanup()
+        if self._old_term is not None:   # the SIGTERM handling __enter__ installed
+            signal.signal(signal.SIGTERM, self._old_term)
+            self._old_term = None
 
     # -- talking to workers -------------------------------------------------------------
 
