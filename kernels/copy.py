@@ -55,14 +55,19 @@ def enabled() -> bool:
     return _enabled
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor, nbytes: int) -> bool:
+    """Whether the ``nbytes`` at ``a`` and at ``b`` share a byte (the same bytes included)."""
+    p, q = a.data_ptr(), b.data_ptr()
+    return p < q + nbytes and q < p + nbytes
+
+
 def _streamable(dst: torch.Tensor, src: torch.Tensor, min_bytes: int) -> bool:
     nbytes = dst.numel() * dst.element_size()
     if (nbytes < min_bytes or dst.dtype != src.dtype or dst.shape != src.shape
             or dst.device.type != "cpu" or src.device.type != "cpu" or dst.requires_grad
             or not dst.is_contiguous() or not src.is_contiguous() or not enabled()):
         return False
-    d, s = dst.data_ptr(), src.data_ptr()
-    return not (d < s + nbytes and s < d + nbytes)   # overlapping (or the same) bytes: torch's copy
+    return not _overlap(dst, src, nbytes)   # overlapping bytes: torch's copy (and its error)
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor, also: torch.Tensor | None = None,
@@ -73,11 +78,12 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, also: torch.Tensor | None = 
     stream smaller blocks), not overlapping, and ``dst`` does not require grad. With
     ``also``, when both destinations stream and do not overlap, ``src`` is read once for
     the two."""
+    nbytes = dst.numel() * dst.element_size()
     if also is not None:
-        a, d, n = also.data_ptr(), dst.data_ptr(), dst.numel() * dst.element_size()
-        if _streamable(dst, src, min_bytes) and _streamable(also, src, min_bytes) and not (a < d + n and d < a + n):
+        if (_streamable(dst, src, min_bytes) and _streamable(also, src, min_bytes)
+                and not _overlap(dst, also, nbytes)):
             assert _stream_copy is not None   # enabled() implies it
-            _stream_copy.copy2(d, a, src.data_ptr(), n)
+            _stream_copy.copy2(dst.data_ptr(), also.data_ptr(), src.data_ptr(), nbytes)
             increment_version(dst)
             increment_version(also)
             return
@@ -88,5 +94,5 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, also: torch.Tensor | None = 
         dst.copy_(src)
         return
     assert _stream_copy is not None   # enabled() implies it
-    _stream_copy.copy(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
+    _stream_copy.copy(dst.data_ptr(), src.data_ptr(), nbytes)
     increment_version(dst)
