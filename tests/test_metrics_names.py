@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from resilient import metrics
 from resilient.errors import ConfigError
+
+from cp_helpers import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "helm" / "resilient" / "dashboards" / "resilient.json"
@@ -281,5 +284,17 @@ def test_node_agent_metrics_idle_connections_hold_a_bounded_number_of_threads(tm
         finally:
             for c in conns:
                 c.close()
-        s = _scrape(server.port)     # served again once the idle connections are gone
-        assert isinstance(s, dict)
+        # Served again once the idle connections are gone: their handler threads see EOF
+        # and give their slots back, which takes a moment after the close (a scrape made at
+        # once can still meet 8 busy slots and be answered 503, as CI saw).
+        served: list[dict] = []
+
+        def scraped() -> bool:
+            try:
+                served.append(_scrape(server.port))
+            except urllib.error.HTTPError as e:
+                assert e.code == 503, e
+                return False
+            return True
+
+        wait_until(scraped, 30, "a scrape served (200) after the idle connections closed")
