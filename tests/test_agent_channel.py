@@ -10,6 +10,7 @@ import shutil
 import socket
 import stat
 import struct
+import tempfile
 
 import pytest
 
@@ -159,8 +160,10 @@ def test_leave_removes_only_that_rank_and_marks_it_departed(etcd_session, job_na
 @pytest.mark.parametrize("deep", [False, True])
 def test_agent_run_dir_is_private_and_short_enough_for_its_socket(tmp_path, deep):
     """Under the given directory when the socket path fits, under /tmp when it would pass
-    the unix limit; mode 0700 either way, and the socket binds there (a real bind)."""
-    base = str(tmp_path / ("d" * 100)) if deep else str(tmp_path)
+    the unix limit; mode 0700 either way, and the socket binds there (a real bind). The
+    shallow case uses a short directory of its own under /tmp: pytest's ``tmp_path`` may
+    itself be too deep (CI's ``/tmp/pytest-of-root/pytest-106/popen-gw0/<test>`` is)."""
+    base = str(tmp_path / ("d" * 100)) if deep else tempfile.mkdtemp(prefix="rs-", dir="/tmp")
     os.makedirs(base, exist_ok=True)
     run_dir = agent_run_dir(base)
     try:
@@ -172,3 +175,5 @@ def test_agent_run_dir_is_private_and_short_enough_for_its_socket(tmp_path, deep
             s.bind(path)
     finally:
         shutil.rmtree(run_dir)
+        if not deep:
+            shutil.rmtree(base)
