@@ -152,8 +152,8 @@ def _stop_case(etcd: str, job: str, tmp: Path, k: int, fps: dict[str, str]) -> N
                 os.kill(w.procs[v].pid, signal.SIGCONT)
             for v in fps:
                 assert w.procs[v].wait(60) == 4, f"{v}: {(tmp / f'{v}.stderr').read_text()[-1500:]}"
-                for rec in w.records(v):
-                    assert rec["seq"] < 2 and (rec["ok"] or rec["error"].startswith("RemovedFromGroup")), (v, rec)
+                for rec in w.records(v):   # op 1 may finish after SIGCONT (exact), op 2 never does
+                    assert (rec["ok"] and rec["seq"] < 2) or rec["error"].startswith("RemovedFromGroup"), (v, rec)
                     if rec["ok"]:
                         spec = OPS[rec["seq"]]
                         exp = expected("sum", [int(m[1:]) for m in rec["contributors"]], rec["seq"], w.seed,
