@@ -17,14 +17,22 @@ batches of the slowest member's batch time / ops).
 Case ``weighted``: 2 hosts x 2, one namespace per member, so each cross-host pair has
 its own link: local index 0's pair capped at ``--cap-mbit`` (B), index 1's at 2B (htb
 classes per destination; the intra-host pairs are uncapped). Hierarchical allreduce with
-uniform shards (members declare no link speed) against weighted shards (members declare
-``link_bps`` labels B / 2B; the planner classes them and publishes ``shard_weights``);
-the coordinator runs with ``--no-measure-links`` in both, else it would weight the
-uniform arm's shards by the measured speeds as well.
-Output: ``{"case": "weighted", "uniform_s", "weighted_s", "ratio_vs_uniform",
-"shard_weights", "measured_link_classes"}`` — the last is what the health reporter
-measured during the weighted run (``link_bps`` windows through
-``speeds_from_health``/``link_classes``), to compare with the declared classes.
+uniform shards (no declared speeds, coordinator ``--no-measure-links``) against weighted
+shards from the *measured* link speeds, the coordinator's default path: each member's
+health reporter puts ``link_bps`` in its windows (per peer: the bytes of its large
+frames over the time they took to arrive, the median of the last windows), the
+coordinator turns them into member speeds (``speeds_from_health``, hysteresis
+``settle_speeds``), classes and the plan's ``shard_weights``. The weighted arm's members
+declare nothing; they run allreduces until the epoch of their last op carries
+``shard_weights`` (at most ``--warmup-max-ops``, else the case fails), then the timed
+batches. ``--declared-speeds``: the old arm instead — ``link_bps`` labels B / 2B and
+``--no-measure-links``. Output: ``{"case": "weighted", "uniform_s", "weighted_s",
+"ratio_vs_uniform", "weights_from", "shard_weights", "planned_link_mbit",
+"planned_link_classes", "warmup", "measured_link_classes"}`` — the planned speeds are
+those the weights came from (Mbit/s), ``measured_link_classes`` what the windows say at
+the end, ``warmup`` the ops and seconds until the weights came and the epoch before and
+after the timed batches, ``replans`` every epoch from the weights' on (number, weights,
+speeds): one entry when nothing re-planned during the timed batches.
 
 Every output of every op is checked against the exact sum (integer-valued float32
 inputs): ``wrong`` counts mismatches. Needs root (``ip netns``) and the htb qdisc;
@@ -138,6 +146,8 @@ def worker(args: argparse.Namespace) -> int:
     comm = Communicator(EtcdGroupView(store, args.job, session, watcher), transport, health_reporter=reporter)
     emit("ready", plan=watcher.current().plan.to_dict())   # the typed EpochPlan, as its JSON record
     wait_go()
+    if args.warm_ops:
+        _warm_up(comm, index, args, exp)
     for _ in range(args.rounds):
         for mode in args.modes.split(","):
             comm.hierarchical = mode != "flat"   # every member runs the same schedule
@@ -147,6 +157,24 @@ def worker(args: argparse.Namespace) -> int:
     wait_go()
     comm.close(leave=True)
     return 0
+
+
+def _warm_up(comm: Any, index: int, args: argparse.Namespace, exp: Any) -> None:
+    """Allreduces (outputs checked) until the epoch they run in carries ``shard_weights``:
+    the coordinator planned with the link speeds the health reporters measured. Every
+    member ends at the same op: each reads the epoch of its last op, the same on every
+    member (a re-plan is adopted at an op boundary the group agrees on). At most
+    ``--warm-ops`` (the driver's ``--warmup-max-ops``); emits ``warm`` with the op count
+    and the plan either way."""
+    comm.barrier()   # from here every member's comm.epoch is the last op's
+    t0, n, wrong = time.monotonic(), 0, 0
+    while not comm.epoch.plan.shard_weights and n < args.warm_ops:
+        x = _input(index, args.numel)
+        comm.allreduce(x)
+        wrong += int(not bool((x == exp).all()))
+        n += 1
+    emit("warm", ops=n, seconds=round(time.monotonic() - t0, 3), wrong=wrong, epoch=comm.epoch.number,
+         plan=comm.epoch.plan.to_dict())
 
 
 # -- driver --------------------------------------------------------------------------------
@@ -171,20 +199,23 @@ class NetnsCluster(BenchCluster):
     def member_args(self, mid: str) -> list[str]:
         return self.extra[mid]
 
-    def run_batches(self, rounds: int, modes: list[str]) -> dict[str, Any]:
+    def run_batches(self, rounds: int, modes: list[str], warm: bool = False) -> dict[str, Any]:
         """Let the workers go; per mode the median over batches of the slowest member's
-        batch time, and the total of wrong outputs."""
+        batch time, and the total of wrong outputs. ``warm``: the workers warm up first
+        (``--warmup-max-ops``); their ``warm`` reports come back under ``"warm"``."""
         mids = sorted(self.procs, key=lambda m: int(m[1:]))
         self.send(mids, "go")
         per: dict[str, list[float]] = {m: [] for m in modes}
         wrong = 0
+        warmed = self.expect_all(mids, "warm", timeout=900) if warm else {}
+        wrong += sum(w["wrong"] for w in warmed.values())
         for _ in range(rounds):
             for mode in modes:
                 got = self.expect_all(mids, "batch", timeout=600)
                 per[mode].append(max(g["seconds"] for g in got.values()))
                 wrong += sum(g["wrong"] for g in got.values())
         self.expect_all(mids, "done", timeout=120)
-        return {"batches": per, "wrong": wrong}
+        return {"batches": per, "wrong": wrong, "warm": warmed}
 
 
 def _tc(lab: Any, i: int, *args: str) -> None:
@@ -249,6 +280,7 @@ def case_hosts(a: argparse.Namespace) -> dict[str, Any]:
 
 def case_weighted(a: argparse.Namespace) -> dict[str, Any]:
     from resilient.chaos.netns import NetnsLab
+    from resilient.coordinator.epoch import read_epoch
     from resilient.coordinator.health import read_health
     from resilient.coordinator.link_classes import link_classes, speeds_from_health
 
@@ -258,7 +290,13 @@ def case_weighted(a: argparse.Namespace) -> dict[str, Any]:
     host = {"m0": "hostA", "m1": "hostA", "m2": "hostB", "m3": "hostB"}
     ns_of = {m: int(m[1:]) for m in host}
     speed = {"m0": B, "m1": 2 * B, "m2": B, "m3": 2 * B}   # Mbit/s
-    out: dict[str, Any] = {"case": "weighted", "world": world, "bytes": a.numel * 4, "cap_mbit": [B, 2 * B]}
+    source = "declared" if a.declared_speeds else "measured"
+    out: dict[str, Any] = {"case": "weighted", "world": world, "bytes": a.numel * 4, "cap_mbit": [B, 2 * B],
+                           "weights_from": source}
+
+    def mbit(bps: float) -> float:
+        return round(bps * 8 / 1e6, 1)
+
     with NetnsLab(4) as lab:
         fast = 100 * B   # intra-host (and to etcd): effectively uncapped
         cap_egress(lab, 0, fast, {2: B, 3: B})
@@ -267,25 +305,64 @@ def case_weighted(a: argparse.Namespace) -> dict[str, Any]:
         cap_egress(lab, 3, fast, {1: 2 * B, 0: B})
         results = {}
         for mode in ("uniform", "weighted"):
-            labels = {m: ({"link_bps": str(speed[m] * 1e6 / 8)} if mode == "weighted" else {}) for m in host}
+            declared = mode == "weighted" and a.declared_speeds
+            warm = mode == "weighted" and not a.declared_speeds
+            labels = {m: ({"link_bps": str(speed[m] * 1e6 / 8)} if declared else {}) for m in host}
             extra = {m: [*_common_args(a, a.ops), "--bind", lab.ips[ns_of[m]], "--host-label", host[m],
-                         "--modes", "hier", "--labels", json.dumps(labels[m])] for m in host}
-            # declared labels only: with measured link speeds (the coordinator's default)
-            # the "uniform" arm would be weighted too, by the health reporters' figures
-            with NetnsCluster(lab, ns_of, extra, {}, f"hier-{mode}", world, ["--no-measure-links"]) as cl:
+                         "--modes", "hier", "--labels", json.dumps(labels[m]),
+                         "--warm-ops", str(a.warmup_max_ops if warm else 0)] for m in host}
+            # uniform: no labels and no measurement (with the coordinator's default, measured
+            # link speeds, it would be weighted too); weighted: the default — the health
+            # reporters' link_bps -> speeds_from_health -> settle_speeds -> the plan's
+            # shard_weights — after a warm-up until the epoch carries them; or, with
+            # --declared-speeds, link_bps labels and no measurement
+            coord = [] if warm else ["--no-measure-links"]
+            with NetnsCluster(lab, ns_of, extra, {}, f"hier-{mode}", world, coord) as cl:
                 plan = cl.ready["m0"]["plan"]
-                r = cl.run_batches(a.rounds, ["hier"])
+                r = cl.run_batches(a.rounds, ["hier"], warm=warm)
                 if mode == "weighted":
                     health = read_health(cl.store, cl.job)
                     classes = link_classes(speeds_from_health(health, host))
-                    out["measured_link_classes"] = [[round(s * 8 / 1e6, 1), ids] for s, ids in classes]  # Mbit/s
+                    out["measured_link_classes"] = [[mbit(s), ids] for s, ids in classes]  # Mbit/s, at the end
+                    last, _ = read_epoch(cl.store, cl.job)
+                    if warm:
+                        w = r["warm"]["m0"]
+                        if not w["plan"].get("shard_weights"):
+                            raise BenchError(f"no measured shard weights within --warmup-max-ops {a.warmup_max_ops} "
+                                             f"ops ({w['seconds']} s); measured classes {out['measured_link_classes']}")
+                        plan = w["plan"]
+                        out["warmup"] = {"ops": w["ops"], "seconds": w["seconds"], "epoch": w["epoch"],
+                                         "epoch_after": last.number if last else None}
+                        # every re-plan from the weights' epoch on: [number, shard weights, speeds in Mbit/s]
+                        out["replans"] = [[e.number, list(e.plan.shard_weights or ()),
+                                           {m: mbit(v) for m, v in sorted((e.plan.get("link_bps") or {}).items())}]
+                                          for e in _epochs(cl.store, cl.job) if e.number >= w["epoch"]]
                     out["shard_weights"] = plan.get("shard_weights")
+                    out["planned_link_mbit"] = {m: mbit(v) for m, v in sorted((plan.get("link_bps") or {}).items())}
+                    out["planned_link_classes"] = plan.get("link_classes")
             results[mode] = r
             out[f"{mode}_s"] = round(median(r["batches"]["hier"]) / a.ops, 4)
     out["ratio_vs_uniform"] = round(out["uniform_s"] / out["weighted_s"], 3)
     out["wrong"] = sum(r["wrong"] for r in results.values())
     out["batches"] = {m: r["batches"]["hier"] for m, r in results.items()}
     return out
+
+
+def _epochs(store: Any, job: str) -> list[Any]:
+    """Every published epoch record of ``job`` (kept as history), by number; malformed
+    ones left out."""
+    from resilient.coordinator import keys
+    from resilient.coordinator.epoch import Epoch
+    from resilient.errors import RecordError
+
+    out = []
+    for kv in store.get_prefix(keys.root(job) + "epochs/"):
+        if kv.key.endswith("/epoch"):
+            try:
+                out.append(Epoch.from_json(kv.value, kv.key))
+            except RecordError:
+                continue
+    return sorted(out, key=lambda e: e.number)
 
 
 def _stop_on_signals() -> None:
@@ -315,6 +392,12 @@ def main() -> int:
                     help="case hosts: the modes to run (a subset of flat,hier; not both: no ratios)")
     ap.add_argument("--no-gloo", dest="gloo", action="store_false",
                     help="case hosts: skip the gloo run (and so the ratios)")
+    ap.add_argument("--declared-speeds", action="store_true",
+                    help="case weighted: the weighted arm's members declare link_bps labels (B, 2B) and the "
+                         "coordinator does not measure; default: shard weights from the measured link speeds")
+    ap.add_argument("--warmup-max-ops", type=int, default=60,
+                    help="case weighted, measured: allreduces within which the coordinator must have published "
+                         "measured shard weights (else the case fails saying so)")
     # worker side
     ap.add_argument("--world", type=int, default=8, help=argparse.SUPPRESS)
     ap.add_argument("--backend", default="resilient", help=argparse.SUPPRESS)
@@ -323,6 +406,7 @@ def main() -> int:
     ap.add_argument("--host-label", default="", help=argparse.SUPPRESS)
     ap.add_argument("--labels", default="{}", help=argparse.SUPPRESS)
     ap.add_argument("--modes", default="hier", help=argparse.SUPPRESS)
+    ap.add_argument("--warm-ops", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         return worker(a)

@@ -2,8 +2,9 @@
 
 A member's *link speed* is the throughput (bytes/s) of its cross-host link: declared in
 its ``MemberInfo.labels["link_bps"]`` (e.g. known NIC classes of a mixed cluster) or
-measured by the health reporter (``link_bps`` in its health windows:
-:func:`speeds_from_health`); a measured value wins over a declared one.
+measured by the health reporters (``link_bps`` in their health windows: the fastest
+figure of any of its cross-host links, :func:`speeds_from_health`); a measured value
+wins over a declared one.
 
 :func:`link_classes` groups members whose speeds are within ``ratio`` of the class's
 fastest member (fastest class first; a class's speed is its slowest member's, so a
@@ -74,10 +75,20 @@ def member_speeds(members: Iterable[Labelled], measured: Mapping[str, float] | N
 
 
 def speeds_from_health(health: Mapping[str, Mapping[str, Any]], host_of: Mapping[str, str]) -> dict[str, float]:
-    """Each member's measured cross-host send speed from the health windows: member
-    ``r``'s record has ``link_bps[p]`` = the rate it received from ``p``; member ``p``'s
-    speed is the slowest such rate any member on another host measured (unknown when
-    nobody on another host received from it)."""
+    """Each member's measured cross-host speed from the health windows. Member ``r``'s
+    record has ``link_bps[p]`` = the rate it received from ``p``: a figure for the link
+    between ``r`` and ``p``, which carries at most the slower of the two members' own
+    speeds (their NICs), so it bounds *both* from below. A member's speed is the largest
+    figure of any of its cross-host links, in either direction (unknown when none).
+
+    Why not the sender's slowest receiver (the rule before): a plan pairs each member with
+    one peer per host (local index ``c`` across hosts), so a pair's figure was charged to
+    its sender alone; one noisy window that put one member of a slow pair in the fast
+    class made the planner pair it with a fast member of the other host, whose link then
+    measured slow and was charged to the fast member: the plan settled on two slow pairs
+    (``bench/hierarchy.py``, case weighted: weighted shards 0.78x uniform). Charged to
+    both ends, the two members of a pair always share one class, so a noisy figure can
+    change the weights but never split a pair."""
     out: dict[str, float] = {}
     for r, rec in health.items():
         rates = rec.get(LINK_LABEL) if isinstance(rec, Mapping) else None
@@ -87,7 +98,8 @@ def speeds_from_health(health: Mapping[str, Mapping[str, Any]], host_of: Mapping
             s = _speed(v)
             if s is None or p not in host_of or r not in host_of or host_of[p] == host_of[r]:
                 continue
-            out[p] = min(out.get(p, s), s)
+            for m in (p, r):
+                out[m] = max(out.get(m, s), s)
     return out
 
 

@@ -10,13 +10,23 @@ Usage (the communicator's op loop, or a training loop around it)::
     ...
     reporter.op_done(epoch_number, seconds_this_op)   # after every collective
 
-Per-link throughput (issue 16): a window also carries ``link_bps`` = {peer: bytes/s},
-the bytes received from each peer over the time this member waited on that peer's
-receives in the window (an estimate of the link's effective rate: a receive that was
-already complete when waited on costs no wait, so the figure errs fast, never slow);
-only peers with at least ``LINK_MIN_BYTES`` received and 1 ms waited appear. The
-planner turns these into link classes and shard weights
-(:func:`resilient.coordinator.link_classes.speeds_from_health`).
+Per-link throughput (issue 16): a window also carries ``link_bps`` = {peer: bytes/s}.
+Each window measures, per peer, the payload bytes of the large frames received from it
+over the seconds from each frame's header to its last byte (the transport's
+``stats.link_*_by_peer``; :func:`link_rates`, only peers with at least
+``LINK_MIN_BYTES``): the time the link was carrying them. Until the fourteenth session
+the figure was the bytes over the time this member *waited* on the peer's receives; that
+counts a peer's lateness (still in an earlier phase of the op, descheduled) as link time
+and a frame that arrived while this member was busy elsewhere as free, and on a loaded
+host single windows of a 60 Mbit/s link read 27–58, of a 30 Mbit/s link 19–67
+(``bench/hierarchy.py``, one op per window): the coordinator re-planned the shards on
+the swings, up to 10 epochs in 15 s. A frame's own arrival time is neither; it errs
+fast only when this member did not read for a while and found a frame already in the
+socket buffer. The record carries, per peer, the **median of its figures in the last**
+``LINK_WINDOWS`` (7) windows, once at least ``LINK_MIN_WINDOWS`` (5) of them measured
+it: single swings move nothing, and a real change shows when most of the last windows
+see it, in one step. The coordinator turns these into member speeds, link classes and
+shard weights (:func:`resilient.coordinator.link_classes.speeds_from_health`).
 
 No thread: the write happens inside :meth:`op_done` when ``interval`` has passed, so a
 member that stops doing ops stops reporting (its last window goes stale and the detector
@@ -35,7 +45,9 @@ accumulating and the next successful write covers it. :meth:`op_done` never rais
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
 from resilient.transport.base import TransportStats
@@ -47,6 +59,10 @@ log = logging.getLogger(__name__)
 
 #: a peer needs this many bytes received in a window for a ``link_bps`` figure
 LINK_MIN_BYTES = 64 << 10
+#: ``link_bps`` is the median of a peer's figures in this many latest windows ...
+LINK_WINDOWS = 7
+#: ... once at least this many of them measured the peer
+LINK_MIN_WINDOWS = 5
 
 
 class HealthReporter:
@@ -62,10 +78,11 @@ class HealthReporter:
         self._clock = clock
         self._start = clock()
         self._wait0 = dict(stats.wait_s_by_peer)
-        self._recv0 = dict(stats.received_by_peer)
+        self._link0 = (dict(stats.link_bytes_by_peer), dict(stats.link_s_by_peer))
         self._ops = 0
         self._op_times: list[float] = []
         self.seq = 0
+        self._links: deque[dict[str, float]] = deque(maxlen=LINK_WINDOWS)   # the written windows' figures
         self._failing = False
         self._sink = sink
 
@@ -84,9 +101,10 @@ class HealthReporter:
         waits = dict(self.stats.wait_s_by_peer)
         delta = {p: s - self._wait0.get(p, 0.0) for p, s in waits.items()}
         self.seq += 1
-        received = dict(self.stats.received_by_peer)
+        link = (dict(self.stats.link_bytes_by_peer), dict(self.stats.link_s_by_peer))
         extra = dict(self.extra)
-        links = link_rates(received, self._recv0, delta)
+        figures = link_rates(link[0], self._link0[0], {p: s - self._link0[1].get(p, 0.0) for p, s in link[1].items()})
+        links = link_medians([*self._links, figures][-LINK_WINDOWS:])
         if links:
             extra["link_bps"] = links
         rec = make_record(self.member_id, epoch, self.seq, self._ops, now - self._start, delta,
@@ -104,7 +122,8 @@ class HealthReporter:
         self._failing = False
         self._record_metrics(sum(v for v in delta.values() if v > 0))
         self._start, self._wait0, self._ops, self._op_times = now, waits, 0, []
-        self._recv0 = received
+        self._link0 = link
+        self._links.append(figures)
         return True
 
     @staticmethod
@@ -117,13 +136,25 @@ class HealthReporter:
             pass
 
 
-def link_rates(received: dict[str, int], received0: dict[str, int], waited: dict[str, float]) -> dict[str, float]:
-    """``{peer: bytes/s}`` for one window: bytes received from the peer since ``received0``
-    over the seconds waited on it (``waited``: the window's deltas); peers with fewer
-    than :data:`LINK_MIN_BYTES` or under 1 ms of waiting are left out."""
+def link_rates(received: dict[str, int], received0: dict[str, int], seconds: dict[str, float]) -> dict[str, float]:
+    """``{peer: bytes/s}`` for one window: the bytes of the peer's large frames since
+    ``received0`` over the seconds those frames took to arrive (``seconds``: the window's
+    deltas of ``stats.link_s_by_peer``); peers with fewer than :data:`LINK_MIN_BYTES` or
+    under 1 ms are left out."""
     out = {}
     for p, n in received.items():
-        b, w = n - received0.get(p, 0), waited.get(p, 0.0)
+        b, w = n - received0.get(p, 0), seconds.get(p, 0.0)
         if b >= LINK_MIN_BYTES and w >= 1e-3:
             out[p] = round(b / w, 1)
     return out
+
+
+def link_medians(windows: list[dict[str, float]], min_windows: int = LINK_MIN_WINDOWS) -> dict[str, float]:
+    """``{peer: bytes/s}``: the median of each peer's figures in ``windows`` (one
+    :func:`link_rates` dict per window), for the peers measured in at least
+    ``min_windows`` of them."""
+    by_peer: dict[str, list[float]] = {}
+    for w in windows:
+        for p, v in w.items():
+            by_peer.setdefault(p, []).append(v)
+    return {p: round(statistics.median(vs), 1) for p, vs in sorted(by_peer.items()) if len(vs) >= min_windows}

@@ -18,7 +18,8 @@ from resilient.coordinator.epoch import Epoch, EpochPlan
 from resilient.coordinator.planner import plan
 from resilient.coordinator.store import Put
 from resilient.errors import RecordError
-from tests.test_link_speeds_plan import measured_job
+from resilient.health_reporter import LINK_MIN_WINDOWS
+from tests.test_link_speeds_plan import TO_MOVE, measured_job
 
 #: 2 hosts x 2; local index 0 has the fast links
 SPEEDS = {"a0": 2e8, "a1": 1e8, "b0": 2e8, "b1": 1e8}
@@ -148,7 +149,7 @@ def test_a_real_coordinator_publishes_measured_speeds_as_delta_epochs(etcd_sessi
             store, watcher, coord, reps):
         first = watcher.current()
         assert is_delta(store.get(keys.epoch(job_name)).value) and "link_bps" not in first.plan
-        reps.window(SPEEDS)
+        reps.windows(LINK_MIN_WINDOWS, SPEEDS)
         measured = watcher.wait_for(lambda e: "link_bps" in e.plan, 15)
         raw = store.get(keys.epoch_record(job_name, measured.number)).value
         rec = parse_delta(raw)
@@ -156,7 +157,7 @@ def test_a_real_coordinator_publishes_measured_speeds_as_delta_epochs(etcd_sessi
         assert measured.plan["link_classes"] == [[2e8, ["a0", "b0"]], [1e8, ["a1", "b1"]]]
         assert measured.plan["shard_weights"] == [round(2 / 3, 6), round(1 / 3, 6)]
         # index 1's links become four times faster: one delta epoch carrying only what moved
-        reps.window({"a0": 2e8, "a1": 4e8, "b0": 2e8, "b1": 4e8})
+        reps.windows(TO_MOVE, {"a0": 2e8, "a1": 4e8, "b0": 2e8, "b1": 4e8})
         moved = watcher.wait_for(lambda e: e.number > measured.number, 15)
         rec = parse_delta(store.get(keys.epoch_record(job_name, moved.number)).value)
         assert rec.link_bps == {"a1": 4e8, "b1": 4e8}

@@ -2,7 +2,9 @@
 2 or 3 members on each of 2 emulated hosts (``MemberInfo.host`` from RESILIENT_TEST_HOST, all on
 loopback), SIGKILL / SIGSTOP by failpoint at each level — an intra-host member in the
 host reduce-scatter, a host leader (local rank 0) in the cross-host ring, a whole host
-at mixed phases, a stopped leader found by lease expiry — and every survivor's output
+at mixed phases; SIGSTOP of a host leader, of a non-leader (in its host's reduce-scatter,
+in the cross-host all-gather) and of a whole host, found by lease expiry, the stopped
+members failing with RemovedFromGroup after SIGCONT — and every survivor's output
 of every op checked exactly against the contributors it reports; and hosts of unequal
 size (3 + 2, the plan's ``host_slots``) with a kill in the cross-host ring. A victim that died by
 its failpoint proves the op ran the hierarchical algorithm (the failpoint phases
@@ -117,6 +119,66 @@ def test_stopped_host_leader_is_removed_and_survivors_exact(etcd_session, job_na
             assert not (tmp_path / f"{victim}.2.npy").exists()
         finally:
             w.close()
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state ``T`` in /proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _stop_case(etcd: str, job: str, tmp: Path, k: int, fps: dict[str, str]) -> None:
+    """Every victim SIGSTOPs itself by failpoint inside op 1 (hierarchical): the
+    coordinator removes it by lease expiry, every survivor's output of every op is exact
+    over the contributors it reports (all reporting the same), op 2 runs over the
+    survivors only. Then SIGCONT: a victim never delivers a wrong result — it leaves with
+    RemovedFromGroup (exit 4), any op it did finish is exact over the contributors it
+    reports, and it writes nothing for op 2."""
+    everyone = sorted(hosts(k))
+    survivors = [m for m in everyone if m not in fps]
+    with coordinator(etcd, job, ttl=TTL):
+        w = Workers(etcd, job, 2 * k, OPS, tmp, ttl=TTL, hosts=hosts(k), failpoints=fps)
+        try:
+            w.wait_done(survivors, 120)
+            for v in fps:   # the failpoint fired: stopped (not finished, not dead)
+                assert w.procs[v].poll() is None and _stopped(w.procs[v].pid), f"{v} did not stop at {fps[v]}"
+            try:
+                contrib = _check_survivors(w, survivors)
+            except AssertionError as exc:   # every member's log with it
+                tails = "\n".join(f"--- {m}\n" + (tmp / f"{m}.stderr").read_text()[-1500:] for m in everyone)
+                raise AssertionError(f"{exc}\n{tails}") from exc
+            assert contrib[0] == everyone and set(survivors) <= set(contrib[1]) and contrib[2] == survivors, contrib
+            for v in fps:
+                os.kill(w.procs[v].pid, signal.SIGCONT)
+            for v in fps:
+                assert w.procs[v].wait(60) == 4, f"{v}: {(tmp / f'{v}.stderr').read_text()[-1500:]}"
+                for rec in w.records(v):   # op 1 may finish after SIGCONT (exact), op 2 never does
+                    assert (rec["ok"] and rec["seq"] < 2) or rec["error"].startswith("RemovedFromGroup"), (v, rec)
+                    if rec["ok"]:
+                        spec = OPS[rec["seq"]]
+                        exp = expected("sum", [int(m[1:]) for m in rec["contributors"]], rec["seq"], w.seed,
+                                       spec["numel"], spec["dtype"])
+                        np.testing.assert_array_equal(w.output(v, rec["seq"]), exp.numpy())
+                assert not (tmp / f"{v}.2.npy").exists(), v
+        finally:
+            w.close()
+
+
+def test_stopped_whole_host_is_removed_and_survivors_exact(etcd_session, job_name, tmp_path):
+    """Host B's two members stop inside op 1 at different levels: its leader in the
+    cross-host reduce-scatter, the other at the start of its host's all-gather (or, if the
+    epoch removing its leader aborts it first, in the recovery)."""
+    _stop_case(etcd_session.endpoint_arg, job_name, tmp_path, 2,
+               {"m2": "stop@op=1,phase=cross_rs", "m3": "stop@op=1,phase=intra_ag;stop@op=1,phase=recovery"})
+
+
+@pytest.mark.parametrize("victim,fp", [("m1", "stop@op=1,phase=intra_rs"), ("m3", "stop@op=1,phase=cross_ag")],
+                         ids=["host-reduce-scatter", "cross-host-all-gather"])
+def test_stopped_non_leader_is_removed_and_survivors_exact(etcd_session, job_name, tmp_path, victim, fp):
+    """A member that is not its host's leader (local rank 1) stops inside op 1: in its
+    host's reduce-scatter (a shared-memory peer of its host's leader), or in the cross-host
+    all-gather (the ring of local index 1)."""
+    _stop_case(etcd_session.endpoint_arg, job_name, tmp_path, 2, {victim: fp})
 
 
 RS_AG_OPS = [{"k": "barrier"},

@@ -38,13 +38,31 @@ def test_declared_and_measured_speeds_ignore_malformed_values():
     assert member_speeds(ms, {"b": 5.0, "c": float("inf"), "d": "x"}) == {"a": 1e9, "b": 5.0}
 
 
-def test_measured_speed_is_the_slowest_cross_host_receive_rate():
+def test_measured_speed_is_the_fastest_cross_host_link_in_either_direction():
     host = {"a0": "A", "a1": "A", "b0": "B", "b1": "B"}
-    health = {"b0": {"link_bps": {"a0": 100.0, "a1": 7.0}},      # a1 -> b0 on the same host? no: A -> B
+    health = {"b0": {"link_bps": {"a0": 100.0, "a1": 7.0}},      # links a0-b0 and a1-b0 (A -> B)
               "a0": {"link_bps": {"a1": 1.0, "b0": 50.0}},       # a1 -> a0 is intra-host: ignored
               "b1": {"link_bps": {"a0": 80.0, "zz": 3.0}},       # unknown member ignored
               "a1": {"link_bps": "garbage"}, "x": "not a record"}
-    assert speeds_from_health(health, host) == {"a0": 80.0, "a1": 7.0, "b0": 50.0}
+    # a link's figure bounds both of its ends: a0 100 (a0-b0), a1 7 (its only link),
+    # b0 100 (as receiver from a0), b1 80 (as receiver from a0)
+    assert speeds_from_health(health, host) == {"a0": 100.0, "a1": 7.0, "b0": 100.0, "b1": 80.0}
+
+
+def test_a_noisy_figure_never_splits_a_pair_across_hosts():
+    """Pairs (a0, b0) at 25 and (a1, b1) at 50; one window reads a0 -> b0 at 45 (a late
+    receiver). Charged to both ends, a0 and b0 stay in one class: the plan keeps the pairs
+    (local index c on both hosts is one pair) and only the weights move."""
+    host = {"a0": "A", "a1": "A", "b0": "B", "b1": "B"}
+    ms = [M("a0", "A", 0), M("a1", "A", 1), M("b0", "B", 0), M("b1", "B", 1)]
+    for noisy in (25.0, 45.0):
+        health = {"b0": {"link_bps": {"a0": noisy}}, "a0": {"link_bps": {"b0": 25.0}},
+                  "b1": {"link_bps": {"a1": 50.0}}, "a1": {"link_bps": {"b1": 50.0}}}
+        speeds = speeds_from_health(health, host)
+        assert speeds["a0"] == speeds["b0"] == noisy and speeds["a1"] == speeds["b1"] == 50.0
+        ring = plan(ms, link_speed=speeds).ring
+        assert {frozenset((ring[0], ring[2])), frozenset((ring[1], ring[3]))} == \
+            {frozenset(("a0", "b0")), frozenset(("a1", "b1"))}, ring
 
 
 def test_planner_pairs_like_links_across_hosts_and_weights_shards():
@@ -78,46 +96,119 @@ def test_link_rates_are_bytes_over_wait_for_busy_links_only():
     assert got == {"a": 16 * LINK_MIN_BYTES, "b": 5 * LINK_MIN_BYTES}
 
 
+def test_link_figures_are_medians_over_the_last_windows_once_there_are_enough():
+    from resilient.health_reporter import LINK_MIN_WINDOWS, LINK_WINDOWS, link_medians
+
+    assert (LINK_MIN_WINDOWS, LINK_WINDOWS) == (5, 7)
+    w = [{"a": 50.0, "b": 25.0}, {"a": 30.0, "b": 67.0}, {"a": 58.0, "b": 40.0}, {"a": 47.0, "b": 26.0},
+         {"a": 52.0, "b": 27.0}, {"b": 24.0}]
+    # a: 30/47/50/52/58 -> 50 (the 30 and the 58 are single windows' swings); b: 24..67 -> 26.5
+    assert link_medians(w) == {"a": 50.0, "b": 26.5}
+    assert link_medians(w[:4]) == {} and link_medians(w[:5]) == {"a": 50.0, "b": 27.0}
+    assert link_medians([{"a": 1.0}, {"a": 2.0}, {"a": 4.0}, {"a": 8.0}], min_windows=3) == {"a": 3.0}   # even: the middle two's mean
+
+
+class PacedRelay:
+    """A TCP relay on loopback: one connection accepted, forwarded to ``upstream``; the
+    bytes coming back from upstream are passed on at ``rate`` bytes/s (a slow link), the
+    other direction as they come. Closed with its sockets and threads."""
+
+    def __init__(self, upstream: str, rate: float) -> None:
+        import socket
+        import threading
+
+        self.upstream, self.rate = upstream, rate
+        self.lsock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.lsock.getsockname()[1]}"
+        self.socks: list = []
+        self.threads = [threading.Thread(target=self._serve, daemon=True)]
+        self.threads[0].start()
+
+    def _serve(self) -> None:
+        import socket
+        import threading
+
+        try:
+            client, _ = self.lsock.accept()
+        except OSError:
+            return
+        host, _, port = self.upstream.rpartition(":")
+        up = socket.create_connection((host, int(port)))
+        self.socks += [client, up]
+        for src, dst, rate in ((client, up, 0.0), (up, client, self.rate)):
+            t = threading.Thread(target=self._pump, args=(src, dst, rate), daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    @staticmethod
+    def _pump(src, dst, rate: float) -> None:
+        import time
+
+        t0, sent = time.monotonic(), 0
+        try:
+            while chunk := src.recv(16 << 10):
+                dst.sendall(chunk)
+                sent += len(chunk)
+                if rate:
+                    time.sleep(max(0.0, t0 + sent / rate - time.monotonic()))
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        for sock in [self.lsock, *self.socks]:
+            sock.close()
+        for t in self.threads:
+            t.join(5)
+
+
 def test_reporter_windows_measure_a_slow_link_slower(etcd_session, job_name):
-    """Real TCP transports: b sends to a at 4 MB/s, c at 16 MB/s (shaped); a's window
-    reports b's link as the slower one, and the planner's reader classes them apart."""
+    """Real TCP transports; a dials b and c through relays that pass their bytes back at
+    4 MB/s and 16 MB/s (slow links, not late senders); a's windows report b's link as the
+    slower one, and the planner's reader classes them apart."""
     import threading
 
     import numpy as np
 
     from resilient.coordinator import Store
     from resilient.coordinator.health import read_health
-    from resilient.health_reporter import HealthReporter
-    from resilient.transport.shaping import ShapedTransport
+    from resilient.health_reporter import LINK_MIN_WINDOWS, HealthReporter
     from resilient.transport.tcp import TcpTransport
 
     store = Store(etcd_session.endpoints)
     ts = {m: TcpTransport(m, job_name) for m in "abc"}
     addrs = {m: t.address for m, t in ts.items()}
-    for t in ts.values():
-        t.configure(1, "t", addrs)
+    relays = {"b": PacedRelay(addrs["b"], 4e6), "c": PacedRelay(addrs["c"], 16e6)}
+    ts["a"].configure(1, "t", {**addrs, "b": relays["b"].address, "c": relays["c"].address})   # a dials (lowest id)
+    for m in "bc":
+        ts[m].configure(1, "t", addrs)
     clock = [0.0]
     rep = HealthReporter(store, job_name, "a", None, ts["a"].stats, interval=1.0, clock=lambda: clock[0])
-    senders = {"b": ShapedTransport(ts["b"], "bw=4MB/s"), "c": ShapedTransport(ts["c"], "bw=16MB/s")}
     try:
         n = 1 << 20
-        for op, p in enumerate(["b", "c", "b", "c"]):   # one sender at a time: each wait is its transfer
-            buf = np.zeros(n, dtype=np.uint8)
-            th = threading.Thread(target=lambda: senders[p].wait([senders[p].isend("a", np.ones(n, dtype=np.uint8), op, 0)]))
-            th.start()
-            ts["a"].wait([ts["a"].irecv(p, buf, op, 0)], timeout=30)
-            th.join(30)
-            assert buf.all()
-        clock[0] += 1.5
-        assert rep.op_done(1, 0.5)
+        for window in range(LINK_MIN_WINDOWS):   # a figure is reported once that many windows measured the link
+            for op, p in enumerate(["b", "c"], start=2 * window):   # one sender at a time
+                buf = np.zeros(n, dtype=np.uint8)
+                th = threading.Thread(target=lambda: ts[p].wait([ts[p].isend("a", np.ones(n, dtype=np.uint8), op, 0)],
+                                                                timeout=30))
+                th.start()
+                ts["a"].wait([ts["a"].irecv(p, buf, op, 0)], timeout=30)
+                th.join(30)
+                assert buf.all()
+            clock[0] += 1.5
+            assert rep.op_done(1, 0.5)
+            assert ("link_bps" in read_health(store, job_name)["a"]) == (window == LINK_MIN_WINDOWS - 1)
         rec = read_health(store, job_name)["a"]
         assert set(rec["link_bps"]) == {"b", "c"}
         assert rec["link_bps"]["b"] < 0.6 * rec["link_bps"]["c"], rec["link_bps"]
+        assert 2e6 < rec["link_bps"]["b"] < 6e6, rec["link_bps"]   # the relay's 4 MB/s, not loopback's GB/s
         speeds = speeds_from_health({"a": rec}, {"a": "A", "b": "B", "c": "C"})
-        assert [ids for _, ids in link_classes(speeds)] == [["c"], ["b"]]
+        # a's links bound a from below too: its fastest (to c) classes it with c
+        assert [ids for _, ids in link_classes(speeds)] == [["a", "c"], ["b"]]
     finally:
         for t in ts.values():
             t.close()
+        for r in relays.values():
+            r.close()
         store.close()
 
 

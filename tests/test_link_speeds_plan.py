@@ -2,7 +2,8 @@
 in-process coordinator, members registered on leases, health windows written by real
 :class:`~resilient.health_reporter.HealthReporter` instances from transport counters.
 The plan's link classes and shard weights follow the measured speeds, noise inside the
-hysteresis band publishes no epoch, and a real change publishes exactly one."""
+hysteresis band publishes no epoch, a change seen in fewer than half of the windows
+publishes nothing, and a real change (most of the last windows) publishes exactly one."""
 from __future__ import annotations
 
 import itertools
@@ -10,7 +11,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from resilient.coordinator import EpochWatcher, MemberInfo, MemberSession, Store
-from resilient.health_reporter import HealthReporter
+from resilient.health_reporter import LINK_MIN_WINDOWS, LINK_WINDOWS, HealthReporter
 from resilient.transport.base import TransportStats
 from cp_helpers import CoordinatorThread
 
@@ -18,9 +19,10 @@ HOSTS = {"a0": "A", "a1": "A", "b0": "B", "b1": "B"}
 
 
 class Reporters:
-    """One reporter per member; :meth:`window` feeds each the bytes and waits of one
-    second of receives from every peer on the other host at ``speed[peer]`` bytes/s
-    (times ``noise[receiver]``) and writes the window as the reporter does."""
+    """One reporter per member; :meth:`window` feeds each one second of frames received
+    from every peer on the other host at the link's speed — the
+    slower end's ``speed`` (a NIC each), times ``noise[receiver]`` — and writes the
+    window as the reporter does."""
 
     def __init__(self, store: Store, job: str, sessions: dict[str, MemberSession]) -> None:
         self.clock = [0.0]
@@ -33,9 +35,16 @@ class Reporters:
         for r, st in self.stats.items():
             for p in HOSTS:
                 if HOSTS[p] != HOSTS[r]:
-                    st.add_received(p, int(speed[p] * (noise or {}).get(r, 1.0)))
-                    st.add_wait(p, 1.0)
+                    st.add_link(p, int(min(speed[p], speed[r]) * (noise or {}).get(r, 1.0)), 1.0)
             assert self.reps[r].op_done(1, 0.01)
+
+    def windows(self, n: int, speed: dict[str, float]) -> None:
+        for _ in range(n):
+            self.window(speed)
+
+
+#: windows of a new speed before the median of the last LINK_WINDOWS moves to it
+TO_MOVE = LINK_WINDOWS // 2 + 1
 
 
 @contextmanager
@@ -64,8 +73,9 @@ def test_published_plan_follows_measured_speeds_without_flapping(etcd_session, j
     with measured_job(etcd_session, job_name) as (store, watcher, coord, reps):
         first = watcher.current()
         assert "link_bps" not in first.plan and "shard_weights" not in first.plan
-        # local index 0 (a0, b0) has the fast links
-        reps.window({"a0": 2e8, "a1": 1e8, "b0": 2e8, "b1": 1e8})
+        # local index 0 (a0, b0) has the fast links; a figure is reported once LINK_MIN_WINDOWS
+        # windows measured the link
+        reps.windows(LINK_MIN_WINDOWS, {"a0": 2e8, "a1": 1e8, "b0": 2e8, "b1": 1e8})
         measured = watcher.wait_for(lambda e: "link_bps" in e.plan, 15)
         assert measured.number == first.number + 1 and measured.cause == "health"
         assert measured.plan["link_bps"] == {"a0": 2e8, "a1": 1e8, "b0": 2e8, "b1": 1e8}
@@ -77,7 +87,13 @@ def test_published_plan_follows_measured_speeds_without_flapping(etcd_session, j
             reps.window({"a0": 2e8, "a1": 1e8, "b0": 2e8, "b1": 1e8}, {r: next(wobble) for r in HOSTS})
             coord.wait_reconciles(2)   # the pass after the write has read it
         assert watcher.current().number == measured.number
-        # index 1's links become four times faster: exactly one new epoch, weights flip
+        # index 1's links become four times faster: the median of the last LINK_WINDOWS windows
+        # moves when most of them say so, not before (a few windows are swings), and exactly
+        # one new epoch follows, weights flipped
+        for _ in range(TO_MOVE - 1):
+            reps.window({"a0": 2e8, "a1": 4e8, "b0": 2e8, "b1": 4e8})
+            coord.wait_reconciles(2)
+        assert watcher.current().number == measured.number
         reps.window({"a0": 2e8, "a1": 4e8, "b0": 2e8, "b1": 4e8})
         moved = watcher.wait_for(lambda e: e.number > measured.number, 15)
         assert moved.plan["link_classes"] == [[4e8, ["a1", "b1"]], [2e8, ["a0", "b0"]]]

@@ -227,6 +227,29 @@ def test_a_peer_that_finishes_between_two_reads_is_ready_not_gone():
         ShmDirectAllreduce._ready(ctx, 1, gone, word, want)()
 
 
+def test_time_waited_on_a_late_peer_counts_as_waiting_on_it():
+    """The health reporter's windows (and so the straggler detector) read the transport's
+    ``wait_s_by_peer``: the direct path adds its sleeps on a peer's words there, as the
+    ring's receives do, so a member late to every op stands out on one host too. m2 enters
+    op 1 half a second after the others: they have waited on m2 (and little on each other)."""
+    late, before = 0.5, shm_direct.COUNTS.direct
+    waits: dict[str, dict[str, float]] = {}
+
+    def body(m: str, c: Communicator) -> None:
+        c.allreduce(_input(int(m[1:]), 0, 300_007, torch.float32, "sum"))
+        w0 = dict(c.transport.stats.wait_s_by_peer)
+        if m == "m2":
+            threading.Event().wait(late)
+        c.allreduce(_input(int(m[1:]), 1, 300_007, torch.float32, "sum"))
+        waits[m] = {p: s - w0.get(p, 0.0) for p, s in c.transport.stats.wait_s_by_peer.items()}
+
+    run_communicators(3, "shmdwait", body, 90, transport=HybridTransport, small_bytes=1024)
+    assert shm_direct.COUNTS.direct - before == 6, "the ops did not run through shared memory"
+    for m, other in (("m0", "m1"), ("m1", "m0")):
+        assert waits[m].get("m2", 0.0) >= late / 2, (m, waits)
+        assert waits[m].get("m2", 0.0) > waits[m].get(other, 0.0), (m, waits)
+
+
 @pytest.mark.parametrize("op", ["sum", "max"])
 def test_the_result_goes_straight_into_the_callers_tensor_and_an_error_restores_the_input(monkeypatch, op):
     """Chunk mode writes each final value into the caller's tensor as it goes, and only

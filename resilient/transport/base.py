@@ -106,6 +106,11 @@ class TransportStats:
     sent_by_peer: dict[str, int] = field(default_factory=dict)
     received_by_peer: dict[str, int] = field(default_factory=dict)
     wait_s_by_peer: dict[str, float] = field(default_factory=dict)
+    #: payload bytes of large DATA frames received from each peer, and the seconds from
+    #: each such frame's header to its last byte (the link carrying it: a peer's lateness
+    #: before a frame, and this member's waiting on it, are not in it)
+    link_bytes_by_peer: dict[str, int] = field(default_factory=dict)
+    link_s_by_peer: dict[str, float] = field(default_factory=dict)
     #: connections refused or dropped by the transport's hardening, by reason (e.g.
     #: ``handshake_timeout``, ``pending_evicted``, ``hello_refused``, ``link_taken``,
     #: ``protocol_error``, ``internal_error``, ``accept_emfile``)
@@ -126,6 +131,10 @@ class TransportStats:
     def add_wait(self, peer: str, seconds: float) -> None:
         self.wait_s_by_peer[peer] = self.wait_s_by_peer.get(peer, 0.0) + seconds
 
+    def add_link(self, peer: str, n: int, seconds: float) -> None:
+        self.link_bytes_by_peer[peer] = self.link_bytes_by_peer.get(peer, 0) + n
+        self.link_s_by_peer[peer] = self.link_s_by_peer.get(peer, 0.0) + seconds
+
     def add_dropped(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + n
 
@@ -140,6 +149,8 @@ class TransportStats:
             "sent_by_peer": dict(self.sent_by_peer),
             "received_by_peer": dict(self.received_by_peer),
             "wait_s_by_peer": dict(self.wait_s_by_peer),
+            "link_bytes_by_peer": dict(self.link_bytes_by_peer),
+            "link_s_by_peer": dict(self.link_s_by_peer),
             "dropped": dict(self.dropped),
             "probes": dict(self.probes),
         }

@@ -118,6 +118,7 @@ class Conn:
         self.target: memoryview | None = None  # where the current payload goes
         self.target_req: TcpRequest | None = None
         self.target_got = 0
+        self.frame_at = 0.0   # when the current payload's target was set (its first bytes may follow)
         self.discard = 0
         self.parked = False   # member link: a header of a future epoch waits for configure()
         self.stalled = False  # member link: a header waits for its receive (early_cap reached)

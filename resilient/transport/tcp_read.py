@@ -18,12 +18,19 @@ the link. A JOIN frame likewise goes to :meth:`TcpReading._on_join`
 """
 from __future__ import annotations
 
+import time
+
 from resilient.errors import FrameError, TransportError
 from resilient.transport import frames
 from resilient.transport.tags import is_control, same_namespace
 from resilient.transport.tcp_conn import SCRATCH, WOULD_BLOCK, Conn
 from resilient.transport.tcp_handshake import TcpHandshake
 from resilient.transport.tcp_match import TcpMatching
+
+
+#: DATA frames at least this large count in ``stats.link_*_by_peer`` (a smaller one's
+#: few milliseconds say more about scheduling than about the link)
+LINK_FRAME_BYTES = 64 << 10
 
 
 class TcpReading(TcpMatching, TcpHandshake):
@@ -55,6 +62,8 @@ class TcpReading(TcpMatching, TcpHandshake):
                     continue
                 if conn.cur is not None:  # a header parked until configure() or matched late
                     self._route(conn)
+                    if conn.target is not None:
+                        conn.frame_at = time.monotonic()
                     continue
                 if conn.hello is not None:  # a parked HELLO: nothing more is read before configure()
                     return
@@ -133,6 +142,8 @@ class TcpReading(TcpMatching, TcpHandshake):
         h, target, req = conn.cur, conn.target, conn.target_req
         conn.cur, conn.target, conn.target_req, conn.target_got = None, None, None, 0
         assert h is not None and target is not None
+        if h.kind == frames.DATA and h.length >= LINK_FRAME_BYTES and conn.peer is not None:
+            self._stats.add_link(conn.peer, h.length, time.monotonic() - conn.frame_at)
         if not conn.handshaken:
             self._accepting.release(conn)
             conn.hello = frames.decode_hello(target)

@@ -21,9 +21,12 @@ A member overwrites its segment at its next op only after every peer's ``W_DONE`
 passed its previous op. Waits read the peer's words, then sleep on the peer's futex bell
 (2 ms at most, so an abort is seen within that: the transport's ``wait`` is asked between
 sleeps), reporting a peer waited on past ``op_timeout`` as a suspect like
-:meth:`~.base.OpContext.wait`. Tickets are ``(session id << 40) | (seq + 1)`` in each
-owner's own numbering, so they only grow on one segment: a word *beyond* the expected
-ticket means the peer moved on without us.
+:meth:`~.base.OpContext.wait`, and adding the time slept to the transport's
+``stats.wait_s_by_peer`` for that peer (what the ring's receives add: the health
+reporter's windows, so the straggler detector sees a member that is late to the direct
+ops; no bytes are counted, and same-host peers have no link speed). Tickets are
+``(session id << 40) | (seq + 1)`` in each owner's own numbering, so they only grow on
+one segment: a word *beyond* the expected ticket means the peer moved on without us.
 
 **Sessions.** The first direct op of an epoch (per communicator and member set) swaps
 segment locators with every peer over the transport (tag space ``SHM_DIRECT``, step 0),
@@ -445,6 +448,7 @@ class ShmDirect(ABC):
         seg = sess.peers[q][0]
         t0, reported = time.monotonic(), False
         sess.own.set(W_WAITING, q + 1)
+        stats = getattr(ctx.transport, "stats", None)
         try:
             while True:
                 bell = seg.bell()
@@ -463,6 +467,8 @@ class ShmDirect(ABC):
                                                    "(shared memory)")
         finally:
             sess.own.set(W_WAITING, 0)
+            if stats is not None:   # the straggler detector's per-peer waits, as a ring's receives count them
+                stats.add_wait(ctx.members[q], time.monotonic() - t0)
 
     @abstractmethod
     def _ring(self, ctx: OpContext) -> None:
