@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from static_group import run_communicators  # noqa: E402
 
 
-@pytest.mark.parametrize("width", [2, 4, 8, 16, 32])
+@pytest.mark.parametrize("width", [*range(2, 17), 32])
 @pytest.mark.parametrize("count", [0, 1, 7, 1000, 1003])
 def test_pack_unpack_roundtrip(width, count):
     g = torch.Generator().manual_seed(width * 1000 + count)
@@ -32,9 +32,10 @@ def test_pack_unpack_roundtrip(width, count):
 
 
 def test_wire_width_follows_contributors():
-    assert [wire_bits(4, k) for k in (1, 2, 18, 19, 4681, 4682)] == [4, 8, 8, 16, 16, 32]
-    assert [wire_bits(8, k) for k in (1, 2, 258)] == [8, 16, 16]
-    assert wire_bits(2, 1) == 2 and wire_bits(2, 127) == 8
+    """The narrowest two's complement width holding k * qmax, up to 16 bits, then 32."""
+    assert [wire_bits(4, k) for k in (1, 2, 3, 4, 5, 9, 10, 18, 19, 4681, 4682)] == [4, 5, 6, 6, 7, 7, 8, 8, 9, 16, 32]
+    assert [wire_bits(8, k) for k in (1, 2, 3, 4, 258, 259)] == [8, 9, 10, 10, 16, 32]
+    assert [wire_bits(2, k) for k in (1, 2, 3, 4, 127, 128)] == [2, 3, 3, 4, 8, 9]
     assert wire_bits(32, 1) == 32
 
 
@@ -160,7 +161,7 @@ def test_switch_probes_then_follows_measured_times():
     from resilient.collectives.compression_switch import CompressionSwitch, ring_wire_bytes
 
     assert ring_wire_bytes(4 << 20, 4, None) == 2 * 3 * (1 << 20)          # fp32: 2(n-1)/n of the bytes
-    assert ring_wire_bytes(4 << 20, 4, 4) == (1 << 18) * (4 + 8 + 8 + 3 * 8) / 8
+    assert ring_wire_bytes(4 << 20, 4, 4) == (1 << 18) * (4 + 5 + 6 + 3 * 6) / 8   # 4, 5, 6 bits, then 6
     nb = 64 << 20
     sw = CompressionSwitch(codec_s_per_byte={4: (1e-9, 1e-9)}, probe_every=10)
     v = sw.vote(nb, 4, 4)

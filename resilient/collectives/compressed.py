@@ -263,7 +263,10 @@ def run_compressed(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Comp
         if not lazy.done:
             L.fill_input = lazy.bind(pieces)
         if isinstance(algo, QuantizedRing) and algo.on_final is not None:
-            early.bind(L, algo, lambda span: dequantize(L.out, sc, segs, bucket, out=x, span=span))
+            # an AVG's division too: early pieces are kept only when the ring ran to its
+            # end, and then every piece's sum is over all n members
+            div = n if op is ReduceOp.AVG else 0
+            early.bind(L, algo, lambda span: dequantize(L.out, sc, segs, bucket, out=x, span=span, divisor=div))
         return L, algo
 
     desc_r = {"k": "allreduce", "shape": [numel], "dtype": "torch.int32", "op": "sum", "q": "ring", "layout": lay}
@@ -271,17 +274,21 @@ def run_compressed(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Comp
     lazy.complete()   # q outlives the op (last_compression, the DDP hook's residual)
     L.fill_input = None
     r = result_of(L)
+    masks = L.need or [L.full] * len(L.pieces)
+
+    def divisor(p: int) -> int:   # an AVG's divisor of piece p: its contributors
+        return bin(masks[p]).count("1") if op is ReduceOp.AVG else 0
+
     if direct and early.clean(L):
         res = x   # the pieces the ring did not dequantize as it went (none, normally)
         for p in early.missing():
-            dequantize(L.out, sc, segs, bucket, out=x, span=L.pieces[p])
+            dequantize(L.out, sc, segs, bucket, out=x, span=L.pieces[p], divisor=divisor(p))
     else:   # after a recovery every piece again, from the final sums
         res = dequantize(L.out, sc, segs, bucket, out=x if direct else None)
-    early.release()   # the ring and early refer to each other: free the ledger (and q) now, not at a gc
-    if op is ReduceOp.AVG:
-        for p, m in enumerate(L.need or [L.full] * len(L.pieces)):
+        for p in range(len(L.pieces)) if op is ReduceOp.AVG else ():
             a, b = L.pieces[p]
-            res[a:b].div_(bin(m).count("1"))
+            res[a:b].div_(divisor(p))
+    early.release()   # the ring and early refer to each other: free the ledger (and q) now, not at a gc
     if not direct:
         t.copy_(res.view(t.shape))
     info = {"seq": L.seq, "scales": sc, "q": q, "scale_contributors": tuple(res_s.contributors),
