@@ -155,6 +155,39 @@ def test_compressed_allreduce_is_the_exact_dequantized_sum(bits, numel, world):
         assert err <= world * float(max(x.abs().max() for x in xs)) / qmax(bits) / 2 * 1.001
 
 
+def test_a_source_is_read_and_the_tensor_receives_the_result():
+    """``Compression.source`` (the DDP hook's staged ``grad + e``): the op reads it and
+    writes into the tensor, bitwise the result of the op run on a copy; the source is left
+    as it is. A call that runs uncompressed (a 1-D tensor, or the switch choosing fp32)
+    copies the source into the tensor first."""
+    world, numel = 3, 30_000
+    inputs = {f"m{i}": torch.randn(numel // 100, 100, generator=torch.Generator().manual_seed(i)) for i in range(world)}
+    segs = [Segment(0, numel, 4)]
+
+    def body(m, c):
+        src = inputs[m].clone()
+        t = torch.full_like(src, float("nan"))
+        c.allreduce(t, "avg", compression=Compression(bits=4, bucket=512, min_numel=100, source=src))
+        one = torch.ones(10)
+        plain = torch.full((10,), float("nan"))
+        c.allreduce(plain, compression=Compression(bits=4, source=one))
+        auto_src = inputs[m].clone()
+        auto = torch.full_like(auto_src, float("nan"))
+        c.allreduce(auto, "avg", compression=Compression(bits=4, bucket=512, min_numel=100, auto=True, source=auto_src))
+        return t, src, plain, one, auto, auto_src
+
+    ids, got = run_communicators(world, "qsrc", body, small_bytes=1024, slice_bytes=16 << 10)
+    ref = _reference([inputs[m].reshape(-1) for m in ids], segs, 512, True).view(numel // 100, 100)
+    for m in ids:
+        t, src, plain, one, auto, auto_src = got[m]
+        assert torch.equal(t, ref) and torch.equal(src, inputs[m])
+        assert torch.equal(plain, torch.full((10,), float(world))) and torch.equal(one, torch.ones(10))
+        assert torch.equal(auto_src, inputs[m]) and not bool(auto.isnan().any())   # fp32 or q4: either ran on the source
+        assert torch.equal(auto, got[ids[0]][4])
+    with pytest.raises(ConfigError):
+        Compression(source=torch.ones(3)).source_for(torch.ones(4))
+
+
 # -- the automatic switch ------------------------------------------------------------------
 
 def test_switch_probes_then_follows_measured_times():
