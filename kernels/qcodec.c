@@ -244,16 +244,20 @@ static inline double rne_d(double r)
     return (r + 6755399441055744.0) - 6755399441055744.0; /* 1.5 * 2**52 */
 }
 
+/* Elements from i on that share i's bucket (the first bucket starts pos0 in). */
+static inline size_t bucket_run(size_t i, size_t pos0, size_t count, size_t bucket)
+{
+    size_t m = i == 0 ? bucket - pos0 : bucket;
+    return m < count - i ? m : count - i;
+}
+
 /* quantize.py's per-element ops: r = x * inv (inv = 1/s, 0 for s <= 0), NaN -> 0,
  * clamp to +-qmax, round half to even; residual x - fl32(s * q). */
 HOT static void do_quantize(const float *x, int32_t *q, float *res, size_t count, const float *sc, size_t bucket,
                         size_t pos0, double qm, int fine)
 {
-    size_t i = 0, b = 0, pos = pos0;
-    while (i < count) {
-        size_t m = bucket - pos;
-        if (m > count - i)
-            m = count - i;
+    for (size_t i = 0, b = 0, m; i < count; i += m, b++) {
+        m = bucket_run(i, pos0, count, bucket);
         float s = sc[b];
         if (!fine) {
             float inv = s > 0.0f ? 1.0f / s : 0.0f;
@@ -282,21 +286,15 @@ HOT static void do_quantize(const float *x, int32_t *q, float *res, size_t count
                     res[k] = x[k] - (float)((double)v * sd);
             }
         }
-        i += m;
-        b++;
-        pos = 0;
     }
 }
 
 HOT static void do_dequantize(const int32_t *q, float *out, size_t count, const float *sc, size_t bucket, size_t pos0,
                           int fine, int divisor)
 {
-    size_t i = 0, b = 0, pos = pos0;
     float dv = (float)divisor;
-    while (i < count) {
-        size_t m = bucket - pos;
-        if (m > count - i)
-            m = count - i;
+    for (size_t i = 0, b = 0, m; i < count; i += m, b++) {
+        m = bucket_run(i, pos0, count, bucket);
         float s = sc[b];
         if (!fine) {
             if (divisor > 0)
@@ -312,9 +310,6 @@ HOT static void do_dequantize(const int32_t *q, float *out, size_t count, const 
                 out[k] = divisor > 0 ? d / dv : d;
             }
         }
-        i += m;
-        b++;
-        pos = 0;
     }
 }
 

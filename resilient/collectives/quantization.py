@@ -398,10 +398,13 @@ def pack_into(q: torch.Tensor, width: int, out: torch.Tensor) -> None:
     if width == 8:
         out.view(torch.int8).copy_(q)
         return
+    # under 8 bits every value fits int8: the planes are cut from one int8 copy (4x less
+    # memory per pass than int32)
+    src = q.to(torch.int8) if width < 8 else q
     off = 0
     for p, shift in planes(width):
         nb = -(-q.numel() * p // 8)
-        v = q if shift == 0 else torch.bitwise_right_shift(q, shift)
+        v = src if shift == 0 else torch.bitwise_right_shift(src, shift)
         if p == 8:   # the low byte of a wider value
             out[off:off + nb].copy_(torch.bitwise_and(v, 255))
         else:   # low planes masked first: the int8 cast then never sees a value out of range
@@ -450,12 +453,17 @@ def unpack(wire: torch.Tensor, count: int, width: int) -> torch.Tensor:
     pl = planes(width)
     if len(pl) == 1:
         return _unpack_plane(wire, count, width, True)
-    acc = torch.zeros(count, dtype=torch.int32)
+    # under 8 bits the value is put together in int8 (it fits, and int8 passes are 4x
+    # cheaper); the fields are disjoint bits and the top one is signed, so adding them
+    # shifted is the two's complement value
+    dt = torch.int8 if width < 8 else torch.int32
+    acc = torch.zeros(count, dtype=dt)
     off = 0
     for j, (p, shift) in enumerate(pl):
         nb = -(-count * p // 8)
-        v = _unpack_plane(wire[off:off + nb], count, p, j == len(pl) - 1).to(torch.int32)
-        acc.add_(v.bitwise_left_shift_(shift) if shift else v)
+        v = _unpack_plane(wire[off:off + nb], count, p, j == len(pl) - 1)
+        v = v.view(torch.int8) if dt == torch.int8 and v.dtype == torch.uint8 else v.to(dt)
+        acc.add_(v.bitwise_left_shift(shift) if shift else v)
         off += nb
     return acc
 
