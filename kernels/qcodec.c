@@ -34,8 +34,15 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <float.h>
 #include <stdint.h>
 #include <string.h>
+
+/* float and double operations must round to their own precision (no x87 extended
+ * intermediates): otherwise the build fails and the torch code runs */
+#if !defined(FLT_EVAL_METHOD) || FLT_EVAL_METHOD != 0
+#error "qcodec.c needs FLT_EVAL_METHOD == 0 to give the torch code's bits"
+#endif
 
 /* the hot loops are also compiled for AVX2 and picked at load time where the CPU has it
  * (no FMA: the results are bitwise those of the baseline build) */
