@@ -222,8 +222,15 @@ def ring_layout(segs: list[Segment], n: int, slices_of: Any) -> tuple[list[tuple
     return pieces, [piece_parts(segs, a, b) for a, b in pieces], S
 
 
+#: the integer ring's wire format (quantization.py: tight widths as bit planes); in the
+#: ops' descriptors, so members of releases with another format meet with different
+#: digests and raise InputMismatch instead of misreading each other's bytes. The C codec
+#: and the torch code write this same format.
+WIRE_FORMAT = "planes-1"
+
+
 def _layout_digest(comp: Compression, segs: list[Segment]) -> int:
-    return zlib.crc32(json.dumps([comp.bucket, [(s.start, s.end, s.bits) for s in segs]]).encode())
+    return zlib.crc32(json.dumps([comp.bucket, [(s.start, s.end, s.bits) for s in segs], WIRE_FORMAT]).encode())
 
 
 def run_compressed(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Compression, segs: list[Segment],
