@@ -12,7 +12,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 setup: $(STAMP) etcd
 
-$(STAMP): pyproject.toml setup.py kernels/stream_copy.c
+$(STAMP): pyproject.toml setup.py kernels/stream_copy.c kernels/qcodec.c
 	@$(PYTHON) -m venv --help >/dev/null 2>&1 && $(PYTHON) -c 'import ensurepip' 2>/dev/null || \
 	  { echo "installing python3-venv"; $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq python3-venv python3-pip; }
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)

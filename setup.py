@@ -5,9 +5,13 @@
 ``kernels`` are names of unrelated PyPI packages, so nothing is installed top-level but
 ``resilient``.
 
-One C extension, ``resilient.kernels._stream_copy`` (``kernels/stream_copy.c``: a memory
-copy with streaming stores), is *optional*: where no C compiler is installed, setuptools
-warns and installs the rest, and ``resilient.kernels.copy`` falls back to torch's copy.
+Two C extensions are *optional*: where no C compiler is installed, setuptools warns and
+installs the rest. ``resilient.kernels._stream_copy`` (``kernels/stream_copy.c``: a memory
+copy with streaming stores; without it ``resilient.kernels.copy`` copies with torch) and
+``resilient.kernels._qcodec`` (``kernels/qcodec.c``: the compressed allreduce's codec in one
+pass per stage; without it ``resilient.collectives.quantization`` runs its torch code, the
+same bits and the same wire bytes). ``-ffp-contract=off``: no multiply-add is fused, so the
+C codec's float arithmetic is the torch code's, operation for operation.
 """
 from setuptools import Extension, find_packages, setup
 
@@ -25,4 +29,7 @@ for folder, name in MAPPED.items():
 stream_copy = Extension("resilient.kernels._stream_copy", ["kernels/stream_copy.c"],
                         extra_compile_args=["-O2"], optional=True)
 
-setup(packages=packages, package_dir=package_dir, ext_modules=[stream_copy])
+qcodec = Extension("resilient.kernels._qcodec", ["kernels/qcodec.c"],
+                   extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math"], optional=True)
+
+setup(packages=packages, package_dir=package_dir, ext_modules=[stream_copy, qcodec])

@@ -334,14 +334,15 @@ def compression_hook(state: ErrorFeedback, bucket: GradBucket) -> torch.futures.
     state.member_id = engine.member_id or state.member_id
     buf = bucket.buffer()
     key = str(bucket.index())
-    # flat float32 (DDP's usual bucket): the op runs in the bucket's own buffer and the
-    # residual bookkeeping reuses this bucket's buffers from its previous step; any other
-    # dtype takes the allocating path (the same arithmetic)
+    # flat float32 (DDP's usual bucket): the op reads the staged x = grad + e as its source
+    # and writes the result into the bucket's own buffer, and the residual bookkeeping
+    # reuses this bucket's buffers from its previous step; any other dtype takes the
+    # allocating path (the same arithmetic)
     inplace = buf.dtype == torch.float32 and buf.is_contiguous()
     fresh = None
     if inplace:
         x = state.stage(key, buf)
-        inp = buf.copy_(x)
+        inp = buf   # the op reads x (its source) and writes the result here: no copy of x into buf
         fresh = state.residual_buffer(key, buf)   # the op writes x - s*q_own here as it quantizes
     else:
         x = state.input_for(key, buf)
@@ -350,7 +351,7 @@ def compression_hook(state: ErrorFeedback, bucket: GradBucket) -> torch.futures.
 
     segs = state.segments(bucket, state.bits_for(key))
     compression = Compression(bits=state.bits_for(key), bucket=state.bucket, segments=segs,
-                              auto=state.switch == "auto", residual=fresh)
+                              auto=state.switch == "auto", residual=fresh, source=x if inplace else None)
     work = comm.allreduce(inp, op="avg", async_op=True, compression=compression)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 

@@ -83,6 +83,9 @@ class Settings:
     stream_copy: bool = field(default=True, metadata=_var(
         "RESILIENT_STREAM_COPY", "1", "large CPU copies of the direct shared-memory allreduce and of results handed "
         "back use streaming stores (where the optional C extension was built); `0`: torch's copy (docs/bench.md)"))
+    qcodec: bool = field(default=True, metadata=_var(
+        "RESILIENT_QCODEC", "1", "the compressed allreduce's codec runs in the optional C extension where it was "
+        "built (the same bits and wire bytes as the torch code); `0`: the torch code (docs/compression.md)"))
     join_tree: bool = field(default=True, metadata=_var(
         "RESILIENT_JOIN_TREE", "1", "a growing epoch's op seq is agreed along a tree of the old members over the "
         "data plane, its root writing one etcd key; `0`: one `joinseq` key per old member (docs/scale.md)"))
@@ -122,6 +125,7 @@ class Settings:
             staging=get("RESILIENT_STAGING", _flag, d.staging),
             shm_direct=get("RESILIENT_SHM_DIRECT", _flag, d.shm_direct),
             stream_copy=get("RESILIENT_STREAM_COPY", _flag, d.stream_copy),
+            qcodec=get("RESILIENT_QCODEC", _flag, d.qcodec),
             join_tree=get("RESILIENT_JOIN_TREE", _flag, d.join_tree),
             join_tree_stall=get("RESILIENT_JOIN_TREE_STALL", _positive_float, d.join_tree_stall),
         )

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from static_group import run_communicators  # noqa: E402
 
 
-@pytest.mark.parametrize("width", [2, 4, 8, 16, 32])
+@pytest.mark.parametrize("width", [*range(2, 17), 32])
 @pytest.mark.parametrize("count", [0, 1, 7, 1000, 1003])
 def test_pack_unpack_roundtrip(width, count):
     g = torch.Generator().manual_seed(width * 1000 + count)
@@ -32,9 +32,10 @@ def test_pack_unpack_roundtrip(width, count):
 
 
 def test_wire_width_follows_contributors():
-    assert [wire_bits(4, k) for k in (1, 2, 18, 19, 4681, 4682)] == [4, 8, 8, 16, 16, 32]
-    assert [wire_bits(8, k) for k in (1, 2, 258)] == [8, 16, 16]
-    assert wire_bits(2, 1) == 2 and wire_bits(2, 127) == 8
+    """The narrowest two's complement width holding k * qmax, up to 16 bits, then 32."""
+    assert [wire_bits(4, k) for k in (1, 2, 3, 4, 5, 9, 10, 18, 19, 4681, 4682)] == [4, 5, 6, 6, 7, 7, 8, 8, 9, 16, 32]
+    assert [wire_bits(8, k) for k in (1, 2, 3, 4, 258, 259)] == [8, 9, 10, 10, 16, 32]
+    assert [wire_bits(2, k) for k in (1, 2, 3, 4, 127, 128)] == [2, 3, 3, 4, 8, 9]
     assert wire_bits(32, 1) == 32
 
 
@@ -154,13 +155,46 @@ def test_compressed_allreduce_is_the_exact_dequantized_sum(bits, numel, world):
         assert err <= world * float(max(x.abs().max() for x in xs)) / qmax(bits) / 2 * 1.001
 
 
+def test_a_source_is_read_and_the_tensor_receives_the_result():
+    """``Compression.source`` (the DDP hook's staged ``grad + e``): the op reads it and
+    writes into the tensor, bitwise the result of the op run on a copy; the source is left
+    as it is. A call that runs uncompressed (a 1-D tensor, or the switch choosing fp32)
+    copies the source into the tensor first."""
+    world, numel = 3, 30_000
+    inputs = {f"m{i}": torch.randn(numel // 100, 100, generator=torch.Generator().manual_seed(i)) for i in range(world)}
+    segs = [Segment(0, numel, 4)]
+
+    def body(m, c):
+        src = inputs[m].clone()
+        t = torch.full_like(src, float("nan"))
+        c.allreduce(t, "avg", compression=Compression(bits=4, bucket=512, min_numel=100, source=src))
+        one = torch.ones(10)
+        plain = torch.full((10,), float("nan"))
+        c.allreduce(plain, compression=Compression(bits=4, source=one))
+        auto_src = inputs[m].clone()
+        auto = torch.full_like(auto_src, float("nan"))
+        c.allreduce(auto, "avg", compression=Compression(bits=4, bucket=512, min_numel=100, auto=True, source=auto_src))
+        return t, src, plain, one, auto, auto_src
+
+    ids, got = run_communicators(world, "qsrc", body, small_bytes=1024, slice_bytes=16 << 10)
+    ref = _reference([inputs[m].reshape(-1) for m in ids], segs, 512, True).view(numel // 100, 100)
+    for m in ids:
+        t, src, plain, one, auto, auto_src = got[m]
+        assert torch.equal(t, ref) and torch.equal(src, inputs[m])
+        assert torch.equal(plain, torch.full((10,), float(world))) and torch.equal(one, torch.ones(10))
+        assert torch.equal(auto_src, inputs[m]) and not bool(auto.isnan().any())   # fp32 or q4: either ran on the source
+        assert torch.equal(auto, got[ids[0]][4])
+    with pytest.raises(ConfigError):
+        Compression(source=torch.ones(3)).source_for(torch.ones(4))
+
+
 # -- the automatic switch ------------------------------------------------------------------
 
 def test_switch_probes_then_follows_measured_times():
     from resilient.collectives.compression_switch import CompressionSwitch, ring_wire_bytes
 
     assert ring_wire_bytes(4 << 20, 4, None) == 2 * 3 * (1 << 20)          # fp32: 2(n-1)/n of the bytes
-    assert ring_wire_bytes(4 << 20, 4, 4) == (1 << 18) * (4 + 8 + 8 + 3 * 8) / 8
+    assert ring_wire_bytes(4 << 20, 4, 4) == (1 << 18) * (4 + 5 + 6 + 3 * 6) / 8   # 4, 5, 6 bits, then 6
     nb = 64 << 20
     sw = CompressionSwitch(codec_s_per_byte={4: (1e-9, 1e-9)}, probe_every=10)
     v = sw.vote(nb, 4, 4)

@@ -132,13 +132,15 @@ def test_setup_still_builds_without_a_c_compiler(tmp_path):
     for name in ("setup.py", "pyproject.toml"):
         shutil.copy(ROOT / name, tmp_path / name)
     (tmp_path / "kernels").mkdir()
-    shutil.copy(ROOT / "kernels" / "stream_copy.c", tmp_path / "kernels" / "stream_copy.c")
+    for c in ("stream_copy.c", "qcodec.c"):   # both extensions are optional
+        shutil.copy(ROOT / "kernels" / c, tmp_path / "kernels" / c)
     r = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "out")],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "CC": "false", "LDSHARED": "false"})
     assert r.returncode == 0, r.stdout + r.stderr
-    assert not list((tmp_path / "out").rglob("_stream_copy*")), "a failed compile must leave no module"
-    assert 'building extension "resilient.kernels._stream_copy" failed' in r.stdout + r.stderr   # and says so
+    for mod in ("_stream_copy", "_qcodec"):
+        assert not list((tmp_path / "out").rglob(f"{mod}*")), "a failed compile must leave no module"
+        assert f'building extension "resilient.kernels.{mod}" failed' in r.stdout + r.stderr   # and says so
 
 
 @needs_ext

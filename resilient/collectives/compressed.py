@@ -109,6 +109,12 @@ class Compression:
     #: (``info["residual"]`` is the buffer when it did); not part of the op's identity.
     #: If the op then fails, the buffer holds that op's values and the caller drops them
     residual: torch.Tensor | None = field(default=None, compare=False, hash=False, repr=False)
+    #: the op's input when it is not the tensor's own values (the DDP hook's staged
+    #: ``grad + e``): the op reads it and writes the result into the tensor, one copy less.
+    #: Same shape and dtype as the tensor, not overlapping it, left as it is. Where the
+    #: call runs uncompressed or off the CPU it is first copied into the tensor
+    #: (:meth:`stage_source`); not part of the op's identity
+    source: torch.Tensor | None = field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.bits not in BITS or self.bits == FINE:
@@ -134,6 +140,28 @@ class Compression:
         if isinstance(value, int) and not isinstance(value, bool):
             return cls(bits=value)
         raise ConfigError(f"compression {value!r}: use None, 'q8', 'q4', 'q2', 'auto', an int or a Compression")
+
+    def source_for(self, t: torch.Tensor) -> torch.Tensor | None:
+        """:attr:`source` when the op can read it in place of ``t`` (flat CPU memory of
+        ``t``'s dtype and size), else None (raises ConfigError for a source of another
+        shape or dtype)."""
+        src = self.source
+        if src is None:
+            return None
+        if src.shape != t.shape or src.dtype != t.dtype:
+            raise ConfigError(f"compression source {tuple(src.shape)} {src.dtype} for a tensor "
+                              f"{tuple(t.shape)} {t.dtype}")
+        ok = src.device.type == "cpu" and t.device.type == "cpu" and src.is_contiguous()
+        return src if ok else None
+
+    def stage_source(self, t: torch.Tensor) -> "Compression":
+        """This compression with its :attr:`source` copied into ``t`` (an op that reads
+        ``t`` itself: uncompressed, or staged off the CPU); itself when there is none."""
+        if self.source is None:
+            return self
+        with torch.no_grad():
+            t.copy_(self.source)
+        return replace(self, source=None)
 
     def layout(self, t: torch.Tensor) -> list[Segment] | None:
         """The segments for ``t``, or None when it stays uncompressed."""
@@ -194,8 +222,15 @@ def ring_layout(segs: list[Segment], n: int, slices_of: Any) -> tuple[list[tuple
     return pieces, [piece_parts(segs, a, b) for a, b in pieces], S
 
 
+#: the integer ring's wire format (quantization.py: tight widths as bit planes); in the
+#: ops' descriptors, so members of releases with another format meet with different
+#: digests and raise InputMismatch instead of misreading each other's bytes. The C codec
+#: and the torch code write this same format.
+WIRE_FORMAT = "planes-1"
+
+
 def _layout_digest(comp: Compression, segs: list[Segment]) -> int:
-    return zlib.crc32(json.dumps([comp.bucket, [(s.start, s.end, s.bits) for s in segs]]).encode())
+    return zlib.crc32(json.dumps([comp.bucket, [(s.start, s.end, s.bits) for s in segs], WIRE_FORMAT]).encode())
 
 
 def run_compressed(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Compression, segs: list[Segment],
@@ -207,10 +242,14 @@ def run_compressed(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Comp
         raise ConfigError(f"a compressed allreduce supports sum and avg, not {op.value}")
     if not t.is_floating_point():
         raise ConfigError(f"a compressed allreduce needs a floating-point tensor, got {t.dtype}")
-    x = t.detach().reshape(-1)
+    x = t.detach().reshape(-1)   # the result goes here
+    src = comp.source_for(t)
+    if src is None:
+        comp = comp.stage_source(t)
+    xin = x if src is None else src.detach().reshape(-1)   # the input is read from here
     numel, bucket = x.numel(), comp.bucket
     lay = _layout_digest(comp, segs)
-    maxima, finite = clean_maxima(bucket_maxima(x, segs, bucket))
+    maxima, finite = clean_maxima(bucket_maxima(xin, segs, bucket))
     scale_in = torch.cat([maxima, torch.tensor([float(comm.size)])])
     desc_s = {"k": "allreduce", "shape": [scale_in.numel()], "dtype": "torch.float32", "op": "max",
               "q": "scale", "layout": lay}
@@ -231,7 +270,7 @@ def run_compressed(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Comp
                                  and rbuf.numel() == numel):
         rbuf = None   # not a buffer this op can fill: the caller dequantizes its own input
     q = _Q_BUFFERS.take(numel)
-    lazy = _LazyInput(numel, lambda span: quantize(x, sc, segs, bucket, n_bound, out=q, finite=finite,
+    lazy = _LazyInput(numel, lambda span: quantize(xin, sc, segs, bucket, n_bound, out=q, finite=finite,
                                             residual=None if rbuf is None else rbuf.view(-1), span=span))
     nbytes = numel * 4
     # straight into the caller's tensor when it is flat float32 memory (no temporary, no copy)
@@ -263,7 +302,10 @@ def run_compressed(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Comp
         if not lazy.done:
             L.fill_input = lazy.bind(pieces)
         if isinstance(algo, QuantizedRing) and algo.on_final is not None:
-            early.bind(L, algo, lambda span: dequantize(L.out, sc, segs, bucket, out=x, span=span))
+            # an AVG's division too: early pieces are kept only when the ring ran to its
+            # end, and then every piece's sum is over all n members
+            div = n if op is ReduceOp.AVG else 0
+            early.bind(L, algo, lambda span: dequantize(L.out, sc, segs, bucket, out=x, span=span, divisor=div))
         return L, algo
 
     desc_r = {"k": "allreduce", "shape": [numel], "dtype": "torch.int32", "op": "sum", "q": "ring", "layout": lay}
@@ -271,17 +313,21 @@ def run_compressed(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Comp
     lazy.complete()   # q outlives the op (last_compression, the DDP hook's residual)
     L.fill_input = None
     r = result_of(L)
+    masks = L.need or [L.full] * len(L.pieces)
+
+    def divisor(p: int) -> int:   # an AVG's divisor of piece p: its contributors
+        return bin(masks[p]).count("1") if op is ReduceOp.AVG else 0
+
     if direct and early.clean(L):
         res = x   # the pieces the ring did not dequantize as it went (none, normally)
         for p in early.missing():
-            dequantize(L.out, sc, segs, bucket, out=x, span=L.pieces[p])
+            dequantize(L.out, sc, segs, bucket, out=x, span=L.pieces[p], divisor=divisor(p))
     else:   # after a recovery every piece again, from the final sums
         res = dequantize(L.out, sc, segs, bucket, out=x if direct else None)
-    early.release()   # the ring and early refer to each other: free the ledger (and q) now, not at a gc
-    if op is ReduceOp.AVG:
-        for p, m in enumerate(L.need or [L.full] * len(L.pieces)):
+        for p in range(len(L.pieces)) if op is ReduceOp.AVG else ():
             a, b = L.pieces[p]
-            res[a:b].div_(bin(m).count("1"))
+            res[a:b].div_(divisor(p))
+    early.release()   # the ring and early refer to each other: free the ledger (and q) now, not at a gc
     if not direct:
         t.copy_(res.view(t.shape))
     info = {"seq": L.seq, "scales": sc, "q": q, "scale_contributors": tuple(res_s.contributors),

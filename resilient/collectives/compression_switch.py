@@ -44,7 +44,7 @@ import torch
 from resilient.collectives.compressed import Compression, run_compressed
 from resilient.collectives.recovery import Policy
 from resilient.collectives.quantization import Segment, bucket_maxima, dequantize, pack, quantize, scales, unpack, wire_bits
-from resilient.device.whole import WholeStaging
+from resilient.device.whole import WholeStaging, needs_staging
 from resilient.errors import ConfigError
 from resilient.kernels import ReduceOp
 
@@ -224,6 +224,7 @@ def run_auto(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Compressio
     sw = switch_for(comm)
     desc = {"k": "allreduce", "shape": list(t.shape), "dtype": str(t.dtype), "op": op.value}
     if not t.is_floating_point() or op not in (ReduceOp.SUM, ReduceOp.AVG):
+        comp.stage_source(t)
         return comm.reduce_now(t, op, desc, policy)  # never compressed: no vote
     nbytes, n = t.numel() * t.element_size(), comm.size
     k = comm.reserve_seqs(3)   # adopts a growing epoch here, so admitted_at is the group's
@@ -237,6 +238,7 @@ def run_auto(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Compressio
     comm.metrics.compression_decision(choice)
     sent0, t0 = comm.transport.stats.bytes_sent, time.monotonic()
     if choice == "fp32":
+        comp.stage_source(t)   # the plain op reads t itself
         res = comm.reduce_now(t, op, desc, policy, seq=k)
     else:
         res = run_compressed(comm, t, op, comp, segs, policy, seqs=(k, k + 1))
@@ -256,8 +258,11 @@ def compressed_body(comm: Communicator, t: torch.Tensor, op: ReduceOp, compressi
         return None
     segs = comp.layout(t)
     if segs is None:
+        comp.stage_source(t)   # the exact op reads t itself
         return None
     body = run_auto if comp.auto else run_compressed
     st = WholeStaging(comm.sizing.staging)   # the codec runs on the CPU: CUDA tensors via the host
+    if needs_staging(t, comm.sizing.staging):
+        comp = comp.stage_source(t)   # staged through the host: the codec reads t's host copy
     h = st.host(t, output=True)
     return st.run(lambda: body(comm, h, op, comp, segs, policy))

@@ -17,21 +17,27 @@ float64 and :func:`dequantize` rounds it once to float32: the result of the coll
 the exact real sum of the members' dequantized inputs, correctly rounded, whatever the
 order in which the integers were added.
 
-Wire widths: a partial sum over ``k`` contributors is sent packed at ``bits`` (``k = 1``,
-bits < 8) or as the narrowest of int8 / int16 / int32 that holds ``k * qmax``
-(:func:`wire_bits`). Packed 2/4-bit fields are two's complement, first value lowest.
+Wire widths: a partial sum over ``k`` contributors is sent at the narrowest width that
+holds ``k * qmax`` (:func:`wire_bits`: ``bits`` for one input; at 4 bits and 4 members
+4, 5, 6, 6 bits), up to 16 bits, else 32. Widths 32 and 16 are little-endian integers,
+any other is cut into *planes* of 8, 4, 2, 1 bits (:func:`planes`), lowest bits first:
+each plane holds its bits of every value packed ``8 / p`` to a byte, the first value in
+the lowest bits, and the last plane the top bits in two's complement. The optional C
+codec (``kernels/qcodec.c``, :mod:`resilient.kernels.qcodec`) and the torch code here
+write the same bytes and compute the same bits; each stage uses the C codec when it is
+built and takes the tensors (contiguous CPU, float32 input), the torch code otherwise.
 
 Failure behaviour: shapes that do not match the layout raise :class:`ConfigError`;
 non-finite inputs quantize to 0 (NaN) or ``±qmax`` (±inf) instead of poisoning the sum.
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
 
 from resilient.errors import ConfigError
+from resilient.kernels import qcodec
 
 BITS = (2, 4, 8, 32)
 FINE = 32
@@ -48,21 +54,48 @@ def qmax(bits: int, members: int = 1) -> int:
     return (1 << (bits - 1)) - 1
 
 
+#: the widest packed wire; wider partial sums travel as int32
+MAX_PACKED = 16
+
+
 def wire_bits(bits: int, k: int, members: int = 1) -> int:
-    """Wire width of a partial sum over ``k`` contributors."""
+    """Wire width of a partial sum over ``k`` contributors: the narrowest that holds
+    ``k * qmax`` in two's complement (``bits`` for one input), 32 beyond 16 bits."""
     if bits == FINE:
         return 32
     if k <= 1:
         return bits
-    m = k * qmax(bits)
-    for w in (8, 16, 32):
-        if m <= (1 << (w - 1)) - 1:
-            return w
+    w = max(bits, (k * qmax(bits)).bit_length() + 1)
+    if w <= MAX_PACKED:
+        return w
+    if w <= 32:
+        return 32
     raise ConfigError(f"a sum over {k} members of {bits}-bit values does not fit in int32")
 
 
+def planes(width: int) -> tuple[tuple[int, int], ...]:
+    """``(bits, shift)`` of each plane of ``width``, lowest bits first: 32, 16 and 8 are
+    one plane; 9..15 an 8-bit plane then the rest as below; under 8 the largest of 4, 2,
+    1 bits first (6 = 4 + 2). The last plane's fields are signed."""
+    if width in (8, 16, 32):
+        return ((width, 0),)
+    if not 1 <= width < MAX_PACKED:
+        raise ConfigError(f"no wire format for width {width}")
+    out, left, shift = [], width, 0
+    if width > 8:
+        out.append((8, 0))
+        left, shift = width - 8, 8
+    for p in (4, 2, 1):
+        if left >= p:
+            out.append((p, shift))
+            shift += p
+            left -= p
+    return tuple(out)
+
+
 def wire_nbytes(count: int, width: int) -> int:
-    return -(-count * width // 8)
+    """Bytes of ``count`` values at ``width``: each plane rounded up to whole bytes."""
+    return sum(-(-count * p // 8) for p, _ in planes(width))
 
 
 @dataclass(frozen=True)
@@ -116,6 +149,11 @@ def bucket_maxima(x: torch.Tensor, segments: list[Segment], bucket: int) -> torc
     """float32 max |x| per bucket of every segment, concatenated (NaN/inf kept: see
     :func:`clean_maxima`)."""
     out = torch.empty(sum(s.n_buckets(bucket) for s in segments), dtype=torch.float32)
+    c = qcodec.codec()
+    if c is not None and x.dtype == torch.float32 and _cpu_contig(x):
+        for s, off in zip(segments, _bucket_offsets(segments, bucket)):
+            c.maxima(x.data_ptr() + 4 * s.start, s.numel, bucket, out.data_ptr() + 4 * off)
+        return out
     off = 0
     for s in segments:
         v = x[s.start:s.end].to(torch.float32)
@@ -206,6 +244,18 @@ def quantize(x: torch.Tensor, sc: torch.Tensor, segments: list[Segment], bucket:
                                  or residual.numel() != x.numel()):
         raise ConfigError("quantize's residual needs float32 x and a float32 residual of the same size")
     lo, hi = (0, x.numel()) if span is None else span
+    c = qcodec.codec()
+    if (c is not None and x.dtype == torch.float32 and out.dtype == torch.int32 and sc.dtype == torch.float32
+            and _cpu_contig(x, out, sc) and (residual is None or _cpu_contig(residual))):
+        for s, off in zip(segments, _bucket_offsets(segments, bucket)):
+            a, b = max(lo, s.start), min(hi, s.end)
+            if a < b:
+                first, pos0 = divmod(a - s.start, bucket)
+                c.quantize(x.data_ptr() + 4 * a, out.data_ptr() + 4 * a,
+                           0 if residual is None else residual.data_ptr() + 4 * a, b - a,
+                           sc.data_ptr() + 4 * (off + first), bucket, pos0, float(qmax(s.bits, members)),
+                           s.bits == FINE)
+        return out
     sc64: torch.Tensor | None = None
     for s, off in zip(segments, _bucket_offsets(segments, bucket)):
         blocks = _blocks(s, bucket, lo, hi)
@@ -219,6 +269,10 @@ def quantize(x: torch.Tensor, sc: torch.Tensor, segments: list[Segment], bucket:
         ssc = (sc64 if fine else sc.to(torch.float32))
         assert ssc is not None
         ssc = ssc[off:off + s.n_buckets(bucket)]
+        inv_all = torch.where(ssc > 0, 1.0 / ssc, torch.zeros_like(ssc))  # a zero bound: everything -> 0
+        # a subnormal scale's inverse overflows to inf, and 0 * inf is NaN: that segment
+        # needs the NaN pass even when x is finite (as the C codec always does)
+        nan_pass = not finite or not bool(torch.isfinite(inv_all).all())
         size = max(e1 - e0 for e0, e1, _, _ in blocks)
         scratch = torch.empty(size, dtype=dt)
         own = None if residual is None else torch.empty(size, dtype=dt)
@@ -227,7 +281,7 @@ def quantize(x: torch.Tensor, sc: torch.Tensor, segments: list[Segment], bucket:
             rows = r1 - r0
             a, b = s.start + e0, s.start + e1
             ss = ssc[r0:r1].view(rows, 1)
-            inv = torch.where(ss > 0, 1.0 / ss, torch.zeros_like(ss))  # a zero bound: everything -> 0
+            inv = inv_all[r0:r1].view(rows, 1)
             r = scratch[:b - a].view(rows, -1)
             xv = x[a:b].view(rows, -1)
             if xv.dtype == dt:
@@ -235,7 +289,7 @@ def quantize(x: torch.Tensor, sc: torch.Tensor, segments: list[Segment], bucket:
             else:   # widen (exact) first, then the same-dtype multiply
                 r.copy_(xv)
                 r.mul_(inv)
-            if not finite:
+            if nan_pass:
                 r.nan_to_num_(nan=0.0, posinf=qm, neginf=-qm)
             oo = out[a:b].view(rows, -1)
             oo.copy_(r.clamp_(-qm, qm).round_())
@@ -254,13 +308,26 @@ def quantize(x: torch.Tensor, sc: torch.Tensor, segments: list[Segment], bucket:
 
 
 def dequantize(Q: torch.Tensor, sc: torch.Tensor, segments: list[Segment], bucket: int,
-               out: torch.Tensor | None = None, span: tuple[int, int] | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, span: tuple[int, int] | None = None,
+               divisor: int = 0) -> torch.Tensor:
     """float32 ``fl32(s * Q)`` per bucket (exact product in float64, one rounding);
     ``out`` (float32, flat) may be the caller's tensor: no temporary of its size.
     ``span`` (``(lo, hi)``): only those elements of ``out`` are written (the ring
-    dequantizes each piece once it is final); the same bits as the whole call's."""
+    dequantizes each piece once it is final); the same bits as the whole call's.
+    ``divisor`` (> 0): each value then divided by it in float32 (an AVG's contributor
+    count), the bits of a separate ``out.div_(divisor)``."""
     out = torch.empty(Q.numel(), dtype=torch.float32) if out is None else out
     lo, hi = (0, Q.numel()) if span is None else span
+    c = qcodec.codec()
+    if (c is not None and Q.dtype == torch.int32 and out.dtype == torch.float32 and sc.dtype == torch.float32
+            and _cpu_contig(Q, out, sc)):
+        for s, off in zip(segments, _bucket_offsets(segments, bucket)):
+            a, b = max(lo, s.start), min(hi, s.end)
+            if a < b:
+                first, pos0 = divmod(a - s.start, bucket)
+                c.dequantize(Q.data_ptr() + 4 * a, out.data_ptr() + 4 * a, b - a, sc.data_ptr() + 4 * (off + first),
+                             bucket, pos0, s.bits == FINE, divisor)
+        return out
     sc64: torch.Tensor | None = None
     for s, off in zip(segments, _bucket_offsets(segments, bucket)):
         blocks = _blocks(s, bucket, lo, hi)
@@ -287,72 +354,93 @@ def dequantize(Q: torch.Tensor, sc: torch.Tensor, segments: list[Segment], bucke
                 w = wide[:b - a].view(rows, -1)
                 w.copy_(qq)
                 oo.copy_(w.mul_(ss))
+            if divisor > 0:
+                oo.div_(divisor)
     return out
 
 
 # -- wire packing ---------------------------------------------------------------------
 
-#: 2/4-bit packing reads whole bytes of int8 values as one wider little-endian integer
-_LITTLE = sys.byteorder == "little"
+_INT = {8: torch.int8, 16: torch.int16, 32: torch.int32}
 
 
-def _pack_fields(b: torch.Tensor, width: int, out: torch.Tensor) -> None:
-    """``out`` (uint8, ``b.numel() // per`` bytes) = the int8 values ``b`` (a multiple of
-    ``per = 8 // width`` of them) packed ``per`` to a byte, the first in the low bits.
+def _cpu_contig(*ts: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in ts)
 
-    Little-endian: the ``per`` bytes of one output byte are read as one int16 (4 bits) or
-    int32 (2 bits), and each field is shifted into place and masked in that wider integer:
-    a few whole-tensor ops on ``numel / per`` elements, no strided per-column passes (4x
-    the old column loop, ``bench/codec.py``). Elsewhere the column loop."""
+
+def _pack_plane(b: torch.Tensor, width: int, out: torch.Tensor) -> None:
+    """``out`` (uint8, ``K = ceil(n / per)`` bytes, ``per = 8 // width``) = the low
+    ``width`` bits of the ``n`` int8 values ``b``, field ``j`` of byte ``i`` being value
+    ``i + j*K`` (zero past the end): ``per`` contiguous runs, a few whole-tensor uint8 ops."""
     per = 8 // width
-    mask = (1 << width) - 1
-    if _LITTLE and b.numel():
-        x = b.view(torch.int16 if width == 4 else torch.int32)
-        r = torch.bitwise_and(x, mask)
-        t = torch.empty_like(x)
-        for j in range(1, per):
-            torch.bitwise_right_shift(x, (8 - width) * j, out=t)
-            r.bitwise_or_(t.bitwise_and_(mask << (width * j)))
-        out.copy_(r)   # the low byte of each (an exact truncation: r < 256)
-        return
-    v = b.view(torch.uint8).view(-1, per)
-    r8 = v[:, 0] & mask
+    n = b.numel()
+    K = -(-n // per)
+    v = torch.bitwise_and(b.view(torch.uint8), (1 << width) - 1)
+    if n < per * K:
+        v = torch.cat([v, torch.zeros(per * K - n, dtype=torch.uint8)])
+    rows = v.view(per, K)
+    r = rows[0].clone()
     for j in range(1, per):
-        r8 |= (v[:, j] & mask) << (width * j)
-    out.copy_(r8)
+        r.bitwise_or_(rows[j] << (width * j))
+    out.copy_(r)
 
 
 def pack_into(q: torch.Tensor, width: int, out: torch.Tensor) -> None:
     """:func:`pack` of the int32 ``q`` written into ``out`` (uint8 of
     :func:`wire_nbytes` bytes, 4-byte aligned for widths 16 and 32)."""
-    if width in (8, 16, 32):
-        out.view({8: torch.int8, 16: torch.int16, 32: torch.int32}[width]).copy_(q)
+    if width in (16, 32):
+        out.view(_INT[width]).copy_(q)
         return
-    per = 8 // width
-    b = q.to(torch.int8)
-    head = b.numel() // per * per
-    _pack_fields(b[:head], width, out[:head // per])
-    if head < b.numel():   # the last byte: fewer than per values, zero-padded
-        tail = torch.zeros(per, dtype=torch.int8)
-        tail[:b.numel() - head] = b[head:]
-        _pack_fields(tail, width, out[head // per:])
+    c = qcodec.codec()
+    if c is not None and q.dtype == torch.int32 and _cpu_contig(q, out):
+        c.pack(out.data_ptr(), q.data_ptr(), q.numel(), width)
+        return
+    if width == 8:
+        out.view(torch.int8).copy_(q)
+        return
+    # under 8 bits every value fits int8: the planes are cut from one int8 copy (4x less
+    # memory per pass than int32)
+    src = q.to(torch.int8) if width < 8 else q
+    off = 0
+    for p, shift in planes(width):
+        nb = -(-q.numel() * p // 8)
+        v = src if shift == 0 else torch.bitwise_right_shift(src, shift)
+        if p == 8:   # the low byte of a wider value
+            out[off:off + nb].copy_(torch.bitwise_and(v, 255))
+        else:   # low planes masked first: the int8 cast then never sees a value out of range
+            top = shift + p == width
+            _pack_plane((v if top else torch.bitwise_and(v, (1 << p) - 1)).to(torch.int8), p, out[off:off + nb])
+        off += nb
 
 
 def pack(q: torch.Tensor, width: int) -> torch.Tensor:
-    """Flat int32 ``q`` as the uint8 wire bytes of ``width`` (2, 4: two's complement
-    fields, the first value in the low bits; 8, 16, 32: little-endian integers).
+    """Flat int32 ``q`` as the uint8 wire bytes of ``width`` (see the module's wire
+    format: 8, 16, 32: little-endian integers; others: bit planes).
 
-    Whole-tensor ops: unlike the float stages, blocking these does not pay (int8 shifts are
-    compute-bound; see ``bench/codec.py``)."""
+    Whole-tensor ops in the torch code: unlike the float stages, blocking these does not
+    pay (int8 shifts are compute-bound; see ``bench/codec.py``)."""
     if width == 32:
         return q.contiguous().view(torch.uint8)
     if width == 16:
         return q.to(torch.int16).view(torch.uint8)
-    if width == 8:
-        return q.to(torch.int8).view(torch.uint8)
     out = torch.empty(wire_nbytes(q.numel(), width), dtype=torch.uint8)
     pack_into(q, width, out)
     return out
+
+
+def _unpack_plane(wire: torch.Tensor, count: int, p: int, signed: bool) -> torch.Tensor:
+    """The ``count`` fields of one plane of ``p`` bits (int8; sign-extended when ``signed``,
+    else the field's value 0 .. 2**p - 1, which fits too for p < 8)."""
+    if p == 8:
+        return wire[:count].view(torch.int8) if signed else wire[:count]
+    per = 8 // p
+    K = -(-count // per)
+    if signed:   # shift each field to the top of the byte, then arithmetic-shift down
+        w = wire[:K].view(torch.int8)
+        cols = [(w << (8 - p * (j + 1))) >> (8 - p) for j in range(per)]
+    else:
+        cols = [(wire[:K] >> (p * j)) & ((1 << p) - 1) for j in range(per)]
+    return torch.cat(cols)[:count]
 
 
 def unpack(wire: torch.Tensor, count: int, width: int) -> torch.Tensor:
@@ -362,22 +450,51 @@ def unpack(wire: torch.Tensor, count: int, width: int) -> torch.Tensor:
         return wire[:count * 4].view(torch.int32)
     if width == 16:
         return wire[:count * 2].view(torch.int16)
-    w = wire.view(torch.int8)
-    if width == 8:
-        return w[:count]
-    per = 8 // width
-    # sign-extend each field: shift it to the top of the byte, then arithmetic-shift down
-    cols = [(w << (8 - width * (j + 1))) >> (8 - width) for j in range(per)]
-    return torch.stack(cols, 1).view(-1)[:count]
+    pl = planes(width)
+    if len(pl) == 1:
+        return _unpack_plane(wire, count, width, True)
+    # under 8 bits the value is put together in int8 (it fits, and int8 passes are 4x
+    # cheaper); the fields are disjoint bits and the top one is signed, so adding them
+    # shifted is the two's complement value
+    dt = torch.int8 if width < 8 else torch.int32
+    acc = torch.zeros(count, dtype=dt)
+    off = 0
+    for j, (p, shift) in enumerate(pl):
+        nb = -(-count * p // 8)
+        v = _unpack_plane(wire[off:off + nb], count, p, j == len(pl) - 1)
+        v = v.view(torch.int8) if dt == torch.int8 and v.dtype == torch.uint8 else v.to(dt)
+        acc.add_(v.bitwise_left_shift(shift) if shift else v)
+        off += nb
+    return acc
 
 
 def unpack_add(wire: torch.Tensor, count: int, width: int, out: torch.Tensor, addend: torch.Tensor | None = None) -> None:
     """``out`` (int32, ``count`` values) = the values of ``wire`` (+ ``addend``, int32):
     one ring receive."""
+    unpack_add_pack(wire, count, width, out, addend)
+
+
+def unpack_add_pack(wire: torch.Tensor, count: int, width: int, out: torch.Tensor, addend: torch.Tensor | None = None,
+                    dst: torch.Tensor | None = None, dst_width: int = 0) -> None:
+    """:func:`unpack_add`, then (with ``dst``) ``out`` packed at ``dst_width`` into ``dst``
+    (:func:`pack_into`): one reduce-scatter receive and the send it feeds, in one pass of
+    the C codec."""
+    c = qcodec.codec()
+    if (c is not None and out.dtype == torch.int32 and _cpu_contig(wire, out)
+            and (addend is None or (addend.dtype == torch.int32 and _cpu_contig(addend)))
+            and (dst is None or _cpu_contig(dst))):
+        if dst is None:
+            c.unpack_add(out.data_ptr(), wire.data_ptr(), count, width, 0 if addend is None else addend.data_ptr())
+        else:
+            c.unpack_add_pack(out.data_ptr(), wire.data_ptr(), count, width,
+                              0 if addend is None else addend.data_ptr(), dst.data_ptr(), dst_width)
+        return
     vals = unpack(wire, count, width)
     if addend is not None and vals.dtype == out.dtype:
         torch.add(addend, vals, out=out)
-        return
-    out.copy_(vals)  # widen first: torch's mixed-dtype add is several times slower than copy + add
-    if addend is not None:
-        out.add_(addend)
+    else:
+        out.copy_(vals)  # widen first: torch's mixed-dtype add is several times slower than copy + add
+        if addend is not None:
+            out.add_(addend)
+    if dst is not None:
+        pack_into(out, dst_width, dst)

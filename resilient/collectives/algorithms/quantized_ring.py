@@ -9,12 +9,14 @@ so. Integer addition is associative, so any recovery plan over these accumulator
 the same bits as the ring itself.
 
 What differs from the float ring is only the wire: a partial over ``k`` contributors
-travels at :func:`~resilient.collectives.quantization.wire_bits` (packed 2/4 bits for a
-single input, then int8 / int16 / int32). Receives land in private wire buffers, are
-unpacked and added to this member's input into ``out`` and only then is the piece's mask
-set; an all-gather receive is forwarded as received (already at the final width). A
-receive interrupted by an abort therefore never touches ``out``: the masks stay exact
-without :meth:`OpContext.settle` having to clear anything.
+travels at :func:`~resilient.collectives.quantization.wire_bits` (the narrowest width
+that holds it: 4, 5, 6, 6 bits at 4 bits and 4 members). Receives land in private wire
+buffers, are unpacked and added to this member's input into ``out`` and only then is the
+piece's mask set; a reduce-scatter receive is unpacked, added and packed for the next
+send in one pass (:func:`~resilient.collectives.quantization.unpack_add_pack`); an
+all-gather receive is forwarded as received (already at the final width), before it is
+unpacked. A receive interrupted by an abort therefore never touches ``out``: the masks
+stay exact without :meth:`OpContext.settle` having to clear anything.
 
 Pieces are chunk-major (``piece = chunk * per_chunk + j``) and a piece may span several
 segments of different ``bits`` (e.g. fixed-point 32-bit for 1-D parameters between weight
@@ -34,7 +36,7 @@ import torch
 
 from resilient.collectives import tags
 from resilient.collectives.algorithms.base import Capabilities, OpContext, finish_alone, index_order, tag
-from resilient.collectives.quantization import pack, pack_into, unpack_add, wire_bits, wire_nbytes
+from resilient.collectives.quantization import pack, pack_into, unpack_add_pack, wire_bits, wire_nbytes
 from resilient.transport.base import Request
 
 #: a piece's wire: ((start, end, width, byte offset) per part, total bytes)
@@ -121,17 +123,23 @@ class QuantizedRing:
         prev: list[_Posted] | None = None
         final = self.on_final
         for idx, (phase, sc, _rc, _s, k) in enumerate(steps):
+            forward = phase == "ag" and steps[idx - 1][0] == "ag"
             for j in range(S):
                 ps = sc * S + j
-                if prev is None:
+                got = None if prev is None else prev[j]
+                if got is None:
                     wire = self._pack(L.input_view(ps), self._plan(ps, k))   # a lazy input: quantized here
-                else:
-                    got = self._complete(ctx, prev[j])
-                    wire = got if phase == "ag" and steps[idx - 1][0] == "ag" else self._pack(L.view(ps), self._plan(ps, k))
+                elif forward:   # an all-gather receive goes on as received; unpacked after the send
+                    ctx.wait([got[0]])
+                    wire = got[2]
+                else:   # the piece received last step is the one sent now: unpack, add, pack in one pass
+                    wire = self._complete(ctx, got, self._plan(ps, k))
                 if L.enabled:
                     ctx.failpoint(phase, self._frac(idx, j, S, n))
                 keep.append(wire)
                 sends.append(tr.isend(nxt, wire, ctx.seq, tag(idx, j, self.SPACE), ctx.digest))
+                if forward and got is not None:
+                    self._complete(ctx, got, waited=True)
                 if final is not None and phase == "ag":
                     final(ps)   # final since the receive just completed (or the last reduce-scatter step)
             if prev is None and L.fill_input is not None:
@@ -155,14 +163,26 @@ class QuantizedRing:
         return ((idx * S + j) % per_phase) / per_phase
 
     @staticmethod
-    def _complete(ctx: OpContext, entry: _Posted) -> torch.Tensor:
+    def _complete(ctx: OpContext, entry: _Posted, send: Plan | None = None, waited: bool = False) -> torch.Tensor:
         """Wait for one receive, unpack it into ``out`` (adding this member's input in
-        reduce-scatter), set the piece's mask; returns the wire buffer."""
+        reduce-scatter), set the piece's mask; returns the wire buffer, or with ``send``
+        the piece's sum packed at that plan in the same pass (a single 32-bit part: a view
+        of ``out``, no copy). ``waited``: the receive is known complete."""
         req, piece, wire, plan, phase, done_mask = entry
-        ctx.wait([req])
+        if not waited:
+            ctx.wait([req])
         L = ctx.ledger
         out, inp = L.view(piece), (L.input_view(piece) if phase == "rs" else None)
-        for a, b, w, off in plan[0]:
-            unpack_add(wire[off:off + wire_nbytes(b - a, w)], b - a, w, out[a:b], None if inp is None else inp[a:b])
+        parts_o = None if send is None or (len(send[0]) == 1 and send[0][0][2] == 32) else send[0]
+        dst = None if parts_o is None or send is None else torch.empty(send[1], dtype=torch.uint8)
+        for i, (a, b, w, off) in enumerate(plan[0]):
+            to, wo = None, 0
+            if dst is not None and parts_o is not None:
+                _a, _b, wo, oo = parts_o[i]
+                to = dst[oo:oo + wire_nbytes(b - a, wo)]
+            unpack_add_pack(wire[off:off + wire_nbytes(b - a, w)], b - a, w, out[a:b],
+                            None if inp is None else inp[a:b], to, wo)
         L.set(piece, done_mask)
-        return wire
+        if send is None:
+            return wire
+        return dst if dst is not None else pack(out, 32)
