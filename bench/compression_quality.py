@@ -7,7 +7,7 @@
 The text is CPython's ``pydoc_data/topics.py`` (757 KB of the language reference; it
 ships with every CPython — ``LICENSE.txt`` if it is missing); the last 10 % is held out.
 ``--model hashed`` (the default) adds a table of 65 536 hashed bigram/trigram embeddings to
-the 2-layer transformer: 4.3 M parameters, 16.8 MiB of gradient per step, about the same
+the 2-layer transformer: 4.3 M parameters, 16.4 MiB of gradient per step, about the same
 compute as the transformer alone — a model whose step a 100 MB/s link dominates, as in
 data-parallel training on accelerators (see :func:`_model`); ``--model small`` is the
 transformer alone (398 KiB per step, compute-bound on this CPU). Adam is torch's fused one.
@@ -436,8 +436,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="run every arm's 4 workers in network namespaces, each one's egress capped with htb "
                          "at this many MB/s (as bench/compression.py; needs root). 0: loopback, uncapped")
     ap.add_argument("--model", choices=sorted(MODELS), default=DEFAULT_MODEL,
-                    help="hashed: + 2.1 M hashed bigram/trigram embeddings, 8 MiB of gradient per step "
-                         "(link-bound at 100 MB/s); small: the 102 k-parameter transformer alone (compute-bound)")
+                    help="hashed: + 4.2 M hashed bigram/trigram embeddings (4.3 M parameters, 16.4 MiB of "
+                         "gradient per step: link-bound at 100 MB/s); small: the 102 k-parameter transformer "
+                         "alone (compute-bound)")
     ap.add_argument("--kill", action="store_true", help="SIGKILL member 3 mid-run in the resilient arms")
     ap.add_argument("--bucket", type=int, default=None,
                     help="elements per quantization scale in the compressed arms (default: ErrorFeedback's)")

@@ -111,11 +111,12 @@ class ConnectedCommunicator(Communicator):
                 steps: list[_Closable] = [self.transport, self.watcher, _SessionCloser(self.session)]
                 _close_all(steps + ([self.store] if self._owns_store else []))
 
-    def _say_goodbye(self) -> bool:
+    def _say_goodbye(self, stop: Callable[[], bool] | None = None) -> bool:
         """The goodbye of :mod:`resilient.goodbye` (before the lease is revoked): put this
         member's goodbye and wait, at most ``min(op_timeout, 10 s)``, for the other members
-        of the group to have put theirs or left the newest epoch. True when none is owed.
-        Never raises: an etcd error is logged and counts as not known (False)."""
+        of the group to have put theirs or left the newest epoch (or until ``stop()``).
+        True when none is owed. Never raises: an etcd error is logged and counts as not
+        known (False)."""
         from resilient import goodbye
 
         epoch = self.epoch
@@ -126,7 +127,7 @@ class ConnectedCommunicator(Communicator):
         try:
             owed = goodbye.farewell(self.store, self.session.job, self.member_id, self.session.lease_id,
                                     addresses_of(epoch), self.next_seq, self.watcher.current,
-                                    self.watcher.subscribe, goodbye.linger_bound(self.op_timeout))
+                                    self.watcher.subscribe, goodbye.linger_bound(self.op_timeout), stop)
         except Exception as exc:  # noqa: BLE001 - leaving goes on as it would without a goodbye
             log.info("close: goodbye of %s failed (leaving without it): %s", self.member_id, exc)
             return False

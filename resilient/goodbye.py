@@ -14,7 +14,11 @@ goodbye and lingers:
 2. it waits until every *peer* (the other members of the Communicator's group) has put
    its own goodbye — it has finished all its ops, so it needs nothing of ours any more —
    or is no longer a member of the newest epoch (it died, or said goodbye and left),
-   or ``timeout`` passed. The goodbyes arrive by an etcd watch started at the revision of
+   or ``timeout`` passed, or the caller's ``stop()`` holds (checked at each goodbye and
+   epoch that arrives: ``Communicator.close`` stops when an epoch removes a member and a
+   recovery of the last op may need this member's retained result — the peers in that
+   recovery say goodbye only after it, so waiting for them would hold it up to the bound).
+   The goodbyes arrive by an etcd watch started at the revision of
    the first read (none is missed, even one whose lease is already revoked again), the
    epochs by the epoch watcher: nothing polls.
 
@@ -115,14 +119,14 @@ class _Said:
 def farewell(store: Store, job: str, member_id: str, lease_id: int, addresses: Mapping[str, str],
              seq: int, current: Callable[[], Epoch | None],
              subscribe: Callable[[Callable[[Epoch], None]], Callable[[], None]],
-             timeout: float) -> frozenset[str]:
+             timeout: float, stop: Callable[[], bool] | None = None) -> frozenset[str]:
     """Say goodbye as ``member_id`` (on ``lease_id``) and wait, at most ``timeout`` s, for
     the peers in ``addresses`` (member id -> transport address in the group's epoch; this
     member's own entry is its address and is not waited for) to have said theirs or to be
     out of the newest epoch (``current``: the epoch watcher's newest; ``subscribe``: its
     subscription, to wake on a new epoch). Returns the peers still owing their goodbye at
-    the deadline (empty: every peer finished or is gone). See the module docstring for
-    the failure behaviour."""
+    the deadline (empty: every peer finished or is gone), or as soon as ``stop()`` is true
+    while some still owe it. See the module docstring for the failure behaviour."""
     pfx = prefix(job)
     own = addresses.get(member_id, "")
     peers = {m for m in addresses if m != member_id}
@@ -155,6 +159,9 @@ def farewell(store: Store, job: str, member_id: str, lease_id: int, addresses: M
         while True:
             left = pending()
             remaining = deadline - time.monotonic()
+            if left and stop is not None and stop():
+                log.info("goodbye: %s stops waiting for %s (a recovery may need it)", member_id, sorted(left))
+                return frozenset(left)
             if not left or remaining <= 0:
                 if left:
                     log.info("goodbye: %s leaves without the goodbye of %s (waited %.1fs)", member_id,

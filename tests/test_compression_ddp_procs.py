@@ -11,7 +11,6 @@ tests/workers/ddp_compress_worker.py). One run, two tests:
   train with identical parameters, the joiner among the contributors."""
 from __future__ import annotations
 
-import json
 import signal
 import sys
 import time
@@ -22,29 +21,13 @@ import pytest
 import torch
 
 from collective_harness import coordinator
-from resilient.collectives.quantization import Segment, dequantize, quantize
+from ddp_compress_records import by_step, floats, records, reference
 from resilient.process_pool import Child
 from torch_proc_helpers import RankProcs, err_logs, wait_files, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "ddp_compress_worker.py"
 WORLD, KILL_AFTER, LR = 3, 2, 0.1
-
-
-def floats(h: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(bytes.fromhex(h)), dtype=torch.float32)
-
-
-def _record(line: str) -> dict[str, Any] | None:
-    try:
-        return dict(json.loads(line))
-    except ValueError:
-        return None  # the line the kill cut
-
-
-def records(d: Path) -> dict[str, list[dict[str, Any]]]:
-    """Each member's step records (``DIR/<member>.jsonl``)."""
-    return {f.stem: [r for r in map(_record, f.read_text().splitlines()) if r is not None] for f in d.glob("*.jsonl")}
 
 
 @pytest.fixture(scope="module")
@@ -87,46 +70,23 @@ def run(etcd_session, tmp_path_factory) -> dict[str, Any]:
     return {"dir": d, "recs": recs, "victim": victim, "survivors": survivors, "joiner": joiner_id}
 
 
-def _by_step(recs: dict[str, list[dict[str, Any]]]) -> dict[int, list[dict[str, Any]]]:
-    out: dict[int, list[dict[str, Any]]] = {}
-    for rs in recs.values():
-        for r in rs:
-            out.setdefault(r["step"], []).append(r)
-    return out
-
-
-def _reference(d: Path, rec: dict[str, Any], key: str) -> torch.Tensor:
-    """fl32(sum over the contributors of s*q_i) / |C| from the inputs they wrote."""
-    sc = floats(rec["scales"])
-    segs = [Segment(a, b, k) for a, b, k in rec["segs"]]
-    Q = None
-    for m in rec["C"]:
-        f = d / f"x_{m}_{rec['step']}_{key}.bin"
-        assert f.exists(), f"contributor {m} of step {rec['step']} wrote no input"
-        q = quantize(torch.frombuffer(bytearray(f.read_bytes()), dtype=torch.float32), sc, segs, rec["bucket"],
-                     rec["nb"])
-        Q = q if Q is None else Q + q
-    assert Q is not None
-    return dequantize(Q, sc, segs, rec["bucket"]).div_(len(rec["C"]))
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_survivors_of_a_sigkill_train_on_bitwise_identical_and_exact(run):
     d, victim = run["dir"], run["victim"]
-    by_step = _by_step(run["recs"])
-    assert sorted(by_step) == list(range(max(by_step) + 1))
+    steps_of = by_step(run["recs"])
+    assert sorted(steps_of) == list(range(max(steps_of) + 1))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     params = list(model.parameters())
     shrunk = False
-    for s, rs in sorted(by_step.items()):
+    for s, rs in sorted(steps_of.items()):
         assert len({r["params"] for r in rs}) == 1, f"step {s}: members' parameters differ"
         rec = rs[0]
         assert len(rec["buckets"]) == 1 and all(r["C"] == rec["C"] and r["scales"] == rec["scales"] for r in rs)
         ((key, b),) = rec["buckets"].items()
-        ref = _reference(d, rec, key)
+        ref = reference(d, rec, key)
         assert torch.equal(floats(b["grads"]), ref), f"step {s}: the bucket is not the exact mean over {rec['C']}"
         # replay SGD from the recorded parameters with the reference gradient
         with torch.no_grad():
@@ -145,7 +105,7 @@ def test_survivors_of_a_sigkill_train_on_bitwise_identical_and_exact(run):
         opt.step()
         assert torch.cat([p.detach().reshape(-1) for p in params]).numpy().tobytes().hex() == rec["params"], s
         if s > 0:
-            assert rec["pre"] == by_step[s - 1][0]["params"], f"step {s} did not start from step {s - 1}'s parameters"
+            assert rec["pre"] == steps_of[s - 1][0]["params"], f"step {s} did not start from step {s - 1}'s parameters"
         shrunk |= rec["world"] == WORLD - 1 and victim not in rec["C"] and len(rec["C"]) == WORLD - 1
     last_victim = max(r["step"] for r in run["recs"][victim])
     assert last_victim >= KILL_AFTER and shrunk, "the survivors never trained without the killed worker"
@@ -155,13 +115,13 @@ def test_survivors_of_a_sigkill_train_on_bitwise_identical_and_exact(run):
 @pytest.mark.timeout(180)
 def test_a_joiner_after_the_death_gets_the_state_and_trains_identically(run):
     recs, joiner = run["recs"], run["joiner"]
-    by_step = _by_step(recs)
+    steps_of = by_step(recs)
     mine = recs[joiner]
     first = mine[0]
     assert first["synced"] and first["res_n"] == 0, first      # state received; residuals start at zero
-    assert first["pre"] == by_step[first["step"] - 1][0]["params"]   # the survivors' parameters, exactly
+    assert first["pre"] == steps_of[first["step"] - 1][0]["params"]   # the survivors' parameters, exactly
     assert all(r["res_n"] > 0 for m in run["survivors"] for r in recs[m] if r["step"] == first["step"])
     assert len(mine) >= 3
     for r in mine:
         assert r["world"] == WORLD and joiner in r["C"] and len(r["C"]) == WORLD, r["C"]
-        assert {x["params"] for x in by_step[r["step"]]} == {r["params"]}
+        assert {x["params"] for x in steps_of[r["step"]]} == {r["params"]}

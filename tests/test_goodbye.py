@@ -110,7 +110,8 @@ MEMBER = textwrap.dedent('''
                 wait_until(ready, 60, "the others to finish the op, then leave or say goodbye")
 
     wrap = SlowReader if role == "slow" else None
-    comm = resilient.connect(etcd, job, mid, world=world, timeout=60, ttl=30.0, op_timeout=op_timeout,
+    ttl = float(os.environ.get("GOODBYE_TEST_TTL", "30"))
+    comm = resilient.connect(etcd, job, mid, world=world, timeout=60, ttl=ttl, op_timeout=op_timeout,
                              wrap_transport=wrap)
     n = 4 << 20                                   # 16 MiB of float32: the ring, a 4 MiB chunk per member
     t = torch.full((n,), float(int(mid[1:]) + 1))
@@ -127,17 +128,22 @@ MEMBER = textwrap.dedent('''
 ''')
 
 
-def _run(etcd, job: str, tmp_path: Path, roles: dict[str, str], op_timeout: float) -> dict[str, tuple]:
-    """Run one member process per entry of ``roles`` (member id -> fast / slow / die)
-    under a coordinator; returns member -> (returncode, RESULT record, CLOSED record, stderr)."""
+def _run(etcd, job: str, tmp_path: Path, roles: dict[str, str], op_timeout: float,
+         env_of: dict[str, dict[str, str]] | None = None) -> dict[str, tuple]:
+    """Run one member process per entry of ``roles`` (member id -> fast / slow / die, any
+    other role: a member that just closes) under a coordinator, member ``m`` with the extra
+    environment ``env_of[m]``; returns member -> (returncode, RESULT record, CLOSED record,
+    stderr)."""
     script = tmp_path / "member.py"
     script.write_text(MEMBER)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("RESILIENT_FAILPOINTS", None)
     results = {}
     with coordinator(etcd.endpoint_arg, job):
         procs = {mid: subprocess.Popen([sys.executable, str(script), etcd.endpoint_arg, job, mid, json.dumps(roles),
                                         str(tmp_path), str(op_timeout)],
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                       env={**env, **(env_of or {}).get(mid, {})})
                  for mid in roles}
         try:
             for mid, p in procs.items():
@@ -179,6 +185,40 @@ def test_members_closing_right_after_the_last_allreduce_wait_for_a_slow_peer_and
             # waited for m2 until the bound; then a leave and at most one recovery round
             # (1 s) of slack: never the 30 s TTL
             assert linger_bound(3.0) <= closed["seconds"] < 20.0, (mid, closed)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ring_on_one_host")   # the failpoint is the ring's all-gather
+def test_members_closing_after_a_peer_died_in_the_op_serve_its_recovery_before_leaving(etcd_session, job_name,
+                                                                                       tmp_path):
+    """m2 is SIGKILLed in the last step of the ring's all-gather (its last slice to m3
+    never leaves): m0 and m1 finish the op with every contributor and close at once; m3
+    misses that slice and recovers it, from their retained results. The closers' goodbye
+    stops waiting when the epoch that removes m2 arrives (a recovery of their last op may
+    need them), they serve m3's recovery, then say goodbye again and linger until m3
+    finished. So every survivor reports the same
+    contributors and an exact sum. (Before, the closers waited the bound, 10 s, for m3's
+    goodbye while m3's recovery waited for their statuses, then left without serving it,
+    or served it and left at once, aborting m3 while it read what they sent: m3 then
+    finished the op over fewer members than m0 and m1 reported — found by the kill cases
+    of bench/compression.py.)"""
+    from resilient.goodbye import linger_bound
+
+    roles = {"m0": "close", "m1": "close", "m2": "killed", "m3": "close"}
+    # 2 s leases: m2's expires within the closers' bound (10 s), as the node agent's
+    # revocation would end it at once
+    ttl = {m: {"GOODBYE_TEST_TTL": "2"} for m in roles}
+    results = _run(etcd_session, job_name, tmp_path, roles, op_timeout=30.0,
+                   env_of={**ttl, "m2": {**ttl["m2"], "RESILIENT_FAILPOINTS": "kill@op=0,phase=ag,frac=0.7"}})
+    assert results["m2"][0] == -signal.SIGKILL, results["m2"]
+    survivors = {mid: r for mid, r in results.items() if mid != "m2"}
+    for mid, (rc, result, closed, err) in survivors.items():
+        assert rc == 0 and result is not None and closed is not None, (mid, rc, err)
+        assert result["exact"], (mid, result, err)
+    contributors = {mid: tuple(r[1]["contributors"]) for mid, r in survivors.items()}
+    assert len(set(contributors.values())) == 1, contributors
+    for mid, (_, _, closed, _) in survivors.items():   # stopped at m2's death, not at the bound
+        assert closed["seconds"] < linger_bound(30.0), (mid, closed)
 
 
 def test_goodbye_records_are_validated_and_the_linger_is_bounded():

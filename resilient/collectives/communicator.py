@@ -296,10 +296,13 @@ class Communicator:
         our kept result: unless every peer said goodbye, if an epoch that removes a member
         is already published (or arrives within ``linger`` seconds), this member takes
         part in that recovery from its retained result
-        (:meth:`.recovery_path.RecoveryPath.serve_retained`). With ``leave=True`` it then
+        (:meth:`.recovery_path.RecoveryPath.serve_retained`). The goodbye's wait ends early
+        when an epoch removes a member after this member's last op (the others may be
+        recovering it instead of saying goodbye), and after serving a recovery this member says goodbye again and lingers until the
+        peers finished the op from what it sent. With ``leave=True`` it then
         ends its membership (revokes its lease through the group view), so peers that
         would need it later see an epoch change at once instead of waiting for it. Never
-        raises for a failed peer; bounded by the goodbye + ``linger`` + one recovery.
+        raises for a failed peer; bounded by two goodbyes + ``linger`` + one recovery.
         Under the deadline straggler policy a parent first waits (at most ``op_timeout``)
         until its leaves finished the last op (they may lag by one:
         ``algorithms/leaf_deadline.drain``). When that wait is cut short — an epoch that
@@ -314,8 +317,11 @@ class Communicator:
         t0 = time.monotonic()
         if not drain(self._op_transport, self.epoch.number, budget):
             linger = max(linger, budget - (time.monotonic() - t0))
-        if not (leave and self._say_goodbye()):
-            self._recovery.serve_retained(linger, self.policy)
+        if not (leave and self._say_goodbye(stop=self._recovery.may_need_retained)):
+            if self._recovery.serve_retained(linger, self.policy) and leave:
+                # the peers are finishing the op from what this member just sent: linger
+                # again until they did (leaving now would abort them while they read it)
+                self._say_goodbye()
         self._epochs.unwatch()
         self._route.close()
         if leave:
@@ -324,10 +330,12 @@ class Communicator:
             except Exception as exc:  # noqa: BLE001
                 log.info("close: leaving failed (the lease TTL removes this member): %s", exc)
 
-    def _say_goodbye(self) -> bool:
+    def _say_goodbye(self, stop: Callable[[], bool] | None = None) -> bool:
         """Before leaving (:meth:`close` with ``leave=True``): tell the peers this member
         is done and wait, bounded, until they finished their last op; True when every peer
-        did (none can need our retained result any more). This Communicator has no
+        did (none can need our retained result any more). ``stop``: stop waiting (False)
+        as soon as it holds — :meth:`close` passes "a recovery of the last op may need our
+        retained result", which it then serves before it says goodbye again. This Communicator has no
         control plane of its own to say it on: False (nothing known); a subclass with one
         (``resilient.connect``'s) says it. Never raises."""
         return False

@@ -210,19 +210,29 @@ class RecoveryPath:
 
     # -- the retained result, on the way out --------------------------------------------------
 
-    def serve_retained(self, linger: float, policy: Policy) -> None:
+    def may_need_retained(self) -> bool:
+        """Whether a recovery of our last op may be waiting for our retained result: an
+        epoch newer than our last ledger-status exchange removes a member (the condition
+        under which :meth:`serve_retained` joins a round)."""
+        e = self.view.current()
+        return (self.retained is not None and e is not None and e.number > self.status_epoch
+                and self.member_id in e.members and self.epochs.removes(e))
+
+    def serve_retained(self, linger: float, policy: Policy) -> bool:
         """Join a recovery of our last op from its retained result (``Communicator.close``;
-        ``policy``: the communicator's default). Best effort: never raises, a failure is
-        logged (the peers then recover without this member)."""
+        ``policy``: the communicator's default); True when this member took part in one.
+        Best effort: never raises, a failure is logged (the peers then recover without
+        this member)."""
         R = self.retained
         if R is None:
-            return
+            return False
         try:
-            self._serve(R, linger, policy)
+            return self._serve(R, linger, policy)
         except (Exception, EpochChanged, TransportAborted) as exc:  # noqa: BLE001 - best effort on the way out
             log.info("close: serving the retained result of op #%s failed: %s", R.seq, exc)
+            return False
 
-    def _serve(self, R: Ledger, linger: float, policy: Policy) -> None:
+    def _serve(self, R: Ledger, linger: float, policy: Policy) -> bool:
         end = time.monotonic() + linger
         # a round cut short by a newer epoch: the survivors go on in that epoch whatever it
         # changes (their op's members are R's, not the group we narrowed to on entering)
@@ -232,20 +242,21 @@ class RecoveryPath:
             if (e is None or e.number <= self.status_epoch or self.member_id not in e.members
                     or not (cut or self.epochs.removes(e))):
                 if time.monotonic() >= end:
-                    return
+                    return False
                 try:
                     self.view.wait_for(lambda x: x.number > max(self.status_epoch, self.epochs.epoch.number),
                                        max(0.01, end - time.monotonic()))
                 except TimeoutError:
-                    return
+                    return False
                 continue
             try:
                 r = self._round(e, None, R.members, max(1.0, end - time.monotonic()))
             except TimeoutError:
-                return
+                return False
             if r is None:
                 cut = True
                 continue
             if r.lowest == R.seq:
                 self._finish(R, r, ReduceOp.SUM, policy)
-            return
+                return True
+            return False

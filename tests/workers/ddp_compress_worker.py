@@ -19,8 +19,17 @@ bucket's result, the parameter gradients in bucket order, the parameters after t
 ``DIR/member_<RANK>`` (``DIR/member_joiner``) holds the member id.
 
 Training runs until the world has shrunk below WORLD and then run 4 steps at WORLD again
-(a joiner trained with the survivors), or 1500 steps; the survivors then write
-``DIR/<member>.done``. Every ``State`` field is synced to a joiner, so the stop is agreed.
+(a joiner trained with the survivors), or ``EF_STEPS`` steps (default 1500); the survivors
+then write ``DIR/<member>.done``. Every ``State`` field is synced to a joiner, so the stop
+is agreed.
+
+``EF_MODE`` (tests/test_compression_ddp_modes_procs.py): ``adaptive`` —
+``ErrorFeedback(adaptive=True)`` with a threshold (0.01) this model's q4 noise exceeds, so
+the bits go 4 -> 8; ``auto`` — ``switch="auto"`` with a switch that probes q4 whatever the
+link model says and picks it on any measured speedup (``margin=0``), votes every 3 calls
+and probes fp32 again after 4, so training goes through both arms; its decisions are logged
+(the switch's INFO lines on stderr). Each record then also holds whether the step's op ran
+compressed, the switch's choice and the bits error feedback chose for the next step.
 """
 import json
 import os
@@ -40,7 +49,8 @@ from resilient.elastic import State
 from resilient.torch_backend import current_engine
 
 RANK, WORLD, DIR = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
-LR, MAX_STEPS = 0.1, 1500
+LR, MAX_STEPS = 0.1, int(os.environ.get("EF_STEPS", "1500"))
+MODE = os.environ.get("EF_MODE", "")
 
 
 # no ``from __future__ import annotations``: DDP checks the hook's annotations as objects
@@ -74,7 +84,18 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     index = {id(p): i for i, p in enumerate(model.parameters())}
     ddp = DDP(model)
-    ef = ErrorFeedback(bits=4, bucket=64, min_numel=256)
+    ef = ErrorFeedback(bits=4, bucket=64, min_numel=256, adaptive=MODE == "adaptive",
+                       adaptive_threshold=0.01 if MODE == "adaptive" else 0.5,
+                       switch="auto" if MODE == "auto" else None)
+    if MODE == "auto":
+        import logging
+
+        from resilient.collectives.compression_switch import CompressionSwitch
+
+        logging.basicConfig(level=logging.WARNING, format="%(name)s %(message)s")
+        logging.getLogger("resilient.collectives.compression_switch").setLevel(logging.INFO)
+        engine_comm().compression_switch = CompressionSwitch(margin=0.0, skip_below=0.0, revote_every=3,
+                                                             probe_every=4, codec_s_per_byte={4: (0.0, 0.0)})
     step_box = [0]
     order: dict[str, list[int]] = {}
 
@@ -107,15 +128,20 @@ def main() -> None:
         pre = hexof(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
         opt.zero_grad()
         x, y = batch(me, step)
+        before = engine_comm().last_compression
         torch.nn.functional.mse_loss(ddp(x), y).backward()
         info = engine_comm().last_compression
         grads = [p.grad.reshape(-1) for p in model.parameters()]
+        sw = engine_comm().compression_switch
         rec = {"step": step, "member": me, "world": n, "synced": state.syncs_received != received,
                "res_n": res_n, "pre": pre, "C": sorted(ef.tracker.step_contributors()),
                "buckets": {k: {"order": o, "grads": hexof(torch.cat([grads[i] for i in o]))} for k, o in order.items()},
-               "scale_C": sorted(info["scale_contributors"]), "scales": hexof(info["scales"]),
-               "nb": info["members_bound"], "segs": [[s.start, s.end, s.bits] for s in info["segments"]],
-               "bucket": info["bucket"]}
+               "compressed": info is not None and info is not before, "choice": sw.last_choice if sw else None,
+               "next_bits": dict(ef.bucket_bits)}
+        if info is not None:   # the last compressed op's (this step's when "compressed")
+            rec.update({"scale_C": sorted(info["scale_contributors"]), "scales": hexof(info["scales"]),
+                        "nb": info["members_bound"], "segs": [[s.start, s.end, s.bits] for s in info["segments"]],
+                        "bucket": info["bucket"]})
         ef.tracker.reset()
         opt.step()
         rec["params"] = hexof(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
