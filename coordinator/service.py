@@ -60,7 +60,8 @@ from resilient.coordinator.election import LeaderElection
 from resilient.coordinator.epoch import Epoch, EpochData, EpochPlan, latest_valid_history
 from resilient.coordinator.epoch_view import EpochIndex, EpochView, StateView
 from resilient.coordinator.eviction import read_requests
-from resilient.coordinator.health import no_demotion, read_health, write_scores
+from resilient.coordinator.health import no_demotion, write_scores
+from resilient.coordinator.health_cache import HealthCache
 from resilient.coordinator.link_classes import LINK_LABEL, SPEED_BAND, parse_speeds, speeds_from_health
 from resilient.coordinator.liveness import LeaseLiveness
 from resilient.coordinator.metrics import CoordinatorMetrics
@@ -112,8 +113,9 @@ class CoordinatorConfig:
     records; a delta epoch carries the speeds that changed), changed only when a
     measurement leaves the band ``link_band`` around the published speed
     (:func:`.link_classes.settle_speeds`); ``link_measure_interval``: from
-    ``delta_min_members`` on, the ``health/`` records are read for link speeds at most
-    this often (an O(N) read at scale; below it, every pass)."""
+    ``delta_min_members`` on, link speeds are measured at most this often (from the
+    records that carry them, kept with the others from a watch on ``health/``,
+    :class:`.health_cache.HealthCache`; below it, every pass)."""
 
     ttl: float = 5.0
     debounce: float = 0.02
@@ -287,6 +289,8 @@ class Coordinator:
         self._dirty = _DirtyMarks()
         self._full_pass = True         # next pass compares the whole directory with the epoch
         self._measured_at = -math.inf  # monotonic time link speeds were last read from health/
+        #: the ``health/`` records, kept from a watch (opened on first use; one per term)
+        self._health = HealthCache(store, self.job)
         self._reload_due = True        # next pass re-reads the directory (paged)
         self._pub: _Published | None = None
         self._admitted_epoch = -1   # the newest epoch whose admission is known agreed (_admitting)
@@ -406,6 +410,7 @@ class Coordinator:
         self._dir = Directory(self.job)
         self._dirty = _DirtyMarks()
         self._members_copy = (-1, {})   # keyed by the new directory's versions, which restart
+        self._health.close()            # read afresh: a new term's first pass sees every record
         rev = self._reload()
         return [
             self.store.watch_prefix(keys.members(self.job), rev + 1, self._on_member_events),
@@ -478,6 +483,7 @@ class Coordinator:
         finally:
             for w in watches:
                 w.cancel()
+            self._health.close()
             self.shares.stop()   # its rate watch: a standby keeps none open
 
     def _check_suspects(self, members: Mapping[str, Entry]) -> tuple[dict[str, float], list[str], bool]:
@@ -610,15 +616,18 @@ class Coordinator:
         epoch_view = pub.view() if pub is not None and needs.epoch else None
         departed, bad_markers = self._read_departed()
         # measured link speeds, in either epoch form (a delta record carries the speeds that
-        # changed, coordinator/delta.py); at scale the O(N) health read is rate-limited
+        # changed, coordinator/delta.py); at scale the O(linked members) measurement is rate-limited
         now = time.monotonic()
         measure = self.config.measure_links and (len(members) < self.config.delta_min_members or
                                                  now - self._measured_at >= self.config.link_measure_interval)
         if measure:
             self._measured_at = now
-        records = read_health(self.store, self.job) if needs.health or measure else {}
-        health = self._health_verdict(epoch_view, alive.keys(), records if needs.health else {})
-        measured = speeds_from_health(records, _hosts_named(records, alive)) if measure else None
+        # health records from the watched cache: the detector gets the members changed
+        # since the last pass, link measurement the records that carry speeds
+        records: Mapping[str, HealthRecord] = self._health.records() if needs.health else {}
+        health = self._health_verdict(epoch_view, alive.keys(), records)
+        linked = self._health.linked() if measure else {}
+        measured = speeds_from_health(linked, _hosts_named(linked, alive)) if measure else None
         facts = None
         if pub is not None:
             self.metrics.epoch.set(pub.number)

@@ -18,7 +18,8 @@ KEYS = ("epoch_bytes_node_loss", "writes_per_epoch", "coordinator_cpu_ms_per_epo
 
 def _args(**kw: object) -> argparse.Namespace:
     base: dict[str, object] = dict(gpus=512, gpus_per_node=8, nodes_per_rack=8, ttl=5.0, proxies=4, steady=3.0,
-                                   summary_interval=15.0, reload_interval=300.0, derive_sample=4, seed=3,
+                                   health_budget=10.0, health_window=1.0, health_noise=0.02, health_busy=0.5,
+                                   health_warmup=2.0, reload_interval=300.0, derive_sample=4, seed=3,
                                    straggler_policy=False, sim_params=None)
     base.update(kw)
     return argparse.Namespace(**base)

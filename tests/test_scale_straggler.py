@@ -136,3 +136,39 @@ def test_sparse_separation_is_the_planners_greedy(n: int, data: st.DataObject) -
     keyed = [(f"{'1' if i >= healthy else '0'}", (0, i), m) for i, m in enumerate(ids)]
     got = [k[2] for k in _separate(keyed, healthy, avoid)]
     assert got == _reference_separate(ids, healthy, avoid)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 11), st.sampled_from([0.2, 0.5, 0.55, 0.9, 1.0]),
+                                   st.integers(0, 3), st.booleans(), st.booleans()), max_size=6),
+                min_size=1, max_size=40))
+def test_fed_only_the_changed_records_the_detector_decides_as_when_it_reads_them_all(passes):
+    """Each pass changes a few records (a new window, a summary's held one with its run,
+    or the record gone); a detector told which members changed (as the coordinator's
+    HealthCache tells it) reaches the same states, verdicts and events as one that looks
+    at every record every pass."""
+    from resilient.coordinator.straggler import StragglerDetector
+
+    ring = [f"m{i:02d}" for i in range(12)]
+    cfg = StragglerConfig(confirm_windows=2, release_windows=2)
+    full, incremental = StragglerDetector(cfg), StragglerDetector(cfg)
+    records: dict = {}
+    seq = {m: 0 for m in ring}
+    for p, changes in enumerate(passes):
+        now = 100.0 + p
+        changed = set()
+        for i, busy, run, held, gone in changes:
+            m = ring[i]
+            changed.add(m)
+            if gone:
+                records.pop(m, None)
+                continue
+            seq[m] += max(1, run)
+            rec = make_record(m, 1, seq[m], ops=10, window_s=1.0, wait_s={"p": 1.0 - busy}, at=now)
+            if held:
+                rec["run"] = run
+            records[m] = rec
+        a = full.update(dict(records), ring, 1, now)
+        b = incremental.update(dict(records), ring, 1, now, changed=changed)
+        assert (a.demoted, a.avoid, a.scores) == (b.demoted, b.avoid, b.scores)
+    assert full.events == incremental.events
