@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.calibrate_sim import DEFAULT_OUT as DEFAULT_PARAMS, load_params  # noqa: E402
 from bench.sim_store import EXPIRY_TICK, Clock, Latency, SimStore  # noqa: E402
 from resilient.collectives.join_agreement import encode_agreed  # noqa: E402
+from resilient.collectives.status_exchange import etcd_puts as ledger_puts  # noqa: E402
 from resilient.coordinator import keys  # noqa: E402
 from resilient.coordinator.delta import EpochDelta, EpochState, is_delta, parse_delta, resolve  # noqa: E402
 from resilient.coordinator.directory import NodeRecord  # noqa: E402
@@ -96,6 +97,25 @@ class SimHealthCache(HealthCache):
 
     def _on_events(self, events: list[WatchEvent]) -> None:
         self.sim._timed(super()._on_events, events)
+
+
+def data_plane_traffic(d: EpochDelta) -> Record:
+    """The etcd traffic the data plane makes for epoch ``d``, by the rules the members
+    run (not simulated member by member): a removal starts a recovery among the
+    ``d.size`` survivors, whose ledger exchange puts ``status_exchange.etcd_puts`` keys
+    (none beyond 64 survivors while the transport works) and waits on them with two
+    watches each when it puts them; a growing epoch's join agreement puts one key (the
+    tree root's; a stalled tree adds its fallback records) and every old member and
+    joiner waits for it with two watches (the epoch's ``joinseq`` prefix and ``epoch``)."""
+    writes = watches = 0
+    if d.removed:
+        ledger = ledger_puts(d.size)
+        writes += ledger
+        watches += 2 * ledger
+    if d.added and d.size > len(d.added):
+        writes += 1
+        watches += 2 * d.size
+    return {"data_plane_writes": writes, "data_plane_watches": watches}
 
 
 class Agent:
@@ -287,6 +307,7 @@ class Sim:
                "publish_ms": (t_commit - t_event) * 1000, "removed": len(d.removed), "added": len(d.added),
                "cause": d.cause, "snapshot_epoch": d.snapshot == d.number,
                "avoid_links": len(d.extras.get("avoid") or [])}
+        rec.update(data_plane_traffic(d))
         rec.update(self.deliver(raw, d, t_commit, late_reader))
         self.epochs.append(rec)
         return rec
@@ -554,6 +575,10 @@ def run_sim(args: argparse.Namespace) -> Record:
 
     scenario = [ep for ep in sim.epochs]
     out["writes_per_epoch"] = max(ep["writes"] for ep in scenario)
+    # the data plane's etcd writes and watches of the same epochs (ledger exchange, join agreement)
+    out["data_plane_writes_per_epoch"] = max(ep["data_plane_writes"] for ep in scenario)
+    out["writes_per_epoch_with_data_plane"] = max(ep["writes"] + ep["data_plane_writes"] for ep in scenario)
+    out["data_plane_watches_per_epoch"] = max(ep["data_plane_watches"] for ep in scenario)
     out["coordinator_cpu_ms_per_epoch"] = round(max(ep["cpu_ms"] for ep in scenario), 2)
     out["straggler_policy"] = bool(args.straggler_policy)
     # epochs whose plan avoids links (the detector's probe): the planner's swaps need the full plan

@@ -145,6 +145,13 @@ class CoordinatorConfig:
             raise ConfigError(f"--min-members must be >= 1, got {self.min_members}")
 
 
+def _still_alive(h: HealthOutcome, alive: Mapping[str, Entry]) -> HealthOutcome:
+    """A health verdict with the members no longer alive left out of its demotions and
+    avoided links (its evictions and re-admissions are the policy's, kept as they are)."""
+    return HealthOutcome({m for m in h.demoted if m in alive}, [p for p in h.avoid if p[0] in alive and p[1] in alive],
+                         h.evicted, h.readmitted, h.leaf_deadline_ms)
+
+
 def _hosts_named(records: Mapping[str, HealthRecord], alive: Mapping[str, Entry]) -> dict[str, str]:
     """The host of every live member a health record names (its writer and the peers it
     measured): O(records), not O(members) (``alive`` may be the live directory: looked up)."""
@@ -291,6 +298,8 @@ class Coordinator:
         self._measured_at = -math.inf  # monotonic time link speeds were last read from health/
         #: the ``health/`` records, kept from a watch (opened on first use; one per term)
         self._health = HealthCache(store, self.job)
+        #: the last health verdict (a membership pass publishes with it, _read_pass)
+        self._health_last: HealthOutcome | None = None
         self._reload_due = True        # next pass re-reads the directory (paged)
         self._pub: _Published | None = None
         self._admitted_epoch = -1   # the newest epoch whose admission is known agreed (_admitting)
@@ -411,6 +420,7 @@ class Coordinator:
         self._dirty = _DirtyMarks()
         self._members_copy = (-1, {})   # keyed by the new directory's versions, which restart
         self._health.close()            # read afresh: a new term's first pass sees every record
+        self._health_last = None
         rev = self._reload()
         return [
             self.store.watch_prefix(keys.members(self.job), rev + 1, self._on_member_events),
@@ -623,9 +633,15 @@ class Coordinator:
         if measure:
             self._measured_at = now
         # health records from the watched cache: the detector gets the members changed
-        # since the last pass, link measurement the records that carry speeds
-        records: Mapping[str, HealthRecord] = self._health.records() if needs.health else {}
-        health = self._health_verdict(epoch_view, alive.keys(), records)
+        # since the last pass, link measurement the records that carry speeds. A pass for a
+        # membership change publishes with the previous pass's health verdict: the records
+        # that came meanwhile go to the next pass (within resync_interval), so an epoch's
+        # CPU does not grow with the health traffic
+        if (lost_seen or join_seen or marks or confirmed or departed) and self._health_last is not None:
+            health = _still_alive(self._health_last, alive)
+        else:
+            records: Mapping[str, HealthRecord] = self._health.records() if needs.health else {}
+            health = self._health_last = self._health_verdict(epoch_view, alive.keys(), records)
         linked = self._health.linked() if measure else {}
         measured = speeds_from_health(linked, _hosts_named(linked, alive)) if measure else None
         facts = None
