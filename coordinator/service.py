@@ -36,6 +36,7 @@ another coordinator takes over after about one ``ttl``; SIGTERM → resign at on
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import gc
 import logging
@@ -45,7 +46,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Set
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -143,6 +144,25 @@ class CoordinatorConfig:
             raise ConfigError(f"coordinator link_band must be in (0, 10] (0.25: a 25 % change), got {self.link_band}")
         if self.min_members < 1:
             raise ConfigError(f"--min-members must be >= 1, got {self.min_members}")
+
+
+def _old_positions(pub: "_Published", added: Set[str]) -> Callable[[str], int | None]:
+    """An old member's position among the old members of ``pub`` in its order (what the
+    join agreement's tree is built on), None for any other id: from the full record's
+    member list, or by lookup on the delta state's ring (O(log N) each: the ring's order
+    is the epoch's, property-tested in tests/test_scale_straggler.py)."""
+    if pub.epoch is not None:
+        index = {m: i for i, m in enumerate(m for m in pub.epoch.members if m not in added)}
+        return index.get
+    view = pub.view()
+    before = sorted(view.position(m) for m in added if m in view)   # the joiners' ring positions
+
+    def position(m: str) -> int | None:
+        if m in added or m not in view:
+            return None
+        p = view.position(m)
+        return p - bisect.bisect_left(before, p)
+    return position
 
 
 def _still_alive(h: HealthOutcome, alive: Mapping[str, Entry]) -> HealthOutcome:
@@ -686,7 +706,7 @@ class Coordinator:
             self._admitted_epoch = pub.number
             return frozenset()
         got = EpochData(self.store, self.job, pub.number).get_all(BLOB)
-        if admission_complete(got, lambda m: m in pub.members and m not in added, n_olds, pub.number):
+        if got and admission_complete(got, _old_positions(pub, added), n_olds, pub.number):
             self._admitted_epoch = pub.number
             return frozenset()
         return joiners

@@ -87,8 +87,9 @@ class Settings:
         "RESILIENT_JOIN_TREE", "1", "a growing epoch's op seq is agreed along a tree of the old members over the "
         "data plane, its root writing one etcd key; `0`: one `joinseq` key per old member (docs/scale.md)"))
     join_tree_stall: float = field(default=1.0, metadata=_var(
-        "RESILIENT_JOIN_TREE_STALL", "1", "seconds an old member waits for the join tree's result before it also "
-        "writes its own `joinseq` key (a stalled tree then ends as the per-member agreement; > 0, docs/scale.md)"))
+        "RESILIENT_JOIN_TREE_STALL", "1", "seconds an old member waits for the join tree's result before it writes a "
+        "covering `joinseq` record if its subtree is incomplete (the members around a stall complete the agreement; "
+        "> 0, docs/scale.md)"))
     ledger_etcd_max: int = field(default=64, metadata=_var(
         "RESILIENT_LEDGER_ETCD_MAX", "64", "up to this many survivors a recovery's ledger summaries also go through "
         "etcd from the start (`epochs/<n>/data/ledger/`); beyond it only as a fallback (>= 0, docs/scale.md)"))

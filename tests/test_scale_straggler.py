@@ -172,3 +172,28 @@ def test_fed_only_the_changed_records_the_detector_decides_as_when_it_reads_them
         b = incremental.update(dict(records), ring, 1, now, changed=changed)
         assert (a.demoted, a.avoid, a.scores) == (b.demoted, b.avoid, b.scores)
     assert full.events == incremental.events
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.booleans(), st.booleans()), min_size=2, max_size=40),
+       st.sets(st.integers(0, 30), min_size=1, max_size=4))
+def test_the_coordinator_places_old_members_where_the_join_tree_does(steps, joiners):
+    """The coordinator's position of an old member of a growing delta epoch (ring lookup
+    less the joiners before it, service._old_positions) is its position in the join
+    agreement's tree (join_agreement.old_members of the full epoch the members resolve)."""
+    from types import SimpleNamespace
+
+    from resilient.collectives.join_agreement import old_members
+    from resilient.coordinator.service import _old_positions
+
+    state = EpochState(0, {}, {}, {}, "t")
+    state.ring_index()
+    for i, remove, demote in steps:
+        state = _step(state, i, remove, demote)
+    added = {f"r{i:02d}" for i in joiners} & set(state.infos)
+    full = state.to_epoch(EpochDelta(number=state.number, base=state.number - 1, snapshot=0, added=tuple(sorted(added))))
+    want = {m: i for i, m in enumerate(old_members(full))}
+    pub = SimpleNamespace(epoch=None, view=lambda: StateView(state, state.number))
+    position = _old_positions(pub, added)   # type: ignore[arg-type]
+    assert {m: position(m) for m in state.infos if position(m) is not None} == want
+    assert all(position(m) is None for m in added) and position("absent") is None
