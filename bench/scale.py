@@ -4,8 +4,11 @@ Simulation mode (default) drives the **real coordinator code** (:class:`Coordina
 watch handler and reconcile pass, :mod:`resilient.coordinator.delta`, the directory) with
 synthetic node agents on a virtual clock, over :class:`bench.sim_store.SimStore`, which
 enforces etcd's limits (1.5 MiB request, 4 MiB response, 1,000 lease revokes/s, 0.5 s
-expiry tick) and adds estimated etcd latencies (bench/sim_store.py). CPU time of the coordinator
-code is measured (``time.process_time``) and added to the virtual clock. It injects a rank
+expiry tick) and adds estimated etcd latencies (bench/sim_store.py). Each agent runs the real
+:class:`NodeHealthAggregator` fed synthetic rank windows, so the health summaries counted
+are the ones the agents' write policy makes. CPU time of the coordinator code is measured
+(``time.process_time``, less the agents' timers that ran meanwhile) and added to the
+virtual clock. It injects a rank
 crash seen by its agent, a silent node loss, a rack loss, a straggler demotion, a rejoin
 and a coordinator failover, and checks that sample agents (each with its own state,
 resolving deltas or the snapshot) derive the plan hash the coordinator published.
@@ -35,14 +38,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.calibrate_sim import DEFAULT_OUT as DEFAULT_PARAMS, load_params  # noqa: E402
 from bench.sim_store import EXPIRY_TICK, Clock, Latency, SimStore  # noqa: E402
 from resilient.collectives.join_agreement import encode_agreed  # noqa: E402
+from resilient.collectives.status_exchange import etcd_puts as ledger_puts  # noqa: E402
 from resilient.coordinator import keys  # noqa: E402
 from resilient.coordinator.delta import EpochDelta, EpochState, is_delta, parse_delta, resolve  # noqa: E402
 from resilient.coordinator.directory import NodeRecord  # noqa: E402
-from resilient.coordinator.health import (  # noqa: E402
-    DemotionRule, StragglerPolicy, make_record, no_demotion, write_health,
-)
+from resilient.coordinator.health_cache import HealthCache  # noqa: E402
+from resilient.coordinator.health import DemotionRule, StragglerPolicy, no_demotion  # noqa: E402
 from resilient.coordinator.liveness import node_lease_ttl  # noqa: E402
 from resilient.coordinator.membership import KEEPALIVE_FRACTION, MemberInfo  # noqa: E402
+from resilient.coordinator.node_health import NodeHealthAggregator, SummaryPolicy  # noqa: E402
 from resilient.coordinator.service import Coordinator, CoordinatorConfig  # noqa: E402
 from resilient.coordinator.policy import HealthPolicy  # noqa: E402
 from resilient.coordinator.store import KV, Store, WatchEvent  # noqa: E402
@@ -77,14 +81,46 @@ class SimCoordinator(Coordinator):
     def __init__(self, sim: "Sim", cid: str, config: CoordinatorConfig, policy: HealthPolicy) -> None:
         super().__init__(sim.etcd, JOB, cid, config, health_policy=policy)
         self.sim = sim
+        self._health = SimHealthCache(sim)
 
     def _on_member_events(self, events: list[WatchEvent]) -> None:
         self.sim.last_event_at = self.sim.clock.now
         self.sim._timed(super()._on_member_events, events)
 
 
+class SimHealthCache(HealthCache):
+    """The coordinator's health cache, whose watch handler's CPU is the coordinator's too."""
+
+    def __init__(self, sim: "Sim") -> None:
+        super().__init__(sim.etcd, JOB)
+        self.sim = sim
+
+    def _on_events(self, events: list[WatchEvent]) -> None:
+        self.sim._timed(super()._on_events, events)
+
+
+def data_plane_traffic(d: EpochDelta) -> Record:
+    """The etcd traffic the data plane makes for epoch ``d``, by the rules the members
+    run (not simulated member by member): a removal starts a recovery among the
+    ``d.size`` survivors, whose ledger exchange puts ``status_exchange.etcd_puts`` keys
+    (none beyond 64 survivors while the transport works) and waits on them with two
+    watches each when it puts them; a growing epoch's join agreement puts one key (the
+    tree root's; a stalled tree adds its fallback records) and every old member and
+    joiner waits for it with two watches (the epoch's ``joinseq`` prefix and ``epoch``)."""
+    writes = watches = 0
+    if d.removed:
+        ledger = ledger_puts(d.size)
+        writes += ledger
+        watches += 2 * ledger
+    if d.added and d.size > len(d.added):
+        writes += 1
+        watches += 2 * d.size
+    return {"data_plane_writes": writes, "data_plane_watches": watches}
+
+
 class Agent:
-    """A synthetic node agent: one lease, one node record, keep-alives every ttl/3."""
+    """A synthetic node agent: one lease, one node record, keep-alives every ttl/3, and
+    the real :class:`NodeHealthAggregator` fed synthetic rank windows (:meth:`windows`)."""
 
     def __init__(self, sim: "Sim", idx: int) -> None:
         self.sim, self.idx = sim, idx
@@ -93,6 +129,13 @@ class Agent:
         self.alive = True
         self.ranks = list(range(sim.args.gpus_per_node))
         self.lease = 0
+        self.health = NodeHealthAggregator(sim.etcd, JOB, self.node, None, sim.summary_policy,
+                                           clock=sim.clock_now, wall=sim.clock_now,
+                                           rng=random.Random(f"{sim.args.seed}:{idx}"))
+        self.members = [f"{self.node}-g{r}" for r in range(sim.args.gpus_per_node)]
+        #: each rank's busy fraction (busy_s / op_s) when healthy; a straggler's is 1.0
+        self.busy = [sim.args.health_busy] * sim.args.gpus_per_node
+        self.seq = 0
         self.state: EpochState | None = None   # sample agents only: their own copy
         #: the agent's input so far: a digest chaining the state it loaded and every
         #: record it was delivered since (equal digests: equal states, see Sim.deliver)
@@ -112,9 +155,35 @@ class Agent:
         ``granted * KEEPALIVE_FRACTION`` s (:class:`LeaseMux`'s schedule), from a random phase."""
         st = self.sim.store
         self.lease = st.grant(self.sim.node_ttl)
+        self.health.lease_id = self.lease
         st.put(keys.node(JOB, self.node), self.record(), lease=self.lease)
         phase = self.sim.rng.random() * self.sim.refresh
         self.sim.clock.at(self.sim.clock.now + phase, self.keepalive)
+
+    def start_windows(self) -> None:
+        """Start this node's ranks' health windows (one per rank every
+        ``--health-window`` s, from a random phase), as their reporters send them to the
+        agent."""
+        phase = self.sim.rng.random() * self.sim.args.health_window
+        self.sim.clock.at(self.sim.clock.now + phase, self.windows)
+
+    def windows(self, again: bool = True) -> None:
+        """One window of each rank, fed to the real aggregator (which writes the summary
+        when its policy says so): busy fraction ``busy[r]`` plus Gaussian noise of
+        ``--health-noise`` (in op periods), the rest of the window waiting on a peer."""
+        if not self.alive:
+            return
+        sim, args = self.sim, self.sim.args
+        self.seq += 1
+        now, win, noise, gauss = sim.clock.now, args.health_window, args.health_noise, sim.rng.gauss
+        ops = max(1, round(10 * win))
+        epoch = sim.epoch_number
+        for r in self.ranks:
+            b = min(1.0, max(0.0, self.busy[r] + gauss(0.0, noise)))
+            self.health.maybe_flush({"v": 1, "member": self.members[r], "epoch": epoch, "seq": self.seq,
+                                     "at": now, "ops": ops, "window_s": win, "wait_s": {"p": win * (1.0 - b)}})
+        if again:
+            sim.clock.at(now + win, self.windows)
 
     def keepalive(self) -> None:
         if not self.alive:
@@ -137,7 +206,12 @@ class Sim:
         self.node_ttl = node_lease_ttl(args.ttl)
         self.refresh = self.node_ttl * KEEPALIVE_FRACTION
         n = args.gpus // args.gpus_per_node
+        self.summary_policy = SummaryPolicy(budget=args.health_budget)
+        #: the epoch the ranks are in (their health windows carry it)
+        self.epoch_number = 0
         self.agents = [Agent(self, i) for i in range(n)]
+        for a in self.agents:
+            a.health.set_job_size(n)
         self.last_keepalive: dict[int, float] = {}
         self.coord_cpu = 0.0
         self.epochs: list[Record] = []
@@ -149,14 +223,19 @@ class Sim:
         #: virtual time of the coordinator's last watch event (its debounce starts there)
         self.last_event_at = 0.0
 
+    def clock_now(self) -> float:
+        return self.clock.now
+
     # -- coordinator driving ---------------------------------------------------------------
 
     def _timed(self, fn: Callable[P, T], *a: P.args, **kw: P.kwargs) -> T:
-        t0 = time.process_time()
+        """Run the coordinator's ``fn``, count its CPU (less that of agents' timers the
+        simulated latencies let run meanwhile) and move the virtual clock by it."""
+        t0, timers0 = time.process_time(), self.clock.timer_cpu
         try:
             return fn(*a, **kw)
         finally:
-            dt = time.process_time() - t0
+            dt = time.process_time() - t0 - (self.clock.timer_cpu - timers0)
             self.coord_cpu += dt
             self.clock.advance(dt)
 
@@ -167,11 +246,11 @@ class Sim:
         assert self.etcd.create(keys.leader(JOB), cid.encode(), lease=self.leader_lease)
         c.election.lease_id = self.leader_lease
         c.election.leader_revision = self.kv(keys.leader(JOB)).create_revision
-        t0 = time.process_time()
+        cpu0 = self.coord_cpu
         self._timed(c.start_leading)
         self.coord = c
         self._leader_keepalive(c)
-        return c, time.process_time() - t0
+        return c, self.coord_cpu - cpu0
 
     def _leader_keepalive(self, c: Coordinator) -> None:
         if self.coord is not c:
@@ -223,10 +302,12 @@ class Sim:
         t_commit = self.clock.now
         raw = self.kv(keys.epoch(JOB)).value
         d = parse_delta(raw)
+        self.epoch_number = d.number
         rec: Record = {"what": what, "number": d.number, "bytes": len(raw), "cpu_ms": cpu * 1000, "writes": writes,
                "publish_ms": (t_commit - t_event) * 1000, "removed": len(d.removed), "added": len(d.added),
                "cause": d.cause, "snapshot_epoch": d.snapshot == d.number,
                "avoid_links": len(d.extras.get("avoid") or [])}
+        rec.update(data_plane_traffic(d))
         rec.update(self.deliver(raw, d, t_commit, late_reader))
         self.epochs.append(rec)
         return rec
@@ -321,18 +402,29 @@ def run_sim(args: argparse.Namespace) -> Record:
     out: Record = {"gpus": args.gpus, "nodes": len(sim.agents), "initial_epoch_cpu_ms": round(init_cpu * 1000, 1),
                  "initial_epoch_writes": init_writes}
 
-    # -- steady state: keep-alives, rack health summaries, idle coordinator passes
+    # -- steady state: keep-alives, the agents' health summaries (the real aggregator, fed
+    # a window of each rank every --health-window s), idle coordinator passes
+    # the agents' first summaries, as if their spread over the first nodes / budget s were
+    # over: one window round each, its summary (the aggregator's bytes) put with no
+    # latency (like the registration) without spending the aggregator's tokens, so each
+    # node's next minor write comes when its bucket next fills, at a uniform phase over
+    # nodes / budget s, as in the steady state; then windows every --health-window s
+    sim.epoch_number = d0.number
+    lat, sim.store.lat = sim.store.lat, Latency(0, 0, 0, 0, 0, 0, 0)
+    for a in sim.agents:
+        a.windows(again=False)
+        sim.store.put(keys.health_of(JOB, a.node), json.dumps(a.health.summary(), separators=(",", ":")).encode(),
+                      lease=a.lease)
+        a.start_windows()
+    sim.store.lat = lat
+    warm_end = sim.clock.now + args.health_warmup   # the coordinator takes them in (its cache, its policy)
+    while sim.clock.now < warm_end:
+        sim.clock.run_until(sim.clock.now + coord.config.resync_interval)
+        sim.reconcile()
     counters0 = sim.store.c.snapshot()
+    health0 = sum(a.health.writes for a in sim.agents)
     cpu0 = sim.coord_cpu
     t0 = sim.clock.now
-    racks = sorted({a.rack for a in sim.agents})
-    for k, rack in enumerate(racks):   # one summary per rack, written by its lowest live agent
-        def summary(rack: int = rack) -> None:
-            body = json.dumps({"v": 1, "rack": rack, "at": sim.clock.now, "nodes": args.nodes_per_rack,
-                               "slow": [], "score_max": 1.0}).encode()
-            sim.store.put(keys.root(JOB) + f"health-summary/rack{rack:04d}", body)
-            sim.clock.at(sim.clock.now + args.summary_interval, summary)
-        sim.clock.at(t0 + args.summary_interval * k / len(racks), summary)
     next_pass = t0
     while sim.clock.now < t0 + args.steady:
         next_pass += coord.config.resync_interval
@@ -342,12 +434,15 @@ def run_sim(args: argparse.Namespace) -> Record:
     steady_s = sim.clock.now - t0
     c1 = sim.store.c.snapshot()
     idle_cpu = sim.coord_cpu - cpu0
-    reload_cpu0 = time.process_time()
+    reload_cpu0 = sim.coord_cpu
     sim._timed(coord._reload)
-    reload_cpu = time.process_time() - reload_cpu0
+    reload_cpu = sim.coord_cpu - reload_cpu0
     sim.reconcile()
     out["keepalives_per_s"] = round((c1["keepalives"] - counters0["keepalives"]) / steady_s)
     out["steady_writes_per_s"] = round((c1["raft_writes"] - counters0["raft_writes"]) / steady_s, 1)
+    out["health_writes_per_s"] = round((sum(a.health.writes for a in sim.agents) - health0) / steady_s, 1)
+    out["health_summary_bytes"] = round(statistics.mean(
+        len(kv.value) + len(kv.key) for kv in sim.store._range(keys.health(JOB))))
     out["coordinator_idle_core_fraction"] = round(
         (idle_cpu + reload_cpu * steady_s / args.reload_interval) / steady_s, 4)
     out["reload_cpu_ms"] = round(reload_cpu * 1000, 1)
@@ -393,6 +488,7 @@ def run_sim(args: argparse.Namespace) -> Record:
     out["publish_ms_after_silent_loss_worst_tick"] = round((sim.node_ttl + EXPIRY_TICK) * 1000 + reaction_ms, 1)
 
     # -- a rack loss: every node of one rack (power)
+    racks = sorted({x.rack for x in sim.agents})
     rack = racks[len(racks) // 3]
     victims = [x for x in sim.agents if x.rack == rack and x.alive]
     for x in victims:
@@ -409,19 +505,14 @@ def run_sim(args: argparse.Namespace) -> Record:
             break
         rack_ep = sim.publish_after(sim.clock.now, "rack loss")
 
-    # -- a straggler: one rank is demoted: a role change
+    # -- a straggler: one rank turns slow (it waits on nobody), which its agent's real
+    # aggregator writes at once; it is demoted: a role change
     s = sim.agents[11]
     slow_id = f"{s.node}-g5"
     t_slow = sim.clock.now
-    if args.straggler_policy:   # the real detector, fed health windows of the node's 8 ranks
-        for w in range(4 * StragglerConfig().confirm_windows + 4):
-            assert coord._pub is not None
-            number = coord._pub.number
-            for r in s.ranks:
-                m = f"{s.node}-g{r}"
-                write_health(sim.etcd, JOB, m, make_record(m, number, w, ops=10, window_s=1.0,
-                                                            wait_s={} if m == slow_id else {"x": 0.5}),
-                             s.lease)
+    s.busy[5] = 1.0
+    if args.straggler_policy:   # the real detector, fed by the node summaries through the coordinator's cache
+        for _ in range(int(8 * StragglerConfig().confirm_windows * args.health_window) + 10):
             sim.clock.advance(1.0)
             got = sim.maybe_publish(t_slow, "straggler probe/demote")
             assert got is None or got["cause"] == "health", got
@@ -437,6 +528,7 @@ def run_sim(args: argparse.Namespace) -> Record:
         coord.health_policy = DemotionRule(demote_slow)
         slow = sim.publish_after(t_slow, "straggler demoted")
         assert slow["cause"] == "health", slow
+    out["straggler_demoted_s"] = round(sim.clock.now - t_slow, 1)
 
     # -- the crashed rank restarts: the node record with 8 ranks again (a join epoch)
     a.ranks = list(range(args.gpus_per_node))
@@ -460,6 +552,7 @@ def run_sim(args: argparse.Namespace) -> Record:
 
     # -- coordinator failover: the leader dies (its lease expires), a standby takes over
     sim.coord = None
+    coord._health.close()   # the old leader's process is gone
     t_fail = sim.clock.now
     while sim.store.get(keys.leader(JOB)) is not None:
         sim.clock.run_until(sim.clock.now + 0.05)
@@ -482,6 +575,10 @@ def run_sim(args: argparse.Namespace) -> Record:
 
     scenario = [ep for ep in sim.epochs]
     out["writes_per_epoch"] = max(ep["writes"] for ep in scenario)
+    # the data plane's etcd writes and watches of the same epochs (ledger exchange, join agreement)
+    out["data_plane_writes_per_epoch"] = max(ep["data_plane_writes"] for ep in scenario)
+    out["writes_per_epoch_with_data_plane"] = max(ep["writes"] + ep["data_plane_writes"] for ep in scenario)
+    out["data_plane_watches_per_epoch"] = max(ep["data_plane_watches"] for ep in scenario)
     out["coordinator_cpu_ms_per_epoch"] = round(max(ep["cpu_ms"] for ep in scenario), 2)
     out["straggler_policy"] = bool(args.straggler_policy)
     # epochs whose plan avoids links (the detector's probe): the planner's swaps need the full plan
@@ -519,7 +616,15 @@ def main() -> None:
                          "node_lease_ttl(ttl) = floor(ttl - 0.5) s: etcd's expiry loop adds up to 0.5 s)")
     ap.add_argument("--proxies", type=int, default=16, help="etcd grpc-proxies between agents and etcd")
     ap.add_argument("--steady", type=float, default=60.0, help="simulated seconds of steady state")
-    ap.add_argument("--summary-interval", type=float, default=15.0, help="rack health summary period, s")
+    ap.add_argument("--health-budget", type=float, default=10.0,
+                    help="health summary writes/s for the whole job (the agents' --health-write-budget)")
+    ap.add_argument("--health-window", type=float, default=1.0, help="a rank's health window, s")
+    ap.add_argument("--health-noise", type=float, default=0.02,
+                    help="std. dev. of a window's busy fraction (op periods): 0.02 crosses the summaries' 0.05 "
+                         "deadband often, so the budget binds (the most writes)")
+    ap.add_argument("--health-busy", type=float, default=0.5, help="a healthy rank's busy fraction")
+    ap.add_argument("--health-warmup", type=float, default=10.0,
+                    help="simulated seconds of windows before the steady state is measured")
     ap.add_argument("--reload-interval", type=float, default=300.0, help="coordinator's paged full re-read, s")
     ap.add_argument("--derive-sample", type=int, default=8, help="agents that derive every plan themselves")
     ap.add_argument("--seed", type=int, default=1)

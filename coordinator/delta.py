@@ -145,6 +145,19 @@ def is_delta(raw: bytes) -> bool:
     return raw[:32].startswith(b'{"form":"delta"')
 
 
+def epoch_size(raw: bytes) -> int | None:
+    """The member count of an ``epoch`` record in either form (a delta's ``size``, a full
+    record's ``members``), or None when the record does not parse as one (its readers
+    validate it and report why)."""
+    try:
+        if is_delta(raw):
+            return parse_delta(raw).size
+        f = records.fields("epoch", raw)
+        return len(f.names("members"))
+    except RecordError:
+        return None
+
+
 def parse_delta(raw: bytes, key: str = "") -> EpochDelta:
     f = records.fields("epoch", raw, key)
     if f.str("form", "") != DELTA_FORM:

@@ -483,8 +483,17 @@ class EpochData:
         self.store.put(keys.epoch_data_of(self.job, self.number, name, member_id), bytes(payload))
 
     def get_all(self, name: str) -> dict[str, bytes]:
+        """Every member's ``name`` payload (read in pages of 1,000 keys)."""
+        from resilient.coordinator.directory import paged_snapshot
+
+        kvs, _ = paged_snapshot(self.store, keys.epoch_data(self.job, self.number, name))
+        return {keys.last_segment(kv.key): kv.value for kv in kvs}
+
+    def any(self, name: str) -> bool:
+        """Whether some member has put ``name`` (one key-only read of one key)."""
         prefix = keys.epoch_data(self.job, self.number, name)
-        return {keys.last_segment(kv.key): kv.value for kv in self.store.get_prefix(prefix)}
+        kvs, _, _ = self.store.snapshot_page(prefix, prefix, 1, keys_only=True)
+        return bool(kvs)
 
     def wait_all(self, name: str, member_ids: Iterable[str], timeout: float) -> dict[str, bytes]:
         """Wait until every one of ``member_ids`` has put ``name``; returns their payloads.
@@ -512,11 +521,13 @@ class EpochData:
         wait ends with its exception. :class:`EpochChanged` as soon as a newer epoch is
         published (its partial result: the payloads of ``wanted``, default all seen), and
         :class:`ResilientTimeout` after ``timeout`` with ``missing(got)`` in its message."""
+        from resilient.coordinator.directory import paged_snapshot
+
         prefix = keys.epoch_data(self.job, self.number, name)
         cond = threading.Condition()
         got: dict[str, bytes] = {}
         newer: list[int] = []
-        kvs, rev = self.store.snapshot(prefix)
+        kvs, rev = paged_snapshot(self.store, prefix)   # pages of 1,000 keys: under the response limit
         for kv in kvs:
             got[keys.last_segment(kv.key)] = kv.value
         ekey = keys.epoch(self.job)
@@ -531,7 +542,7 @@ class EpochData:
                     if ev.type == "put":
                         got[keys.last_segment(ev.key)] = ev.value
                     elif ev.type == "resync":
-                        for kv in self.store.get_prefix(prefix):
+                        for kv in paged_snapshot(self.store, prefix)[0]:
                             got[keys.last_segment(kv.key)] = kv.value
                 cond.notify_all()
 

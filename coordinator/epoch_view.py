@@ -21,7 +21,7 @@ raises :class:`KeyError`); nothing else raises.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Set
+from collections.abc import KeysView, Mapping, Set
 from typing import Protocol
 
 from resilient.coordinator.delta import EpochState
@@ -107,6 +107,10 @@ class StateView:
 
     def __contains__(self, member: object) -> bool:
         return member in self._ring
+
+    def member_ids(self) -> KeysView[str]:
+        """The ring's ids as a set (for set arithmetic in C)."""
+        return self._ring.member_ids()
 
     def _at(self, i: int) -> str:
         return self._ring.at(self._src.get(i, i))

@@ -13,6 +13,10 @@ Record format (version 1), one *window* of ops, JSON::
 :func:`make_record` builds it (the rank side's :mod:`resilient.health_reporter` calls it
 from :class:`~resilient.transport.base.TransportStats` deltas); the detector
 (:mod:`.straggler`) reads ``ops``, ``window_s``, ``wait_s``, ``epoch``, ``seq``, ``at``.
+Under a node agent (the launcher's default) a rank's windows go to its node's
+:class:`~.node_health.NodeHealthAggregator` instead, which writes one ``health/<node>``
+summary when something changed, within a job-wide write budget (:mod:`.node_health`);
+:func:`expand_health` turns either form into per-member records.
 
 The coordinator's policy is a :class:`~.policy.HealthPolicy`: a :class:`DemotionRule` —
 a pure function from every member's record to the set of members to demote
@@ -35,6 +39,10 @@ from collections.abc import Callable, Collection, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, TypedDict, cast
 
 from resilient.coordinator import keys, records
+from resilient.coordinator.node_health import SUMMARY_VERSION as SUMMARY_VERSION   # re-exported
+from resilient.coordinator.node_health import NodeHealthAggregator as NodeHealthAggregator
+from resilient.coordinator.node_health import SummaryPolicy as SummaryPolicy
+from resilient.coordinator.node_health import summary_records
 from resilient.coordinator.policy import HealthPolicy, NoEvictions, PolicyNeeds
 from resilient.coordinator.store import Store
 from resilient.coordinator.straggler import (
@@ -131,92 +139,44 @@ def parse_health(raw: bytes, key: str = "") -> HealthRecord:
     return cast(HealthRecord, rec)   # every known field was checked above
 
 
-#: version of a node summary record (:class:`NodeHealthAggregator`)
-SUMMARY_VERSION = 2
-
-
-class NodeHealthAggregator:
-    """Hierarchical health (docs/scale.md): a node agent collects its ranks' windows
-    (:func:`make_record` dicts, handed over locally instead of written) and writes one
-    ``health/<node>`` summary — ``{"v": 2, "node", "at", "ranks": {member: window}}`` —
-    every ``interval`` seconds, or at once when a rank turns slow (its window's
-    ``op_s_p50`` above ``slow_factor`` x the node's median). :func:`read_health` expands
-    summaries into per-member records, so the detector reads them unchanged. At 8 ranks
-    per node and ``interval`` 15 s, 100,000 per-rank writes/s become ~830 node writes/s;
-    with a summary per rack (``node`` = the rack's name, one agent writing) ~26/s.
-
-    ``add`` never raises; ``flush`` raises what the store raises."""
-
-    def __init__(self, store: Store, job: str, node: str, lease_id: int | None, interval: float = 15.0,
-                 slow_factor: float = 3.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.store, self.job, self.node, self.lease_id = store, job, keys.check_name("node id", node), lease_id
-        self.interval, self.slow_factor, self._clock = float(interval), float(slow_factor), clock
-        self._latest: dict[str, HealthRecord] = {}
-        self._slow: set[str] = set()
-        self._last = clock()
-        self.writes = 0
-
-    def add(self, record: HealthRecord) -> bool:
-        """Take one rank window; returns True if it made the summary due now."""
-        member = record.get("member")
-        if not isinstance(member, str) or not records.is_id(member):
-            log.warning("node %s: dropped a health window without a valid member id", self.node)
-            return False
-        self._latest[member] = record.copy()
-        slow = self._slow_members()
-        turned = bool(slow - self._slow)
-        self._slow = slow
-        return turned or self._clock() - self._last >= self.interval
-
-    def _slow_members(self) -> set[str]:
-        p50 = sorted(r["op_s_p50"] for r in self._latest.values() if isinstance(r.get("op_s_p50"), (int, float)))
-        if len(p50) < 2:
-            return set()
-        median = p50[len(p50) // 2]
-        return {m for m, r in self._latest.items()
-                if isinstance(r.get("op_s_p50"), (int, float)) and median > 0 and r["op_s_p50"] > self.slow_factor * median}
-
-    def maybe_flush(self, record: HealthRecord) -> bool:
-        """``add`` and, when due, ``flush``; True if a summary was written."""
-        if self.add(record):
-            self.flush()
-            return True
-        return False
-
-    def flush(self) -> None:
-        body = {"v": SUMMARY_VERSION, "node": self.node, "at": time.time(), "ranks": self._latest}
-        self.store.put(keys.health_of(self.job, self.node), json.dumps(body, separators=(",", ":")).encode(),
-                       lease=self.lease_id)
-        self._last = self._clock()
-        self.writes += 1
+def expand_health(key: str, raw: bytes, prefix: str) -> dict[str, HealthRecord]:
+    """The member records one ``health/`` key holds: a node summary (version 3,
+    :func:`.node_health.parse_summary`; version 2, ``{"v": 2, "node", "at", "ranks":
+    {member: window}}``, each window validated as a record of its own) expands into its
+    ranks' records; any other value is one member's record, keyed by the key's last
+    segment (``prefix``: the ``health/`` prefix). Raises
+    :class:`~resilient.errors.RecordError` for a malformed record."""
+    f = records.fields("health", raw, key)
+    version = f.d.get("v")
+    if version == SUMMARY_VERSION:
+        return summary_records(f, key)
+    if version == 2:
+        ranks = f.obj("ranks", {})
+        return {mid: parse_health(json.dumps(rec).encode(), f"{key}#{mid}")
+                for mid, rec in (ranks.by_name() if ranks is not None else ())}
+    rec = parse_health(raw, key)
+    mid = key[len(prefix):]
+    if not records.is_id(mid):
+        raise RecordError(f"bad health record at {key}: the key does not end in a valid member id", "health", key)
+    return {mid: rec}
 
 
 def read_health(store: Store, job: str) -> dict[str, HealthRecord]:
-    """Every member's health record (malformed ones skipped: logged and counted); node
-    summaries (``"v": 2``, :class:`NodeHealthAggregator`) are expanded into their ranks'
-    records, each validated like a record of its own."""
+    """Every member's health record, read in pages of 1,000 keys (under etcd's response
+    limit at any job size: a node summary is ~0.5 KB); node summaries are expanded into
+    their ranks' records (:func:`expand_health`). Malformed records are skipped (logged
+    and counted). The coordinator keeps them from a watch instead
+    (:class:`.health_cache.HealthCache`); this is one O(N) read."""
+    from resilient.coordinator.directory import paged_snapshot
+
     prefix = keys.health(job)
     out: dict[str, HealthRecord] = {}
-    for kv in store.get_prefix(prefix):
-        if kv.value.startswith(b'{"v":2,'):
-            try:
-                f = records.fields("health", kv.value, kv.key)
-                ranks = f.obj("ranks", {})
-                for mid, rec in (ranks.by_name() if ranks is not None else ()):
-                    out[mid] = parse_health(json.dumps(rec).encode(), f"{kv.key}#{mid}")
-            except RecordError as exc:
-                records.skip(exc, kv.key)
-            continue
+    kvs, _ = paged_snapshot(store, prefix)
+    for kv in kvs:
         try:
-            rec = parse_health(kv.value, kv.key)
-            mid = kv.key[len(prefix):]
-            if not records.is_id(mid):
-                raise RecordError(f"bad health record at {kv.key}: the key does not end in a valid member id",
-                                  "health", kv.key)
+            out.update(expand_health(kv.key, kv.value, prefix))
         except RecordError as exc:
             records.skip(exc, kv.key)
-            continue
-        out[mid] = rec
     return out
 
 
@@ -336,9 +296,9 @@ class StragglerPolicy(NoEvictions):
         if self._seeded_from is None:   # a fresh leader: keep the demotions already published
             self._seeded_from = view.number
             for m in demoted:
-                self.detector.members[m] = MemberState(state=DEMOTED, since=now)
+                self.detector.seed(m, MemberState(state=DEMOTED, since=now))
         parents = {p for p in (view.leaf_parent(m) for m in demoted) if p is not None}
-        return self.detector.update(records, view, view.number, now, exempt=parents)
+        return self.detector.update(records, view, view.number, now, exempt=parents)   # O(changed) on HealthRecords
 
 
 if TYPE_CHECKING:  # pragma: no cover - static checks that both implement the protocol

@@ -29,6 +29,7 @@ import hashlib
 import json
 import sys
 from array import array
+from collections.abc import KeysView
 from typing import Callable, Collection, Iterable, Sequence
 
 from resilient.coordinator.planner import TOPOLOGY_LABELS, PlanMember
@@ -111,6 +112,10 @@ class IncrementalRing:
 
     def __contains__(self, member_id: object) -> bool:
         return member_id in self._key_of
+
+    def member_ids(self) -> KeysView[str]:
+        """The ids in the ring, as a live set view."""
+        return self._key_of.keys()
 
     def update(self, remove: Iterable[str] = (), upsert: Iterable[tuple[RingMember, bool]] = ()) -> None:
         """Drop ``remove`` ids, then insert (or move) each ``(member, demoted)``.

@@ -36,6 +36,7 @@ another coordinator takes over after about one ``ttl``; SIGTERM → resign at on
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import gc
 import logging
@@ -45,7 +46,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Set
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -60,7 +61,8 @@ from resilient.coordinator.election import LeaderElection
 from resilient.coordinator.epoch import Epoch, EpochData, EpochPlan, latest_valid_history
 from resilient.coordinator.epoch_view import EpochIndex, EpochView, StateView
 from resilient.coordinator.eviction import read_requests
-from resilient.coordinator.health import no_demotion, read_health, write_scores
+from resilient.coordinator.health import no_demotion, write_scores
+from resilient.coordinator.health_cache import HealthCache
 from resilient.coordinator.link_classes import LINK_LABEL, SPEED_BAND, parse_speeds, speeds_from_health
 from resilient.coordinator.liveness import LeaseLiveness
 from resilient.coordinator.metrics import CoordinatorMetrics
@@ -112,8 +114,9 @@ class CoordinatorConfig:
     records; a delta epoch carries the speeds that changed), changed only when a
     measurement leaves the band ``link_band`` around the published speed
     (:func:`.link_classes.settle_speeds`); ``link_measure_interval``: from
-    ``delta_min_members`` on, the ``health/`` records are read for link speeds at most
-    this often (an O(N) read at scale; below it, every pass)."""
+    ``delta_min_members`` on, link speeds are measured at most this often (from the
+    records that carry them, kept with the others from a watch on ``health/``,
+    :class:`.health_cache.HealthCache`; below it, every pass)."""
 
     ttl: float = 5.0
     debounce: float = 0.02
@@ -141,6 +144,32 @@ class CoordinatorConfig:
             raise ConfigError(f"coordinator link_band must be in (0, 10] (0.25: a 25 % change), got {self.link_band}")
         if self.min_members < 1:
             raise ConfigError(f"--min-members must be >= 1, got {self.min_members}")
+
+
+def _old_positions(pub: "_Published", added: Set[str]) -> Callable[[str], int | None]:
+    """An old member's position among the old members of ``pub`` in its order (what the
+    join agreement's tree is built on), None for any other id: from the full record's
+    member list, or by lookup on the delta state's ring (O(log N) each: the ring's order
+    is the epoch's, property-tested in tests/test_scale_straggler.py)."""
+    if pub.epoch is not None:
+        index = {m: i for i, m in enumerate(m for m in pub.epoch.members if m not in added)}
+        return index.get
+    view = pub.view()
+    before = sorted(view.position(m) for m in added if m in view)   # the joiners' ring positions
+
+    def position(m: str) -> int | None:
+        if m in added or m not in view:
+            return None
+        p = view.position(m)
+        return p - bisect.bisect_left(before, p)
+    return position
+
+
+def _still_alive(h: HealthOutcome, alive: Mapping[str, Entry]) -> HealthOutcome:
+    """A health verdict with the members no longer alive left out of its demotions and
+    avoided links (its evictions and re-admissions are the policy's, kept as they are)."""
+    return HealthOutcome({m for m in h.demoted if m in alive}, [p for p in h.avoid if p[0] in alive and p[1] in alive],
+                         h.evicted, h.readmitted, h.leaf_deadline_ms)
 
 
 def _hosts_named(records: Mapping[str, HealthRecord], alive: Mapping[str, Entry]) -> dict[str, str]:
@@ -287,6 +316,10 @@ class Coordinator:
         self._dirty = _DirtyMarks()
         self._full_pass = True         # next pass compares the whole directory with the epoch
         self._measured_at = -math.inf  # monotonic time link speeds were last read from health/
+        #: the ``health/`` records, kept from a watch (opened on first use; one per term)
+        self._health = HealthCache(store, self.job)
+        #: the last health verdict (a membership pass publishes with it, _read_pass)
+        self._health_last: HealthOutcome | None = None
         self._reload_due = True        # next pass re-reads the directory (paged)
         self._pub: _Published | None = None
         self._admitted_epoch = -1   # the newest epoch whose admission is known agreed (_admitting)
@@ -406,6 +439,8 @@ class Coordinator:
         self._dir = Directory(self.job)
         self._dirty = _DirtyMarks()
         self._members_copy = (-1, {})   # keyed by the new directory's versions, which restart
+        self._health.close()            # read afresh: a new term's first pass sees every record
+        self._health_last = None
         rev = self._reload()
         return [
             self.store.watch_prefix(keys.members(self.job), rev + 1, self._on_member_events),
@@ -478,6 +513,7 @@ class Coordinator:
         finally:
             for w in watches:
                 w.cancel()
+            self._health.close()
             self.shares.stop()   # its rate watch: a standby keeps none open
 
     def _check_suspects(self, members: Mapping[str, Entry]) -> tuple[dict[str, float], list[str], bool]:
@@ -610,15 +646,24 @@ class Coordinator:
         epoch_view = pub.view() if pub is not None and needs.epoch else None
         departed, bad_markers = self._read_departed()
         # measured link speeds, in either epoch form (a delta record carries the speeds that
-        # changed, coordinator/delta.py); at scale the O(N) health read is rate-limited
+        # changed, coordinator/delta.py); at scale the O(linked members) measurement is rate-limited
         now = time.monotonic()
         measure = self.config.measure_links and (len(members) < self.config.delta_min_members or
                                                  now - self._measured_at >= self.config.link_measure_interval)
         if measure:
             self._measured_at = now
-        records = read_health(self.store, self.job) if needs.health or measure else {}
-        health = self._health_verdict(epoch_view, alive.keys(), records if needs.health else {})
-        measured = speeds_from_health(records, _hosts_named(records, alive)) if measure else None
+        # health records from the watched cache: the detector gets the members changed
+        # since the last pass, link measurement the records that carry speeds. A pass for a
+        # membership change publishes with the previous pass's health verdict: the records
+        # that came meanwhile go to the next pass (within resync_interval), so an epoch's
+        # CPU does not grow with the health traffic
+        if (lost_seen or join_seen or marks or confirmed or departed) and self._health_last is not None:
+            health = _still_alive(self._health_last, alive)
+        else:
+            records: Mapping[str, HealthRecord] = self._health.records() if needs.health else {}
+            health = self._health_last = self._health_verdict(epoch_view, alive.keys(), records)
+        linked = self._health.linked() if measure else {}
+        measured = speeds_from_health(linked, _hosts_named(linked, alive)) if measure else None
         facts = None
         if pub is not None:
             self.metrics.epoch.set(pub.number)
@@ -661,7 +706,7 @@ class Coordinator:
             self._admitted_epoch = pub.number
             return frozenset()
         got = EpochData(self.store, self.job, pub.number).get_all(BLOB)
-        if admission_complete(got, lambda m: m in pub.members and m not in added, n_olds, pub.number):
+        if got and admission_complete(got, _old_positions(pub, added), n_olds, pub.number):
             self._admitted_epoch = pub.number
             return frozenset()
         return joiners

@@ -37,13 +37,12 @@ import heapq
 import json
 import logging
 import math
-import threading
 import time
 from typing import Callable, Collection, Iterable, Mapping, Sequence, TypedDict
 
 from resilient.coordinator import keys, records
-from resilient.coordinator.directory import paged_snapshot
-from resilient.coordinator.store import KV, Store, WatchEvent, WatchHandle
+from resilient.coordinator.prefix_cache import PrefixCache
+from resilient.coordinator.store import KV, Store
 from resilient.errors import ConfigError, RecordError
 
 log = logging.getLogger(__name__)
@@ -110,74 +109,28 @@ def read_rates(store: Store, job: str) -> dict[str, float]:
 RATES_RESYNC_S = 300.0
 
 
-class RateCache:
-    """Every member's rate, kept in memory from a watch on ``rates/``: loaded once by a
-    paged read (1,000 keys per request, under gRPC's receive limit at any size), then
-    updated by the watch's events, O(change); re-read (paged) every ``resync_interval``
-    seconds and after the watch reports a compaction (``resync`` event).
-
-    Events at or below the revision of the last read are ignored, so a re-read and the
-    watch never apply an older value over a newer one. A malformed record is skipped
-    (logged, counted) and forgets that member's earlier rate. Store errors of a read
-    propagate to the caller of :meth:`rates` (the watch itself reconnects on its own)."""
+class RateCache(PrefixCache[float]):
+    """Every member's rate, kept in memory from a watch on ``rates/``
+    (:class:`~.prefix_cache.PrefixCache`): loaded once by a paged read, then updated by
+    the watch's events, O(change); re-read (paged) every ``resync_interval`` seconds and
+    after the watch reports a compaction. A malformed record is skipped (logged, counted)
+    and forgets that member's earlier rate. Store errors of a read propagate to the
+    caller of :meth:`rates` (the watch itself reconnects on its own)."""
 
     def __init__(self, store: Store, job: str, resync_interval: float = RATES_RESYNC_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.store, self.job, self.resync_interval, self._clock = store, job, resync_interval, clock
-        self._prefix = rates_prefix(job)
-        self._lock = threading.Lock()
-        self._rates: dict[str, float] = {}
-        self._rev = 0                 # revision of the last paged read
-        self._due = True              # next rates() re-reads
-        self._next_read = 0.0
-        self._watch: WatchHandle | None = None
-        self.reads = 0                # paged reads done (tests and the bench count them)
+        super().__init__(store, rates_prefix(job), resync_interval, clock)
+        self.job = job
+
+    def parse(self, key: str, raw: bytes) -> Mapping[str, float]:
+        member, rate = parse_rate(raw, key)
+        return {member: rate}
 
     def rates(self) -> dict[str, float]:
         """A copy of the current rates (member -> samples/s); starts the watch on first
         use and re-reads when due. Store errors propagate (the next call retries)."""
-        if self._due or self._clock() >= self._next_read:
-            self._read()
-        with self._lock:
-            return dict(self._rates)
-
-    def _read(self) -> None:
-        kvs, rev = paged_snapshot(self.store, self._prefix)
-        fresh = parse_rates(kvs)
-        with self._lock:
-            self._rates, self._rev, self._due = fresh, rev, False
-            self._next_read = self._clock() + self.resync_interval
-            self.reads += 1
-        if self._watch is None:
-            self._watch = self.store.watch_prefix(self._prefix, rev + 1, self._on_events)
-
-    def _on_events(self, events: list[WatchEvent]) -> None:
-        with self._lock:
-            for ev in events:
-                if ev.type == "resync":
-                    self._due = True
-                    continue
-                if ev.mod_revision <= self._rev:
-                    continue
-                member = keys.last_segment(ev.key)
-                if ev.type == "delete":
-                    self._rates.pop(member, None)
-                    continue
-                try:
-                    _, rate = parse_rate(ev.value, ev.key)
-                except RecordError as exc:
-                    records.skip(exc, ev.key)
-                    self._rates.pop(member, None)
-                    continue
-                self._rates[member] = rate
-
-    def close(self) -> None:
-        """Stop the watch (idempotent); the next :meth:`rates` starts over with a read."""
-        watch, self._watch = self._watch, None
-        if watch is not None:
-            watch.cancel()
-        with self._lock:
-            self._rates, self._rev, self._due = {}, 0, True
+        self.refresh()
+        return self.copy()
 
 
 def compute_shares(rates: Mapping[str, float], members: Iterable[str],

@@ -54,8 +54,11 @@ keeps its state — and never raise.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator, KeysView, Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Collection, Mapping, Protocol, Sequence, TypedDict
+
+import numpy as np
 
 from resilient.errors import ConfigError
 
@@ -77,6 +80,28 @@ class HealthRecord(TypedDict, total=False):
     op_s_p50: float
     op_s_max: float
     shaping: str
+    run: int        # a node summary's: windows this one stands for (coordinator/node_health.py)
+
+
+class HealthRecords(Mapping[str, HealthRecord]):
+    """Every member's latest record (read-only), plus ``changed``: the members whose
+    record changed or went since the previous pass (None: not known, so the detector
+    looks at every record). The coordinator builds one per pass from its
+    :class:`~.health_cache.HealthCache` (a subclass that looks records up in the cache,
+    copying them all only if iterated); the detector then costs O(changed) a pass."""
+
+    def __init__(self, data: Mapping[str, HealthRecord], changed: AbstractSet[str] | None) -> None:
+        self._data = data
+        self.changed = changed
+
+    def __getitem__(self, member: str) -> HealthRecord:
+        return self._data[member]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
 
 
 class ScoreRow(TypedDict, total=False):
@@ -94,7 +119,11 @@ class ScoreRow(TypedDict, total=False):
 class StragglerConfig:
     """Tunables (see the module docstring). ``shift``/``release_shift`` are fractions of
     the median op period; ``mad_k`` scales the robust spread; windows counts are
-    consecutive windows of one member."""
+    consecutive windows of one member. At scale: the verdict's scores list every member
+    up to ``scores_all_up_to`` tracked, beyond it those in probe or demoted and the
+    ``scores_top`` highest (the ``straggler`` record stays small); fed the changed
+    records only, the medians are recomputed once ``stats_change`` of the windows changed
+    or they are ``stats_max_age`` s old."""
 
     shift: float = 0.10
     release_shift: float = 0.05
@@ -109,6 +138,10 @@ class StragglerConfig:
     link_probe: bool = True
     redemote_window_s: float = 60.0
     max_release_windows: int = 80
+    scores_all_up_to: int = 1024
+    scores_top: int = 64
+    stats_max_age: float = 30.0
+    stats_change: float = 0.01
 
     def validate(self) -> None:
         if not 0 < self.release_shift < self.shift:
@@ -121,18 +154,21 @@ class StragglerConfig:
             raise ConfigError(f"straggler min_members must be >= 3 (a median needs a majority), got {self.min_members}")
         if self.mad_k < 0 or self.link_hold_s < 0 or self.stale_s <= 0:
             raise ConfigError("straggler mad_k and link_hold_s must be >= 0 and stale_s > 0")
+        if self.scores_all_up_to < 0 or self.scores_top < 0 or self.stats_max_age < 0 or self.stats_change < 0:
+            raise ConfigError("straggler scores_all_up_to, scores_top, stats_max_age and stats_change must be >= 0")
         if self.redemote_window_s < 0 or self.max_release_windows < self.release_windows:
             raise ConfigError(f"straggler redemote_window_s must be >= 0 and max_release_windows "
                               f"({self.max_release_windows}) >= release_windows ({self.release_windows})")
 
 
-@dataclass
+@dataclass(slots=True)
 class MemberState:
     state: str = OK
     slow_run: int = 0
     clear_run: int = 0
     score: float = 0.0
     last_seq: object = None
+    last_window: int | None = None     # seq of the last held window counted
     probe_edge: tuple[str, str] | None = None
     probe_epoch: int = 0
     since: float = 0.0
@@ -179,6 +215,10 @@ class ListRing:
     def __contains__(self, member: object) -> bool:
         return member in self._pos
 
+    def member_ids(self) -> KeysView[str]:
+        """The ring's ids as a set (for set arithmetic in C)."""
+        return self._pos.keys()
+
     def position(self, member: str) -> int:
         return self._pos[member]
 
@@ -220,9 +260,76 @@ def _pair(a: str, b: str) -> tuple[str, str]:
     return (a, b) if a <= b else (b, a)
 
 
+def _np_median(a: np.ndarray) -> float:
+    """The median of a non-empty float array, as :func:`_median` computes it."""
+    n = len(a)
+    k = n // 2
+    if n % 2:
+        return float(np.partition(a, [k])[k])
+    p = np.partition(a, [k - 1, k])
+    return 0.5 * (float(p[k - 1]) + float(p[k]))
+
+
+class _Population:
+    """The usable windows the medians are taken over: one slot per member in numpy
+    arrays (busy_s, op_s, at, held), O(1) to set or drop a member, the statistics O(N)
+    in C."""
+
+    def __init__(self) -> None:
+        self.slot: dict[str, int] = {}
+        self.names: list[str | None] = []
+        self._free: list[int] = []
+        self.busy = np.zeros(0)
+        self.op = np.zeros(0)
+        self.at = np.zeros(0)
+        self.used = np.zeros(0, dtype=bool)
+        self.held = np.zeros(0, dtype=bool)
+        self.changes = 0   # sets and drops so far
+
+    def _grow(self) -> None:
+        n = len(self.names)
+        new = max(64, 2 * n)
+        self.busy, self.op, self.at = (np.concatenate([a, np.zeros(new - n)]) for a in (self.busy, self.op, self.at))
+        self.used, self.held = (np.concatenate([a, np.zeros(new - n, dtype=bool)]) for a in (self.used, self.held))
+        self.names.extend([None] * (new - n))
+        self._free.extend(range(new - 1, n - 1, -1))
+
+    def set_many(self, windows: Mapping[str, tuple[float, float, float, bool]]) -> None:
+        """Set each member's ``(busy_s, op_s, at, held)`` (one array write per field)."""
+        if not windows:
+            return
+        idx = []
+        for member in windows:
+            i = self.slot.get(member)
+            if i is None:
+                if not self._free:
+                    self._grow()
+                i = self._free.pop()
+                self.slot[member], self.names[i] = i, member
+            idx.append(i)
+        cols = list(zip(*windows.values()))
+        self.busy[idx], self.op[idx], self.at[idx], self.held[idx] = cols[0], cols[1], cols[2], cols[3]
+        self.used[idx] = True
+        self.changes += len(idx)
+
+    def drop(self, member: str) -> None:
+        i = self.slot.pop(member, None)
+        if i is not None:
+            self.used[i], self.names[i] = False, None
+            self._free.append(i)
+            self.changes += 1
+
+    def fresh(self, now: float, stale_s: float) -> np.ndarray:
+        """Mask of the slots whose window counts now: held, or closed within ``stale_s``."""
+        return self.used & (self.held | ((now - self.at) <= stale_s))
+
+
 class StragglerDetector:
     """Stateful detector; call :meth:`update` with the latest records on every pass (a
-    record's window counts once, keyed by its ``seq``)."""
+    record's window counts once, keyed by its ``seq``; a record with ``run`` (a node
+    summary's, :mod:`.node_health`) counts for up to ``run`` windows: those since the
+    last one counted, by ``seq``, at most ``max_release_windows``, and it is current
+    whatever its age — it is withdrawn with its node)."""
 
     def __init__(self, config: StragglerConfig | None = None) -> None:
         self.config = config or StragglerConfig()
@@ -230,78 +337,224 @@ class StragglerDetector:
         self.members: dict[str, MemberState] = {}
         self.links: dict[tuple[str, str], float] = {}   # confirmed slow link -> time confirmed
         self.events: list[tuple[float, str, str]] = []   # (now, member or link, what) — for logs/tests
+        self._pop = _Population()
+        self._flagged: set[str] = set()    # members that were put in probe or demoted (pruned lazily)
+        self._epoch: int | None = None
+        self._now = 0.0
+        #: (now, windows, population changes, stats) of the last computed statistics
+        self._stats_cache: tuple[float, int, int, tuple[float, float, float] | None] | None = None
+        self._top_cache: list[str] | None = None
+        self._uncounted: set[str] = set()   # fresh windows seen while there were no statistics
 
     # -- public -----------------------------------------------------------------------
 
+    def seed(self, member: str, state: MemberState) -> None:
+        """Set ``member``'s state from outside (a new leader keeps published demotions)."""
+        self.members[member] = state
+        if state.state != OK:
+            self._flagged.add(member)
+
     def update(self, records: Mapping[str, HealthRecord], ring: Sequence[str] | RingNeighbours, epoch: int,
-               now: float, exempt: Collection[str] = ()) -> Verdict:
+               now: float, exempt: Collection[str] = (), changed: AbstractSet[str] | None = None) -> Verdict:
         """Consume new windows of the members in ``ring`` (the current epoch's ring
         order as a sequence, or looked up through :class:`RingNeighbours`; ``epoch`` its
         number) and return the verdict. ``now``: wall seconds, compared with records'
         ``at``. ``exempt``: members serving demoted leaves (their tree parents): their
         extra busy time is the leaf duty, so they are scored but never newly suspected
-        while it lasts. Cost: O((records + tracked members) · log N) with a
-        :class:`RingNeighbours` ring, independent of the ring's size otherwise."""
+        while it lasts. ``changed``: the members whose record changed or went since the
+        previous call (default: ``records.changed`` of a :class:`HealthRecords`, else
+        unknown: every record is looked at). Cost: O(changed · log N) plus, when a
+        window is new, the medians in C over the N windows; O(N) on a call without
+        ``changed``. With ``changed``, a member that left the ring is forgotten when its
+        record changes or goes (its node's next summary, or the node's lease), or at
+        once if it was in probe or demoted."""
         c = self.config
+        self._now = now
         view: RingNeighbours = ListRing(ring) if isinstance(ring, Sequence) else ring
         n = len(view)
-        for gone in [m for m in self.members if m not in view]:
-            del self.members[gone]
+        if changed is None and isinstance(records, HealthRecords):
+            changed = records.changed
+        if changed is None:   # nothing known of what changed: every record, every member rechecked
+            self._sweep(view)
         for link in [l for l in self.links if l[0] not in view or l[1] not in view]:
             del self.links[link]
         for link, since in list(self.links.items()):
             if now - since >= c.link_hold_s:
                 del self.links[link]
                 self.events.append((now, f"{link[0]}-{link[1]}", "link retried"))
-        feats: dict[str, tuple[float, float, int]] = {}
-        for m in sorted((m for m in records if m in view), key=view.position):   # ring order
-            rec = records[m]
+        pop = self._pop
+        look = (records.keys() | pop.slot.keys()) if changed is None else changed
+        stepping: list[str] = []
+        if changed is not None and epoch != self._epoch:   # members that left: those flagged, at once
+            for m in [m for m in self._flagged if m not in view]:
+                self.members.pop(m, None)
+        self._epoch = epoch
+        ids = getattr(view, "member_ids", None)
+        in_view: Callable[[object], bool] = ids().__contains__ if callable(ids) else view.__contains__
+        fresh: dict[str, tuple[float, float, float, bool]] = {}
+        for m in look:
+            if not in_view(m):   # left the ring (its node's next summary, or its lease, drops the record)
+                self.members.pop(m, None)
+                pop.drop(m)
+                continue
+            rec = records.get(m)
+            f = window_features(rec) if rec is not None else None
             try:
-                at = float(rec.get("at", 0.0))
+                at = float(rec.get("at", 0.0)) if rec is not None else 0.0
             except (TypeError, ValueError):
+                f = None
+            if f is None or f[2] < c.min_ops:
+                pop.drop(m)
                 continue
-            f = window_features(rec)
-            if f is None or f[2] < c.min_ops or now - at > c.stale_s:
-                continue
-            feats[m] = f
-        if len(feats) >= c.min_members:
-            med_busy = _median([f[0] for f in feats.values()])
-            med_op = _median([f[1] for f in feats.values()])
-            mad = 1.4826 * _median([abs(f[0] - med_busy) for f in feats.values()])
-            slow_bar = max(c.mad_k * mad, c.shift * med_op)
-            for m, (busy, _op, _ops) in feats.items():
+            held = "run" in rec  # type: ignore[operator]  # rec is set when f is
+            fresh[m] = (f[0], f[1], at, held)
+            if held or now - at <= c.stale_s:
+                stepping.append(m)
+        pop.set_many(fresh)
+        if changed is not None:   # windows not counted yet (no statistics then) are due as well
+            for m in self._uncounted - fresh.keys():
+                i = pop.slot.get(m)
+                if i is not None and (bool(pop.held[i]) or now - float(pop.at[i]) <= c.stale_s):
+                    stepping.append(m)
+        stats = self._stats(now, exact=changed is None) if stepping else None
+        if stats is None:
+            self._uncounted.update(stepping)
+        else:
+            self._uncounted.clear()
+            med_busy, med_op, slow_bar = stats
+            for m in sorted(stepping, key=view.position):   # ring order
                 st = self.members.setdefault(m, MemberState(since=now))
                 rec = records[m]
-                seq = (rec.get("epoch"), rec.get("seq"), rec.get("at"))
-                if seq == st.last_seq:
+                windows = self._new_windows(st, rec)
+                if not windows:
                     continue
-                st.last_seq = seq
-                excess = busy - med_busy
+                excess = (fresh[m][0] if m in fresh else float(pop.busy[pop.slot[m]])) - med_busy
                 st.score = excess / med_op if med_op > 0 else 0.0
-                if st.state == PROBE:
-                    # Only windows measured on a ring without the probed edge say anything.
-                    if self._has_edge(st.probe_edge, view):
-                        continue
-                    st.probe_epoch = st.probe_epoch or epoch
-                    try:
-                        if int(rec.get("epoch", 0)) < st.probe_epoch:
-                            continue
-                    except (TypeError, ValueError):
-                        continue
-                slow = excess > slow_bar and not (m in exempt and st.state == OK)
-                self._step(m, st, slow, st.score < c.release_shift, view, n, epoch, now)
+                if st.state == OK and not excess > slow_bar:   # k windows that change nothing but the runs
+                    windows = 1 if windows == 1 else self._clear_in_ok(st, windows, st.score < c.release_shift)
+                for _ in range(windows):
+                    if st.state == PROBE:
+                        # Only windows measured on a ring without the probed edge say anything.
+                        if self._has_edge(st.probe_edge, view):
+                            break
+                        st.probe_epoch = st.probe_epoch or epoch
+                        try:
+                            if int(rec.get("epoch", 0)) < st.probe_epoch:
+                                break
+                        except (TypeError, ValueError):
+                            break
+                    slow = excess > slow_bar and not (m in exempt and st.state == OK)
+                    self._step(m, st, slow, st.score < c.release_shift, view, n, epoch, now)
         self._enforce_cap(n, now)
         return self.verdict()
 
+    def _stats(self, now: float, exact: bool) -> tuple[float, float, float] | None:
+        """``(median busy_s, median op_s, slow bar)`` over the fresh windows (None: fewer
+        than ``min_members``). Unless ``exact``, the last ones are reused while fewer than
+        ``stats_change`` of the windows changed and they are under ``stats_max_age`` s old
+        (a median over N windows moves at most between the 50 -/+ 100 x ``stats_change``
+        percentiles meanwhile)."""
+        c, pop = self.config, self._pop
+        cached = self._stats_cache
+        if not exact and cached is not None:
+            at, size, changes, stats = cached
+            if now - at < c.stats_max_age and pop.changes - changes < max(1.0, c.stats_change * size):
+                return stats
+        mask = pop.fresh(now, c.stale_s)
+        size = int(mask.sum())
+        stats = None
+        if size >= c.min_members:
+            busy_all = pop.busy[mask]
+            med_busy = _np_median(busy_all)
+            med_op = _np_median(pop.op[mask])
+            mad = 1.4826 * _np_median(np.abs(busy_all - med_busy))
+            stats = (med_busy, med_op, max(c.mad_k * mad, c.shift * med_op))
+        self._stats_cache = (now, size, pop.changes, stats)
+        self._top_cache = None
+        return stats
+
     def verdict(self) -> Verdict:
-        demoted = frozenset(m for m, s in self.members.items() if s.state == DEMOTED)
+        flagged = self._flagged_now()
+        demoted = frozenset(m for m in flagged if self.members[m].state == DEMOTED)
         avoid = set(self.links)
-        for s in self.members.values():
+        for m in flagged:
+            s = self.members[m]
             if s.state == PROBE and s.probe_edge:
                 avoid.add(_pair(*s.probe_edge))
-        scores: dict[str, ScoreRow] = {m: {"score": round(s.score, 4), "state": s.state}
-                                       for m, s in sorted(self.members.items())}
+        c = self.config
+        if len(self.members) <= c.scores_all_up_to:
+            listed: Collection[str] = self.members.keys()
+        else:   # at scale: every member not ok, and the highest scores
+            listed = flagged | {m for m in self._top(c.scores_top) if m in self.members}
+        scores: dict[str, ScoreRow] = {m: {"score": round(self.members[m].score, 4), "state": self.members[m].state}
+                                       for m in sorted(listed)}
         return Verdict(demoted=demoted, avoid=frozenset(avoid), scores=scores)
+
+    def _flagged_now(self) -> set[str]:
+        """The members in probe or demoted (the flagged set, pruned of the rest)."""
+        self._flagged = {m for m in self._flagged if (s := self.members.get(m)) is not None and s.state != OK}
+        return set(self._flagged)
+
+    def _top(self, k: int) -> list[str]:
+        """The ``k`` members with the largest busy time (the highest scores), as of the
+        statistics last computed (recomputed with them)."""
+        if self._top_cache is None:
+            self._top_cache = self._top_now(k)
+        return self._top_cache
+
+    def _top_now(self, k: int) -> list[str]:
+        pop = self._pop
+        idx = np.flatnonzero(pop.fresh(self._now, self.config.stale_s))
+        if k <= 0 or not len(idx):
+            return []
+        if len(idx) > k:
+            idx = idx[np.argpartition(-pop.busy[idx], k - 1)[:k]]
+        return [name for i in idx if (name := pop.names[int(i)]) is not None]
+
+    @staticmethod
+    def _clear_in_ok(st: MemberState, windows: int, clear: bool) -> int:
+        """``windows - 1`` of the ``windows`` not-slow windows of a member in state ok,
+        applied at once (each would reset its slow run and extend or reset its clear
+        run, nothing else); the last one is left to :meth:`_step`. Returns 1."""
+        st.slow_run = 0
+        st.clear_run = st.clear_run + windows - 1 if clear else 0
+        return 1
+
+    def _new_windows(self, st: MemberState, rec: HealthRecord) -> int:
+        """How many windows ``rec`` adds for its member (0: already counted)."""
+        if "run" not in rec:
+            ident: object = (rec.get("epoch"), rec.get("seq"), rec.get("at"))
+            if ident == st.last_seq:
+                return 0
+            st.last_seq = ident
+            return 1
+        ident = (rec.get("epoch"), rec.get("seq"))
+        if ident == st.last_seq:
+            return 0
+        st.last_seq = ident
+        try:
+            seq, run = int(rec.get("seq", 0)), int(rec.get("run", 1))
+        except (TypeError, ValueError):
+            return 1
+        prev, st.last_window = st.last_window, seq
+        k = run if prev is None or seq <= prev else min(run, seq - prev)
+        return max(1, min(k, self.config.max_release_windows))
+
+    def _sweep(self, view: RingNeighbours) -> None:
+        """Forget the members that left the ring (O(tracked), in C where the view can
+        hand over its id set)."""
+        ids = getattr(view, "member_ids", None)
+        if callable(ids):
+            keep = ids()
+            gone: list[str] = list(self.members.keys() - keep)
+            gone_pop: list[str] = list(self._pop.slot.keys() - keep)
+        else:
+            gone = [m for m in self.members if m not in view]
+            gone_pop = [m for m in self._pop.slot if m not in view]
+        for m in gone:
+            del self.members[m]
+        for m in gone_pop:
+            self._pop.drop(m)
 
     # -- internals --------------------------------------------------------------------
 
@@ -318,6 +571,7 @@ class StragglerDetector:
         st.slow_run = st.slow_run + 1 if slow else 0
         st.clear_run = st.clear_run + 1 if clear else 0
         if st.state == OK and st.slow_run >= c.confirm_windows:
+            self._flagged.add(m)
             nxt = ring.successor(m)
             if c.link_probe and n >= c.min_members_for_links and nxt and nxt != m:
                 st.state, st.probe_edge, st.probe_epoch = PROBE, (m, nxt), 0
@@ -358,7 +612,7 @@ class StragglerDetector:
 
     def _enforce_cap(self, n: int, now: float) -> None:
         cap = max(0, (n - 1) // 2)
-        demoted = sorted((s.since, m) for m, s in self.members.items() if s.state == DEMOTED)
+        demoted = sorted((self.members[m].since, m) for m in self._flagged_now() if self.members[m].state == DEMOTED)
         for _, m in demoted[cap:]:   # keep the earliest; undo the rest
             st = self.members[m]
             st.state, st.slow_run, st.clear_run = OK, 0, 0

@@ -90,8 +90,15 @@ class Settings:
         "RESILIENT_JOIN_TREE", "1", "a growing epoch's op seq is agreed along a tree of the old members over the "
         "data plane, its root writing one etcd key; `0`: one `joinseq` key per old member (docs/scale.md)"))
     join_tree_stall: float = field(default=1.0, metadata=_var(
-        "RESILIENT_JOIN_TREE_STALL", "1", "seconds an old member waits for the join tree's result before it also "
-        "writes its own `joinseq` key (a stalled tree then ends as the per-member agreement; > 0, docs/scale.md)"))
+        "RESILIENT_JOIN_TREE_STALL", "1", "seconds an old member waits for the join tree's result before it writes a "
+        "covering `joinseq` record if its subtree is incomplete (the members around a stall complete the agreement; "
+        "> 0, docs/scale.md)"))
+    ledger_etcd_max: int = field(default=64, metadata=_var(
+        "RESILIENT_LEDGER_ETCD_MAX", "64", "up to this many survivors a recovery's ledger summaries also go through "
+        "etcd from the start (`epochs/<n>/data/ledger/`); beyond it only as a fallback (>= 0, docs/scale.md)"))
+    ledger_etcd_after: float = field(default=10.0, metadata=_var(
+        "RESILIENT_LEDGER_ETCD_AFTER", "10", "seconds (at least 1 ms per survivor) the transport exchange of ledger "
+        "summaries gets before a survivor falls back to etcd, beyond `RESILIENT_LEDGER_ETCD_MAX` (> 0)"))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -128,6 +135,8 @@ class Settings:
             qcodec=get("RESILIENT_QCODEC", _flag, d.qcodec),
             join_tree=get("RESILIENT_JOIN_TREE", _flag, d.join_tree),
             join_tree_stall=get("RESILIENT_JOIN_TREE_STALL", _positive_float, d.join_tree_stall),
+            ledger_etcd_max=get("RESILIENT_LEDGER_ETCD_MAX", _nonnegative_int, d.ledger_etcd_max),
+            ledger_etcd_after=get("RESILIENT_LEDGER_ETCD_AFTER", _positive_float, d.ledger_etcd_after),
         )
 
     def make_selector(self) -> selectors.BaseSelector:

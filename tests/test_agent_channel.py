@@ -20,6 +20,7 @@ from resilient.coordinator import Store, keys
 from resilient.coordinator.directory import NodeRecord
 from resilient.coordinator.epoch import Epoch
 from resilient.coordinator.health import make_record
+from resilient.coordinator.node_health import SummaryPolicy
 from resilient.coordinator.membership import MemberInfo
 from resilient.errors import ConfigError, RecordError
 from resilient.launcher import channel_wire as wire
@@ -102,7 +103,7 @@ def test_channel_registers_relays_refuses_aggregates_and_rank_falls_back(etcd_se
     members = NodeMembers(store, job_name, "n0", "h", lease, 30)
     store.put(keys.epoch(job_name), _epoch(1, ["r0"]))      # before the channel: relayed once, at registration
     chan = NodeChannel(str(tmp_path / "agent.sock"), store, job_name, members, lambda m: m in ("r0", "r1"),
-                       health_interval=0.01)
+                       SummaryPolicy(min_gap=0.01))
     session = None
     try:
         session, watcher = join_via_agent(store, job_name, MemberInfo("r0", address="127.0.0.1:5"), chan.path, 10)

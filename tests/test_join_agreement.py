@@ -231,6 +231,60 @@ def settle_all(parts: dict[str, ja.JoinAgreement], seqs: dict[str, int], stall: 
     return out
 
 
+def test_one_stalled_member_costs_the_keys_around_it_not_one_per_old_member():
+    """200 old members, arity 4; one member (position 5) reads and sends nothing (inside an
+    op that does not progress the transport); every other message is delivered. After the
+    stall it, its children and its ancestors write covering records (rules a-c) — the
+    others write nothing — and every member and the joiner get the maximum."""
+    n, stuck = 200, 5
+    olds = tuple(f"m{i:03d}" for i in range(n))
+    e = FakeEpoch(7, olds + ("j",), added=("j",))
+    store, box = MemoryBlobs(), Mailbox()
+    parts = {m: ja.JoinAgreement(store.writer(m), e, m, box.channel(m)) for m in e.members}
+    seqs = {m: 100 + (i * 37) % 50 for i, m in enumerate(olds)}
+    seqs[olds[stuck]] = 1000                       # the stalled member's seq is the largest: it must count
+    for m in olds:
+        parts[m].contribute(seqs[m])
+    while box.queue:
+        sender, parent, _, seq = box.queue.pop()
+        if olds[stuck] not in (sender, parent):
+            parts[parent].on_child(sender, seq)
+    assert store.puts == []                        # the tree stalled at the stuck member
+    results = settle_all({m: parts[m] for m in olds}, seqs, stall=0.3)
+    assert results == {m: 1000 for m in olds}
+    tree = parts[olds[0]].tree
+    around = {olds[stuck], *tree.children(olds[stuck])}
+    a = olds[stuck]
+    while (a := tree.parent(a)) is not None:
+        around.add(a)
+    writers = [m for _, _, m in store.puts]
+    assert set(writers) == around and len(writers) == len(around), (sorted(writers), sorted(around))
+    assert parts["j"].wait(1.0) == 1000
+
+
+@settings(max_examples=40, deadline=None)
+@given(n_old=st.integers(2, 60), arity=st.integers(2, 5), seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_any_stalled_members_end_with_the_maximum_everywhere(n_old, arity, seed, data):
+    """Some members read and send nothing, some other messages are lost: after the stall
+    every old member gets the maximum of every announced seq, from the covering records."""
+    olds = tuple(f"m{i:03d}" for i in range(n_old))
+    e = FakeEpoch(7, olds + ("j",), added=("j",))
+    store, box = MemoryBlobs(), Mailbox()
+    parts = {m: ja.JoinAgreement(store.writer(m), e, m, box.channel(m), arity) for m in e.members}
+    stuck = set(data.draw(st.sets(st.sampled_from(olds), max_size=3)))
+    seqs = {m: data.draw(st.integers(0, 1000)) for m in olds}
+    rng = random.Random(seed)
+    for m in olds:
+        parts[m].contribute(seqs[m])
+    while box.queue:
+        sender, parent, _, seq = box.queue.pop(rng.randrange(len(box.queue)))
+        if sender not in stuck and parent not in stuck and rng.random() > 0.1:
+            parts[parent].on_child(sender, seq)
+    results = settle_all({m: parts[m] for m in olds}, seqs, stall=0.2)
+    assert results == {m: max(seqs.values()) for m in olds}
+    assert parts["j"].wait(1.0) == max(seqs.values())
+
+
 def test_a_stalled_tree_ends_as_the_per_member_agreement_with_the_same_result():
     olds = tuple(f"m{i}" for i in range(6))
     e = FakeEpoch(9, olds + ("j",), added=("j",))
@@ -282,6 +336,13 @@ def test_outcome_reads_the_roots_record_or_every_own_record_never_part_of_them()
         ja.outcome({"r": ja.encode_agreed(2, 9, 3)}, tree, 3)
     with pytest.raises(RecordError):
         ja.outcome({**own, "b": b'{"seq": -1}'}, tree, 3)
+    # covering records: the root heard from a (whose subtree max it holds) but not from b
+    cover = {"r": ja.encode_cover(3, 9, 3, 0, [1])}
+    assert ja.outcome(cover, tree, 3) is None                       # b's place uncovered
+    assert ja.outcome({**cover, "b": ja.encode_cover(3, 2, 3, 2, [])}, tree, 3) == 9
+    assert ja.outcome({**cover, "b": ja.encode_own(11)}, tree, 3) == 11
+    with pytest.raises(RecordError, match="foreign"):
+        ja.outcome({**cover, "b": ja.encode_cover(3, 2, 3, 1, [])}, tree, 3)   # b's record names a's position
 
 
 @dataclass
@@ -315,10 +376,10 @@ def test_the_root_never_writes_its_own_seq_over_its_record():
 
 
 def test_admission_complete_takes_either_form_and_no_part_of_one():
-    olds = {"a", "b", "c"}
+    olds = {"a": 0, "b": 1, "c": 2}
 
     def done(got):
-        return ja.admission_complete(got, olds.__contains__, 3, 8)
+        return ja.admission_complete(got, olds.get, 3, 8)
     assert done({}) is False
     assert done({"a": ja.encode_own(1), "b": ja.encode_own(2)}) is False            # c missing
     assert done({"a": ja.encode_own(1), "b": ja.encode_own(2), "c": ja.encode_own(0)}) is True
@@ -326,4 +387,8 @@ def test_admission_complete_takes_either_form_and_no_part_of_one():
     assert done({"j": ja.encode_agreed(8, 4, 3)}) is False                          # not an old member's key
     assert done({"a": ja.encode_agreed(7, 4, 3)}) is False                          # another epoch's record
     assert done({"a": b"junk", "b": ja.encode_own(2), "c": ja.encode_own(0)}) is False
-    assert ja.admission_complete({}, olds.__contains__, 0, 8) is True              # nobody before: nothing to agree
+    assert ja.admission_complete({}, olds.get, 0, 8) is True                        # nobody before: nothing to agree
+    # covering records: the root heard from b; c's own record covers c
+    assert done({"a": ja.encode_cover(8, 5, 3, 0, [1]), "c": ja.encode_own(9)}) is True
+    assert done({"a": ja.encode_cover(8, 5, 3, 0, [1])}) is False                   # c uncovered
+    assert done({"a": ja.encode_cover(8, 5, 3, 1, [1]), "c": ja.encode_own(9)}) is False   # a's names b's place

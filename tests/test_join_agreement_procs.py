@@ -2,8 +2,8 @@
 (resilient/collectives/join_agreement.py, EpochTracker): a growing epoch is agreed while
 old members are blocked inside an op, with one ``joinseq`` key in etcd under the tree
 agreement (``RESILIENT_JOIN_TREE=1``, the default), one per old member without it, and the
-same result when the tree stalls (a member that sends no tree message) and the agreement
-falls back to one key per old member."""
+same result when the tree stalls (a member that sends no tree message and writes its own
+key at once) and the agreement completes through covering records around it."""
 from __future__ import annotations
 
 import sys
@@ -29,13 +29,13 @@ def _first_ops(w: Workers, mid: str, n: int, deadline_s: float = 60) -> None:
         time.sleep(0.02)
 
 
-def _joinseq_keys(etcd_session, job: str) -> dict[int, list[str]]:
-    """epoch number -> the members with a ``joinseq`` key in it."""
+def _joinseq_keys(etcd_session, job: str) -> dict[int, dict[str, bytes]]:
+    """epoch number -> member -> its ``joinseq`` key's value, for the epochs that have one."""
     from resilient.coordinator import EpochData, Store
 
     store = Store(etcd_session.endpoints)
     try:
-        return {n: sorted(got) for n in range(0, 40) if (got := EpochData(store, job, n).get_all("joinseq"))}
+        return {n: got for n in range(0, 40) if (got := EpochData(store, job, n).get_all("joinseq"))}
     finally:
         store.close()
 
@@ -70,10 +70,17 @@ def test_growing_epoch_is_agreed_while_old_members_are_blocked_in_an_op(etcd_ses
                     np.testing.assert_array_equal(w.output(m, seq), w.output("m0", seq))
         finally:
             w.close()
+    from resilient.collectives.join_agreement import parse_entry
+
     keys = _joinseq_keys(etcd_session, job_name)
     assert keys, "no joinseq key was written"
     if tree == "1":
         assert all(len(v) == 1 for v in keys.values()), keys  # one key per growing epoch: the tree's root
-    else:   # one per old member of the growing epoch
-        assert any(v == ["m0", "m1", "m2"] for v in keys.values()), keys
+    elif tree == "0":   # one per old member of the growing epoch
+        assert any(sorted(v) == ["m0", "m1", "m2"] for v in keys.values()), keys
+    else:   # m2's own key, and covering records of tree members around it (the root's at least)
+        n = max(n for n, v in keys.items() if "m2" in v)   # the epoch that added m3 (the last growing one)
+        got = keys[n]
+        assert "m0" in got and parse_entry(got["m2"], n, 3).kind == "own", keys
+        assert all(parse_entry(v, n, 3).kind == "cover" for m, v in got.items() if m != "m2"), keys
 

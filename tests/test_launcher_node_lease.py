@@ -56,7 +56,7 @@ def test_node_record_epoch_relay_health_exit_and_hang(etcd_session, job_name, tm
         # hierarchical health: the ranks' windows arrive as one health/<node> summary, no per-rank key
         summary = wait_for(lambda: store.get(keys.health_of(job_name, node.node)), 30, "the node's health summary")
         body = json.loads(summary.value)
-        assert body["v"] == 2 and set(body["ranks"]) <= set(ids) and body["ranks"]
+        assert body["v"] == 3 and set(body["ranks"]) <= set(ids) and body["ranks"]
         assert [kv.key for kv in store.get_prefix(keys.health(job_name))] == [summary.key]
 
         first = dump(0)["epoch"]

@@ -258,10 +258,11 @@ def test_launcher_rendezvous_parsers_raise_only_record_error(raw):
 @FAST
 @given(RAW)
 def test_joinseq_blob_raises_record_error_only(raw):
-    from resilient.collectives.epochs import joinseq as _joinseq
+    from resilient.collectives.join_agreement import MAX_SEQ, parse_entry
 
     try:
-        seq = _joinseq(raw)
+        e = parse_entry(raw, 7, 12)
     except RecordError:
         return
-    assert isinstance(seq, int) and 0 <= seq <= records.MAX_INT
+    assert isinstance(e.seq, int) and 0 <= e.seq <= MAX_SEQ and e.kind in ("agreed", "cover", "own")
+    assert e.kind != "cover" or (e.pos is not None and 0 <= e.pos < 12 and all(0 <= c < 12 for c in e.got))

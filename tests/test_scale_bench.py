@@ -18,7 +18,8 @@ KEYS = ("epoch_bytes_node_loss", "writes_per_epoch", "coordinator_cpu_ms_per_epo
 
 def _args(**kw: object) -> argparse.Namespace:
     base: dict[str, object] = dict(gpus=512, gpus_per_node=8, nodes_per_rack=8, ttl=5.0, proxies=4, steady=3.0,
-                                   summary_interval=15.0, reload_interval=300.0, derive_sample=4, seed=3,
+                                   health_budget=10.0, health_window=1.0, health_noise=0.02, health_busy=0.5,
+                                   health_warmup=2.0, reload_interval=300.0, derive_sample=4, seed=3,
                                    straggler_policy=False, sim_params=None)
     base.update(kw)
     return argparse.Namespace(**base)
@@ -32,6 +33,9 @@ def test_small_simulation_runs_every_scenario_and_agrees_on_the_plan():
     # every live agent checked every epoch's hash: 64 nodes less the silent loss, a rack, the last loss
     assert [e["agents_checked"] for e in out["epochs"]] == [64, 63, 55, 55, 55, 54]
     assert out["epoch_bytes_node_loss"] < 2048 and out["writes_per_epoch"] <= 4
+    # the data plane's etcd writes: no ledger key beyond 64 survivors, the join tree root's one key
+    assert [e["data_plane_writes"] for e in out["epochs"]] == [0, 0, 0, 0, 1, 0]
+    assert out["writes_per_epoch_with_data_plane"] <= 4
     # one lease per node, granted node_lease_ttl(5 s) = 4 s and refreshed every third of it
     assert out["node_lease_ttl_s"] == 4
     assert out["keepalives_per_s"] == pytest.approx(64 / (4.0 / 3), rel=0.05)

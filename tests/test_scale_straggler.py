@@ -136,3 +136,64 @@ def test_sparse_separation_is_the_planners_greedy(n: int, data: st.DataObject) -
     keyed = [(f"{'1' if i >= healthy else '0'}", (0, i), m) for i, m in enumerate(ids)]
     got = [k[2] for k in _separate(keyed, healthy, avoid)]
     assert got == _reference_separate(ids, healthy, avoid)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 11), st.sampled_from([0.2, 0.5, 0.55, 0.9, 1.0]),
+                                   st.integers(0, 3), st.booleans(), st.booleans()), max_size=6),
+                min_size=1, max_size=40))
+def test_fed_only_the_changed_records_the_detector_decides_as_when_it_reads_them_all(passes):
+    """Each pass changes a few records (a new window, a summary's held one with its run,
+    or the record gone); a detector told which members changed (as the coordinator's
+    HealthCache tells it) reaches the same states, verdicts and events as one that looks
+    at every record every pass."""
+    from resilient.coordinator.straggler import StragglerDetector
+
+    ring = [f"m{i:02d}" for i in range(12)]
+    cfg = StragglerConfig(confirm_windows=2, release_windows=2)
+    full, incremental = StragglerDetector(cfg), StragglerDetector(cfg)
+    records: dict = {}
+    seq = {m: 0 for m in ring}
+    for p, changes in enumerate(passes):
+        now = 100.0 + p
+        changed = set()
+        for i, busy, run, held, gone in changes:
+            m = ring[i]
+            changed.add(m)
+            if gone:
+                records.pop(m, None)
+                continue
+            seq[m] += max(1, run)
+            rec = make_record(m, 1, seq[m], ops=10, window_s=1.0, wait_s={"p": 1.0 - busy}, at=now)
+            if held:
+                rec["run"] = run
+            records[m] = rec
+        a = full.update(dict(records), ring, 1, now)
+        b = incremental.update(dict(records), ring, 1, now, changed=changed)
+        assert (a.demoted, a.avoid, a.scores) == (b.demoted, b.avoid, b.scores)
+    assert full.events == incremental.events
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.booleans(), st.booleans()), min_size=2, max_size=40),
+       st.sets(st.integers(0, 30), min_size=1, max_size=4))
+def test_the_coordinator_places_old_members_where_the_join_tree_does(steps, joiners):
+    """The coordinator's position of an old member of a growing delta epoch (ring lookup
+    less the joiners before it, service._old_positions) is its position in the join
+    agreement's tree (join_agreement.old_members of the full epoch the members resolve)."""
+    from types import SimpleNamespace
+
+    from resilient.collectives.join_agreement import old_members
+    from resilient.coordinator.service import _old_positions
+
+    state = EpochState(0, {}, {}, {}, "t")
+    state.ring_index()
+    for i, remove, demote in steps:
+        state = _step(state, i, remove, demote)
+    added = {f"r{i:02d}" for i in joiners} & set(state.infos)
+    full = state.to_epoch(EpochDelta(number=state.number, base=state.number - 1, snapshot=0, added=tuple(sorted(added))))
+    want = {m: i for i, m in enumerate(old_members(full))}
+    pub = SimpleNamespace(epoch=None, view=lambda: StateView(state, state.number))
+    position = _old_positions(pub, added)   # type: ignore[arg-type]
+    assert {m: position(m) for m in state.infos if position(m) is not None} == want
+    assert all(position(m) is None for m in added) and position("absent") is None

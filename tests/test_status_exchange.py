@@ -24,6 +24,7 @@ class _View:
         self.etcd_works = etcd_works
         self.cond = threading.Condition()
         self.blobs: dict[tuple[int, str], bytes] = {}
+        self.looked = 0   # any_blob calls
 
     def put_blob(self, epoch, name, payload):
         with self.cond:
@@ -38,6 +39,12 @@ class _View:
             if not self.cond.wait_for(lambda: all((epoch, m) in self.blobs for m in members), timeout):
                 raise TimeoutError("missing")
             return {m: self.blobs[(epoch, m)] for m in members}
+
+    def any_blob(self, epoch, name):
+        with self.cond:
+            self.looked += 1
+            self.cond.notify_all()
+            return any(e == epoch for e, _ in self.blobs)
 
     def current(self):
         return None
@@ -54,6 +61,9 @@ class _MemberView:
 
     def wait_blobs(self, epoch, name, members, timeout):
         return self.shared.wait_blobs(epoch, name, members, timeout)
+
+    def any_blob(self, epoch, name):
+        return self.shared.any_blob(epoch, name)
 
     def current(self):
         return None
@@ -74,14 +84,18 @@ def _status(member: str, size: int = 50) -> bytes:
     return json.dumps({"member": member, "pad": "x" * size}).encode()
 
 
-def _run_all(trs, rings, view, epoch=1, timeout=10.0):
+def _run_all(trs, rings, view, epoch=1, timeout=10.0, **etcd):
+    """Every member's exchange in a thread; ``etcd``: StatusExchange's etcd_max /
+    etcd_after (default: the etcd path from the start, so each summary is published)."""
     out, errors = {}, []
+    exchanges = {}
 
     def one(m):
         try:
-            x = StatusExchange(_MemberView(view, m), trs[m], epoch, rings[m], m, _status(m, 10 + len(m)))
+            x = exchanges[m] = StatusExchange(_MemberView(view, m), trs[m], epoch, rings[m], m,
+                                              _status(m, 10 + len(m)), **etcd)
             out[m] = x.run(timeout, lambda: None)
-            assert x.wait_published()
+            assert x.wait_published() == x.etcd_started
         except BaseException as exc:  # surfaced below
             errors.append((m, exc))
 
@@ -91,6 +105,7 @@ def _run_all(trs, rings, view, epoch=1, timeout=10.0):
     for th in ths:
         th.join(timeout + 5)
     assert not any(th.is_alive() for th in ths), "an exchange hung"
+    _run_all.exchanges = exchanges
     return out, errors
 
 
@@ -173,3 +188,55 @@ def test_a_summary_naming_another_member_is_rejected(trio):
     x = StatusExchange(_MemberView(view, "b"), b, 1, ["a", "b"], "b", _status("b"))
     with pytest.raises(FrameError, match="where 'a'"):
         x.run(5.0, lambda: None)
+
+
+def test_beyond_etcd_max_a_working_transport_puts_nothing_in_etcd(trio, mode):
+    """Above etcd_max survivors the etcd copy is skipped when the transport path works:
+    no key, no wait on N keys; each member looks once (a key-only read) whether another
+    fell back, finds nothing and puts nothing."""
+    ring = ["a", "b", "c"]
+    view = _View(etcd_works=True)
+    out, errors = _run_all(trio, {m: ring for m in ring}, view, timeout=5.0, etcd_max=2, etcd_after=0.2)
+    assert not errors, errors
+    for m in ring:
+        assert out[m] == {x: _status(x, 10 + len(x)) for x in ring}
+        assert _run_all.exchanges[m].etcd_started is False
+    with view.cond:
+        assert view.cond.wait_for(lambda: view.looked == 3, 10), "each member looked for a fallback once"
+    assert view.blobs == {}
+
+
+def test_beyond_etcd_max_a_stalled_transport_falls_back_to_etcd(trio, mode):
+    """Survivors that disagree on the ring stall over the transport; above etcd_max they
+    fall back to etcd after etcd_after and complete there (below it this case went
+    through etcd from the start)."""
+    rings = {"a": ["a", "b"], "b": ["a", "b", "c"], "c": ["a", "b", "c"]}
+    view = _View(etcd_works=True)
+    out, errors = _run_all(dict(trio), rings, view, timeout=8.0, etcd_max=1, etcd_after=0.3)
+    assert not errors, errors
+    assert out["a"] == {m: _status(m, 10 + len(m)) for m in ("a", "b")}
+    for m in ("b", "c"):
+        assert out[m] == {x: _status(x, 10 + len(x)) for x in ("a", "b", "c")}
+    assert set(view.blobs) == {(1, "a"), (1, "b"), (1, "c")}
+
+
+def test_a_member_done_over_the_transport_answers_a_fallback_in_etcd(trio, mode):
+    """Beyond etcd_max, a member whose exchange completed over the transport looks once,
+    a second after any fallback would have begun, for a summary of its epoch in etcd; one
+    being there (another survivor fell back), it puts its own so that survivor's wait can
+    complete."""
+    ring = ["a", "b", "c"]
+    view = _View(etcd_works=True)
+    view.put_blob(1, "z", _status("z"))          # a survivor that fell back (its view of the ring differed)
+    out, errors = _run_all(trio, {m: ring for m in ring}, view, timeout=5.0, etcd_max=2, etcd_after=0.2)
+    assert not errors, errors
+    assert not any(x.etcd_started for x in _run_all.exchanges.values())
+    with view.cond:
+        assert view.cond.wait_for(lambda: {(1, m) for m in ring} <= set(view.blobs), 10), view.blobs
+
+
+def test_the_etcd_puts_a_recovery_costs():
+    from resilient.collectives.status_exchange import ETCD_MAX, etcd_puts
+
+    assert etcd_puts(8) == 8 and etcd_puts(ETCD_MAX) == ETCD_MAX
+    assert etcd_puts(ETCD_MAX + 1) == 0 and etcd_puts(99_992) == 0

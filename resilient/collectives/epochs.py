@@ -11,8 +11,8 @@
   thread carries the tree's messages while it waits on an op, at a boundary, or in a
   short progress task queued when the epoch is seen (which gives the thread back to any
   op queued behind it). A tree that gives no result within ``RESILIENT_JOIN_TREE_STALL``
-  seconds ends as the per-member agreement (every old member's helper thread writes its
-  own key). Otherwise (``RESILIENT_JOIN_TREE=0``, and over NCCL) every old member puts its
+  seconds is completed through a few covering records (the stalled member's, its
+  children's and its ancestors': :mod:`.join_agreement`). Otherwise (``RESILIENT_JOIN_TREE=0``, and over NCCL) every old member puts its
   own ``joinseq`` key and everyone waits for all of them.
   Several growing epochs are adopted one by one, in order, each at its own agreed seq
   (never skipping one the group may adopt: docs/recovery.md).
@@ -41,7 +41,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from resilient.collectives.eviction import removed_error
 from resilient.collectives.group import EpochLike, GroupView, addresses_of
 from resilient.collectives.join_agreement import JoinAgreement, old_members, wait_outcome
-from resilient.coordinator import records
 from resilient.errors import CollectiveError, EpochChanged, RecordError, RemovedFromGroup
 from resilient.settings import Settings
 from resilient.transport.base import JoinCarrier, Transport
@@ -69,13 +68,6 @@ class Configurable(Protocol):
 def cause_label(e: EpochLike) -> str:
     """The ``resilient_recoveries_total`` cause label of an epoch that removed members."""
     return _CAUSE_LABELS.get(e.cause, "member_lost")
-
-
-def joinseq(raw: bytes) -> int:
-    """The op sequence number in a member's ``joinseq`` blob (``{"seq": n}``), validated
-    like every etcd record: a malformed blob raises :class:`~resilient.errors.RecordError`
-    naming the rule (a joiner never starts at a guessed sequence number)."""
-    return int(records.fields("rendezvous", raw, "joinseq").int("seq"))
 
 
 #: epochs ahead of this member's view whose join messages are kept until it sees them
@@ -365,10 +357,9 @@ class EpochTracker:
         if self.carrier is not None:
             self.switch = (self._await_agreement(self._agreement(e)), e)
             return
-        olds = [m for m in self.members() if m in e.members]
-        raw = self.view.wait_blobs(e.number, "joinseq", olds, self.epoch_timeout)
-        at = max(joinseq(v) for v in raw.values())
-        self.switch = (at, e)
+        # every old member's own key, or covering records of tree members around them
+        # (a job mixing both: join_agreement's rules b and c)
+        self.switch = (wait_outcome(self.view, e, self.epoch_timeout), e)
 
     def enter(self, e: EpochLike, first: bool = False) -> None:
         """Adopt epoch ``e``: transport configured, epoch/world-size gauges set, and one

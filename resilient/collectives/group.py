@@ -55,6 +55,10 @@ class BlobView(Protocol):
 
     def wait_blobs(self, epoch: int, name: str, members: Iterable[str], timeout: float) -> dict[str, bytes]: ...
 
+    def any_blob(self, epoch: int, name: str) -> bool:
+        """Whether some member has put ``name`` in ``epoch`` (one key-only read)."""
+        ...
+
 
 _R = TypeVar("_R")
 
@@ -148,6 +152,11 @@ class EtcdGroupView:
         from resilient.coordinator.epoch import EpochData
 
         return EpochData(self.store, self.job, epoch).wait_until(name, done, timeout)
+
+    def any_blob(self, epoch: int, name: str) -> bool:
+        from resilient.coordinator.epoch import EpochData
+
+        return EpochData(self.store, self.job, epoch).any(name)
 
     def session_lost(self) -> bool:
         return bool(self.session.lost.is_set())

@@ -30,6 +30,7 @@ from resilient.collectives.recovery_report import RecoveryReport, Timeline
 from resilient.collectives.resume import build_plan, execute_plan
 from resilient.transport.retrying import RetryingTransport
 from resilient.collectives.status_exchange import StatusExchange
+from resilient.settings import Settings
 from resilient.errors import CollectiveError, EpochChanged, TransportAborted, TransportError
 from resilient.kernels import ReduceOp
 from resilient.errors import OpMismatch, PeerReportedError
@@ -70,6 +71,9 @@ class RecoveryPath:
         self.op_timeout, self.recovery_timeout = op_timeout, recovery_timeout
         self.on_suspect = on_suspect
         self.member_id = view.member_id
+        settings = Settings.from_env()
+        #: the ledger summaries' etcd path: from the start up to this many survivors, else a fallback
+        self.ledger_etcd_max, self.ledger_etcd_after = settings.ledger_etcd_max, settings.ledger_etcd_after
         self.status_epoch = epochs.epoch.number   # the newest epoch whose status exchange this member finished
         self.retained: Ledger | None = None       # the completed ledger of this member's last op
         self.last_report: RecoveryReport | None = None
@@ -84,7 +88,8 @@ class RecoveryPath:
         survivors = [m for m in e.members if m in members]
         wall_epoch = time.time()
         xchg = StatusExchange(self.view, self.op_transport, e.number, survivors, self.member_id,
-                              encode_status(self.member_id, ledger, self.retained, next_seq))
+                              encode_status(self.member_id, ledger, self.retained, next_seq),
+                              self.ledger_etcd_max, self.ledger_etcd_after)
         try:
             raw = xchg.run(timeout, self.epochs.newer_than(e.number))
         except EpochChanged:
@@ -165,7 +170,7 @@ class RecoveryPath:
                                   statuses=wall0 + (r.t_status - t0), done=time.time()),
                 wait_recv_s=stats.pop("wait_recv_s", 0.0), wait_send_s=stats.pop("wait_send_s", 0.0),
                 reduce_s=stats.pop("reduce_s", 0.0), extra=stats)
-            r.xchg.wait_published()   # observers (resilient status, chaos verifier) read it from etcd
+            r.xchg.wait_published()   # observers (tests, bench/recovery.py) read it from etcd, at small scale
             return "done"
 
     # -- between ops: a point-to-point op that finds the epoch moved ---------------------------

@@ -9,12 +9,22 @@ ledger summary. They travel two ways at once, and the first complete set wins:
   survivors (one hop), around the survivors' ring beyond (``n - 1`` hops over the ring's
   links only). On loopback it takes a few milliseconds once every survivor has entered
   the recovery;
-* **through etcd** (``epochs/<n>/data/ledger/<member>``, as docs/design.md §3 describes): each
-  summary is put there in any case, for observers (``resilient status``, the chaos
-  verifier, tests), and a watch collects the others'. Under CPU load the watch delivered
-  the last summary 2–45 ms after it was written in ``bench/recovery.py``, which is why the
-  transport path exists; etcd remains the path that always works, e.g. when two survivors
-  disagree on the ring (one already in the next op over a grown group).
+* **through etcd** (``epochs/<n>/data/ledger/<member>``, as docs/design.md §3 describes):
+  each summary is put there and a watch collects the others'. Under CPU load the watch
+  delivered the last summary 2–45 ms after it was written in ``bench/recovery.py``, which
+  is why the transport path exists; etcd is the path that works when the transport's
+  does not, e.g. when two survivors disagree on the ring (one already in the next op
+  over a grown group). Up to ``etcd_max`` survivors (:data:`ETCD_MAX`, 64;
+  ``RESILIENT_LEDGER_ETCD_MAX``) it runs from the start, beside the transport's, and
+  the keys stay for observers (tests, ``bench/recovery.py``). Beyond that it is a
+  fallback: a survivor starts it only when its transport path has not completed within
+  ``max(etcd_after, 1 ms x survivors)`` seconds (:data:`ETCD_AFTER_S`, 10;
+  ``RESILIENT_LEDGER_ETCD_AFTER``), so a recovery among N survivors costs no etcd write
+  when the transport path works, instead of N puts and N waits on N keys. Around the
+  ring a survivor whose view of the ring differs can stall the chain for some and not
+  others, so one whose exchange completed over the transport looks once, a second
+  after any fallback would have begun, for a summary of its epoch in etcd (one
+  key-only read) and puts its own when it finds one.
 
 Failure behaviour: a survivor that dies during the exchange -> a newer epoch -> the
 transport is aborted -> :class:`~resilient.errors.TransportAborted` propagates and the
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import struct
 import threading
 import time
@@ -49,6 +60,18 @@ MAX_STATUS_BYTES = 64 << 20
 #: hop, n - 1 connections each); beyond it the summaries go around the ring (n - 1 hops
 #: over the ring's links only)
 DIRECT_MAX = 16
+#: up to this many survivors the etcd path runs from the start (keys for observers);
+#: beyond it only as a fallback (RESILIENT_LEDGER_ETCD_MAX)
+ETCD_MAX = 64
+#: seconds (at least 1 ms per survivor) the transport path gets before the etcd fallback
+#: starts beyond ETCD_MAX survivors (RESILIENT_LEDGER_ETCD_AFTER)
+ETCD_AFTER_S = 10.0
+
+
+def etcd_puts(survivors: int, etcd_max: int = ETCD_MAX) -> int:
+    """The ledger keys a recovery among ``survivors`` puts when the transport path works
+    (a fallback adds one per survivor that falls back)."""
+    return survivors if survivors <= etcd_max else 0
 _LEN = struct.Struct("<Q")
 _POLL_S = 0.005
 
@@ -65,7 +88,8 @@ class StatusExchange:
     ``view``: the group view (``put_blob``/``wait_blobs``/``current``); ``transport``: the
     op transport (retries broken links); ``me``: this member's id, in ``ring``."""
 
-    def __init__(self, view: BlobView, transport: ControlTransport, epoch: int, ring: Sequence[str], me: str, payload: bytes) -> None:
+    def __init__(self, view: BlobView, transport: ControlTransport, epoch: int, ring: Sequence[str], me: str,
+                 payload: bytes, etcd_max: int = ETCD_MAX, etcd_after: float = ETCD_AFTER_S) -> None:
         self.view, self.transport, self.epoch = view, transport, int(epoch)
         self.ring, self.me, self.payload = list(ring), me, bytes(payload)
         self._etcd: dict[str, bytes] | None = None
@@ -73,6 +97,11 @@ class StatusExchange:
         self._etcd_done = threading.Event()
         self._published = threading.Event()
         self._timeout = 60.0
+        #: whether the etcd path runs from the start (else: only as a fallback, after etcd_after)
+        self.etcd_at_once = len(self.ring) <= etcd_max
+        self.etcd_after = max(float(etcd_after), 0.001 * len(self.ring))
+        #: whether this member's etcd path was started (its summary put, the others waited for)
+        self.etcd_started = False
 
     # -- etcd side ----------------------------------------------------------------------
 
@@ -93,8 +122,33 @@ class StatusExchange:
         self._etcd_done.set()
 
     def wait_published(self, timeout: float = 5.0) -> bool:
-        """Whether this member's summary reached etcd (waits up to ``timeout``)."""
-        return self._published.wait(timeout)
+        """Whether this member's summary reached etcd (waits up to ``timeout``; False at
+        once when the etcd path was not started: beyond ``etcd_max`` survivors whose
+        transport path completed)."""
+        return self.etcd_started and self._published.wait(timeout)
+
+    def _answer_fallback(self, start: float) -> None:
+        """This member's exchange completed over the transport beyond ``etcd_max``; a
+        survivor whose view of the ring differed may still have stalled and fallen back
+        to etcd, waiting for every summary there. A second after any fallback would have
+        begun (spread over up to a second more), look once for a summary of this epoch
+        in etcd (one key-only read) and, if there is one, put ours too. Never raises (a
+        failure is logged: the stalled survivor then times out, as it would without)."""
+        delay = self.etcd_after + 1.0 + random.random() * min(1.0, 1e-5 * len(self.ring))
+        time.sleep(max(0.0, start + delay - time.monotonic()))
+        try:
+            if self.view.any_blob(self.epoch, "ledger"):
+                self.view.put_blob(self.epoch, "ledger", self.payload)
+                log.info("ledger-status exchange of epoch %d: another survivor fell back to etcd; our summary "
+                         "is there too", self.epoch)
+        except Exception as exc:  # noqa: BLE001 - best effort; see the docstring
+            log.warning("ledger-status exchange of epoch %d: could not answer a fallback through etcd: %s",
+                        self.epoch, exc)
+
+    def _start_etcd(self) -> None:
+        if not self.etcd_started:
+            self.etcd_started = True
+            threading.Thread(target=self._publish, name=f"ledger-status-{self.epoch}", daemon=True).start()
 
     # -- the exchange -------------------------------------------------------------------
 
@@ -103,8 +157,10 @@ class StatusExchange:
         what it raises). ``newer_epoch()`` returns the number of an epoch newer than
         ``epoch`` when there is one."""
         self._timeout = timeout
-        threading.Thread(target=self._publish, name=f"ledger-status-{self.epoch}", daemon=True).start()
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        if self.etcd_at_once:
+            self._start_etcd()
+        deadline = start + timeout
         n = len(self.ring)
         got: dict[str, bytes] = {self.me: self.payload}
         if n == 1:
@@ -119,6 +175,10 @@ class StatusExchange:
             while not tr.wait(reqs, timeout=_POLL_S):
                 if self._etcd is not None:
                     return False
+                if not self.etcd_started and time.monotonic() - start >= self.etcd_after:
+                    log.info("ledger-status exchange of epoch %d: the transport path has not completed in %.1fs; "
+                             "falling back to etcd as well", self.epoch, self.etcd_after)
+                    self._start_etcd()
                 newer = newer_epoch()
                 if newer is not None:
                     raise EpochChanged(f"epoch {newer} superseded epoch {self.epoch} during the ledger-status "
@@ -172,6 +232,9 @@ class StatusExchange:
             if not wait(sends):
                 return self._etcd  # type: ignore[return-value]
             finished = True
+            if not self.etcd_started:   # others may still fall back to etcd: answer them there
+                threading.Thread(target=self._answer_fallback, args=(start,), name=f"ledger-late-{self.epoch}",
+                                 daemon=True).start()
             return got
         finally:
             if not finished:

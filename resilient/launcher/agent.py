@@ -46,7 +46,8 @@ directory, passed as ``RESILIENT_AGENT_SOCKET``) through which :func:`resilient.
 registers each worker: the agent writes **one** ``nodes/<node>`` record (:class:`~.node_members.NodeMembers`)
 listing its ranks, relays every ``epoch`` record from its one etcd watch to them (they
 open no watch of their own), takes their health windows into one ``health/<node>``
-summary (``--node-health-interval``) and their beats. The agent vouches for its ranks: an
+summary, written on change within the job's write budget (``--health-write-budget``,
+``--node-health-interval``: :mod:`resilient.coordinator.node_health`) and their beats. The agent vouches for its ranks: an
 exit is handled at once by one transaction (the node record without the rank +
 ``departed/<member id>``, siblings untouched), and a hung worker — no beat for
 ``--lease-ttl`` seconds (SIGSTOP) — is removed the same way (reason ``heartbeat stale``)
@@ -225,6 +226,7 @@ class Agent:
         """Grant the node lease (kept over one LeaseMux stream), open the channel."""
 
         from resilient.coordinator.lease_mux import LeaseMux
+        from resilient.coordinator.node_health import SummaryPolicy
         from resilient.launcher.node_channel import NodeChannel
         from resilient.launcher.node_members import NodeMembers
 
@@ -239,7 +241,8 @@ class Agent:
         run_dir = agent_run_dir()
         try:
             channel = NodeChannel(os.path.join(run_dir, SOCKET_NAME), c.store, c.job, members, self._expects,
-                                  self.cfg.node_health_interval)
+                                  SummaryPolicy(budget=self.cfg.health_write_budget,
+                                                min_gap=self.cfg.node_health_interval))
         except BaseException:  # the channel could not open: nothing of node mode is left behind
             shutil.rmtree(run_dir, ignore_errors=True)
             mux.close()

@@ -202,9 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
              "node's liveness bound: the node lease is granted floor(TTL - 0.5) s (etcd revokes "
              "expired leases up to 0.5 s late) so a silent node is declared dead within TTL; "
              "under 2.5 s it is granted as given and the bound is TTL + 0.5 s (a warning says so).")
-    add("node-health-interval", type=float, default=15.0,
-        help="With the node agent (the default): seconds between the agent's health/<node> summaries of "
-             "its ranks' health windows (sooner when a rank turns slow; docs/scale.md).")
+    add("node-health-interval", type=float, default=1.0,
+        help="With the node agent (the default): the least seconds between two of the agent's "
+             "health/<node> summaries. A summary is written when a rank's health changes (at once when "
+             "a rank turns slow), within --health-write-budget (docs/scale.md).")
+    add("health-write-budget", type=float, default=10.0,
+        help="With the node agent: health summary writes per second for the whole job (give every "
+             "node the same); each node's share is this divided by the job's node count (docs/scale.md).")
     g.add_argument("--no-node-lease", "--no_node_lease", dest="no_node_lease", action="store_true",
                    help="One etcd lease per worker, kept alive by the worker itself, instead of the default "
                         "node agent (one lease and one nodes/<node> record per node; resilient.connect() "
@@ -262,7 +266,8 @@ class LaunchConfig:
     lease_ttl: float
     metrics_port: int | None
     metrics_host: str = "0.0.0.0"
-    node_health_interval: float = 15.0
+    node_health_interval: float = 1.0
+    health_write_budget: float = 10.0
     #: the node agent (one node lease, the local channel); off: --no-node-lease / RESILIENT_NODE_LEASE=0
     node_lease: bool = True
     cmd: list[str] = field(default_factory=list)
@@ -386,8 +391,10 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         raise ConfigError(f"--monitor-interval {args.monitor_interval} must be > 0")
     if not (math.isfinite(args.lease_ttl) and args.lease_ttl > 0):
         raise ConfigError(f"--lease-ttl {args.lease_ttl} must be a finite number of seconds > 0")
-    if not args.node_health_interval > 0:
+    if not (math.isfinite(args.node_health_interval) and args.node_health_interval > 0):
         raise ConfigError(f"--node-health-interval {args.node_health_interval} must be > 0 seconds")
+    if not (math.isfinite(args.health_write_budget) and args.health_write_budget > 0):
+        raise ConfigError(f"--health-write-budget {args.health_write_budget} must be > 0 writes/s")
     backend = args.rdzv_backend
     endpoint = args.rdzv_endpoint
     run_id = args.rdzv_id
@@ -457,6 +464,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host or ("127.0.0.1" if args.standalone else "0.0.0.0"),
         node_health_interval=args.node_health_interval,
+        health_write_budget=args.health_write_budget,
         node_lease=Settings.from_env().node_lease and not args.no_node_lease,
         cmd=worker_command(args),
         etcd_access=EtcdAccess.from_args(args),

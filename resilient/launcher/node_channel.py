@@ -11,8 +11,12 @@ and a writer thread (a send queue, so a stopped rank never blocks the relay):
 * ``beat``: its time is kept; :meth:`stale` names the ranks silent for longer than the
   TTL (the agent removes them: a SIGSTOPped or otherwise hung rank);
 * ``health``: a window of that rank only (another member id is refused), fed to the
-  node's :class:`~resilient.coordinator.health.NodeHealthAggregator` (one
-  ``health/<node>`` summary, no per-rank write reaches etcd);
+  node's :class:`~resilient.coordinator.node_health.NodeHealthAggregator` (one
+  ``health/<node>`` summary, written when something changed within the job's write
+  budget; no per-rank write reaches etcd). The job's node count, which sizes the
+  node's share of the budget, is taken from each relayed epoch (its member count over
+  this node's ranks); a summary that waited for its time or a token is written by
+  :meth:`NodeChannel.health_tick`, which a thread of the channel calls every 0.25 s;
 * ``leave``: removed from the node record now, answered ``left``, and no longer served.
 
 The node's one watch on ``epoch`` relays every value etcd delivers (the record as
@@ -40,13 +44,17 @@ from dataclasses import replace
 from typing import Callable
 
 from resilient.coordinator import keys
-from resilient.coordinator.health import NodeHealthAggregator
+from resilient.coordinator.delta import epoch_size
+from resilient.coordinator.node_health import NodeHealthAggregator, SummaryPolicy
 from resilient.coordinator.store import Store, WatchEvent
 from resilient.errors import ConfigError, StoreError
 from resilient.launcher import channel_wire as wire
 from resilient.launcher.node_members import NodeMembers
 
 log = logging.getLogger("resilient.launcher")
+
+#: seconds between the channel's checks for a health summary that waited
+TICK_S = 0.25
 
 
 class _Rank:
@@ -78,9 +86,9 @@ class NodeChannel:
     belongs to a running worker of this agent."""
 
     def __init__(self, path: str, store: Store, job: str, members: NodeMembers,
-                 expects: Callable[[str], bool], health_interval: float = 15.0) -> None:
+                 expects: Callable[[str], bool], health: SummaryPolicy | None = None) -> None:
         self.path, self.store, self.job, self.members, self.expects = path, store, job, members, expects
-        self.health = NodeHealthAggregator(store, job, members.node, members.lease, interval=health_interval)
+        self.health = NodeHealthAggregator(store, job, members.node, members.lease, health)
         self._health_lock = threading.Lock()
         self._lock = threading.Lock()
         self._ranks: list[_Rank] = []
@@ -100,9 +108,12 @@ class NodeChannel:
         kv, rev = store.get_with_revision(key)
         if kv is not None:
             self._latest = wire.EpochRecord(kv.value, kv.mod_revision)
+            self._size_health(kv.value)
         self._watch = store.watch_key(key, rev + 1, self._on_epoch_events)
         self._accepter = threading.Thread(target=self._accept_loop, name="agent-channel", daemon=True)
         self._accepter.start()
+        self._stop_ticks = threading.Event()
+        threading.Thread(target=self._tick_loop, name="agent-health-tick", daemon=True).start()
 
     # -- epochs ---------------------------------------------------------------------------
 
@@ -116,12 +127,24 @@ class NodeChannel:
                 rec = wire.EpochRecord(ev.value, ev.mod_revision)
             if rec is None:
                 continue
+            self._size_health(rec.record)
             with self._lock:
                 self._latest = rec
                 targets = [r for r in self._ranks if r.member_id is not None]
             for r in targets:
                 r.post(rec)
                 self.relayed += 1
+
+    def _size_health(self, raw: bytes) -> None:
+        """Tell the health aggregator the job's node count: the epoch's member count over
+        this node's ranks (a record that does not parse is left to the ranks' own
+        validation and changes nothing here)."""
+        size = epoch_size(raw)
+        if size is None:
+            return
+        here = max(1, len(self.members.ids()))
+        with self._health_lock:
+            self.health.set_job_size(-(-size // here))
 
     # -- connections ----------------------------------------------------------------------
 
@@ -179,6 +202,8 @@ class NodeChannel:
                 self.members.remove(rank.member_id, msg.reason)
             except StoreError as exc:
                 log.error("agent channel: could not remove %s on its leave: %s", rank.member_id, exc)
+            with self._health_lock:
+                self.health.drop(rank.member_id)
             rank.post(wire.Left())
             with self._lock:   # no longer a member: not served epochs, not beat-checked
                 self._ranks = [r for r in self._ranks if r is not rank]
@@ -208,6 +233,20 @@ class NodeChannel:
             rank.post(latest)
         log.info("agent channel: %s registered in node record %s", mid, self.members.node)
 
+    def _tick_loop(self) -> None:
+        while not self._stop_ticks.wait(TICK_S):
+            self.health_tick()
+
+    def health_tick(self) -> None:
+        """Write the node's health summary if it waited and is due now (its paced time
+        came, a token arrived); a thread of the channel calls it every :data:`TICK_S`.
+        Never raises: a failed write is logged and retried."""
+        with self._health_lock:
+            try:
+                self.health.tick()
+            except StoreError as exc:
+                log.warning("node %s: health summary write failed (retried): %s", self.members.node, exc)
+
     def _health(self, member_id: str, msg: wire.Health) -> None:
         if msg.record.get("member") != member_id:
             log.error("agent channel: %s sent a health window of %r; dropped (a rank reports only itself)",
@@ -233,6 +272,8 @@ class NodeChannel:
         with self._lock:
             gone = [r for r in self._ranks if r.member_id == member_id]
             self._ranks = [r for r in self._ranks if r.member_id != member_id]
+        with self._health_lock:
+            self.health.drop(member_id)
         for r in gone:
             if reason is not None:
                 r.post(wire.Removed(reason))
@@ -240,6 +281,7 @@ class NodeChannel:
 
     def close(self) -> None:
         self._closed = True
+        self._stop_ticks.set()
         self._watch.cancel()
         try:
             self._server.shutdown(socket.SHUT_RDWR)   # wakes the accept loop (close alone does not)

@@ -69,6 +69,9 @@ class FilteredView:
     def wait_blobs(self, epoch: int, name: str, members: Iterable[str], timeout: float) -> dict[str, bytes]:
         return self.inner.wait_blobs(epoch, self.blob_name(name), members, timeout)
 
+    def any_blob(self, epoch: int, name: str) -> bool:
+        return self.inner.any_blob(epoch, self.blob_name(name))
+
     def wait_blobs_until(self, epoch: int, name: str, done: Callable[[Mapping[str, bytes]], _R | None],
                          timeout: float) -> _R:
         return self.inner.wait_blobs_until(epoch, self.blob_name(name), done, timeout)
