@@ -42,5 +42,5 @@ def test_rates_come_from_one_read_then_the_watch() -> None:
     assert cache.rates() == {"c": 10.0} and cache.reads == 3
     cache.close()
     sh.write_rate(store, JOB, "d", 1.0, None)              # no watch after close
-    assert cache._rates == {} and cache.rates() == {"c": 10.0, "d": 1.0} and cache.reads == 4
+    assert cache.copy() == {} and cache.rates() == {"c": 10.0, "d": 1.0} and cache.reads == 4
     cache.close()
