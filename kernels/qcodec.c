@@ -19,13 +19,14 @@
  * are the value's top bits (sign-extended when decoded). Planes follow one another.
  *
  * Functions (addresses as integers; the GIL is released; ranges must not overlap unless
- * said; the Python wrapper, resilient/collectives/qcodec.py, passes only live tensors'
- * own bytes and checks sizes):
+ * said; the callers in resilient/collectives/quantization.py, through kernels/qcodec.py,
+ * pass only live tensors' own bytes and check the sizes first):
  *   pack(dst, src_i32, count, width)
  *   unpack_add(dst_i32, wire, count, width, addend_i32 or 0)       dst = decode (+ addend)
  *   unpack_add_pack(dst_i32, wire, count, w_in, addend_i32, out_wire, w_out)
  *       dst = decode(wire) + addend, and dst encoded at w_out into out_wire: one ring
- *       receive of the reduce-scatter and the send it feeds, in one pass
+ *       receive of the reduce-scatter and the send it feeds, in one call (the range is
+ *       decoded, then encoded)
  *   quantize(x_f32, q_i32, res_f32 or 0, count, scales_f32, bucket, pos0, qmax, fine)
  *   dequantize(q_i32, out_f32, count, scales_f32, bucket, pos0, fine, divisor)
  *   maxima(x_f32, count, bucket, out_f32)                          max |x| per bucket

@@ -157,6 +157,35 @@ def test_quantize_dequantize_and_maxima_give_the_torch_bits(lay, bucket, members
     assert torch.equal(bits(plain), bits(da))
 
 
+@needs_ext
+def test_buffers_too_short_raise_instead_of_being_overrun():
+    """The C codec reads and writes raw addresses: a call whose buffers are shorter than
+    its counts say takes the torch code, which raises, and leaves the memory past the
+    tensors alone (a guard word after each short buffer keeps its bytes)."""
+    def guarded(n: int, dtype: torch.dtype, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
+        whole = torch.full((n + 16,), fill, dtype=dtype)
+        return whole[:n], whole[n:]
+
+    q = torch.arange(40, dtype=torch.int32)
+    wire, guard = guarded(2, torch.uint8, 0xCD)
+    with pytest.raises(RuntimeError):
+        Q.pack_into(q, 4, wire)
+    assert (guard == 0xCD).all()
+    out, guard = guarded(8, torch.int32, 7)
+    with pytest.raises(RuntimeError):
+        Q.unpack_add(torch.zeros(40, dtype=torch.uint8), 40, 8, out)
+    assert (guard == 7).all()
+    with pytest.raises(RuntimeError):
+        Q.unpack_add(torch.zeros(2, dtype=torch.uint8), 40, 8, torch.zeros(40, dtype=torch.int32))
+    segs = [Q.Segment(0, 40, 4)]
+    x = torch.randn(40)
+    sc = torch.ones(1)   # 40 elements in buckets of 8 need 5 scales
+    out, guard = guarded(40, torch.int32, 7)
+    with pytest.raises(RuntimeError):
+        Q.quantize(x, sc, segs, 8, 1, out=out)
+    assert (guard == 7).all()
+
+
 def test_without_the_extension_the_torch_code_runs():
     """No module: the package imports and the codec is torch's (the same results)."""
     code = ("import sys; sys.modules['resilient.kernels._qcodec'] = None\n"

@@ -150,7 +150,7 @@ def bucket_maxima(x: torch.Tensor, segments: list[Segment], bucket: int) -> torc
     :func:`clean_maxima`)."""
     out = torch.empty(sum(s.n_buckets(bucket) for s in segments), dtype=torch.float32)
     c = qcodec.codec()
-    if c is not None and x.dtype == torch.float32 and _cpu_contig(x):
+    if c is not None and x.dtype == torch.float32 and _cpu_contig(x) and _covers(segments, bucket, x.numel(), out):
         for s, off in zip(segments, _bucket_offsets(segments, bucket)):
             c.maxima(x.data_ptr() + 4 * s.start, s.numel, bucket, out.data_ptr() + 4 * off)
         return out
@@ -246,7 +246,8 @@ def quantize(x: torch.Tensor, sc: torch.Tensor, segments: list[Segment], bucket:
     lo, hi = (0, x.numel()) if span is None else span
     c = qcodec.codec()
     if (c is not None and x.dtype == torch.float32 and out.dtype == torch.int32 and sc.dtype == torch.float32
-            and _cpu_contig(x, out, sc) and (residual is None or _cpu_contig(residual))):
+            and _cpu_contig(x, out, sc) and (residual is None or _cpu_contig(residual))
+            and out.numel() >= x.numel() and _covers(segments, bucket, x.numel(), sc)):
         for s, off in zip(segments, _bucket_offsets(segments, bucket)):
             a, b = max(lo, s.start), min(hi, s.end)
             if a < b:
@@ -320,7 +321,7 @@ def dequantize(Q: torch.Tensor, sc: torch.Tensor, segments: list[Segment], bucke
     lo, hi = (0, Q.numel()) if span is None else span
     c = qcodec.codec()
     if (c is not None and Q.dtype == torch.int32 and out.dtype == torch.float32 and sc.dtype == torch.float32
-            and _cpu_contig(Q, out, sc)):
+            and _cpu_contig(Q, out, sc) and out.numel() >= Q.numel() and _covers(segments, bucket, Q.numel(), sc)):
         for s, off in zip(segments, _bucket_offsets(segments, bucket)):
             a, b = max(lo, s.start), min(hi, s.end)
             if a < b:
@@ -368,6 +369,19 @@ def _cpu_contig(*ts: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.is_contiguous() for t in ts)
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _covers(segments: list[Segment], bucket: int, numel: int, sc: torch.Tensor) -> bool:
+    """Whether ``segments`` end inside ``numel`` elements and ``sc`` holds a scale for
+    each of their buckets: the C codec reads raw addresses, so a call whose buffers are
+    too short takes the torch code instead (which raises on it) rather than reading or
+    writing past a tensor's end."""
+    return (all(s.end <= numel for s in segments)
+            and sc.numel() >= sum(s.n_buckets(bucket) for s in segments))
+
+
 def _pack_plane(b: torch.Tensor, width: int, out: torch.Tensor) -> None:
     """``out`` (uint8, ``K = ceil(n / per)`` bytes, ``per = 8 // width``) = the low
     ``width`` bits of the ``n`` int8 values ``b``, field ``j`` of byte ``i`` being value
@@ -392,7 +406,7 @@ def pack_into(q: torch.Tensor, width: int, out: torch.Tensor) -> None:
         out.view(_INT[width]).copy_(q)
         return
     c = qcodec.codec()
-    if c is not None and q.dtype == torch.int32 and _cpu_contig(q, out):
+    if c is not None and q.dtype == torch.int32 and _cpu_contig(q, out) and _nbytes(out) >= wire_nbytes(q.numel(), width):
         c.pack(out.data_ptr(), q.data_ptr(), q.numel(), width)
         return
     if width == 8:
@@ -477,12 +491,13 @@ def unpack_add(wire: torch.Tensor, count: int, width: int, out: torch.Tensor, ad
 def unpack_add_pack(wire: torch.Tensor, count: int, width: int, out: torch.Tensor, addend: torch.Tensor | None = None,
                     dst: torch.Tensor | None = None, dst_width: int = 0) -> None:
     """:func:`unpack_add`, then (with ``dst``) ``out`` packed at ``dst_width`` into ``dst``
-    (:func:`pack_into`): one reduce-scatter receive and the send it feeds, in one pass of
-    the C codec."""
+    (:func:`pack_into`): one reduce-scatter receive and the send it feeds, in one call of
+    the C codec (it decodes the range, then encodes it)."""
     c = qcodec.codec()
     if (c is not None and out.dtype == torch.int32 and _cpu_contig(wire, out)
-            and (addend is None or (addend.dtype == torch.int32 and _cpu_contig(addend)))
-            and (dst is None or _cpu_contig(dst))):
+            and (addend is None or (addend.dtype == torch.int32 and _cpu_contig(addend) and addend.numel() >= count))
+            and (dst is None or (_cpu_contig(dst) and _nbytes(dst) >= wire_nbytes(count, dst_width)))
+            and out.numel() >= count and _nbytes(wire) >= wire_nbytes(count, width)):
         if dst is None:
             c.unpack_add(out.data_ptr(), wire.data_ptr(), count, width, 0 if addend is None else addend.data_ptr())
         else:

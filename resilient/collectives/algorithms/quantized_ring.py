@@ -13,7 +13,7 @@ travels at :func:`~resilient.collectives.quantization.wire_bits` (the narrowest 
 that holds it: 4, 5, 6, 6 bits at 4 bits and 4 members). Receives land in private wire
 buffers, are unpacked and added to this member's input into ``out`` and only then is the
 piece's mask set; a reduce-scatter receive is unpacked, added and packed for the next
-send in one pass (:func:`~resilient.collectives.quantization.unpack_add_pack`); an
+send in one call (:func:`~resilient.collectives.quantization.unpack_add_pack`); an
 all-gather receive is forwarded as received (already at the final width), before it is
 unpacked. A receive interrupted by an abort therefore never touches ``out``: the masks
 stay exact without :meth:`OpContext.settle` having to clear anything.
@@ -132,7 +132,7 @@ class QuantizedRing:
                 elif forward:   # an all-gather receive goes on as received; unpacked after the send
                     ctx.wait([got[0]])
                     wire = got[2]
-                else:   # the piece received last step is the one sent now: unpack, add, pack in one pass
+                else:   # the piece received last step is the one sent now: unpack, add, pack in one call
                     wire = self._complete(ctx, got, self._plan(ps, k))
                 if L.enabled:
                     ctx.failpoint(phase, self._frac(idx, j, S, n))
