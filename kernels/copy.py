@@ -70,14 +70,29 @@ def _streamable(dst: torch.Tensor, src: torch.Tensor, min_bytes: int) -> bool:
     return not _overlap(dst, src, nbytes)   # overlapping bytes: torch's copy (and its error)
 
 
-def copy_into(dst: torch.Tensor, src: torch.Tensor, min_bytes: int = MIN_BYTES) -> None:
-    """``dst.copy_(src)``, with streaming stores when both are contiguous CPU tensors of
-    one dtype and shape, of at least ``min_bytes`` (default :data:`MIN_BYTES`; a caller
-    that knows the destination is not read again soon may stream smaller blocks), not
-    overlapping, and ``dst`` does not require grad."""
+def copy_into(dst: torch.Tensor, src: torch.Tensor, also: torch.Tensor | None = None,
+              min_bytes: int = MIN_BYTES) -> None:
+    """``dst.copy_(src)`` (and ``also.copy_(src)``), with streaming stores when both are
+    contiguous CPU tensors of one dtype and shape, of at least ``min_bytes`` (default
+    :data:`MIN_BYTES`; a caller that knows the destination is not read again soon may
+    stream smaller blocks), not overlapping, and ``dst`` does not require grad. With
+    ``also``, when both destinations stream and do not overlap, ``src`` is read once for
+    the two."""
+    nbytes = dst.numel() * dst.element_size()
+    if also is not None:
+        if (_streamable(dst, src, min_bytes) and _streamable(also, src, min_bytes)
+                and not _overlap(dst, also, nbytes)):
+            assert _stream_copy is not None   # enabled() implies it
+            _stream_copy.copy2(dst.data_ptr(), also.data_ptr(), src.data_ptr(), nbytes)
+            increment_version(dst)
+            increment_version(also)
+            return
+        copy_into(dst, src, min_bytes=min_bytes)
+        copy_into(also, src, min_bytes=min_bytes)
+        return
     if not _streamable(dst, src, min_bytes):
         dst.copy_(src)
         return
     assert _stream_copy is not None   # enabled() implies it
-    _stream_copy.copy(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
+    _stream_copy.copy(dst.data_ptr(), src.data_ptr(), nbytes)
     increment_version(dst)

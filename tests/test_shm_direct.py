@@ -103,7 +103,8 @@ def test_exact_for_every_dtype_and_op_in_both_modes(monkeypatch, mode):
         ext = stream_copy._stream_copy
         monkeypatch.setattr(stream_copy, "MIN_BYTES", 1)
         monkeypatch.setattr(stream_copy, "_stream_copy", SimpleNamespace(
-            STREAMING=1, copy=lambda d, s, n: (streamed.append(n), ext.copy(d, s, n))))
+            STREAMING=1, copy=lambda d, s, n: (streamed.append(n), ext.copy(d, s, n)),
+            copy2=lambda d, d2, s, n: (streamed.append(n), ext.copy2(d, d2, s, n))))
     specs = [(numel, dt, op) for i, (dt, op) in enumerate((dt, op) for dt in DTYPES for op in OPS)
              for numel in [(5_003, 20_011, 997)[i % 3]]]
     before = shm_direct.COUNTS.direct

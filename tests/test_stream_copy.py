@@ -154,3 +154,37 @@ def test_inference_tensors_stream_too():
     assert torch.equal(dst, src)
 
 
+@needs_ext
+@given(n=st.integers(0, 700), d_off=st.integers(0, 127), d2_off=st.integers(0, 127), s_off=st.integers(0, 127),
+       seed=st.integers(0, 1 << 30))
+@settings(max_examples=300, deadline=None)
+def test_the_two_destination_copy_writes_both_exactly(n, d_off, d2_off, s_off, seed):
+    """``copy2``: both destinations get every byte and nothing beside them changes, at
+    equal offsets modulo 16 (one streamed pass) and at unequal ones (two copies)."""
+    src = _field(n + s_off + 1, seed)
+    dst, dst2 = _field(n + d_off + 2 * GUARD, seed + 1), _field(n + d2_off + 2 * GUARD, seed + 2)
+    b1, b2 = dst.clone(), dst2.clone()
+    at1, at2 = GUARD + d_off, GUARD + d2_off
+    stream._stream_copy.copy2(dst.data_ptr() + at1, dst2.data_ptr() + at2, src.data_ptr() + s_off, n)
+    for d, b, at in ((dst, b1, at1), (dst2, b2, at2)):
+        assert torch.equal(d[at:at + n], src[s_off:s_off + n])
+        assert torch.equal(d[:at], b[:at]) and torch.equal(d[at + n:], b[at + n:])
+
+
+@pytest.mark.parametrize("min_bytes", [0, stream.MIN_BYTES])
+@pytest.mark.parametrize("layout", ["aligned", "misaligned-pair", "strided-second"])
+def test_copy_into_two_destinations(min_bytes, layout):
+    """``also``: both get ``src``, whether the pair streams in one pass (aligned alike),
+    in two (4 bytes apart modulo 16), or a destination cannot stream at all."""
+    n = stream.MIN_BYTES // 4 + 5
+    src = torch.randn(n)
+    if layout == "aligned":
+        dst, also = torch.zeros(n), torch.zeros(n)
+    elif layout == "misaligned-pair":
+        dst, also = torch.zeros(n), torch.zeros(n + 1)[1:]
+    else:
+        dst, also = torch.zeros(n), torch.zeros(2 * n)[::2]
+    v0, v1 = dst._version, also._version
+    stream.copy_into(dst, src, also, min_bytes=min_bytes)
+    assert torch.equal(dst, src) and torch.equal(also, src)
+    assert dst._version > v0 and also._version > v1
