@@ -72,12 +72,10 @@ class Ledger:
     need: list[int] | None = None   # final masks (after completion or recovery)
     enabled: bool = True
     #: ``inp`` is the caller's tensor, which receives the result when the op is over: an
-    #: algorithm may write final values into ``inp`` as it goes (into ``inp`` only, its masks
-    #: then describing ``inp``), provided it keeps a copy of the input and, before it raises,
-    #: copies the pieces its masks mark into ``out`` and restores ``inp`` from that copy (so
-    #: a recovery or a rerun reads the input, and ``out`` what the masks say), and sets
-    #: ``delivered`` once every piece's final value is in ``inp`` (the op then skips its
-    #: copy of ``out`` into the caller's tensor)
+    #: algorithm may write final values into ``inp`` as it goes, provided it keeps a copy of
+    #: the input and restores ``inp`` from it before it raises (so a recovery or a rerun
+    #: reads the input), and sets ``delivered`` once every piece's final value is in ``inp``
+    #: (the op then skips its copy of ``out`` into the caller's tensor)
     deliver: bool = False
     delivered: bool = False
     #: where ``inp``/``out`` live (CpuOps: today's path) and, when > 0, the chunk size in

@@ -40,11 +40,9 @@ are unmapped when a new session starts (a dead member's segment is freed then).
 **Ledger and recovery.** The layout is the ring's (``n`` chunks x ``slices``); a piece's
 mask is 0 until its final value is in ``out``, then the full set. The input (``inp``)
 is written only in chunk mode when the ledger allows it (``Ledger.deliver``: ``inp`` is the
-caller's tensor): final values then go into it instead of ``out`` (the masks describe
-``inp`` meanwhile), this member's input is read from its segment copy, and on any error the
-final pieces are copied into ``out`` and ``inp`` is restored from that copy before the
-error propagates, so a recovery or a rerun reads the input and finds the final pieces
-where the masks say (``finish`` then has no copy to make). **A member that dies (or is stopped) after publishing its input stays a
+caller's tensor): final values then go into it as well, this member's input is read from
+its segment copy, and on any error ``inp`` is restored from that copy before the error
+propagates, so a recovery or a rerun reads the input (``finish`` then has no copy to make). **A member that dies (or is stopped) after publishing its input stays a
 contributor:** its input stays readable in the survivors' mappings (segments never
 shrink), so every survivor that saw every input finishes the op over the full set —
 copying the reduced chunks that were published and, after the epoch's abort, reducing
@@ -383,11 +381,10 @@ class ShmDirect(ABC):
                     phase: str, c: int | None = None, frac0: float = 0.0, share: float = 1.0,
                     deliver: torch.Tensor | None = None) -> None:
         """Chunk ``c`` (default: this member's) of every input, reduced in member order in
-        cache-sized blocks, into ``out`` — or, given ``deliver``, into ``deliver`` instead
-        (chunk mode's delivery: :meth:`_chunks`) — and copied into ``region`` when given.
-        Failpoint ``phase`` at fractions ``frac0 .. frac0 + share`` of it."""
+        cache-sized blocks, into ``out`` (and into ``region`` and ``deliver``). Failpoint
+        ``phase`` at fractions ``frac0 .. frac0 + share`` of it."""
         a, b = self._chunk(ctx, ctx.me if c is None else c)
-        out, combine = (ctx.ledger.out if deliver is None else deliver), _COMBINE[ctx.op]
+        out, combine = ctx.ledger.out, _COMBINE[ctx.op]
         step = max(1, BLOCK_BYTES // max(1, out.element_size()))
         probe = failpoints.ACTIVE and ctx.ledger.enabled
         if probe:
@@ -400,9 +397,11 @@ class ShmDirect(ABC):
             combine(ins[0][x:y], ins[1][x:y], out=dst)
             for src in ins[2:]:
                 combine(dst, src[x:y], out=dst)
-            # streamed whatever the block's size: this member does not read it again
+            # streamed whatever the block's size: neither destination is read by this member again
             if region is not None:
-                copy_into(region[x:y], dst, min_bytes=0)
+                copy_into(region[x:y], dst, None if deliver is None else deliver[x:y], min_bytes=0)
+            elif deliver is not None:
+                copy_into(deliver[x:y], dst, min_bytes=0)
 
     @staticmethod
     def _check(ctx: OpContext, sess: _Session, word: int, theirs: dict[int, int],
@@ -534,13 +533,11 @@ class ShmDirectAllreduce(ShmDirect):
         """Chunk mode: reduce the own chunk, publish it, gather the others.
 
         When the ledger allows it (:attr:`~resilient.collectives.ledger.Ledger.deliver`:
-        ``inp`` is the caller's tensor), every final value goes into ``inp`` *instead of*
-        ``out`` (one write per element, not two), this member's input is read from its
+        ``inp`` is the caller's tensor), every final value goes into ``inp`` as well as into
+        ``out`` (a peer's chunk is read once for both), this member's input is read from its
         segment copy (``region``) instead, and the op's ``finish`` skips its copy into the
-        caller's tensor; meanwhile the ledger's masks describe ``inp``. Whatever this
-        raises, the pieces marked final are first copied from ``inp`` into ``out`` (so the
-        masks describe ``out`` again, as the recovery expects) and ``inp`` is then restored
-        from ``region`` (the input again), so the recovery or a rerun reads the input."""
+        caller's tensor. Whatever this raises, ``inp`` is first restored from ``region``
+        (the input again), so the recovery or a rerun of the op reads the input."""
         L = ctx.ledger
         deliver = L.inp if L.deliver else None
         if deliver is not None:
@@ -555,10 +552,6 @@ class ShmDirectAllreduce(ShmDirect):
             self._gather(ctx, sess, area, ins, theirs, red_at, deliver)
         except BaseException:
             if deliver is not None:
-                for p, m in enumerate(L.masks):   # the final pieces, where the recovery reads them
-                    if m:
-                        s, e = L.pieces[p]
-                        L.out[s:e].copy_(deliver[s:e])
                 copy_into(deliver, region)   # the caller's tensor holds the input again
             raise
         L.delivered = deliver is not None
@@ -580,7 +573,7 @@ class ShmDirectAllreduce(ShmDirect):
                 theirs: dict[int, int], red_at: int, deliver: torch.Tensor | None = None) -> None:
         """Copy every peer's reduced chunk as soon as it is ready (then check it was not
         overwritten meanwhile), marking its pieces final (each copied or reduced chunk
-        goes into ``deliver`` instead of ``out``, when given: :meth:`_chunks`).
+        goes into ``deliver`` too, when given).
 
         Every input is published (and stays so until this member's ``W_DONE``), so a peer's
         chunk never *has* to come from that peer: once the transport is aborted (an epoch
@@ -623,7 +616,7 @@ class ShmDirectAllreduce(ShmDirect):
                     x, y = a + (b - a) * j // parts, a + (b - a) * (j + 1) // parts
                     if probe:
                         ctx.failpoint("ag", (copied + j / parts) / len(sess.peers))
-                    copy_into((out if deliver is None else deliver)[x:y], view[x:y])
+                    copy_into(out[x:y], view[x:y], None if deliver is None else deliver[x:y])
                 self._check(ctx, sess, red, theirs, {q: sess.peers[q]})
                 self._mark(ctx, q)
                 pending.remove(q)
