@@ -251,6 +251,31 @@ def test_time_waited_on_a_late_peer_counts_as_waiting_on_it():
         assert waits[m].get("m2", 0.0) > waits[m].get(other, 0.0), (m, waits)
 
 
+@pytest.mark.parametrize("mode", ["every", "chunks"])
+def test_a_finished_op_keeps_its_result_for_a_peer_s_recovery(monkeypatch, mode):
+    """After a direct allreduce returns, the member's retained ledger (what it serves when
+    a peer still recovers that op: ``RecoveryPath.serve_retained`` reads ``out`` where the
+    masks say final) holds the result itself, in both modes: every mask final and ``out``
+    equal to the exact result, also after the caller changed its tensor."""
+    monkeypatch.setattr(shm_direct, "BLOCK_BYTES", 4096)
+    monkeypatch.setattr(shm_direct, "ALL_MAX_BYTES", 1 << 30 if mode == "every" else 1024)
+    numel, n = 20_011, 3
+
+    def body(m: str, c: Communicator) -> tuple[torch.Tensor, list[int], int, torch.Tensor]:
+        t = _input(int(m[1:]), 0, numel, torch.int64, "sum")
+        c.allreduce(t, "sum")
+        t.fill_(-1)   # the caller reuses its tensor: the retained result must not follow it
+        L = c.retained
+        assert L is not None
+        return L.out[:numel].clone(), list(L.masks), L.full, L.inp
+
+    _, got = run_communicators(n, "shmdretained", body, 90.0, transport=HybridTransport, small_bytes=1024)
+    exp = _expected(n, 0, numel, torch.int64, "sum")
+    for m, (out, masks, full, _) in got.items():
+        assert masks == [full] * len(masks), m
+        assert torch.equal(out, exp), f"{m}: the retained result differs from the op's result"
+
+
 @pytest.mark.parametrize("op", ["sum", "max"])
 def test_the_result_goes_straight_into_the_callers_tensor_and_an_error_restores_the_input(monkeypatch, op):
     """Chunk mode writes each final value into the caller's tensor as it goes (``finish``
