@@ -306,11 +306,14 @@ def _placed(m: str, e: Entry, pos: int | None, arity: int, participants: int, wh
     return Entry(e.seq, e.kind, pos)
 
 
-def outcome(got: Mapping[str, bytes], tree: JoinTree, epoch: int) -> int | None:
+def outcome(got: Mapping[str, bytes], tree: JoinTree, epoch: int,
+            parsed: dict[str, tuple[bytes, Entry]] | None = None) -> int | None:
     """The agreed seq from the ``joinseq`` keys seen (member id -> payload): the root's
     record; else the maximum over the covering and own records once they cover every old
     member (:func:`covered_max`); else None (not known yet). RecordError for a malformed
-    key it reads. Keys of members that are no old member are not read."""
+    key it reads. Keys of members that are no old member are not read. ``parsed``: a
+    cache kept across calls of one wait (member id -> its payload and validated entry), so
+    a wait woken for every new key parses each key once, not once per wake."""
     n = len(tree.members)
     root = got.get(tree.root)
     if root is not None:
@@ -320,8 +323,15 @@ def outcome(got: Mapping[str, bytes], tree: JoinTree, epoch: int) -> int | None:
     entries: dict[int, Entry] = {}
     for m, raw in got.items():
         pos = tree.index_of(m)
-        if pos is not None:
-            entries[pos] = _placed(m, parse_entry(raw, epoch, n), pos, tree.arity, n, f"epoch {epoch}")
+        if pos is None:
+            continue
+        hit = None if parsed is None else parsed.get(m)
+        if hit is not None and hit[0] == raw:
+            entries[pos] = hit[1]
+            continue
+        entries[pos] = _placed(m, parse_entry(raw, epoch, n), pos, tree.arity, n, f"epoch {epoch}")
+        if parsed is not None:
+            parsed[m] = (raw, entries[pos])
     return covered_max(entries, n, tree.arity)
 
 
@@ -360,7 +370,8 @@ def wait_outcome(view: AgreementView, epoch: EpochLike, timeout: float) -> int:
 
 
 def _wait_outcome(view: AgreementView, tree: JoinTree, epoch: int, timeout: float) -> int:
-    return view.wait_blobs_until(epoch, BLOB, lambda got: outcome(got, tree, epoch), timeout)
+    parsed: dict[str, tuple[bytes, Entry]] = {}
+    return view.wait_blobs_until(epoch, BLOB, lambda got: outcome(got, tree, epoch, parsed), timeout)
 
 
 class Channel(Protocol):
