@@ -39,6 +39,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, TypedDict, cast
 
 from resilient.coordinator import keys, records
+from resilient.coordinator.link_classes import LINK_LABEL
 from resilient.coordinator.node_health import SUMMARY_VERSION as SUMMARY_VERSION   # re-exported
 from resilient.coordinator.node_health import NodeHealthAggregator as NodeHealthAggregator
 from resilient.coordinator.node_health import SummaryPolicy as SummaryPolicy
@@ -119,9 +120,9 @@ def write_health(store: Store, job: str, member_id: str, record: HealthRecord, l
 def parse_health(raw: bytes, key: str = "") -> HealthRecord:
     """Validate one ``health/<member>`` record: a JSON object whose known fields have
     their types (``epoch``, ``seq``, ``ops``: integers in [0, 2**63); ``at``,
-    ``window_s``, ``op_s_*``: finite numbers >= 0; ``wait_s``: member id -> finite number
-    >= 0; ``shaping``, ``member``: bounded strings; ``null`` means absent); other fields
-    pass as they are.
+    ``window_s``, ``op_s_*``: finite numbers >= 0; ``wait_s`` and ``link_bps``: member id
+    -> finite number >= 0; ``shaping``, ``member``: bounded strings; ``null`` means
+    absent); other fields pass as they are.
     Raises :class:`~resilient.errors.RecordError`."""
     f = records.fields("health", raw, key)
     rec = {k: v for k, v in f.d.items() if v is not None}   # null: absent
@@ -133,6 +134,8 @@ def parse_health(raw: bytes, key: str = "") -> HealthRecord:
             rec[name] = f.float(name, lo=0.0)
     if f.has("wait_s"):
         rec["wait_s"] = f.float_map("wait_s", lo=0.0)
+    if f.has(LINK_LABEL):
+        rec[LINK_LABEL] = f.float_map(LINK_LABEL, lo=0.0)
     for name in ("shaping", "member"):
         if f.has(name):
             rec[name] = f.str(name, max_len=256)

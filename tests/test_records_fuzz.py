@@ -121,7 +121,8 @@ def test_epoch_parser_raises_only_record_error(raw):
         _only_record_error(parse_epoch_number, raw)
 
 
-HEALTH = make_record("m1", epoch=2, seq=5, ops=10, window_s=1.0, wait_s={"m2": 0.5}, op_times=[0.1, 0.2], at=1.0)
+HEALTH = make_record("m1", epoch=2, seq=5, ops=10, window_s=1.0, wait_s={"m2": 0.5}, op_times=[0.1, 0.2], at=1.0,
+                     link_bps={"m2": 1e8})
 SCORES = {"at": 1.0, "members": {"m1": {"score": 0.5, "state": "ok"}, "m2": {"score": None, "state": "evicted",
                                                                          "until": 3.0, "hold_s": 30}},
           "demoted": ["m1"], "avoid": [["m1", "m2"]]}
@@ -137,6 +138,18 @@ def test_health_parser_raises_only_record_error(raw):
         window_features(rec)   # the detector's reader never sees a type it cannot handle
         for name in ("epoch", "seq", "ops"):
             assert name not in rec or 0 <= rec[name] < 2 ** 63
+        for speed in rec.get("link_bps", {}).values():   # the node agent sums and compares these
+            assert isinstance(speed, float) and math.isfinite(speed) and speed >= 0
+
+
+def test_health_window_with_a_bad_link_speed_is_refused():
+    """A rank's window whose ``link_bps`` is not an id -> finite number >= 0 is refused
+    whole (RecordError), before the node agent's aggregator or the detector reads it."""
+    for bad in ({"m2": "x"}, {"bad id!": 5.0}, {"m2": -1.0}, {"m2": float("inf")}, ["m2", 1.0]):
+        rec = dict(HEALTH, link_bps=bad)
+        with pytest.raises(RecordError):
+            parse_health(json.dumps(rec).encode())
+    assert parse_health(json.dumps(HEALTH).encode())["link_bps"] == {"m2": 1e8}
 
 
 @FAST
