@@ -292,8 +292,8 @@ class StragglerPolicy(NoEvictions):
         from resilient.coordinator.epoch_view import view_of   # epoch.py reaches this module lazily
 
         now = time.time() if now is None else now
-        if epoch is None:
-            return self.detector.update({}, (), 0, now)
+        if epoch is None:   # no ring to score on: the detector keeps what it knows
+            return self.detector.verdict()
         view = view_of(epoch)
         demoted = view.demoted()
         if self._seeded_from is None:   # a fresh leader: keep the demotions already published

@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Generic, TypeVar
+from typing import AbstractSet, Generic, TypeVar
 
 from resilient.coordinator import records
 from resilient.coordinator.directory import paged_snapshot
@@ -119,6 +119,12 @@ class PrefixCache(Generic[V]):
         with self._lock:
             out, self._changed = self._changed, set()
             return out
+
+    def requeue(self, ids: AbstractSet[str]) -> None:
+        """Mark ``ids`` changed again: a consumer that took them (:meth:`take_changed`)
+        and could not use them (its pass failed) hands them back for the next call."""
+        with self._lock:
+            self._changed.update(ids)
 
     def close(self) -> None:
         """Stop the watch (idempotent); the next :meth:`refresh` starts over with a read."""

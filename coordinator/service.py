@@ -70,7 +70,7 @@ from resilient.coordinator.planner import plan
 from resilient.coordinator.policy import HealthPolicy, LivenessPolicy, SuspectCase
 from resilient.coordinator.shares import SharePublisher
 from resilient.coordinator.store import Compare, Delete, Put, Store, WatchEvent, WatchHandle
-from resilient.coordinator.straggler import HealthRecord
+from resilient.coordinator.straggler import HealthRecord, HealthRecords
 from resilient.errors import ConfigError, RecordError, StoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -660,7 +660,9 @@ class Coordinator:
         if (lost_seen or join_seen or marks or confirmed or departed) and self._health_last is not None:
             health = _still_alive(self._health_last, alive)
         else:
-            records: Mapping[str, HealthRecord] = self._health.records() if needs.health else {}
+            # no epoch yet: the records stay in the cache, changed, for the first pass with one
+            records: Mapping[str, HealthRecord] = \
+                self._health.records() if needs.health and epoch_view is not None else {}
             health = self._health_last = self._health_verdict(epoch_view, alive.keys(), records)
         linked = self._health.linked() if measure else {}
         measured = speeds_from_health(linked, _hosts_named(linked, alive)) if measure else None
@@ -897,11 +899,19 @@ class Coordinator:
             demoted = {m for m in verdict.demoted if m in alive}
             avoid = [list(p) for p in sorted(verdict.avoid) if p[0] in alive and p[1] in alive]
         except StoreError:
+            self._requeue_health(health)
             raise
         except Exception:
             log.exception("coordinator %s: health policy failed; demoting nobody this pass", self.id)
+            self._requeue_health(health)
             demoted, avoid = set(), []
         return HealthOutcome(demoted, avoid, policy.evicted, policy.readmitted, policy.leaf_deadline_ms)
+
+    def _requeue_health(self, health: Mapping[str, HealthRecord]) -> None:
+        """A failed pass hands the changed members it took back to the cache: their
+        records (written only on change) would otherwise not reach the detector again."""
+        if isinstance(health, HealthRecords) and health.changed is not None:
+            self._health.requeue(health.changed)
 
     def _update_member_gauges(self, alive: int, joining: int, demoted: int) -> None:
         self.metrics.members.labels(state="joining").set(joining)

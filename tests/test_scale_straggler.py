@@ -197,3 +197,34 @@ def test_the_coordinator_places_old_members_where_the_join_tree_does(steps, join
     position = _old_positions(pub, added)   # type: ignore[arg-type]
     assert {m: position(m) for m in state.infos if position(m) is not None} == want
     assert all(position(m) is None for m in added) and position("absent") is None
+
+
+def test_a_pass_without_an_epoch_keeps_what_the_detector_knows() -> None:
+    """Summaries are written only when something changed, so the detector is fed each
+    record once; a coordinator pass that has no epoch yet must not make it forget them.
+    A policy given such a pass between its passes reaches the same verdicts and events as
+    one that never had it, while afterwards only the slow member's record changes."""
+    from resilient.coordinator.straggler import HealthRecords
+
+    state = EpochState(0, {}, {}, {}, "t")
+    state.ring_index()
+    for i in range(12):
+        state = _step(state, i, False, False)
+    members = sorted(state.infos)
+    slow = members[3]
+    cfg = StragglerConfig(confirm_windows=2, release_windows=2)
+    ref, gap = StragglerPolicy(cfg), StragglerPolicy(cfg)
+    records = {m: make_record(m, state.number, 1, ops=10, window_s=1.0, wait_s={"x": 0.5}, at=100.0) for m in members}
+    for p in range(10):
+        now = 100.0 + p
+        changed = set(members) if p == 0 else {slow}
+        if p:
+            records[slow] = make_record(slow, state.number, 1 + p, ops=10, window_s=1.0, wait_s={}, at=now)
+        if p == 1:
+            gap.evaluate(HealthRecords(dict(records), set()), None, now)   # no epoch: nothing consumed
+        view = StateView(state, state.number)
+        a = ref.evaluate(HealthRecords(dict(records), set(changed)), view, now)
+        b = gap.evaluate(HealthRecords(dict(records), set(changed)), view, now)
+        assert (a.demoted, a.avoid, a.scores) == (b.demoted, b.avoid, b.scores), p
+    assert ref.detector.events == gap.detector.events
+    assert any(slow in str(e) for e in ref.detector.events), "the slow member was never probed or demoted"

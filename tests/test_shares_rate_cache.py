@@ -44,3 +44,19 @@ def test_rates_come_from_one_read_then_the_watch() -> None:
     sh.write_rate(store, JOB, "d", 1.0, None)              # no watch after close
     assert cache.copy() == {} and cache.rates() == {"c": 10.0, "d": 1.0} and cache.reads == 4
     cache.close()
+
+
+def test_changed_ids_handed_back_are_changed_again() -> None:
+    """A consumer whose pass failed hands the changed ids it took back (the coordinator
+    does so for the health cache: a summary is written only on change, so a lost id would
+    never reach the detector again); they are then in the next take, once."""
+    sim = SimStore(Clock())
+    store = as_store(sim)
+    cache = sh.RateCache(store, JOB, resync_interval=60.0, clock=lambda: 0.0)
+    sh.write_rate(store, JOB, "a", 1.0, None)
+    sh.write_rate(store, JOB, "b", 2.0, None)
+    assert cache.rates() == {"a": 1.0, "b": 2.0}
+    assert cache.take_changed() == {"a", "b"} and cache.take_changed() == set()
+    cache.requeue({"a"})
+    assert cache.take_changed() == {"a"} and cache.take_changed() == set()
+    cache.close()
