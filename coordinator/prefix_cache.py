@@ -9,8 +9,10 @@ and the cache keeps the ids whose entry changed or went since the caller last as
 (:meth:`PrefixCache.take_changed`), so a reader can work on the change alone.
 
 Events at or below the revision of the last read are ignored, so a re-read and the watch
-never apply an older value over a newer one; a re-read marks changed exactly the entries
-that differ from what the cache held. Failure behaviour: a malformed record is skipped
+never apply an older value over a newer one; an event the watch applied while a re-read
+was under way, newer than the revision that read saw, is kept over the read's older value
+of its key; a re-read marks changed exactly the entries that differ from what the cache
+held. Failure behaviour: a malformed record is skipped
 (logged and counted, :func:`~.records.skip`) and its key's entries are forgotten; store
 errors of a read propagate to the caller of :meth:`PrefixCache.refresh` (the next call
 retries; the watch reconnects on its own). When two keys hold the same id, the last one
@@ -42,6 +44,7 @@ class PrefixCache(Generic[V]):
         self._entries: dict[str, V] = {}
         self._of_key: dict[str, tuple[str, ...]] = {}   # key -> the ids it holds
         self._changed: set[str] = set()
+        self._key_rev: dict[str, int] = {}   # key -> revision of the last event applied (pruned at each read)
         self._rev = 0                 # revision of the last paged read
         self._due = True              # next refresh() re-reads
         self._next_read = 0.0
@@ -78,6 +81,18 @@ class PrefixCache(Generic[V]):
             fresh.update(got)
         with self._lock:
             old = self._entries
+            # events newer than this read's revision, applied while it ran: the watch's
+            # value of their keys stands (the read saw an older one, or none)
+            self._key_rev = {k: r for k, r in self._key_rev.items() if r > rev}
+            for k in self._key_rev:
+                for m in of_key.pop(k, ()):
+                    fresh.pop(m, None)
+                ids = self._of_key.get(k, ())
+                for m in ids:
+                    if m in old:
+                        fresh[m] = old[m]
+                if ids:
+                    of_key[k] = ids
             moved = [m for m in old.keys() | fresh.keys() if old.get(m) != fresh.get(m)]
             self._changed.update(moved)
             for m in moved:
@@ -96,6 +111,7 @@ class PrefixCache(Generic[V]):
                     continue
                 if ev.mod_revision <= self._rev:
                     continue
+                self._key_rev[ev.key] = ev.mod_revision
                 got: Mapping[str, V] = self._entries_of(ev.key, ev.value) if ev.type == "put" else {}
                 for m in self._of_key.pop(ev.key, ()):
                     if m not in got:
@@ -135,3 +151,4 @@ class PrefixCache(Generic[V]):
             for m in self._entries:
                 self._noted(m, None)
             self._entries, self._of_key, self._changed, self._rev, self._due = {}, {}, set(), 0, True
+            self._key_rev = {}

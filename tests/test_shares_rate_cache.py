@@ -60,3 +60,33 @@ def test_changed_ids_handed_back_are_changed_again() -> None:
     cache.requeue({"a"})
     assert cache.take_changed() == {"a"} and cache.take_changed() == set()
     cache.close()
+
+
+def test_a_watch_event_during_a_re_read_is_not_lost(monkeypatch) -> None:
+    """A re-read pins the revision of its first page; a record written while it runs
+    reaches the cache through the watch, and the read's older value of that key must not
+    replace it (nor bring back a key deleted meanwhile)."""
+    from resilient.coordinator import prefix_cache
+
+    sim = SimStore(Clock())
+    store = as_store(sim)
+    now = [0.0]
+    cache = sh.RateCache(store, JOB, resync_interval=60.0, clock=lambda: now[0])
+    sh.write_rate(store, JOB, "a", 1.0, None)
+    sh.write_rate(store, JOB, "b", 2.0, None)
+    assert cache.rates() == {"a": 1.0, "b": 2.0} and cache.reads == 1
+    real = prefix_cache.paged_snapshot
+
+    def snapshot_then_writes(st, prefix):   # the watch delivers these while the read parses
+        got = real(st, prefix)
+        sh.write_rate(store, JOB, "a", 5.0, None)
+        sim.delete(sh.rate_key(JOB, "b"))
+        return got
+
+    monkeypatch.setattr(prefix_cache, "paged_snapshot", snapshot_then_writes)
+    now[0] = 61.0   # the resync interval: the next call re-reads
+    assert cache.rates() == {"a": 5.0} and cache.reads == 2
+    monkeypatch.setattr(prefix_cache, "paged_snapshot", real)
+    now[0] = 122.0
+    assert cache.rates() == {"a": 5.0} and cache.reads == 3
+    cache.close()
