@@ -66,6 +66,9 @@ ETCD_MAX = 64
 #: seconds (at least 1 ms per survivor) the transport path gets before the etcd fallback
 #: starts beyond ETCD_MAX survivors (RESILIENT_LEDGER_ETCD_AFTER)
 ETCD_AFTER_S = 10.0
+#: the rate at which the survivors of a large recovery that completed over the transport
+#: look for a fallback in etcd (their one read each is spread over survivors / this s)
+ANSWER_READS_PER_S = 10_000.0
 
 
 def etcd_puts(survivors: int, etcd_max: int = ETCD_MAX) -> int:
@@ -131,10 +134,12 @@ class StatusExchange:
         """This member's exchange completed over the transport beyond ``etcd_max``; a
         survivor whose view of the ring differed may still have stalled and fallen back
         to etcd, waiting for every summary there. A second after any fallback would have
-        begun (spread over up to a second more), look once for a summary of this epoch
-        in etcd (one key-only read) and, if there is one, put ours too. Never raises (a
+        begun, spread over ``survivors / ANSWER_READS_PER_S`` seconds more (10 s at
+        100,000: etcd sees ~10,000 of these reads a second, not all of them at once), look
+        once for a summary of this epoch in etcd (one key-only read) and, if there is
+        one, put ours too. Never raises (a
         failure is logged: the stalled survivor then times out, as it would without)."""
-        delay = self.etcd_after + 1.0 + random.random() * min(1.0, 1e-5 * len(self.ring))
+        delay = self.etcd_after + 1.0 + random.random() * len(self.ring) / ANSWER_READS_PER_S
         time.sleep(max(0.0, start + delay - time.monotonic()))
         try:
             if self.view.any_blob(self.epoch, "ledger"):
