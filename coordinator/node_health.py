@@ -73,7 +73,7 @@ from typing import cast
 from resilient.coordinator import keys, records
 from resilient.coordinator.link_classes import LINK_LABEL, SPEED_BAND
 from resilient.coordinator.store import Store
-from resilient.coordinator.straggler import HealthRecord, window_features
+from resilient.coordinator.straggler import HealthRecord, median, window_features
 from resilient.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -138,12 +138,6 @@ class _Rank:
         self.links_written: dict[str, float] = {}
         self.unwritten = 0                             # windows since the last write
         self.follow = 0                                # windows left to follow
-
-
-def _median(xs: list[float]) -> float:
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
 class NodeHealthAggregator:
@@ -242,7 +236,7 @@ class NodeHealthAggregator:
         feats = [r.feat for r in self._ranks.values() if r.feat is not None]
         if not feats:
             return None
-        return _median([x[0] for x in feats]), _median([x[1] for x in feats])
+        return median([x[0] for x in feats]), median([x[1] for x in feats])
 
     def _links_moved(self, st: _Rank) -> bool:
         rates = st.window.get(LINK_LABEL)

@@ -250,7 +250,8 @@ def window_features(record: HealthRecord) -> tuple[float, float, int] | None:
     return busy / ops, window_s / ops, ops
 
 
-def _median(xs: Sequence[float]) -> float:
+def median(xs: Sequence[float]) -> float:
+    """The median of ``xs`` (the mean of the two middle values for an even count)."""
     s = sorted(xs)
     n = len(s)
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
@@ -261,7 +262,7 @@ def _pair(a: str, b: str) -> tuple[str, str]:
 
 
 def _np_median(a: np.ndarray) -> float:
-    """The median of a non-empty float array, as :func:`_median` computes it."""
+    """The median of a non-empty float array, as :func:`median` computes it."""
     n = len(a)
     k = n // 2
     if n % 2:
