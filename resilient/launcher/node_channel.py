@@ -127,13 +127,13 @@ class NodeChannel:
                 rec = wire.EpochRecord(ev.value, ev.mod_revision)
             if rec is None:
                 continue
-            self._size_health(rec.record)
             with self._lock:
                 self._latest = rec
                 targets = [r for r in self._ranks if r.member_id is not None]
             for r in targets:
                 r.post(rec)
                 self.relayed += 1
+            self._size_health(rec.record)   # after the ranks have it: parsing is off their path
 
     def _size_health(self, raw: bytes) -> None:
         """Tell the health aggregator the job's node count: the epoch's member count over
