@@ -51,6 +51,7 @@ from resilient.collectives.algorithms.base import OpTransport, tag
 from resilient.collectives.group import BlobView
 from resilient.collectives.tags import control_seq
 from resilient.errors import EpochChanged, FrameError, ResilientTimeout
+from resilient.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,10 @@ MAX_STATUS_BYTES = 64 << 20
 DIRECT_MAX = 16
 #: up to this many survivors the etcd path runs from the start (keys for observers);
 #: beyond it only as a fallback (RESILIENT_LEDGER_ETCD_MAX)
-ETCD_MAX = 64
+ETCD_MAX: int = Settings.ledger_etcd_max
 #: seconds (at least 1 ms per survivor) the transport path gets before the etcd fallback
 #: starts beyond ETCD_MAX survivors (RESILIENT_LEDGER_ETCD_AFTER)
-ETCD_AFTER_S = 10.0
+ETCD_AFTER_S: float = Settings.ledger_etcd_after
 #: the rate at which the survivors of a large recovery that completed over the transport
 #: look for a fallback in etcd (their one read each is spread over survivors / this s)
 ANSWER_READS_PER_S = 10_000.0
@@ -101,7 +102,7 @@ class StatusExchange:
         self._published = threading.Event()
         self._timeout = 60.0
         #: whether the etcd path runs from the start (else: only as a fallback, after etcd_after)
-        self.etcd_at_once = len(self.ring) <= etcd_max
+        self.etcd_at_once = etcd_puts(len(self.ring), etcd_max) > 0
         self.etcd_after = max(float(etcd_after), 0.001 * len(self.ring))
         #: whether this member's etcd path was started (its summary put, the others waited for)
         self.etcd_started = False
