@@ -219,9 +219,14 @@ class RecoveryPath:
         """Whether a recovery of our last op may be waiting for our retained result: an
         epoch newer than our last ledger-status exchange removes a member (the condition
         under which :meth:`serve_retained` joins a round)."""
-        e = self.view.current()
-        return (self.retained is not None and e is not None and e.number > self.status_epoch
-                and self.member_id in e.members and self.epochs.removes(e))
+        return self.retained is not None and self._wants_round(self.view.current())
+
+    def _wants_round(self, e: EpochLike | None, cut: bool = False) -> bool:
+        """Whether epoch ``e`` calls this member into a round for its retained result: newer
+        than its last status exchange, with it a member, and removing a member (or any
+        newer epoch after a round was ``cut`` short)."""
+        return (e is not None and e.number > self.status_epoch and self.member_id in e.members
+                and (cut or self.epochs.removes(e)))
 
     def serve_retained(self, linger: float, policy: Policy) -> bool:
         """Join a recovery of our last op from its retained result (``Communicator.close``;
@@ -244,8 +249,7 @@ class RecoveryPath:
         cut = False
         while True:
             e = self.view.current()
-            if (e is None or e.number <= self.status_epoch or self.member_id not in e.members
-                    or not (cut or self.epochs.removes(e))):
+            if not self._wants_round(e, cut):
                 if time.monotonic() >= end:
                     return False
                 try:
@@ -254,6 +258,7 @@ class RecoveryPath:
                 except TimeoutError:
                     return False
                 continue
+            assert e is not None   # _wants_round
             try:
                 r = self._round(e, None, R.members, max(1.0, end - time.monotonic()))
             except TimeoutError:
