@@ -371,7 +371,8 @@ def test_the_root_never_writes_its_own_seq_over_its_record():
     r.on_child("a", seq)            # the tree completes: the root's record is written
     assert r.settle(2, 30.0, 5.0) == 6   # its stall wait "timed out"; its own seq (2) is not written over the record
     assert store.puts == [(5, ja.BLOB, "r")]
-    assert ja.decode_entry(store.blobs[(5, ja.BLOB, "r")], 5, 2) == (6, True)
+    e = ja.parse_entry(store.blobs[(5, ja.BLOB, "r")], 5, 2)
+    assert (e.seq, e.kind) == (6, "agreed")
     assert not r.fell_back
 
 

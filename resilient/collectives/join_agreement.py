@@ -266,12 +266,6 @@ def parse_entry(raw: bytes, epoch: int, participants: int) -> Entry:
                  tuple(f.ints("got", hi=max(0, participants - 1))))
 
 
-def decode_entry(raw: bytes, epoch: int, participants: int) -> tuple[int, bool]:
-    """``(seq, is_root_record)`` of one ``joinseq`` key (:func:`parse_entry`)."""
-    e = parse_entry(raw, epoch, participants)
-    return e.seq, e.kind == "agreed"
-
-
 def covered_max(entries: Mapping[int, Entry], participants: int, arity: int = ARITY) -> int | None:
     """The maximum over ``entries`` (position -> its key's :class:`Entry`) once they cover
     every position of the tree of ``participants`` old members, else None. A position is
@@ -399,6 +393,7 @@ class JoinAgreement:
         self._covered: frozenset[int] | None = None   # children positions its written covering record heard
         #: whether this member wrote a covering record (the tree stalled; see :meth:`settle`)
         self.fell_back = False
+        self._parsed: dict[str, tuple[bytes, Entry]] = {}   # outcome's cache over this agreement's waits
 
     def contribute(self, seq: int) -> None:
         """An old member's announced seq (call it once, off the op thread)."""
@@ -499,7 +494,7 @@ class JoinAgreement:
     def _outcome_or_cover(self, got: Mapping[str, bytes]) -> int | None:
         """:func:`outcome`; else -1 when this member must write (or widen) its covering
         record now (rules a-c); else None (wait on)."""
-        result = outcome(got, self.tree, self.number)
+        result = outcome(got, self.tree, self.number, self._parsed)
         if result is not None:
             return result
         if self._recorded or self.reduction is None or self.reduction.own is None:
