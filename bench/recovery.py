@@ -210,6 +210,9 @@ def run_case(args, phase: str) -> dict:
                                       for m, o in sorted(ops.items()) if o["recovery"] and o["recovery"].get("timeline")},
             "link_retries": sum(r.get("link_retries", 0) for r in recs if r),
             "plan_rounds": max((r.get("rounds", 0) for r in recs if r), default=None),
+            # where each survivor's plan came from: "summaries" (it planned from every
+            # survivor's) or "planner" (its slice, over the tree: RESILIENT_LEDGER_DIRECT_MAX)
+            "plan_from": sorted({r.get("plan_from", "summaries") for r in recs if r}),
             "contributors": sorted({tuple(o["contributors"]) for o in ops.values()}),
             "exact": all(o["exact"] for o in ops.values()),
             "pieces_without_full_copy": held,

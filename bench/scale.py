@@ -38,7 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.calibrate_sim import DEFAULT_OUT as DEFAULT_PARAMS, load_params  # noqa: E402
 from bench.sim_store import EXPIRY_TICK, Clock, Latency, SimStore  # noqa: E402
 from resilient.collectives.join_agreement import encode_agreed  # noqa: E402
-from resilient.collectives.status_exchange import etcd_puts as ledger_puts  # noqa: E402
+from resilient.collectives.status_exchange import TREE_FANOUT, DIRECT_MAX  # noqa: E402
+from resilient.collectives.status_exchange import etcd_puts as ledger_puts, tree_received  # noqa: E402
 from resilient.coordinator import keys  # noqa: E402
 from resilient.coordinator.delta import EpochDelta, EpochState, is_delta, parse_delta, resolve  # noqa: E402
 from resilient.coordinator.directory import NodeRecord  # noqa: E402
@@ -305,7 +306,7 @@ class Sim:
         self.epoch_number = d.number
         rec: Record = {"what": what, "number": d.number, "bytes": len(raw), "cpu_ms": cpu * 1000, "writes": writes,
                "publish_ms": (t_commit - t_event) * 1000, "removed": len(d.removed), "added": len(d.added),
-               "cause": d.cause, "snapshot_epoch": d.snapshot == d.number,
+               "cause": d.cause, "snapshot_epoch": d.snapshot == d.number, "size": d.size,
                "avoid_links": len(d.extras.get("avoid") or [])}
         rec.update(data_plane_traffic(d))
         rec.update(self.deliver(raw, d, t_commit, late_reader))
@@ -579,6 +580,18 @@ def run_sim(args: argparse.Namespace) -> Record:
     out["data_plane_writes_per_epoch"] = max(ep["data_plane_writes"] for ep in scenario)
     out["writes_per_epoch_with_data_plane"] = max(ep["writes"] + ep["data_plane_writes"] for ep in scenario)
     out["data_plane_watches_per_epoch"] = max(ep["data_plane_watches"] for ep in scenario)
+    # the same recovery's ledger summaries over the transport (not simulated member by
+    # member: status_exchange's tree, the rules the members run): every survivor's goes up
+    # the tree to the planner; what the survivors receive in all, and the most a survivor
+    # other than the planner receives, against every survivor receiving every other's
+    removal = [ep for ep in scenario if ep["removed"]]
+    survivors = max(int(ep["size"]) for ep in removal) if removal else 0
+    received = tree_received(survivors, TREE_FANOUT) if survivors > DIRECT_MAX else [survivors - 1] * survivors
+    out["ledger_survivors"] = survivors
+    out["ledger_summaries_received"] = sum(received)
+    out["ledger_summaries_received_all_to_all"] = survivors * (survivors - 1)
+    out["ledger_summaries_max_but_planner"] = max(received[1:], default=0)
+    out["ledger_survivors_receiving_none"] = sum(1 for r in received if r == 0)
     out["coordinator_cpu_ms_per_epoch"] = round(max(ep["cpu_ms"] for ep in scenario), 2)
     out["straggler_policy"] = bool(args.straggler_policy)
     # epochs whose plan avoids links (the detector's probe): the planner's swaps need the full plan

@@ -96,6 +96,12 @@ class Settings:
     ledger_etcd_max: int = field(default=64, metadata=_var(
         "RESILIENT_LEDGER_ETCD_MAX", "64", "up to this many survivors a recovery's ledger summaries also go through "
         "etcd from the start (`epochs/<n>/data/ledger/`); beyond it only as a fallback (>= 0, docs/scale.md)"))
+    ledger_direct_max: int = field(default=16, metadata=_var(
+        "RESILIENT_LEDGER_DIRECT_MAX", "16", "up to this many survivors each sends its ledger summary to every other "
+        "(one hop); beyond it the summaries go up a tree to one planner and each survivor receives only its own "
+        "recovery decision (>= 0, docs/scale.md)"))
+    ledger_tree_fanout: int = field(default=16, metadata=_var(
+        "RESILIENT_LEDGER_TREE_FANOUT", "16", "children per survivor in that tree (>= 1)"))
     ledger_etcd_after: float = field(default=10.0, metadata=_var(
         "RESILIENT_LEDGER_ETCD_AFTER", "10", "seconds (at least 1 ms per survivor) the transport exchange of ledger "
         "summaries gets before a survivor falls back to etcd, beyond `RESILIENT_LEDGER_ETCD_MAX` (> 0)"))
@@ -136,6 +142,8 @@ class Settings:
             join_tree=get("RESILIENT_JOIN_TREE", _flag, d.join_tree),
             join_tree_stall=get("RESILIENT_JOIN_TREE_STALL", _positive_float, d.join_tree_stall),
             ledger_etcd_max=get("RESILIENT_LEDGER_ETCD_MAX", _nonnegative_int, d.ledger_etcd_max),
+            ledger_direct_max=get("RESILIENT_LEDGER_DIRECT_MAX", _nonnegative_int, d.ledger_direct_max),
+            ledger_tree_fanout=get("RESILIENT_LEDGER_TREE_FANOUT", _positive_int, d.ledger_tree_fanout),
             ledger_etcd_after=get("RESILIENT_LEDGER_ETCD_AFTER", _positive_float, d.ledger_etcd_after),
         )
 
@@ -187,6 +195,10 @@ def _ring_bytes(name: str, raw: str) -> int:
 
 def _nonnegative_int(name: str, raw: str) -> int:
     return _int(name, raw, 0)
+
+
+def _positive_int(name: str, raw: str) -> int:
+    return _int(name, raw, 1)
 
 
 def _lease_id(name: str, raw: str) -> int | None:

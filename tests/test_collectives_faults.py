@@ -59,9 +59,24 @@ OPS = [{"k": "allreduce", "numel": 1000, "dtype": "int64", "op": "sum"}, BIG,
        {"k": "allreduce", "numel": 1000, "dtype": "int64", "op": "sum"}]
 
 
-def run(etcd_session, job, tmp_path, world, fps, ops=OPS, policy="default"):
+#: the ledger summaries' tree beyond direct_max survivors, at a size tests afford: every
+#: survivor sends its summary up a binary tree to the planner (the first survivor) and
+#: receives only its own slice of the plan; no etcd copy from the start, so the tree is the
+#: path that delivers (etcd stays the fallback after 10 s)
+TREE = {"RESILIENT_LEDGER_DIRECT_MAX": "1", "RESILIENT_LEDGER_TREE_FANOUT": "2", "RESILIENT_LEDGER_ETCD_MAX": "0"}
+
+
+def assert_planned_by_the_tree(w: Workers, survivors: list[str], seq: int) -> None:
+    """Every survivor that finished op ``seq`` by recovery got its plan from the planner."""
+    recs = [w.records(m)[seq].get("recovery") for m in survivors]
+    assert any(recs), "no survivor recovered the op"
+    assert all(r["plan_from"] == "planner" for r in recs if r), recs
+
+
+def run(etcd_session, job, tmp_path, world, fps, ops=OPS, policy="default", env=None):
     with coordinator(etcd_session.endpoint_arg, job, ttl=TTL):
-        w = Workers(etcd_session.endpoint_arg, job, world, ops, tmp_path, failpoints=fps, ttl=TTL, policy=policy)
+        w = Workers(etcd_session.endpoint_arg, job, world, ops, tmp_path, failpoints=fps, ttl=TTL, policy=policy,
+                    env=env)
         try:
             victims = [m for m in fps if "kill" in fps[m]]
             survivors = [m for m in w.procs if m not in victims]
@@ -75,15 +90,18 @@ def run(etcd_session, job, tmp_path, world, fps, ops=OPS, policy="default"):
 
 
 @pytest.mark.usefixtures("ring_on_one_host")
-@pytest.mark.parametrize("world,victims", [(5, ("m1", "m3")), (5, ("m1", "m2")), (4, ("m0", "m1"))],
-                         ids=["non-adjacent-5", "adjacent-5", "adjacent-4"])
-def test_two_failures_in_one_op(etcd_session, job_name, tmp_path, rng, world, victims):
+@pytest.mark.parametrize("world,victims,tree", [(5, ("m1", "m3"), True), (5, ("m1", "m2"), False),
+                                               (4, ("m0", "m1"), False)],
+                         ids=["non-adjacent-5-tree", "adjacent-5", "adjacent-4"])
+def test_two_failures_in_one_op(etcd_session, job_name, tmp_path, rng, world, victims, tree):
     # Whichever victim reaches its point second may already be in the recovery of the
     # first death (its reduce-scatter was cut short): it then dies at that recovery's
     # first round instead — still two failures in one op.
     fps = {v: f"kill@op=1,phase=rs,frac={rng.uniform(0.05, 0.6):.2f};kill@op=1,phase=recovery" for v in victims}
-    w, survivors = run(etcd_session, job_name, tmp_path, world, fps)
+    w, survivors = run(etcd_session, job_name, tmp_path, world, fps, env=TREE if tree else None)
     try:
+        if tree:
+            assert_planned_by_the_tree(w, survivors, 1)
         for mid in survivors:
             for seq, spec in enumerate(OPS):
                 contrib = assert_allreduce_exact(w, mid, seq, spec)
@@ -99,11 +117,16 @@ def test_two_failures_in_one_op(etcd_session, job_name, tmp_path, rng, world, vi
 
 
 @pytest.mark.usefixtures("ring_on_one_host")
-def test_failure_during_recovery(etcd_session, job_name, tmp_path, rng):
+@pytest.mark.parametrize("tree", [False, True], ids=["direct", "tree"])
+def test_failure_during_recovery(etcd_session, job_name, tmp_path, rng, tree):
+    """m2 dies in op 1, then m0 in that op's recovery (in tree mode m0 is the planner of
+    the first recovery: the survivors plan again, with m1 as the planner)."""
     fps = {"m2": f"kill@op=1,phase={rng.choice(['rs', 'ag'])},frac={rng.uniform(0.05, 0.6):.2f}",
            "m0": "kill@op=1,phase=recovery"}
-    w, survivors = run(etcd_session, job_name, tmp_path, 5, fps)
+    w, survivors = run(etcd_session, job_name, tmp_path, 5, fps, env=TREE if tree else None)
     try:
+        if tree:
+            assert_planned_by_the_tree(w, survivors, 1)
         for mid in survivors:
             for seq, spec in enumerate(OPS):
                 contrib = assert_allreduce_exact(w, mid, seq, spec)
@@ -119,7 +142,8 @@ def test_failure_during_recovery(etcd_session, job_name, tmp_path, rng):
 @pytest.mark.parametrize("world", [4, 5])
 def test_allgather_reduce_scatter_broadcast_with_a_kill(etcd_session, job_name, tmp_path, rng, world):
     """One process run per world size: op 1 allgather (kill in its ring), op 2
-    reduce_scatter, op 3 broadcast; the victim dies in one of them."""
+    reduce_scatter, op 3 broadcast; the victim dies in one of them. At 5 members the
+    survivors plan through the tree (one planner, a slice each)."""
     ops = [{"k": "barrier"},
            {"k": "allgather", "numel": 200_003, "dtype": "int64"},
            {"k": "reduce_scatter", "numel": 200_003, "dtype": "int64", "op": "sum"},
@@ -127,7 +151,7 @@ def test_allgather_reduce_scatter_broadcast_with_a_kill(etcd_session, job_name, 
     victim = f"m{rng.randrange(1, world)}"
     op, phase = rng.choice([(1, "ag"), (2, "rs"), (3, "chain")])
     fps = {victim: f"kill@op={op},phase={phase},frac={rng.uniform(0.05, 0.6):.2f}"}
-    w, survivors = run(etcd_session, job_name, tmp_path, world, fps, ops=ops)
+    w, survivors = run(etcd_session, job_name, tmp_path, world, fps, ops=ops, env=TREE if world == 5 else None)
     try:
         everyone = [f"m{i}" for i in range(world)]
         for mid in survivors:
@@ -164,8 +188,10 @@ def test_allgather_reduce_scatter_broadcast_with_a_kill(etcd_session, job_name, 
 
 @pytest.mark.usefixtures("ring_on_one_host")
 def test_strict_policy_aborts_on_every_survivor(etcd_session, job_name, tmp_path, rng):
+    """The strict policy's CollectiveAborted reaches every survivor from the planner too
+    (tree mode: the planner's failure to plan is in every survivor's decision)."""
     fps = {"m1": f"kill@op=1,phase=rs,frac={rng.uniform(0.05, 0.6):.2f}"}
-    w, survivors = run(etcd_session, job_name, tmp_path, 4, fps, policy="strict")
+    w, survivors = run(etcd_session, job_name, tmp_path, 4, fps, policy="strict", env=TREE)
     try:
         for mid in survivors:
             recs = w.records(mid)

@@ -26,6 +26,8 @@ def _args(**kw: object) -> argparse.Namespace:
 
 
 def test_small_simulation_runs_every_scenario_and_agrees_on_the_plan():
+    from resilient.collectives.status_exchange import tree_received
+
     out = run_sim(_args())
     assert set(KEYS) <= out.keys() and out["plan_hash_agree"] is True
     causes = [e["cause"] for e in out["epochs"]]
@@ -36,6 +38,13 @@ def test_small_simulation_runs_every_scenario_and_agrees_on_the_plan():
     # the data plane's etcd writes: no ledger key beyond 64 survivors, the join tree root's one key
     assert [e["data_plane_writes"] for e in out["epochs"]] == [0, 0, 0, 0, 1, 0]
     assert out["writes_per_epoch_with_data_plane"] <= 4
+    # the largest removal's ledger summaries (the first crash: 511 survivors) go up the
+    # 16-ary tree: sum(depths) summaries in all, not 511 x 510; half receive none, no one
+    # but the planner more than a sixteenth
+    n = out["ledger_survivors"]
+    assert n == 511 and out["ledger_summaries_received_all_to_all"] == n * (n - 1)
+    assert out["ledger_summaries_received"] == sum(tree_received(n, 16)) < 3 * n
+    assert out["ledger_summaries_max_but_planner"] <= -(-(n - 1) // 16) and out["ledger_survivors_receiving_none"] >= n // 2
     # one lease per node, granted node_lease_ttl(5 s) = 4 s and refreshed every third of it
     assert out["node_lease_ttl_s"] == 4
     assert out["keepalives_per_s"] == pytest.approx(64 / (4.0 / 3), rel=0.05)

@@ -10,7 +10,11 @@ import time
 
 import pytest
 
-from resilient.collectives.status_exchange import MAX_STATUS_BYTES, StatusExchange
+from hypothesis import given, settings, strategies as st
+
+import resilient.collectives.status_exchange as sx
+from resilient.collectives.status_exchange import (MAX_STATUS_BYTES, StatusExchange, pack_records, tree_children,
+                                                   tree_parent, tree_received, tree_subtree, unpack_records)
 from resilient.errors import FrameError
 from resilient.collectives.tags import STATUS_EXCHANGE, control_seq, tag
 from resilient.transport.tcp import TcpTransport
@@ -84,17 +88,38 @@ def _status(member: str, size: int = 50) -> bytes:
     return json.dumps({"member": member, "pad": "x" * size}).encode()
 
 
+def _decide(raw):
+    """A planner's stand-in: each survivor's decision names it and carries every summary
+    the planner saw (so a test checks what reached the planner and what came back)."""
+    saw = {k: v.decode() for k, v in raw.items()}
+    return {m: json.dumps({"to": m, "saw": saw}).encode() for m in raw}
+
+
+def _learned(got, me):
+    """What a survivor learned: every summary (direct / etcd), or, from the planner's
+    decision (tree), the summaries the planner saw; the decision must be addressed to it."""
+    if got.summaries is not None:
+        assert got.decision is None
+        return got.summaries
+    d = json.loads(got.decision)
+    assert d["to"] == me
+    return {k: v.encode() for k, v in d["saw"].items()}
+
+
 def _run_all(trs, rings, view, epoch=1, timeout=10.0, **etcd):
     """Every member's exchange in a thread; ``etcd``: StatusExchange's etcd_max /
-    etcd_after (default: the etcd path from the start, so each summary is published)."""
+    etcd_after (default: the etcd path from the start, so each summary is published).
+    ``out[m]``: what member ``m`` learned (:func:`_learned`)."""
     out, errors = {}, []
     exchanges = {}
+    _run_all.raw = {}
 
     def one(m):
         try:
             x = exchanges[m] = StatusExchange(_MemberView(view, m), trs[m], epoch, rings[m], m,
                                               _status(m, 10 + len(m)), **etcd)
-            out[m] = x.run(timeout, lambda: None)
+            got = _run_all.raw[m] = x.run(timeout, lambda: None, _decide)
+            out[m] = _learned(got, m)
             assert x.wait_published() == x.etcd_started
         except BaseException as exc:  # surfaced below
             errors.append((m, exc))
@@ -128,12 +153,12 @@ def test_control_frames_never_meet_an_ops_data(trio):
     assert a.wait(sends, timeout=5)
 
 
-@pytest.fixture(params=["direct", "ring"])
+@pytest.fixture(params=["direct", "tree-chain", "tree-star"])
 def mode(request, monkeypatch):
-    """direct: every survivor sends to every other; ring: summaries go around the ring."""
-    import resilient.collectives.status_exchange as sx
-
+    """direct: every survivor sends to every other; tree-chain: up a chain a <- b <- c to
+    the planner a and decisions back down (fanout 1); tree-star: b and c are a's children."""
     monkeypatch.setattr(sx, "DIRECT_MAX", 16 if request.param == "direct" else 1)
+    monkeypatch.setattr(sx, "TREE_FANOUT", 1 if request.param == "tree-chain" else 2)
     return request.param
 
 
@@ -169,7 +194,7 @@ def test_a_corrupt_length_frame_is_rejected_without_decoding(trio):
     import struct
 
     a.isend("b", struct.pack("<Q", MAX_STATUS_BYTES + 1), seq, tag(0, 0, STATUS_EXCHANGE))
-    x = StatusExchange(_MemberView(view, "b"), b, 1, ["a", "b"], "b", _status("b"))
+    x = StatusExchange(_MemberView(view, "b"), b, 1, ["a", "b"], "b", _status("b"), direct_max=16)
     t0 = time.monotonic()
     with pytest.raises(FrameError, match="limit"):
         x.run(5.0, lambda: None)
@@ -185,7 +210,7 @@ def test_a_summary_naming_another_member_is_rejected(trio):
     body = _status("c")
     a.isend("b", struct.pack("<Q", len(body)), seq, tag(0, 0, STATUS_EXCHANGE))
     a.isend("b", body, seq, tag(0, 1, STATUS_EXCHANGE))
-    x = StatusExchange(_MemberView(view, "b"), b, 1, ["a", "b"], "b", _status("b"))
+    x = StatusExchange(_MemberView(view, "b"), b, 1, ["a", "b"], "b", _status("b"), direct_max=16)
     with pytest.raises(FrameError, match="where 'a'"):
         x.run(5.0, lambda: None)
 
@@ -240,3 +265,124 @@ def test_the_etcd_puts_a_recovery_costs():
 
     assert etcd_puts(8) == 8 and etcd_puts(ETCD_MAX) == ETCD_MAX
     assert etcd_puts(ETCD_MAX + 1) == 0 and etcd_puts(99_992) == 0
+
+
+# -- the tree beyond direct_max: summaries up to the planner, decisions down ------------------
+
+class _Counting:
+    """A transport that records every receive posted (peer, tag, bytes)."""
+
+    def __init__(self, inner):
+        self.inner, self.recvs = inner, []
+
+    def irecv(self, peer, buf, seq, t, *a):
+        self.recvs.append((peer, t, len(buf)))
+        return self.inner.irecv(peer, buf, seq, t, *a)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_in_the_tree_a_leaf_receives_no_summary_only_its_decision(trio, monkeypatch):
+    """Beyond direct_max only the planner holds every summary: a leaf posts two receives
+    (its decision's length and body, from its parent) and none for another's summary."""
+    monkeypatch.setattr(sx, "DIRECT_MAX", 1)
+    monkeypatch.setattr(sx, "TREE_FANOUT", 2)
+    trs = {m: _Counting(t) for m, t in trio.items()}
+    ring = ["a", "b", "c"]
+    out, errors = _run_all(trs, {m: ring for m in ring}, _View(etcd_works=False), timeout=5.0)
+    assert not errors, errors
+    for m in ring:
+        assert out[m] == {x: _status(x, 10 + len(x)) for x in ring}   # the planner saw all
+        assert _run_all.raw[m].summaries is None                        # ... and they did not
+    down = sx.tag(sx._DOWN, 0, STATUS_EXCHANGE), sx.tag(sx._DOWN, 1, STATUS_EXCHANGE)
+    for leaf in ("b", "c"):
+        assert [(p, t) for p, t, _ in trs[leaf].recvs] == [("a", down[0]), ("a", down[1])]
+        decision = _run_all.raw[leaf].decision
+        assert trs[leaf].recvs[1][2] == 16 + len(pack_records([(leaf, decision)]))   # its own decision only
+    assert {p for p, _, _ in trs["a"].recvs} == {"b", "c"} and len(trs["a"].recvs) == 4
+
+
+def test_a_bundle_naming_a_member_outside_the_subtree_is_rejected(trio, monkeypatch):
+    """A child's bundle must hold exactly its subtree's summaries: one naming another
+    member is a corrupt peer (FrameError), not a summary to plan with."""
+    monkeypatch.setattr(sx, "DIRECT_MAX", 1)
+    monkeypatch.setattr(sx, "TREE_FANOUT", 2)
+    import struct
+
+    a, b = trio["a"], trio["b"]
+    view = sx.hashlib.sha256(b"1\n1\n2\nb\na").digest()[:16]   # a's view is b's: epoch 1, direct_max 1, fanout 2, [b, a]
+    body = view + pack_records([("c", _status("c"))])   # but a's subtree is a alone
+    seq = control_seq(1)
+    sends = [a.isend("b", struct.pack("<Q", len(body)), seq, tag(sx._UP, 0, STATUS_EXCHANGE)),
+             a.isend("b", body, seq, tag(sx._UP, 1, STATUS_EXCHANGE))]
+    x = StatusExchange(_MemberView(_View(etcd_works=False), "b"), b, 1, ["b", "a"], "b", _status("b"))
+    with pytest.raises(FrameError, match="naming 'c'"):
+        x.run(5.0, lambda: None, _decide)
+    assert a.wait(sends, timeout=5)
+
+
+def test_without_a_decide_function_the_tree_refuses_to_start(trio):
+    x = StatusExchange(_MemberView(_View(etcd_works=False), "a"), trio["a"], 1, ["a", "b"], "a", _status("a"),
+                       direct_max=1)
+    with pytest.raises(ValueError, match="decide"):
+        x.run(1.0, lambda: None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 400), fanout=st.integers(1, 20))
+def test_the_tree_covers_every_survivor_once(n, fanout):
+    """Every survivor but the planner has one parent, whose children list it; the planner's
+    subtree is everyone; subtrees of siblings are disjoint; a leaf receives nothing."""
+    assert sorted(tree_subtree(0, n, fanout)) == list(range(n))
+    assert tree_parent(0, n, fanout) == -1
+    for i in range(1, n):
+        assert i in tree_children(tree_parent(i, n, fanout), n, fanout)
+    for i in range(n):
+        kids = tree_children(i, n, fanout)
+        below = [tree_subtree(c, n, fanout) for c in kids]
+        flat = [x for b in below for x in b]
+        assert len(flat) == len(set(flat)) and sorted(flat + [i]) == sorted(tree_subtree(i, n, fanout))
+    received = tree_received(n, fanout)
+    assert received[0] == n - 1
+    depth = [0] * n
+    for i in range(1, n):
+        depth[i] = depth[tree_parent(i, n, fanout)] + 1
+    assert sum(received) == sum(depth)   # each summary is received once per hop up to the planner
+    if fanout >= 2:
+        assert max(depth) <= n.bit_length()
+        # balanced: no second-level survivor forwards more than its share of the rest
+        assert all(received[c] + 1 <= -(-(n - 1) // fanout) for c in tree_children(0, n, fanout))
+
+
+def test_tree_traffic_at_100k_survivors():
+    """At 100,000 survivors and fanout 16 the summaries received in all are ~N x depth
+    (not N^2), most survivors are leaves that receive none, and no one but the planner
+    receives more than a sixteenth of them."""
+    n = 100_000
+    received = tree_received(n, 16)
+    assert received[0] == n - 1
+    assert sum(received) < 5 * n
+    assert sum(1 for r in received if r == 0) > 0.6 * n
+    assert max(received[1:]) < n // 16
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_unpack_records_rejects_garbage_with_frame_error(raw):
+    try:
+        out = unpack_records(raw, ["a", "b"], "x", "test records")
+    except FrameError:
+        return
+    assert set(out) == {"a", "b"}
+
+
+def test_records_round_trip():
+    recs = [("a", b"1"), ("bé", b""), ("c", b"x" * 1000)]
+    assert unpack_records(pack_records(recs), ["c", "bé", "a"], "x", "t") == dict(recs)
+    with pytest.raises(FrameError, match="missing"):
+        unpack_records(pack_records(recs[:2]), ["c", "bé", "a"], "x", "t")
+    with pytest.raises(FrameError, match="twice"):
+        unpack_records(pack_records(recs + recs[:1]), ["c", "bé", "a"], "x", "t")
+    with pytest.raises(FrameError, match="longer"):
+        unpack_records(pack_records(recs)[:-5], ["c", "bé", "a"], "x", "t")

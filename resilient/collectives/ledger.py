@@ -190,6 +190,7 @@ MAX_STATUS_PIECES = 1 << 24
 #: :mod:`.mask_codec` form; 1 (implicit) = their ids, masks as JSON integers
 STATUS_VERSION = 3
 _DIGEST_RE = re.compile(r"[0-9a-f]{32}")
+_POLICIES = frozenset({"default", "per_segment", "strict"})   # recovery.Policy's values
 
 
 def members_digest(members: Sequence[str]) -> str:
@@ -208,17 +209,21 @@ def _wire_summary(L: Ledger) -> dict[str, Any]:
     return s
 
 
-def encode_status(member: str, inflight: Ledger | None, retained: Ledger | None, next_seq: int | None = None) -> bytes:
+def encode_status(member: str, inflight: Ledger | None, retained: Ledger | None, next_seq: int | None = None,
+                  policy: str | None = None) -> bytes:
     """This member's ledger summary as compact JSON (masks in :mod:`.mask_codec` form:
     no N-digit integers, so it encodes at any group size; each mask is at most
     :func:`~.mask_codec.max_encoded_chars` characters; the op's members by count and
     digest, not by id: the size does not grow with the group). ``next_seq``: set by a member in
     no collective (point-to-point catching up, :mod:`.p2p`): the first op seq it has not
-    started, so survivors in that op rerun it with it instead of finishing without it."""
+    started, so survivors in that op rerun it with it instead of finishing without it.
+    ``policy``: the in-flight op's contributor policy (a recovery's planner plans the op
+    under it, whatever op or default its own call path has)."""
     status: dict[str, Any] = {
         "v": STATUS_VERSION,
         "member": member,
-        "inflight": _wire_summary(inflight) if inflight is not None else None,
+        "inflight": dict(_wire_summary(inflight), **({"policy": policy} if policy else {}))
+        if inflight is not None else None,
         "retained": _wire_summary(retained) if retained is not None else None,
     }
     if next_seq is not None:
@@ -247,6 +252,8 @@ def _decode_summary(obj: object, where: str, version: int) -> dict[str, Any] | N
     _field(obj, "kind", str, where)
     for key in ("has_input", "done"):
         _field(obj, key, bool, where)
+    if obj.get("policy") is not None and obj["policy"] not in _POLICIES:
+        raise CollectiveError(f"{where}: 'policy' must be one of {sorted(_POLICIES)}")
     out = dict(obj)
     if version < 3:   # the member ids listed (older releases)
         members = _field(obj, "members", list, where)
@@ -283,8 +290,8 @@ def decode_status(raw: bytes) -> dict[str, Any]:
     nothing is unpickled or evaluated."""
     try:
         obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CollectiveError(f"a peer's ledger summary is not valid JSON: {exc}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CollectiveError(f"a peer's ledger summary is not valid JSON: {type(exc).__name__}") from None
     if not isinstance(obj, dict):
         raise CollectiveError(f"a peer's ledger summary must be a JSON object, got {type(obj).__name__}")
     member = obj.get("member")

@@ -135,9 +135,16 @@ class RecoveryPlan:
     rounds: list[list[Transfer]] = field(default_factory=list)
     prepare: list[LocalStep] = field(default_factory=list)
     final_holders: list[frozenset[str]] = field(default_factory=list)
+    #: the whole plan's transfer count where ``rounds`` hold one survivor's slice only
+    #: (:meth:`~.recovery_decision.Decision.plan_for`); None: ``rounds`` are the whole plan
+    total_transfers: int | None = None
 
     def transfers(self) -> list[Transfer]:
         return [t for r in self.rounds for t in r]
+
+    def transfer_count(self) -> int:
+        """Transfers in the whole plan (also for a survivor's slice)."""
+        return len(self.transfers()) if self.total_transfers is None else self.total_transfers
 
     def for_member(self, member: str) -> list[list[Transfer]]:
         """Per round, the transfers ``member`` takes part in (as src or dst)."""

@@ -25,7 +25,9 @@ from resilient.collectives.epochs import EpochTracker
 from resilient.collectives.eviction import removed_error
 from resilient.collectives.group import EpochLike, GroupView
 from resilient.collectives.ledger import Ledger, decode_status, encode_status
-from resilient.collectives.recovery import Policy, members_of
+from resilient.collectives.recovery import Policy, RecoveryPlan, members_of
+from resilient.collectives.recovery_decision import (Decision, RoundFacts, decode_decision, facts_of,
+                                                     fatal_decisions, plan_decisions)
 from resilient.collectives.recovery_report import RecoveryReport, Timeline
 from resilient.collectives.resume import build_plan, execute_plan
 from resilient.transport.retrying import RetryingTransport
@@ -46,21 +48,30 @@ class _Round:
     epoch: EpochLike
     survivors: list[str]
     xchg: StatusExchange
-    statuses: dict[str, dict[str, Any]]  # decode_status: validated JSON
-    lowest: int | None   # the lowest op seq a survivor is still in (None: none is)
+    facts: RoundFacts
+    #: every survivor's validated summary (decode_status), or None: the planner decided
+    statuses: dict[str, dict[str, Any]] | None
+    decision: Decision | None   # this member's, from the planner (beyond direct_max survivors)
     wall_epoch: float
     t_status: float
 
+    def plan(self, ledger: Ledger, policy: Policy) -> RecoveryPlan:
+        """The recovery plan of ``ledger``'s op: built here from every summary, or this
+        member's slice of the planner's (raises what :meth:`Decision.plan_for` raises)."""
+        if self.statuses is not None:
+            return build_plan(ledger, self.survivors, self.statuses, policy)
+        assert self.decision is not None
+        return self.decision.plan_for(ledger)
 
-def _not_started_by_some(statuses: dict[str, dict[str, Any]], seq: int) -> bool:
-    """Whether a survivor said it has not started op ``seq`` yet (a member between ops,
-    :meth:`RecoveryPath.catch_up`): it runs the op later, in this epoch, so the others
-    rerun it with it rather than finish it without its input."""
-    for s in statuses.values():
-        nxt = s.get("next")
-        if s.get("inflight") is None and isinstance(nxt, int) and not isinstance(nxt, bool) and nxt <= seq:
-            return True
-    return False
+
+def _decode_all(raw: dict[str, bytes]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for m, v in raw.items():
+        try:
+            out[m] = decode_status(v)
+        except CollectiveError as exc:
+            raise CollectiveError(f"the ledger summary of {m}: {exc}") from None
+    return out
 
 
 class RecoveryPath:
@@ -74,6 +85,8 @@ class RecoveryPath:
         settings = Settings.from_env()
         #: the ledger summaries' etcd path: from the start up to this many survivors, else a fallback
         self.ledger_etcd_max, self.ledger_etcd_after = settings.ledger_etcd_max, settings.ledger_etcd_after
+        #: up to this many survivors each gets every summary; beyond, a tree to one planner
+        self.ledger_direct_max, self.ledger_tree_fanout = settings.ledger_direct_max, settings.ledger_tree_fanout
         self.status_epoch = epochs.epoch.number   # the newest epoch whose status exchange this member finished
         self.retained: Ledger | None = None       # the completed ledger of this member's last op
         self.last_report: RecoveryReport | None = None
@@ -81,31 +94,47 @@ class RecoveryPath:
     # -- one round ------------------------------------------------------------------------
 
     def _round(self, e: EpochLike, ledger: Ledger | None, members: tuple[str, ...], timeout: float,
-               next_seq: int | None = None) -> _Round | None:
+               policy: Policy, next_seq: int | None = None) -> _Round | None:
         """Adopt ``e`` and exchange statuses; None when a newer epoch or an abort
-        interrupted the exchange (start again). TimeoutError propagates."""
+        interrupted the exchange (start again). TimeoutError propagates; a malformed
+        summary or decision raises CollectiveError. As the planner (the first survivor,
+        beyond ``direct_max`` survivors) this member plans with ``ledger`` or its retained
+        ledger, whichever is of the op to finish, under ``policy``."""
         self.epochs.enter(e)
         survivors = [m for m in e.members if m in members]
         wall_epoch = time.time()
+        retained = self.retained
+
+        def decide(raw: dict[str, bytes]) -> dict[str, bytes]:
+            try:
+                statuses = _decode_all(raw)
+            except CollectiveError as exc:
+                return fatal_decisions(survivors, str(exc))
+            return plan_decisions(survivors, statuses, [ledger, retained], policy, build_plan)
+
         xchg = StatusExchange(self.view, self.op_transport, e.number, survivors, self.member_id,
-                              encode_status(self.member_id, ledger, self.retained, next_seq),
-                              self.ledger_etcd_max, self.ledger_etcd_after)
+                              encode_status(self.member_id, ledger, retained, next_seq,
+                                            policy.value if ledger is not None else None),
+                              self.ledger_etcd_max, self.ledger_etcd_after, self.ledger_direct_max,
+                              self.ledger_tree_fanout)
         try:
-            raw = xchg.run(timeout, self.epochs.newer_than(e.number))
+            got = xchg.run(timeout, self.epochs.newer_than(e.number), decide)
         except EpochChanged:
             return None
         except TransportAborted as exc:  # an epoch removed another member meanwhile
             log.info("ledger-status exchange in epoch %d interrupted: %s", e.number, exc)
             return None
         self.status_epoch = e.number
-        statuses = {m: decode_status(v) for m, v in raw.items()}
-        inflight = [s["inflight"]["seq"] for s in statuses.values() if s.get("inflight")]
-        return _Round(e, survivors, xchg, statuses, min(inflight) if inflight else None, wall_epoch,
-                      time.monotonic())
+        if got.summaries is not None:
+            statuses = _decode_all(got.summaries)
+            return _Round(e, survivors, xchg, facts_of(statuses), statuses, None, wall_epoch, time.monotonic())
+        assert got.decision is not None
+        d = decode_decision(got.decision, self.member_id)
+        return _Round(e, survivors, xchg, d.facts, None, d, wall_epoch, time.monotonic())
 
     def _finish(self, ledger: Ledger, r: _Round, op: ReduceOp, policy: Policy) -> dict[str, float]:
         ctx = OpContext(self.op_transport, ledger, op, self.op_timeout, self.on_suspect, r.epoch.number)
-        return execute_plan(ctx, build_plan(ledger, r.survivors, r.statuses, policy))
+        return execute_plan(ctx, r.plan(ledger, policy))
 
     # -- the op this member is in -----------------------------------------------------------
 
@@ -128,28 +157,25 @@ class RecoveryPath:
             if self.member_id not in e.members:
                 raise removed_error(self.member_id, e, f"member {self.member_id} is not in epoch {e.number}: removed from the job")
             try:
-                r = self._round(e, L, L.members, self.recovery_timeout)
+                r = self._round(e, L, L.members, self.recovery_timeout, policy)
             except TimeoutError as exc:
                 raise CollectiveError(f"op #{L.seq}: recovery in epoch {e.number} did not get every survivor's "
                                       f"ledger: {exc}") from None
             if r is None:
                 continue
             ctx.epoch = e.number
-            k = L.seq if r.lowest is None else r.lowest
+            k = L.seq if r.facts.lowest is None else r.facts.lowest
             try:
-                if L.seq > k or _not_started_by_some(r.statuses, L.seq):
+                if L.seq > k or r.facts.not_started(L.seq):
                     R = self.retained
                     if R is not None and R.seq == k:
                         self._finish(R, r, ctx.op, policy)
                     r.xchg.wait_published()
                     return "rerun"
-                progress = any(
-                    (s.get(key) or {}).get("seq") == L.seq and any((s.get(key) or {}).get("masks", []))
-                    for s in r.statuses.values() for key in ("inflight", "retained"))
-                if not progress:
+                if not r.facts.progressed(L.seq):
                     r.xchg.wait_published()
                     return "rerun"
-                plan = build_plan(L, r.survivors, r.statuses, policy)
+                plan = r.plan(L, policy)
                 t_plan = time.monotonic()
                 exec_stats = execute_plan(ctx, plan)
             except (OpMismatch, PeerReportedError):
@@ -163,13 +189,14 @@ class RecoveryPath:
             stats = dict(exec_stats)
             self.last_report = RecoveryReport(
                 seq=L.seq, epoch=e.number, seconds=t_end - t0, status_s=r.t_status - t0, plan_s=t_plan - r.t_status,
-                execute_s=t_end - t_plan, rounds=len(plan.rounds), transfers=len(plan.transfers()),
+                execute_s=t_end - t_plan, rounds=len(plan.rounds), transfers=plan.transfer_count(),
                 bytes_sent=self.transport.stats.bytes_sent - sent0, link_retries=self.op_transport.retries - retries0,
                 contributors=members_of(plan.need[0], L.members) if plan.need else [],
                 timeline=Timeline(aborted=self.epochs.aborted_at, entered=wall0, epoch=r.wall_epoch,
                                   statuses=wall0 + (r.t_status - t0), done=time.time()),
                 wait_recv_s=stats.pop("wait_recv_s", 0.0), wait_send_s=stats.pop("wait_send_s", 0.0),
-                reduce_s=stats.pop("reduce_s", 0.0), extra=stats)
+                reduce_s=stats.pop("reduce_s", 0.0), plan_from="summaries" if r.statuses is not None else "planner",
+                extra=stats)
             r.xchg.wait_published()   # observers (tests, bench/recovery.py) read it from etcd, at small scale
             return "done"
 
@@ -201,14 +228,14 @@ class RecoveryPath:
             R = self.retained
             try:
                 r = self._round(e, None, R.members if R is not None else tuple(self.epochs.members()),
-                                self.recovery_timeout, next_seq=self.epochs.seq)
+                                self.recovery_timeout, policy, next_seq=self.epochs.seq)
             except TimeoutError as exc:
                 raise CollectiveError(f"epoch {e.number}: the survivors' ledger statuses did not all arrive within "
                                       f"{self.recovery_timeout}s (a survivor that issues no op holds the group "
                                       f"back): {exc}") from None
             if r is None:
                 continue
-            if R is not None and r.lowest == R.seq:
+            if R is not None and r.facts.lowest == R.seq:
                 self._finish(R, r, ReduceOp.SUM, policy)
             r.xchg.wait_published()
             return
@@ -260,13 +287,13 @@ class RecoveryPath:
                 continue
             assert e is not None   # _wants_round
             try:
-                r = self._round(e, None, R.members, max(1.0, end - time.monotonic()))
+                r = self._round(e, None, R.members, max(1.0, end - time.monotonic()), policy)
             except TimeoutError:
                 return False
             if r is None:
                 cut = True
                 continue
-            if r.lowest == R.seq:
+            if r.facts.lowest == R.seq:
                 self._finish(R, r, ReduceOp.SUM, policy)
                 return True
             return False

@@ -27,7 +27,9 @@ class RecoveryReport:
     """Op ``seq`` finished by recovery in epoch ``epoch``: durations (s) of the whole
     recovery and its status exchange, plan and execution; the plan's rounds and transfers;
     the transfer waits; bytes this member sent and link retries meanwhile; the members the
-    result is over."""
+    result is over; ``plan_from``: ``"summaries"`` (this member planned from every
+    survivor's ledger summary: up to ``RESILIENT_LEDGER_DIRECT_MAX`` survivors, or through
+    etcd) or ``"planner"`` (its slice of the plan came from the planner, over the tree)."""
 
     seq: int
     epoch: int
@@ -44,6 +46,7 @@ class RecoveryReport:
     wait_recv_s: float = 0.0
     wait_send_s: float = 0.0
     reduce_s: float = 0.0
+    plan_from: str = "summaries"
     extra: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:

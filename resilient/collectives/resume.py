@@ -6,16 +6,19 @@ the middle of an op after the transport was aborted, or at the start of the next
 1. configure the transport for the new epoch; publish a *status* under
    ``epochs/<n>/data/ledger/<me>``: JSON summaries of the in-flight op's ledger and of
    the last completed op (kept privately, with its final result);
-2. wait for every survivor's status (``EpochChanged`` -> start again on the newer epoch,
-   with the ledger as it is now: that is the recursion);
+2. exchange statuses (:mod:`.status_exchange`; ``EpochChanged`` -> start again on the
+   newer epoch, with the ledger as it is now: that is the recursion): up to 16 survivors
+   every survivor gets every other's; beyond, they go up a tree to one planner, which
+   sends each survivor only its decision (:mod:`.recovery_decision`);
 3. the op to finish is the smallest in-flight sequence number ``k`` among survivors
    (members are at most one op apart). Members already in ``k+1`` help with their
    retained result of ``k`` and then redo ``k+1`` from their inputs in the new epoch
    (nobody can have finished it). If no survivor holds any progress on ``k`` it is
    simply rerun in the new epoch;
-4. everyone computes the same plan with :func:`~.recovery.plan_recovery` and executes
-   it round by round (sends and receives of a round concurrently), updating the ledger
-   after each transfer. A failure during execution goes back to 1.
+4. everyone computes the same plan with :func:`~.recovery.plan_recovery` (or receives
+   its own part of the planner's: the transfers it sends or receives, its local steps)
+   and executes it round by round (sends and receives of a round concurrently),
+   updating the ledger after each transfer. A failure during execution goes back to 1.
 
 Device buffers (a CUDA op: ``ledger.ops`` is not the CPU's): the transports move host
 bytes only, so every transfer goes through a host buffer of ``ledger.ops`` (a send's
