@@ -256,9 +256,10 @@ def summarize(runs: list[dict]) -> dict:
             "expected_resent": runs[0]["expected_resent"], "repeat": len(runs),
             "recovery_lt_restart": sum(r["recovery_s"] < r["restart_s"] for r in runs),
             "full_set_kept": sum(len(r["contributors"]) == 1 and len(r["contributors"][0]) == r["world"] for r in runs),
-            "exact": all(r["exact"] for r in runs)}
-    keep = ("recovery_s", "resent_fraction", "restart_s", "detect_s", "op_sent_fraction", "recovery_breakdown_s", "timeline_after_kill_s", "link_retries", "plan_rounds", "contributors",
-            "pieces_without_full_copy")
+            "exact": all(r["exact"] for r in runs),
+            "plan_from": sorted({p for r in runs for p in r["plan_from"]})}
+    keep = ("recovery_s", "resent_fraction", "restart_s", "detect_s", "op_sent_fraction", "recovery_breakdown_s", "timeline_after_kill_s", "link_retries", "plan_rounds", "plan_from",
+            "contributors", "pieces_without_full_copy")
     head["runs"] = [{k: r[k] for k in keep} for r in runs]
     for k in ("world", "size_bytes", "victim", "failpoint"):
         head[k] = runs[0][k]
