@@ -200,7 +200,9 @@ def test_reporter_windows_measure_a_slow_link_slower(etcd_session, job_name):
         rec = read_health(store, job_name)["a"]
         assert set(rec["link_bps"]) == {"b", "c"}
         assert rec["link_bps"]["b"] < 0.6 * rec["link_bps"]["c"], rec["link_bps"]
-        assert 2e6 < rec["link_bps"]["b"] < 6e6, rec["link_bps"]   # the relay's 4 MB/s, not loopback's GB/s
+        # the relay's 4 MB/s, not loopback's GB/s (a loaded machine may pace it slower: the
+        # lower bound only says a figure was measured, the upper one that the relay set it)
+        assert 0.5e6 < rec["link_bps"]["b"] < 6e6, rec["link_bps"]
         speeds = speeds_from_health({"a": rec}, {"a": "A", "b": "B", "c": "C"})
         # a's links bound a from below too: its fastest (to c) classes it with c
         assert [ids for _, ids in link_classes(speeds)] == [["a", "c"], ["b"]]
