@@ -139,6 +139,30 @@ def test_failure_during_recovery(etcd_session, job_name, tmp_path, rng, tree):
         w.close()
 
 
+@pytest.mark.usefixtures("ring_on_one_host")
+def test_the_planner_killed_holding_every_summary(etcd_session, job_name, tmp_path, rng):
+    """Tree mode: m2 dies in op 1; m0, the planner of that recovery, dies once it holds
+    every survivor's summary, before any decision left it. The survivors waiting for their
+    decisions start over in the epoch without m0, m1 plans, and the op ends exact over
+    the three survivors."""
+    fps = {"m2": f"kill@op=1,phase=rs,frac={rng.uniform(0.05, 0.6):.2f}", "m0": "kill@op=1,phase=plan"}
+    w, survivors = run(etcd_session, job_name, tmp_path, 5, fps, env=TREE)
+    try:
+        assert survivors == ["m1", "m3", "m4"]
+        assert_planned_by_the_tree(w, survivors, 1)
+        for mid in survivors:
+            for seq, spec in enumerate(OPS):
+                contrib = assert_allreduce_exact(w, mid, seq, spec)
+                if seq >= 1:
+                    assert contrib == survivors, (mid, seq, contrib)
+            assert w.records(mid)[1]["seconds"] < 2 * DETECTION_BOUND_S
+        ref = w.output(survivors[0], 1)
+        for mid in survivors[1:]:
+            np.testing.assert_array_equal(w.output(mid, 1), ref)
+    finally:
+        w.close()
+
+
 @pytest.mark.parametrize("world", [4, 5])
 def test_allgather_reduce_scatter_broadcast_with_a_kill(etcd_session, job_name, tmp_path, rng, world):
     """One process run per world size: op 1 allgather (kill in its ring), op 2

@@ -7,9 +7,11 @@ point of a collective, for tests, benchmarks and chaos runs.
     stop@op=2,phase=ag,frac=0.25     SIGSTOP (resume it with SIGCONT from outside)
     kill@op=1,phase=recovery         SIGKILL at the first transfer round of a recovery
     kill@op=4,phase=rd               recursive doubling (small messages), frac per step
+    kill@op=1,phase=plan             the recovery planner (beyond RESILIENT_LEDGER_DIRECT_MAX
+                                     survivors), holding every summary, before it decides
 
 ``phase`` is ``rs`` / ``ag`` (ring), ``rd`` (recursive doubling), ``chain`` (broadcast),
-``recovery``, ``intra_rs`` / ``cross_rs`` / ``cross_ag`` / ``intra_ag`` (the levels of
+``recovery``, ``plan`` (the recovery planner), ``intra_rs`` / ``cross_rs`` / ``cross_ag`` / ``intra_ag`` (the levels of
 the hierarchical allreduce); ``frac`` (default 0) fires at the first point whose progress in that phase
 is >= frac. ``epoch=N`` restricts a spec to ops run in epoch N. Each spec fires once.
 
@@ -27,7 +29,7 @@ from resilient.errors import ConfigError
 
 ENV = "RESILIENT_FAILPOINTS"
 _ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
-_PHASES = {"rs", "ag", "rd", "chain", "recovery",
+_PHASES = {"rs", "ag", "rd", "chain", "recovery", "plan",
            "intra_rs", "cross_rs", "cross_ag", "intra_ag"}  # the last four: algorithms/hierarchical.py
 
 

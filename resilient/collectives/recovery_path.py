@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
+from resilient.collectives import failpoints
 from resilient.collectives.algorithms.base import OpContext
 from resilient.collectives.epochs import EpochTracker
 from resilient.collectives.eviction import removed_error
@@ -106,6 +107,9 @@ class RecoveryPath:
         retained = self.retained
 
         def decide(raw: dict[str, bytes]) -> dict[str, bytes]:
+            if failpoints.ACTIVE:
+                op = ledger if ledger is not None else retained
+                failpoints.check(op.seq if op is not None else -1, "plan", 0.0, e.number)
             try:
                 statuses = _decode_all(raw)
             except CollectiveError as exc:
