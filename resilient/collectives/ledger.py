@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from resilient.collectives.mask_codec import decode_mask, encode_mask
-from resilient.collectives.recovery import PieceKind
+from resilient.collectives.recovery import PieceKind, Policy
 from resilient.device import DeviceOps, device_ops
 from resilient.errors import CollectiveError
 
@@ -190,7 +190,7 @@ MAX_STATUS_PIECES = 1 << 24
 #: :mod:`.mask_codec` form; 1 (implicit) = their ids, masks as JSON integers
 STATUS_VERSION = 3
 _DIGEST_RE = re.compile(r"[0-9a-f]{32}")
-_POLICIES = frozenset({"default", "per_segment", "strict"})   # recovery.Policy's values
+_POLICIES = frozenset(p.value for p in Policy)
 
 
 def members_digest(members: Sequence[str]) -> str:
