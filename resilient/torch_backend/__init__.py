@@ -114,6 +114,9 @@ def _create(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
     from resilient.ddp import install_auto_hook
 
     install_auto_hook()  # plain DistributedDataParallel over this group averages over the contributors
+    from resilient.fsdp import install as install_fsdp
+
+    install_fsdp()  # HSDP over resilient groups drops a broken replica group (docs/fsdp.md)
     return pg
 
 

@@ -30,7 +30,7 @@ future of ``get_future()``). A member removed from the job gets
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -121,6 +121,12 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self._coalesced: list[ResilientWork] | None = None
         #: RESILIENT_STAGING, read once here rather than on every op
         self._stage_forced = Settings.from_env().staging
+        #: ``after_op(error or None)``: called when each op of this group completes (set by
+        #: :mod:`resilient.fsdp` on HSDP groups: a broken replica group's member steps aside)
+        self.after_op: Callable[[BaseException | None], None] | None = None
+        #: ``before_allreduce(tensor) -> issued(work) | None``: called before an all_reduce
+        #: starts (set by :mod:`resilient.fsdp` on replicate groups: the step ledger)
+        self.before_allreduce: Callable[[torch.Tensor], Callable[[ResilientWork], None] | None] | None = None
 
     def _staging(self) -> WholeStaging:
         """Host copies for a composed op (CUDA tensors; CPU ones too with RESILIENT_STAGING=1)."""
@@ -129,6 +135,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
     # -- coalescing (``dist._coalescing_manager(group, device)``) ------------------------
 
     def _issued(self, work: ResilientWork) -> ResilientWork:
+        work.after = self.after_op
         if self._coalesced is not None:
             self._coalesced.append(work)
         return work
@@ -187,7 +194,11 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions | None = None) -> ResilientWork:  # type: ignore[override]  # torch: overloads
         t = _one(tensors, "all_reduce", cuda=True)
         wire, op, wb = for_reduce(t, _op_of(opts, "all_reduce"), "all_reduce")
-        return self._issued(ResilientWork(self.engine.allreduce(wire, op), list(tensors), wb))
+        issued = None if self.before_allreduce is None else self.before_allreduce(t)
+        work = self._issued(ResilientWork(self.engine.allreduce(wire, op), list(tensors), wb))
+        if issued is not None:
+            issued(work)
+        return work
 
     def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions | None = None) -> ResilientWork:  # type: ignore[override]  # torch: overloads
         t = _one(tensors, "broadcast", cuda=True)

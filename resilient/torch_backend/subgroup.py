@@ -35,7 +35,7 @@ import dataclasses
 import json
 import uuid
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Iterable, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, cast
 
 from resilient.collectives.group import EpochLike, EtcdGroupView, GroupView
 from resilient.errors import ConfigError
@@ -59,13 +59,19 @@ class SubgroupView(FilteredView):
         self.members = frozenset(members)
         self.addresses = dict(addresses)
         self.group_id = group_id
+        #: ``keep(world_members) -> members``: a rule that drops more members than those the
+        #: epoch lacks (an HSDP replicate group drops every member of a broken replica group:
+        #: :mod:`resilient.fsdp.layout`); applied to the whole epoch, so every member of the
+        #: group derives the same membership from the same epoch
+        self.keep: Callable[[Sequence[str]], Sequence[str]] | None = None
 
     def filter_epoch(self, epoch: EpochLike) -> EpochLike:
-        members = tuple(m for m in epoch.members if m in self.members)
+        kept = epoch.members if self.keep is None else self.keep(epoch.members)
+        members = tuple(m for m in kept if m in self.members)
         infos = {m: dataclasses.replace(cast("DataclassInstance", epoch.infos[m]), address=self.addresses[m])
                  for m in members if m in epoch.infos}
         return replace_epoch(epoch, members=members, infos=infos, roles={}, plan={},
-                             added=tuple(m for m in epoch.added if m in self.members))
+                             added=tuple(m for m in epoch.added if m in members))
 
     def blob_name(self, name: str) -> str:
         return f"g-{self.group_id}-{name}"

@@ -81,6 +81,9 @@ class ResilientWork(dist.Work):
         self._lock = threading.Lock()
         self._done_lock = threading.Lock()
         self._started = False
+        #: ``after(error or None)``: run once the op completed, before the caller sees it
+        #: (set by the process group: :mod:`resilient.fsdp`'s step-aside check)
+        self.after: Callable[[BaseException | None], None] | None = None
 
     @property
     def contributors(self) -> tuple[str, ...]:
@@ -91,15 +94,20 @@ class ResilientWork(dist.Work):
         """Wait for the handle, run the completion step once, settle the future; re-raises
         the op's error (the future gets it too)."""
         with self._done_lock:  # one completer at a time: the future is set after ``then``
+            after, self.after = self.after, None
             try:
                 self.handle.wait()
                 then, self._then = self._then, None
                 if then is not None:
                     then()
             except BaseException as exc:  # noqa: BLE001 - delivered to the waiter and the future
+                if after is not None:
+                    after(exc)  # may end the process (resilient.fsdp.pause)
                 if not self._future.done():
                     self._future.set_exception(exc)
                 raise
+            if after is not None:
+                after(None)
             if not self._future.done():
                 self._future.set_result(self._result)
 

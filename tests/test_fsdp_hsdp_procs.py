@@ -1,0 +1,95 @@
+"""Acceptance: an unchanged FSDP2/HSDP script (tests/scripts/hsdp_train.py: ``fully_shard``
+over a 2 x 2 ``init_device_mesh``, float64, SGD with momentum) under ``resilient-run
+--standalone`` with default flags — real etcd, coordinator, processes and sockets.
+
+Asserted:
+- fault-free, every rank's local shards after every step are bitwise those of the same
+  script on gloo (under torchrun);
+- a member of replica group 1 SIGKILLed at each FSDP phase of step 2 — before a layer's
+  forward (its peers in the all-gather), mid-backward (reduce-scatter), as the replicate
+  all-reduce starts, in the optimizer step: the job exits 0, its row-mate steps aside with
+  exit 0 saying so, and replica group 0 finishes every step with shards bitwise equal to a
+  reference run over the same contributor sets (replica group 1 leaves cleanly before the
+  first step it did not contribute to: step 2, or step 3 for a kill in the optimizer step,
+  whose reductions were complete).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "hsdp_train.py"
+RUN = [sys.executable, "-c", "import sys; from resilient.launcher.cli import main; sys.exit(main())"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+STEPS, KILL_RANK, KILL_STEP = 4, 2, 2
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def _run(tmp: Path, name: str, launcher: list[str], **env: str) -> tuple[int, str, dict[int, dict]]:
+    out = tmp / name
+    out.mkdir()
+    full = {**os.environ, "MESH": "2,2", "STEPS": str(STEPS), "OUT": str(out), **env}
+    proc = subprocess.Popen([*launcher, "--standalone", "--nproc-per-node", "4", str(SCRIPT)], env=full,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp)
+    try:
+        text, _ = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    logs = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
+    return proc.returncode, text, logs
+
+
+def _shards(log: dict) -> list[list[str]]:
+    return [s["shards"] for s in log["steps"]]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[int, dict]]:
+    """Reference runs: replica group 1 leaves cleanly before step 2 / step 3."""
+    tmp = tmp_path_factory.mktemp("hsdp_ref")
+    refs = {}
+    for step in (KILL_STEP, KILL_STEP + 1):
+        rc, text, logs = _run(tmp, f"leave{step}", RUN, KILL_RANK=str(KILL_RANK), KILL_STEP=str(step),
+                              KILL_PHASE="leave")
+        assert rc == 0, text[-3000:]
+        assert logs[0]["finished"] and logs[1]["finished"] and not logs[2]["finished"], text[-3000:]
+        refs[step] = logs
+    return refs
+
+
+def test_fault_free_hsdp_is_bitwise_gloo(tmp_path: Path) -> None:
+    rc, text, ours = _run(tmp_path, "resilient", RUN)
+    assert rc == 0, text[-3000:]
+    rc, gtext, gloo = _run(tmp_path, "gloo", TORCHRUN, BACKEND="gloo")
+    assert rc == 0, gtext[-3000:]
+    assert sorted(ours) == sorted(gloo) == [0, 1, 2, 3]
+    for rank in range(4):
+        assert len(ours[rank]["steps"]) == STEPS
+        assert _shards(ours[rank]) == _shards(gloo[rank]), f"rank {rank} differs from gloo"
+    # the replicate dimension really averaged: the two replica groups hold equal shards
+    # although their batches differ (their losses do)
+    assert _shards(ours[0]) == _shards(ours[2]) and _shards(ours[1]) == _shards(ours[3])
+    assert ours[0]["steps"][0]["loss"] != ours[2]["steps"][0]["loss"]
+
+
+@pytest.mark.parametrize("phase", ["ag", "rs", "ar", "optim"])
+def test_hsdp_survives_sigkill(tmp_path: Path, references: dict[int, dict[int, dict]], phase: str) -> None:
+    rc, text, logs = _run(tmp_path, phase, RUN, KILL_RANK=str(KILL_RANK), KILL_STEP=str(KILL_STEP),
+                          KILL_PHASE=phase)
+    assert rc == 0, text[-3000:]
+    assert "killed by SIGKILL" in text
+    assert "steps aside: its replica group 1 lost" in text, text[-3000:]
+    assert 2 not in logs and 3 not in logs, "replica group 1 wrote a final log"
+    ref = references[KILL_STEP + 1 if phase == "optim" else KILL_STEP]
+    for rank in (0, 1):
+        assert logs[rank]["finished"] and len(logs[rank]["steps"]) == STEPS
+        assert _shards(logs[rank]) == _shards(ref[rank]), f"rank {rank} after a kill in {phase}"
