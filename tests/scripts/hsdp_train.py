@@ -2,7 +2,7 @@
 
 Environment (the harness's, not the user's): ``BACKEND`` (resilient | gloo), ``MESH`` ("R,S"),
 ``STEPS``, ``OUT`` (a folder: rank r writes ``r.json`` — per step the sha256 of each local
-shard and the loss), ``DTYPE`` (float64 | float32), ``DIM``, ``LAYERS``; the fault, on world
+shard and the loss), ``DTYPE`` (float64 | float32), ``MODEL`` (mlp | transformer), ``DIM``, ``LAYERS``; the fault, on world
 rank ``KILL_RANK`` at step ``KILL_STEP``: ``KILL_PHASE`` = ``ag`` (before a layer's forward:
 its peers are in that layer's all-gather), ``rs`` (mid-backward: peers in a reduce-scatter),
 ``ar`` (as the replicate all-reduce starts), ``optim`` (in the optimizer step), or
@@ -38,7 +38,14 @@ def main() -> None:
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (r, s), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(layers)]).to(dtype)
+    transformer = os.environ.get("MODEL", "mlp") == "transformer"
+    if transformer:  # a small transformer: pre-norm encoder blocks, no dropout (deterministic)
+        model = nn.Sequential(*[nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=2 * dim, dropout=0.0,
+                                                           batch_first=True, norm_first=True)
+                                for _ in range(layers)]).to(dtype)
+    else:
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(layers)]).to(dtype)
+    shape = (8, 16, dim) if transformer else (8, dim)
     for block in model:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -60,8 +67,8 @@ def main() -> None:
             while dist.get_world_size() > want and time.monotonic() < deadline:
                 time.sleep(0.01)
         g = torch.Generator().manual_seed(1000 + step * 97 + row)  # a replica group's batch
-        x = torch.randn(8, dim, generator=g, dtype=dtype)
-        y = torch.randn(8, dim, generator=g, dtype=dtype)
+        x = torch.randn(*shape, generator=g, dtype=dtype)
+        y = torch.randn(*shape, generator=g, dtype=dtype)
         hooks = []
         if at_kill and doomed:
             hooks = _arm(model, opt, phase)
@@ -72,7 +79,7 @@ def main() -> None:
         opt.zero_grad()
         for h in hooks:
             h.remove()
-        log.append({"step": step, "loss": float(loss), "s": time.monotonic() - t0,
+        log.append({"step": step, "loss": float(loss.detach()), "s": time.monotonic() - t0,
                     "shards": [hashlib.sha256(p.to_local().detach().contiguous().numpy().tobytes()).hexdigest()
                                for p in model.parameters()]})
     _write(out, rank, log, t_start, finished=True)
