@@ -167,6 +167,9 @@ def test_default_coordinator(chart):
     assert endpoints == [f"demo-resilient-etcd-{i}.demo-resilient-etcd-headless.ml.svc.cluster.local:2379" for i in range(3)]
     assert args[args.index("--job") + 1] == RELEASE
     assert args[args.index("--metrics-port") + 1] == "9401"
+    # it listens on the pod's address, from the downward API
+    assert args[args.index("--metrics-host") + 1] == "$(POD_IP)"
+    assert env_of(c)["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert c["ports"] == [{"name": "metrics", "containerPort": 9401}]
     for probe in ("readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
@@ -189,6 +192,13 @@ def test_default_workers_indexed_job(chart):
     assert env["PET_NNODES"] == "2" and env["PET_NPROC_PER_NODE"] == "1"
     assert env["PET_RDZV_BACKEND"] == "etcd" and env["PET_RDZV_ID"] == RELEASE
     assert env["PET_MAX_RESTARTS"] == "3"
+    # multi-node: the agent's published address and the workers' data-plane listener are
+    # the pod IP (downward API), never the loopback default; POD_IP comes first so that
+    # Kubernetes expands $(POD_IP) in the later variables
+    assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["PET_LOCAL_ADDR"] == env["RESILIENT_HOST"] == "$(POD_IP)"
+    names = [e["name"] for e in c["env"]]
+    assert names.index("POD_IP") < names.index("RESILIENT_HOST") and names.index("POD_IP") < names.index("PET_LOCAL_ADDR")
     assert env["PET_RDZV_ENDPOINT"].startswith("demo-resilient-etcd-0.demo-resilient-etcd-headless.ml.svc")
     assert env["PET_NODE_RANK"] == {"fieldRef": {
         "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}

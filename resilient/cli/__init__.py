@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="resilient",
         description="Fault-tolerant, elastic collectives for PyTorch: control plane and tools.",
     )
+    from resilient.version import version_line
+
+    parser.add_argument("--version", action="version", version=version_line("resilient"))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module, help_text) in SUBCOMMANDS.items():

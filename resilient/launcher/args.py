@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
 
+    from resilient.version import version_line
+
+    p.add_argument("--version", action="version", version=version_line("resilient-run"))
+
     def add(name: str, *, short: str | None = None, flag: bool = False, **kw: object) -> None:
         opts = ([short] if short else []) + _spellings(name)
         if flag:
