@@ -165,12 +165,15 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
                   legacy_spellings: bool = False) -> None:
     """Add the ``--etcd-*`` TLS/credential flags (defaults from ``RESILIENT_ETCD_*``);
     ``legacy_spellings`` also accepts ``--ca-cert``, ``--cert``, ``--key``, ``--user``,
-    ``--password``. :meth:`EtcdAccess.from_args` reads them back."""
+    ``--password`` as hidden aliases (not in ``--help``). :meth:`EtcdAccess.from_args`
+    reads them back."""
     for name, (flag, var, old) in OPTIONS.items():
-        names = [flag] + ([old] if legacy_spellings and old else [])
-        parser.add_argument(*names, dest=f"etcd_{name}", default=os.environ.get(var) or None,
-                            metavar="FILE" if name not in ("user", "password") else name.upper(),
-                            help=f"{_HELP[name]} (env {var})")
+        metavar = "FILE" if name not in ("user", "password") else name.upper()
+        parser.add_argument(flag, dest=f"etcd_{name}", default=os.environ.get(var) or None,
+                            metavar=metavar, help=f"{_HELP[name]} (env {var})")
+        if legacy_spellings and old:
+            parser.add_argument(old, dest=f"etcd_{name}", default=argparse.SUPPRESS, metavar=metavar,
+                                help=argparse.SUPPRESS)
 
 
 def open_store_from_env(endpoints: str | Sequence[str], environ: Mapping[str, str] | None = None,

@@ -20,10 +20,29 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+#: name -> the examples ``resilient NAME --help`` ends with
+EXAMPLES: dict[str, str] = {
+    "coordinator": """examples:
+  resilient coordinator --etcd 10.0.0.1:2379 --job train          # one per job; start 2 for a standby
+  resilient coordinator --etcd 10.0.0.1:2379 --job train --straggler-policy deadline --leaf-deadline-ms 50""",
+    "status": """examples:
+  resilient status --etcd 10.0.0.1:2379 --job train               # members, epoch, ring, leader
+  resilient status --etcd 10.0.0.1:2379 --job train --json""",
+    "chaos": """examples:
+  resilient chaos list
+  resilient chaos run kill-reduce-scatter --seeds 5 --json out.json --report report/
+  resilient chaos k8s kill-reduce-scatter -n ml --release train -o chaos.yaml""",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="resilient",
         description="Fault-tolerant, elastic collectives for PyTorch: control plane and tools.",
+        epilog="examples:\n  resilient coordinator --etcd 10.0.0.1:2379 --job train\n"
+               "  resilient status --etcd 10.0.0.1:2379 --job train\n  resilient chaos list\n\n"
+               "Launch workers with resilient-run (torchrun's flags): resilient-run --help. Docs: docs/launcher.md.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     from resilient.version import version_line
 
@@ -31,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, epilog=EXAMPLES.get(name),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         p.set_defaults(_module=module)
         try:
             importlib.import_module(module).add_arguments(p)

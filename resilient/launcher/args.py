@@ -85,6 +85,19 @@ def _spellings(name: str) -> list[str]:
     return [dash] if dash == under else [dash, under]
 
 
+EPILOG = """examples:
+  resilient-run --standalone --nproc-per-node 4 train.py           # one node, etcd and coordinator started for you
+  resilient-run --nnodes 2 --nproc-per-node 8 --rdzv-backend etcd \\
+      --rdzv-endpoint 10.0.0.1:2379 --rdzv-id train --local-addr 10.0.0.2 train.py   # each node (docs/multinode.md)
+  resilient-run --standalone --nproc-per-node 4 --max-restarts 1 train.py          # a dead worker rejoins
+
+Every flag is documented in docs/launcher.md; torchrun's spellings (--nproc_per_node) and PET_* variables work."""
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in the help, the examples epilog as written."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``resilient-run`` parser (torchrun's flags plus ours)."""
     p = argparse.ArgumentParser(
@@ -101,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
             "exited with an error code, or if no worker finished); --fail-fast restores "
             "torchrun's behaviour."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=EPILOG,
+        formatter_class=_Formatter,
     )
 
     from resilient.version import version_line
