@@ -13,8 +13,21 @@ from resilient.errors import (
 
 # The "resilient" torch.distributed backend: registered now if torch.distributed is loaded,
 # else the moment it is (no torch import here). See resilient/torch_backend/__init__.py.
+from resilient.torch_backend import add_creation_hook as _add_creation_hook  # noqa: E402
 from resilient.torch_backend import autoregister as _autoregister_torch_backend  # noqa: E402
 
+
+def _install_integrations() -> None:
+    """Once a resilient world group exists: plain DDP over it averages over the contributors
+    (docs/ddp.md), and FSDP2's HSDP drops a broken replica group (docs/fsdp.md)."""
+    from resilient.ddp import install_auto_hook
+    from resilient.fsdp import install as install_fsdp
+
+    install_auto_hook()
+    install_fsdp()
+
+
+_add_creation_hook(_install_integrations)
 _autoregister_torch_backend()
 
 __all__ = ["Communicator", "Work", "ReduceOp", "Policy", "world", "World", "connect", "ConnectedCommunicator", "errors", *errors.__all__]

@@ -9,7 +9,8 @@ creates a :class:`~.process_group.ResilientProcessGroup` whose collectives run o
 the launcher sets: etcd endpoints, job, lease, member id; see :mod:`.communicator_engine`),
 and installs the live view behind :func:`resilient.world`. Creating the group also makes
 ``DistributedDataParallel`` over it exact without user code
-(:func:`resilient.ddp.install_auto_hook`; ``docs/ddp.md``), and with
+(:func:`resilient.ddp.install_auto_hook`, added by ``import resilient`` through
+:func:`add_creation_hook`; ``docs/ddp.md``; FSDP2: ``docs/fsdp.md``), and with
 ``RESILIENT_OP_LOG=path`` every op is logged as a JSON line (:mod:`.op_log`). It is registered for the
 ``cpu`` and ``cuda`` devices: all_reduce, broadcast, all_gather, reduce_scatter and send/recv take CUDA
 tensors (staged through the host, docs/cuda.md); the other ops refuse them with a clear
@@ -38,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
 BACKEND_NAME = "resilient"
 
 __all__ = ["BACKEND_NAME", "ResilientProcessGroup", "UnsupportedOperation", "register", "set_engine_factory",
-           "current_engine", "engine_of"]
+           "current_engine", "engine_of", "add_creation_hook"]
 
 #: ``factory(store, rank, size, timeout) -> Engine``; None = the Communicator-backed default
 _engine_factory: Callable[..., Any] | None = None
@@ -111,13 +112,23 @@ def _create(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
     with _lock:
         _current = engine
     world_mod.install(engine.world)
-    from resilient.ddp import install_auto_hook
-
-    install_auto_hook()  # plain DistributedDataParallel over this group averages over the contributors
-    from resilient.fsdp import install as install_fsdp
-
-    install_fsdp()  # HSDP over resilient groups drops a broken replica group (docs/fsdp.md)
+    for hook in list(_creation_hooks):
+        hook()
     return pg
+
+
+#: called after the world group is created (``import resilient`` adds the DDP auto hook and
+#: the FSDP2 wrappers: :func:`resilient._install_integrations`); kept here as callables so
+#: that this package imports neither :mod:`resilient.ddp` nor :mod:`resilient.fsdp`, which
+#: import it
+_creation_hooks: list[Callable[[], None]] = []
+
+
+def add_creation_hook(hook: Callable[[], None]) -> None:
+    """Run ``hook()`` each time a world group is created (idempotent hooks; added once)."""
+    with _lock:
+        if hook not in _creation_hooks:
+            _creation_hooks.append(hook)
 
 
 def register() -> None:
