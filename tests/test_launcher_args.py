@@ -127,6 +127,20 @@ def test_bad_flag_exits_2_with_message_and_starts_nothing():
     assert "resilient-run: error: --nnodes '3:1'" in proc.stderr
 
 
+@pytest.mark.parametrize("backend", ["c10d", "C10D"])
+def test_c10d_backend_is_rejected_in_one_line_naming_the_fix(backend):
+    """torchrun's default multi-node backend: resilient's rendezvous is etcd, so c10d exits 2
+    before anything starts, with one line that names the flags to use instead."""
+    proc = subprocess.run([os.path.join(VENV_BIN, "resilient-run"), "--rdzv-backend", backend,
+                           "--rdzv-endpoint", "node0:29400", "--nnodes", "2", "t.py"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"resilient-run: error: --rdzv-backend {backend!r} is not supported")
+    assert "--rdzv-backend etcd --rdzv-endpoint HOST:2379" in lines[0] and "--standalone" in lines[0]
+
+
 def test_metrics_host_flag_env_and_standalone_default(monkeypatch):
     assert parse(["--standalone", "train.py"]).metrics_host == "127.0.0.1"     # nothing standalone leaves loopback
     assert parse(["train.py"]).metrics_host == "0.0.0.0"
