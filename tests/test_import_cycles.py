@@ -1,6 +1,7 @@
 """Import graph of the package (every ``import``/``from`` statement, function-level and
 ``TYPE_CHECKING`` ones included, modules mapped to their files as setup.py installs them):
-the torch backend, DDP and FSDP integrations form no cycle."""
+the torch backend and its DDP and FSDP integrations form no cycle, nor do the Communicator
+and the compressed allreduce (typed against ``compression_host.CompressionHost``)."""
 from __future__ import annotations
 
 import ast
@@ -70,3 +71,12 @@ def test_torch_backend_does_not_import_its_integrations() -> None:
 def test_the_graph_sees_function_level_imports() -> None:
     # resilient.torch_backend imports process_group inside functions only
     assert "resilient.torch_backend.process_group" in graph()["resilient.torch_backend"]
+
+
+def test_communicator_and_compressed_allreduce_form_no_cycle() -> None:
+    edges = graph()
+    comm = "resilient.collectives.communicator"
+    assert _reaches(edges, comm, "resilient.collectives.compressed")
+    for mod in ("resilient.collectives.compressed", "resilient.collectives.compression_switch",
+                "resilient.collectives.compression_host"):
+        assert not _reaches(edges, mod, comm), f"{mod} imports the Communicator back"

@@ -45,7 +45,7 @@ from resilient.errors import ConfigError
 from resilient.kernels import ReduceOp
 
 if TYPE_CHECKING:
-    from resilient.collectives.communicator import Communicator
+    from resilient.collectives.compression_host import CompressionHost
 
 
 class _QBuffers:
@@ -233,7 +233,7 @@ def _layout_digest(comp: Compression, segs: list[Segment]) -> int:
     return zlib.crc32(json.dumps([comp.bucket, [(s.start, s.end, s.bits) for s in segs], WIRE_FORMAT]).encode())
 
 
-def run_compressed(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Compression, segs: list[Segment],
+def run_compressed(comm: CompressionHost, t: torch.Tensor, op: ReduceOp, comp: Compression, segs: list[Segment],
                    policy: Policy | str | None, seqs: tuple[int, int] | None = None) -> Any:
     """The op body (on the communicator's op thread); returns the ring's result as a
     :class:`CompressedResult`. ``seqs``: pre-reserved (scale, ring) sequence numbers

@@ -49,7 +49,7 @@ from resilient.errors import ConfigError
 from resilient.kernels import ReduceOp
 
 if TYPE_CHECKING:
-    from resilient.collectives.communicator import Communicator
+    from resilient.collectives.compression_host import CompressionHost
 
 log = logging.getLogger(__name__)
 
@@ -207,15 +207,15 @@ class CompressionSwitch:
             self.link_bytes_per_s = B if self.link_bytes_per_s is None else 0.5 * (self.link_bytes_per_s + B)
 
 
-def switch_for(comm: Communicator) -> CompressionSwitch:
+def switch_for(comm: CompressionHost) -> CompressionSwitch:
     """The communicator's switch (``comm.compression_switch``; created with defaults)."""
     sw = comm.compression_switch
-    if sw is None:
+    if not isinstance(sw, CompressionSwitch):
         sw = comm.compression_switch = CompressionSwitch()
     return sw
 
 
-def run_auto(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Compression, segs: list[Segment], policy: Any) -> Any:
+def run_auto(comm: CompressionHost, t: torch.Tensor, op: ReduceOp, comp: Compression, segs: list[Segment], policy: Any) -> Any:
     """The op body of ``allreduce(..., compression=Compression(auto=True))`` (op thread):
     three sequence numbers ``k, k+1, k+2`` taken at once; with a vote (:meth:`CompressionSwitch.needs_vote`)
     the vote runs at ``k`` and the op at ``k+1`` (+ ``k+2``), without one the op runs at
@@ -246,7 +246,7 @@ def run_auto(comm: Communicator, t: torch.Tensor, op: ReduceOp, comp: Compressio
     return res
 
 
-def compressed_body(comm: Communicator, t: torch.Tensor, op: ReduceOp, compression: Any,
+def compressed_body(comm: CompressionHost, t: torch.Tensor, op: ReduceOp, compression: Any,
                     policy: Policy | str | None) -> Callable[[], Any] | None:
     """The op body of ``comm.allreduce(t, op, compression=compression)``: the fixed codec
     (:func:`.compressed.run_compressed`) or this switch (:func:`run_auto`); None when the
