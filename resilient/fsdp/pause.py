@@ -76,7 +76,10 @@ class Pauser:
         members = current() or ()
         lost = [m for m in layout.rows[row] if m not in members]
         why = f" (its op: {type(cause).__name__}: {cause})" if cause is not None else ""
+        from resilient.script_exit import deliberate
+
         try:
+            deliberate(f"stepped aside: replica group {row} lost {', '.join(lost)}")
             sys.stdout.flush()
             print(f"[resilient] {me} steps aside: its replica group {row} lost {', '.join(lost)} in step "
                   f"{self.step}; the job goes on with the other replica groups (docs/fsdp.md); this worker "

@@ -15,7 +15,9 @@ own session); its waiter threads hand each exit to the main loop, which at once 
 (:func:`resilient.coordinator.membership.revoke_member`: the fast detection path; the
 member's keys vanish in the same etcd revision). Then:
 
-* exit code 0: the worker is done;
+* exit code 0: the worker is done — unless it imported resilient and its interpreter never
+  ran its normal exit (``os._exit(0)`` somewhere: :mod:`resilient.script_exit`): then its
+  script did not finish, it counts as failed and the summary names it;
 * otherwise, while the worker has restarts left (``--max-restarts`` is a budget *per
   worker*): start that worker alone again, with a new lease and member id,
   ``TORCHELASTIC_RESTART_COUNT`` + 1 and ``RESILIENT_JOINER=1``; its siblings are not
@@ -85,6 +87,7 @@ from resilient.launcher.env import Placement, ResilientIds, agent_process_env, w
 from resilient.launcher.logs import WorkerLogs, WorkerStreams
 from resilient.launcher.summary import Death, format_summary, job_exit_code, shrink_epoch
 from resilient.process_pool import DEVNULL, Child, ProcessPool, Spec, signal_name
+from resilient.script_exit import unfinished
 
 if TYPE_CHECKING:  # pragma: no cover - the launcher imports the etcd client only with --etcd
     from resilient.coordinator.lease_mux import LeaseMux
@@ -154,6 +157,8 @@ class Worker:
     #: node-lease mode: the worker's own lease (RESILIENT_LEASE_ID) is still live; revoked once
     #: the worker joined through the channel, kept by the worker if it registered itself
     own_lease_live: bool = False
+    #: ``RESILIENT_EXIT_MARKER`` of the current incarnation (:mod:`resilient.script_exit`)
+    exit_marker: str = ""
 
 
 SOCKET_NAME = "agent.sock"
@@ -216,6 +221,10 @@ class Agent:
         self.deaths: list[Death] = []
         self.restarts = 0
         self.pool = ProcessPool()
+        #: where the workers mark their script started/finished (resilient.script_exit)
+        self.exit_dir = tempfile.mkdtemp(prefix="resilient-exit-")
+        #: local ranks that exited 0 without finishing their script (counted as failed)
+        self.unfinished: list[int] = []
         self._worker_of: dict[Child, Worker] = {}
         self._signal: int | None = None
         self.node: NodeMode | None = None
@@ -312,6 +321,9 @@ class Agent:
             from resilient.launcher.channel_wire import SOCKET_ENV
 
             env[SOCKET_ENV] = self.node.channel.path
+        from resilient.script_exit import ENV as EXIT_MARKER
+
+        w.exit_marker = env[EXIT_MARKER] = os.path.join(self.exit_dir, f"{w.local_rank}-{w.restart_count}")
         if self.cfg.local_addr and "RESILIENT_HOST" not in env:
             env["RESILIENT_HOST"] = self.cfg.local_addr  # the data-plane listener binds where the node lives
         if self.metrics_dir:
@@ -417,6 +429,15 @@ class Agent:
                 if proc is not w.proc:
                     continue
                 self._release(w, rc)
+                if rc == 0 and unfinished(w.exit_marker):
+                    # exit code 0, but the interpreter never ran its normal exit: os._exit(0)
+                    # somewhere (a library, a thread), so the script did not finish
+                    w.done, w.exitcode = True, 1
+                    self.unfinished.append(w.local_rank)
+                    log.error("local rank %d (pid %d) exited with code 0 but did not finish its script (the "
+                              "process ended without Python's normal exit: os._exit(0)?); counted as failed",
+                              w.local_rank, proc.pid)
+                    continue
                 if rc == 0:
                     w.done, w.exitcode = True, 0
                     log.info("local rank %d finished", w.local_rank)
@@ -452,6 +473,7 @@ class Agent:
             raise
         finally:
             self._drop_node_lease()
+            shutil.rmtree(self.exit_dir, ignore_errors=True)
 
     def _drop_node_lease(self) -> None:
         """Node-lease mode: every worker is gone; close the channel, revoke the node lease."""
@@ -474,14 +496,15 @@ class Agent:
         """Every worker ended: the exit code from their last incarnations and, if any worker
         died on the way, the summary (see :mod:`resilient.launcher.summary`)."""
         rc = job_exit_code(w.exitcode for w in self.workers)
-        if self.deaths:
+        if self.deaths or self.unfinished:
             store = self.control.store if self.control is not None else None
             job = self.control.job if self.control is not None else ""
             for d in self.deaths:
                 d.epoch = shrink_epoch(store, job, d.member_id)
             finished = [w.local_rank for w in self.workers if w.exitcode == 0]
             errored = [w.local_rank for w in self.workers if w.exitcode is not None and w.exitcode > 0]
-            print(format_summary(self.deaths, finished, errored, rc, self.cfg.max_restarts),
+            errored = [lr for lr in errored if lr not in self.unfinished]
+            print(format_summary(self.deaths, finished, errored, rc, self.cfg.max_restarts, self.unfinished),
                   file=sys.stderr, flush=True)
         return rc
 

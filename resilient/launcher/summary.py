@@ -80,11 +80,14 @@ def shrink_epoch(store: Any, job: str, member_id: str | None, max_scan: int = 25
 
 
 def format_summary(deaths: list[Death], finished: list[int], errored: list[int], exit_code: int,
-                   max_restarts: int) -> str:
-    """The lines printed at the end of a job in which some worker died."""
+                   max_restarts: int, unfinished: list[int] | None = None) -> str:
+    """The lines printed at the end of a job in which some worker died or ended early
+    (``unfinished``: exited 0 without finishing its script, :mod:`resilient.script_exit`)."""
     sep = "=" * 60
     lines = [sep, f"resilient-run: job {'FINISHED' if exit_code == 0 else 'FAILED'} (exit code {exit_code})",
-             "-" * 60, "Workers that died (the survivors went on without them):"]
+             "-" * 60]
+    if deaths:
+        lines.append("Workers that died (the survivors went on without them):")
     for i, d in enumerate(deaths):
         when = datetime.fromtimestamp(d.at).strftime("%Y-%m-%d_%H:%M:%S.%f")[:-3]
         shrank = f"epoch {d.epoch}" if d.epoch is not None else "no epoch published yet"
@@ -103,6 +106,9 @@ def format_summary(deaths: list[Death], finished: list[int], errored: list[int],
     lines.append(f"finished (exit 0): local ranks {finished or 'none'}")
     if errored:
         lines.append(f"failed with an error code: local ranks {errored} (the job fails)")
+    if unfinished:
+        lines.append(f"exited with code 0 before their script finished (os._exit?): local ranks {unfinished} "
+                     "(the job fails)")
     if not finished:
         lines.append("no worker finished: every worker of this node died (the job fails)")
     lines.append(sep)

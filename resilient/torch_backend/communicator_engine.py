@@ -371,7 +371,10 @@ def leave_unadmitted(member_id: str, op: str) -> NoReturn:
            "survivors; this worker exits with code 0. To have restarted workers rejoin, keep the "
            "training state in resilient.elastic.State and call state.sync() at the start of each step "
            "(docs/ddp.md).")
+    from resilient.script_exit import deliberate
+
     try:
+        deliberate("joiner not admitted")
         sys.stdout.flush()
         print(msg, file=sys.stderr, flush=True)
     finally:
