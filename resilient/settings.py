@@ -262,6 +262,7 @@ DELEGATED: tuple[tuple[str, str, str], ...] = (
     ("RESILIENT_AGENT_SOCKET", "resilient.agent_channel",
      "the node agent's local channel (set by `resilient-run` unless `RESILIENT_NODE_LEASE=0`)"),
     ("RESILIENT_OP_LOG", "resilient.torch_backend.op_log", "path: one JSON line per torch-backend op"),
+    ("RESILIENT_EXIT_MARKER", "resilient.script_exit", "set by `resilient-run`: where a worker marks its script started and finished"),
     ("RESILIENT_FAIL_FAST", "resilient.launcher.args", "`1`: `resilient-run --fail-fast` (torchrun's behaviour)"),
 )
 
