@@ -46,7 +46,7 @@ def nccl_loadable() -> bool:
     finds it: ``$RESILIENT_NCCL_LIBRARY``, the ``nvidia-nccl-cu12`` wheel, the system's)."""
     import ctypes
 
-    from resilient.transport.nccl import find_nccl_library
+    from resilient.transport.nccl_api import find_nccl_library
 
     try:
         ctypes.CDLL(find_nccl_library())
