@@ -48,7 +48,8 @@ def ring_on_one_host(monkeypatch: pytest.MonkeyPatch) -> None:
 #: reaper before the read, fixed in the worker (it reads size_after between two barriers)
 SERIAL_FILES = frozenset({"test_shm_direct.py", "test_shm_direct_procs.py", "test_shm_direct_rs.py",
                           "test_transport_shm.py", "test_chaos_netns.py", "test_chaos_scenario.py",
-                          "test_node_loss_training.py", "test_straggler_procs.py"})
+                          "test_node_loss_training.py", "test_straggler_procs.py",
+                          "test_multinode_netns.py"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
