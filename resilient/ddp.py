@@ -81,6 +81,15 @@ class ContributorTracker:
         with self._lock:
             self._sets.append(frozenset(contributors))
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled with the model (``torch.save(ddp_model)``): the sets, not the lock."""
+        with self._lock:
+            return {"_sets": list(self._sets)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._lock = threading.Lock()
+        self._sets = list(state.get("_sets", []))
+
     def reset(self) -> None:
         with self._lock:
             self._sets.clear()
@@ -574,7 +583,12 @@ def install_auto_hook() -> None:
                 return original_pre_forward(self, *inputs, **kwargs)
             if not self._comm_hooks and not auto.hooked:
                 # no user hook by the first forward: ours (the reducer allows one hook)
-                self.register_comm_hook((self.process_group, auto.tracker), ddp_comm_hook)
+                # over the default group the state is the tracker alone, so that the model
+                # pickles (torch.save(ddp_model) drops DDP's own process_group, not a hook's)
+                default = (dist.is_initialized()
+                           and self.process_group is dist.distributed_c10d._get_default_group())  # noqa: SLF001
+                self.register_comm_hook(auto.tracker if default else (self.process_group, auto.tracker),
+                                        ddp_comm_hook)
                 auto.hooked = True
             if torch.is_grad_enabled() and self.require_backward_grad_sync:
                 auto.tracker.reset()
