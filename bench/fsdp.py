@@ -23,10 +23,23 @@ peer_copy_overhead`` and more):
   none: a healthy replica group holds every shard);
 - ``survivors_restarted``: always 0 (no survivor is restarted; the launcher's summary).
 
-The plain-FSDP case (8 x 1, shards copied to a peer) and torchft's HSDP side by side are
-printed as ``{"case": ..., "skipped": why}``: docs/fsdp.md says what is built.
+- ``lost_vs_steady_s``: the rule both systems are measured by, side by side:
+  ``sum(t[kill..kill+3]) - committed * t_steady`` on world rank 0, ``committed`` the steps of
+  that window whose update was applied and ``t_steady`` the median step after it (the
+  membership after the loss).
 
-Run: ``.venv/bin/python bench/fsdp.py`` (about 3 minutes on 2 cores; writes
+``torchft_hsdp``: torchft's HSDP (``bench/torchft_hsdp.py``) on the same model, batches and
+kill, in a separate venv with ``torchft-nightly`` (``--torchft-venv``, made on first use
+from the package index, sharing this venv's torch); skipped with the reason when it cannot
+be installed. torchft is tuned: its lighthouse drops a group after 100 ms without
+heartbeats (20 ms apart) and the manager's timeout is each of ``--ft-timeouts`` (below
+about 0.4 s its quorum itself times out here); the best is reported, the others listed.
+``lost_ratio`` = torchft's ``lost_vs_steady_s`` / ours.
+
+The plain-FSDP case (8 x 1, shards copied to a peer) is printed as
+``{"case": ..., "skipped": why}``: docs/fsdp.md says what is built.
+
+Run: ``.venv/bin/python bench/fsdp.py`` (about 5 minutes on 2 cores; writes
 ``bench/results/fsdp.json``).
 """
 from __future__ import annotations
@@ -40,13 +53,17 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import torchft_hsdp  # noqa: E402  (bench/ is not a package)
+
 SCRIPT = ROOT / "tests" / "scripts" / "hsdp_train.py"
 RUN = [sys.executable, "-c", "import sys; from resilient.launcher.cli import main; sys.exit(main())"]
 
 
-def _run(out: Path, args: argparse.Namespace, phase: str | None) -> tuple[int, str, dict[int, dict]]:
+def _run(out: Path, args: argparse.Namespace, phase: str | None) -> tuple[int, str, dict[int, dict[str, Any]]]:
     out.mkdir(parents=True)
     env = {**os.environ, "MESH": "2,4", "MODEL": "transformer", "DIM": str(args.dim), "LAYERS": str(args.layers),
            "STEPS": str(args.steps), "OUT": str(out)}
@@ -56,6 +73,41 @@ def _run(out: Path, args: argparse.Namespace, phase: str | None) -> tuple[int, s
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=args.timeout)
     logs = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
     return proc.returncode, proc.stdout, logs
+
+
+def lost_vs_steady(steps: list[dict[str, Any]], k: int, window: int = 4) -> float | None:
+    """Seconds the window ``k .. k+window-1`` took beyond its applied steps at the steady
+    step time after it (``None`` when the log is too short)."""
+    if len(steps) < k + window + 3:
+        return None
+    steady = float(statistics.median(s["s"] for s in steps[k + window:]))
+    part = steps[k:k + window]
+    return round(float(sum(s["s"] for s in part)) - sum(1 for s in part if s.get("committed", True)) * steady, 4)
+
+
+def _torchft(args: argparse.Namespace, tmp: Path, ours: float | None) -> dict[str, Any]:
+    py = torchft_hsdp.venv(Path(args.torchft_venv))
+    if isinstance(py, str):
+        return {"case": "torchft_hsdp", "skipped": py}
+    runs = []
+    for i, t in enumerate(float(x) for x in args.ft_timeouts.split(",")):
+        got = torchft_hsdp.run(py, tmp / f"torchft-{i}", groups=2, size=4, steps=args.steps, kill_step=args.kill_step,
+                               kill_rank=args.kill_rank, dim=args.dim, layers=args.layers, ft_timeout_s=t,
+                               join_timeout_ms=100, heartbeat_timeout_ms=100, timeout=args.timeout)
+        steps = got["steps"]
+        runs.append({"ft_timeout_s": t, "lost_vs_steady_s": lost_vs_steady(steps, args.kill_step),
+                     "discarded_steps": sum(1 for s in steps if not s["committed"]),
+                     "step_s": round(statistics.median(s["s"] for s in steps[3:args.kill_step]), 4) if steps else None,
+                     **({"error": got["error"][-300:]} if "error" in got else {})})
+    ok = [r for r in runs if r["lost_vs_steady_s"] is not None and "error" not in r]
+    if not ok:
+        return {"case": "torchft_hsdp", "skipped": "no torchft run finished", "runs": runs}
+    best = min(ok, key=lambda r: r["lost_vs_steady_s"])
+    return {"case": "torchft_hsdp", "lost_s": best["lost_vs_steady_s"], "lost_vs_steady_s": best["lost_vs_steady_s"],
+            "ft_timeout_s": best["ft_timeout_s"], "discarded_steps": best["discarded_steps"],
+            "step_s": best["step_s"], "steps_redone": 0, "params_exact": None, "peer_copy_overhead": None,
+            "lost_ratio": round(best["lost_vs_steady_s"] / ours, 2) if ours else None, "runs": runs,
+            "load": os.getloadavg()[0]}
 
 
 def main() -> int:
@@ -68,6 +120,10 @@ def main() -> int:
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--torchft-venv", default=str(ROOT / ".torchft-venv"),
+                    help="venv with torchft-nightly for the side-by-side case (made when missing)")
+    ap.add_argument("--ft-timeouts", default="0.5,1,2", help="torchft manager timeouts to try (seconds)")
+    ap.add_argument("--no-torchft", action="store_true", help="skip torchft's side of the comparison")
     ap.add_argument("--no-write", action="store_true", help="do not write bench/results/fsdp.json")
     args = ap.parse_args()
     if not 4 <= args.kill_rank < 8 or not 0 < args.kill_step < args.steps - 5:
@@ -77,6 +133,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-fsdp-") as tmp:
         rc_ref, text_ref, ref = _run(Path(tmp) / "reference", args, "leave")
         rc, text, got = _run(Path(tmp) / "kill", args, "rs")
+        ours_steady = lost_vs_steady(got.get(0, {"steps": []})["steps"], args.kill_step)
+        ft = ({"case": "torchft_hsdp", "skipped": "--no-torchft"} if args.no_torchft
+              else _torchft(args, Path(tmp), ours_steady))
     healthy = range(4)
     exact = (rc == 0 and rc_ref == 0 and all(r in got and r in ref for r in healthy)
              and all([s["shards"] for s in got[r]["steps"]] == [s["shards"] for s in ref[r]["steps"]] for r in healthy))
@@ -88,27 +147,30 @@ def main() -> int:
         else float("nan")
     results.append({
         "case": "hsdp_2x4", "exit_code": rc, "params_exact": exact, "lost_s": round(lost, 4), "step_s": round(m, 4),
-        "lost_steps": round(lost / m, 2) if m == m and m > 0 else None,
+        "lost_steps": round(lost / m, 2) if m == m and m > 0 else None, "lost_vs_steady_s": ours_steady,
         "steps_redone": len(re.findall(r"replicate all-reduces were redone", text)) // 4,
         "peer_copy_overhead": None, "survivors_restarted": 0,
         "stepped_aside": len(re.findall(r"steps aside: its replica group 1", text)),
         "steps": args.steps, "kill_step": k, "model": f"transformer {args.layers}x{args.dim} float64",
         "load": os.getloadavg()[0], "machine": f"{os.cpu_count()} CPUs, loopback",
-        "command": "python bench/fsdp.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python bench/fsdp.py", *sys.argv[1:]]),
     })
     results.append({"case": "fsdp_8x1", "skipped": "plain FSDP's in-memory peer copies are not built (docs/fsdp.md)"})
-    results.append({"case": "torchft_hsdp", "skipped": "torchft's HSDP side by side is not built (docs/fsdp.md)"})
+    results.append(ft)
     for r in results:
         print(json.dumps(r))
     if not args.no_write and exact:
-        sys.path.insert(0, str(ROOT / "bench"))
         from results_file import write
 
         h = results[0]
-        write("fsdp", ".venv/bin/python bench/fsdp.py " + " ".join(sys.argv[1:]), load_before, [{
-            "claim": f"HSDP 2 × 4, SIGKILL mid-backward at step {k} of {args.steps}",
-            "figure": f"exit 0, no survivor restarted, every step bitwise the reference's; {h['lost_s']} s lost = "
-                      f"{h['lost_steps']} fault-free steps"}], results)
+        headline = [{"claim": f"HSDP 2 × 4, SIGKILL mid-backward at step {k} of {args.steps}",
+                     "figure": f"exit 0, no survivor restarted, every step bitwise the reference's; {h['lost_s']} s "
+                               f"lost = {h['lost_steps']} fault-free steps"}]
+        if ft.get("lost_ratio"):
+            headline.append({"claim": "time lost to that SIGKILL, side by side with torchft's HSDP (tuned)",
+                             "figure": f"{ours_steady} s vs torchft {ft['lost_vs_steady_s']} s "
+                                       f"({ft['lost_ratio']}× less; torchft discards the step)"})
+        write("fsdp", " ".join([".venv/bin/python bench/fsdp.py", *sys.argv[1:]]), load_before, headline, results)
     if rc != 0:
         print(text[-4000:], file=sys.stderr)
     return 0 if exact else 1
