@@ -23,7 +23,7 @@ import os
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ENV", "arm", "deliberate", "unfinished"]
+__all__ = ["ENV", "arm", "deliberate", "left_early", "unfinished"]
 
 ENV = "RESILIENT_EXIT_MARKER"
 _armed = False
@@ -47,12 +47,26 @@ def arm() -> None:
         return
     _armed = True
     _write("started", str(os.getpid()))
-    atexit.register(_write, "finished", "normal exit")
+    atexit.register(_write, "finished", NORMAL)
+
+
+NORMAL = "normal exit"
 
 
 def deliberate(reason: str) -> None:
     """Call right before a deliberate ``os._exit(0)``: the worker is done, for ``reason``."""
     _write("finished", reason)
+
+
+def left_early(path: str) -> str | None:
+    """The reason a worker whose marker is ``path`` gave for a deliberate early exit
+    (:func:`deliberate`); None when it finished its script normally, or wrote nothing."""
+    try:
+        with open(f"{path}.finished") as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return None if text == NORMAL else (text or "no reason given")
 
 
 def unfinished(path: str) -> bool:

@@ -88,6 +88,7 @@ def test_hsdp_survives_sigkill(tmp_path: Path, references: dict[int, dict[int, d
     assert rc == 0, text[-3000:]
     assert "killed by SIGKILL" in text
     assert "steps aside: its replica group 1 lost" in text, text[-3000:]
+    assert "by design (exit 0): local rank 3: stepped aside: replica group 1 lost" in text, text[-3000:]
     assert 2 not in logs and 3 not in logs, "replica group 1 wrote a final log"
     ref = references[KILL_STEP + 1 if phase == "optim" else KILL_STEP]
     for rank in (0, 1):

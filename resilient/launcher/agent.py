@@ -87,7 +87,7 @@ from resilient.launcher.env import Placement, ResilientIds, agent_process_env, w
 from resilient.launcher.logs import WorkerLogs, WorkerStreams
 from resilient.launcher.summary import Death, format_summary, job_exit_code, shrink_epoch
 from resilient.process_pool import DEVNULL, Child, ProcessPool, Spec, signal_name
-from resilient.script_exit import unfinished
+from resilient.script_exit import left_early, unfinished
 
 if TYPE_CHECKING:  # pragma: no cover - the launcher imports the etcd client only with --etcd
     from resilient.coordinator.lease_mux import LeaseMux
@@ -225,6 +225,9 @@ class Agent:
         self.exit_dir = tempfile.mkdtemp(prefix="resilient-exit-")
         #: local ranks that exited 0 without finishing their script (counted as failed)
         self.unfinished: list[int] = []
+        #: (local rank, reason): workers that left before the end of their script by design
+        #: (an HSDP survivor stepping aside, a joiner not admitted): exit 0, named in the summary
+        self.left: list[tuple[int, str]] = []
         self._worker_of: dict[Child, Worker] = {}
         self._signal: int | None = None
         self.node: NodeMode | None = None
@@ -440,7 +443,12 @@ class Agent:
                     continue
                 if rc == 0:
                     w.done, w.exitcode = True, 0
-                    log.info("local rank %d finished", w.local_rank)
+                    why = left_early(w.exit_marker)
+                    if why is not None:
+                        self.left.append((w.local_rank, why))
+                        log.warning("local rank %d left before the end of its script: %s", w.local_rank, why)
+                    else:
+                        log.info("local rank %d finished", w.local_rank)
                     continue
                 failure = Failure(w.local_rank, w.rank, proc.pid, rc, w.restart_count,
                                   w.streams.error_file if w.streams else "", time.time())
@@ -496,7 +504,7 @@ class Agent:
         """Every worker ended: the exit code from their last incarnations and, if any worker
         died on the way, the summary (see :mod:`resilient.launcher.summary`)."""
         rc = job_exit_code(w.exitcode for w in self.workers)
-        if self.deaths or self.unfinished:
+        if self.deaths or self.unfinished or self.left:
             store = self.control.store if self.control is not None else None
             job = self.control.job if self.control is not None else ""
             for d in self.deaths:
@@ -504,8 +512,8 @@ class Agent:
             finished = [w.local_rank for w in self.workers if w.exitcode == 0]
             errored = [w.local_rank for w in self.workers if w.exitcode is not None and w.exitcode > 0]
             errored = [lr for lr in errored if lr not in self.unfinished]
-            print(format_summary(self.deaths, finished, errored, rc, self.cfg.max_restarts, self.unfinished),
-                  file=sys.stderr, flush=True)
+            print(format_summary(self.deaths, finished, errored, rc, self.cfg.max_restarts, self.unfinished,
+                                 self.left), file=sys.stderr, flush=True)
         return rc
 
     def _shutdown(self, signum: int) -> int:

@@ -80,9 +80,11 @@ def shrink_epoch(store: Any, job: str, member_id: str | None, max_scan: int = 25
 
 
 def format_summary(deaths: list[Death], finished: list[int], errored: list[int], exit_code: int,
-                   max_restarts: int, unfinished: list[int] | None = None) -> str:
+                   max_restarts: int, unfinished: list[int] | None = None,
+                   left: list[tuple[int, str]] | None = None) -> str:
     """The lines printed at the end of a job in which some worker died or ended early
-    (``unfinished``: exited 0 without finishing its script, :mod:`resilient.script_exit`)."""
+    (``unfinished``: exited 0 without finishing its script, :mod:`resilient.script_exit`;
+    ``left``: (local rank, reason) of those that left early by design, with exit 0)."""
     sep = "=" * 60
     lines = [sep, f"resilient-run: job {'FINISHED' if exit_code == 0 else 'FAILED'} (exit code {exit_code})",
              "-" * 60]
@@ -103,7 +105,11 @@ def format_summary(deaths: list[Death], finished: list[int], errored: list[int],
             f"  then      : {then}",
         ]
     lines.append("-" * 60)
-    lines.append(f"finished (exit 0): local ranks {finished or 'none'}")
+    early = dict(left or [])
+    done = [lr for lr in finished if lr not in early]
+    lines.append(f"finished (exit 0): local ranks {done or 'none'}")
+    for lr, why in sorted(early.items()):
+        lines.append(f"left before the end of its script, by design (exit 0): local rank {lr}: {why}")
     if errored:
         lines.append(f"failed with an error code: local ranks {errored} (the job fails)")
     if unfinished:
