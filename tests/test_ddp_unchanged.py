@@ -185,7 +185,9 @@ def test_unchanged_ddp_script_max_restarts_1_joiner_not_admitted_exits_0(tmp_pat
     assert "the agent vouches for" not in out, out   # no node lease, no channel
     assert "restarted as a joiner (restart 1 of 1)" in out, out
     assert "is not admitted to the running job" in out and "exits with code 0" in out, out
-    assert "local rank 2 finished" in out, out  # the restarted incarnation exited 0
+    # the restarted incarnation exited 0, named in the summary as a deliberate early leave
+    assert "local rank 2 left before the end of its script: joiner not admitted" in out, out
+    assert "by design (exit 0): local rank 2: joiner not admitted" in out, out
     # the joiner ran no collective: every logged op of a restarted incarnation is absent
     restarted = {pid for pid, recs in steps.items() if recs and recs[0]["restart"] == 1}
     assert not restarted and not any(r["member"].split("-a")[1].startswith("1-") for r in ops), ops[-3:]
