@@ -23,7 +23,6 @@ WORKER = r'''
 import json, os, signal, sys
 import torch, torch.distributed as dist
 import resilient
-from resilient.torch_backend import UnsupportedOperation
 from resilient.live_world import world
 
 out_dir = sys.argv[1]
@@ -50,10 +49,13 @@ if r == 1:
 w = dist.all_reduce(torch.ones(10), async_op=True); w.wait()
 res["async_contributors"] = list(w.contributors)
 red = torch.ones(1); dist.reduce(red, 0); res["reduce"] = red.item()
-try:
-    dist.recv(torch.zeros(1))  # any source: not supported
-except UnsupportedOperation as exc:
-    res["unsupported_error"] = str(exc)
+if r in (0, 2):
+    dist.send(torch.full((3,), 10.0 * r), 1)
+if r == 1:  # any source: the two senders, each message whole, in whatever order they came
+    got = []
+    for _ in range(2):
+        t = torch.zeros(3); src = dist.recv(t); got.append([src, t.tolist()])
+    res["any_source"] = sorted(got)
 dist.barrier()
 # phase 2: rank 3 dies while the others are in an allreduce
 if r == 3:
@@ -99,8 +101,8 @@ def test_dist_ops_and_live_world_under_resilient_run(tmp_path):
         assert d["reduce_scatter_tensor"] == [4.0 * (2 * r) + 6, 4.0 * (2 * r + 1) + 6]
         assert len(d["async_contributors"]) == 4
         assert d["reduce"] == (4.0 if r == 0 else 1.0)  # only dst gets the sum
-        assert "any source" in d["unsupported_error"] and "resilient" in d["unsupported_error"]
     assert res[1]["recv"] == [42.0, 43.0]
+    assert res[1]["any_source"] == [[0, [0.0] * 3], [2, [20.0] * 3]]
     survivors = [res[r]["member"] for r in (0, 1, 2)]
     for r, d in res.items():
         k = d["after_kill"]

@@ -126,7 +126,6 @@ def test_async_work_future_and_contributors_after_member_death():
 
 
 @pytest.mark.parametrize("call,name", [
-    (lambda pg, t: pg.recv_anysource([t], 0), "any source"),
     (lambda pg, t: pg.allreduce([t], ar_opts(dist.ReduceOp.BAND)), "BAND on torch.float32"),
     (lambda pg, t: pg.allreduce([t.to(torch.complex64)], ar_opts(dist.ReduceOp.MAX)), "MAX on torch.complex64"),
     (lambda pg, t: pg.allreduce([t.bool()], ar_opts(dist.ReduceOp.AVG)), "AVG on torch.bool"),
@@ -182,8 +181,6 @@ def test_init_process_group_registers_and_dist_api_reports_live_world():
         got = torch.zeros(1)
         dist.all_to_all_single(got, torch.tensor([7.0]))
         assert got.item() == 7.0
-        with pytest.raises(UnsupportedOperation, match="any source"):
-            dist.recv(torch.zeros(1))
         w.join("other", at_seq=10**6)  # admitted: the live world grows at once
         assert (dist.get_rank(), dist.get_world_size()) == (0, 2)
         assert world().members == ("solo", "other") and world().epoch == 2

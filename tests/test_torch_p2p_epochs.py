@@ -1,10 +1,11 @@
-"""Point-to-point across a member's death (issue 12, gap 1), in real processes with a real
+"""Point-to-point across a member's death, in real processes with a real
 etcd, coordinator and SIGKILL: 4 ranks started as ``init_process_group("resilient",
 rank=r, world_size=4)``; rank 3 is SIGKILLed while blocked in a ``recv``. Rank 0's pending
 ``irecv`` from it fails with PeerLost naming it and the new epoch within a deadline; its
 64 MiB ``isend`` to rank 1, under way across the death, is posted again in the new epoch
-and arrives exactly; ranks 0 and 1 enter the new epoch from point-to-point, rank 2 from
-its all_reduce, and that all_reduce is exact over the 3 survivors; then ranks 0 and 1 run
+and arrives exactly; its any-source ``irecv``, posted before the death, takes the message
+rank 2 sends after it (sender rank reported); every survivor enters the new epoch from
+point-to-point, and the all_reduce after it is exact over the 3 survivors; then ranks 0 and 1 run
 only send/recv (ping-pongs, a batch_isend_irecv swap, a non-contiguous receive), every
 value exact, and a barrier afterwards still agrees (the worker:
 tests/workers/p2p_epoch_worker.py)."""
@@ -50,6 +51,7 @@ def test_send_recv_between_survivors_after_a_death_and_peer_lost_for_the_dead(et
         assert not bad and len(d["checks"]) >= (2 if r == 2 else 20), (r, bad, d["checks"])
         assert d["size"] == 3
     assert ("in flight across the death", True) in map(tuple, res[1]["checks"])
+    assert ("any-source across the death", True) in map(tuple, res[0]["checks"])
     lost = res[0]["peer_lost"]
     assert lost["error"] == "PeerLost", lost
     assert lost["peer"] not in {d["member"] for d in res.values()} and lost["peer"] in lost["message"], lost

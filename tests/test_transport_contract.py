@@ -63,7 +63,7 @@ def _tcp(member: str) -> Transport:
 
 
 def _make(kind: str) -> World:
-    every = frozenset({"namespaces", "late_discard", "post_error", "digest"})
+    every = frozenset({"namespaces", "late_discard", "post_error", "digest", "speculative"})
     if kind == "tcp":
         return World(_tcp("a"), _tcp("b"), kind, every)
     if kind == "shm":
@@ -103,6 +103,9 @@ WHY_NOT = {
                   "for a receive posted later",
     "late_discard": "NCCL matches by posting order: a cancelled op's message still in flight meets the next "
                     "receive, whose header check then fails it (TransportError) instead of discarding it",
+    "speculative": "NCCL matches by posting order: a posted receive takes the next message whatever it is, so "
+                   "one that does not fit cannot be left for a later receive (any-source receives raise "
+                   "UnsupportedOperation there)",
 }
 
 
@@ -271,3 +274,81 @@ def test_a_digest_mismatch_fails_the_receive_and_its_op(world: World) -> None:
     with pytest.raises(OpMismatch):
         world.b.wait([world.b.irecv("a", np.zeros(4, np.float32), 14, 1, digest=2)], timeout=HANG_GUARD_S)
     th.join(HANG_GUARD_S)
+
+
+# -- speculative receives (any-source) ------------------------------------------------------
+
+
+def test_a_speculative_receive_takes_a_message_that_fits(world: World) -> None:
+    require(world, "speculative")
+    x, y = np.arange(16, dtype=np.int64), np.zeros(16, np.int64)
+    both(world, [world.a.isend("b", x, 6, 2, digest=11)], [world.b.irecv_speculative("a", y, 6, 2, digest=11)])
+    assert (x == y).all()
+
+
+def test_a_message_that_does_not_fit_waits_for_the_receive_posted_after_cancel(world: World) -> None:
+    """A speculative receive posted for 8 int64 meets 4 int32 of another descriptor: it takes
+    nothing (still pending), is cancelled, and the receive that fits gets the message whole."""
+    require(world, "speculative")
+    x = np.arange(4, dtype=np.int32)
+    spec_buf = np.full(8, -1, np.int64)
+    spec = world.b.irecv_speculative("a", spec_buf, 7, 0, digest=21)
+    th, out = _waits_in_thread(world.a, [world.a.isend("b", x, 7, 0, digest=22)])
+    assert world.b.wait([spec], timeout=0.3) is False       # the message arrived, and did not fit
+    assert not spec.done() and spec.error is None and (spec_buf == -1).all()
+    assert world.b.cancel_recv(spec) is True
+    assert isinstance(spec.error, TransportAborted) and world.b.cancel_recv(spec) is False
+    y = np.zeros(4, np.int32)
+    assert world.b.wait([world.b.irecv("a", y, 7, 0, digest=22)], timeout=HANG_GUARD_S)
+    th.join(HANG_GUARD_S)
+    assert out["r"] is True and (y == x).all()
+
+
+def test_a_cancelled_receive_leaves_the_next_message_to_the_next_receive(world: World) -> None:
+    require(world, "speculative")
+    spec = world.b.irecv_speculative("a", np.zeros(8, np.uint8), 8, 0, digest=5)
+    assert world.b.cancel_recv(spec) is True             # nothing sent yet
+    x, y = np.arange(8, dtype=np.uint8), np.zeros(8, np.uint8)
+    both(world, [world.a.isend("b", x, 8, 0, digest=5)], [world.b.irecv("a", y, 8, 0, digest=5)])
+    assert (x == y).all()
+
+
+def test_a_completed_receive_cannot_be_cancelled(world: World) -> None:
+    x, y = np.arange(8, dtype=np.uint8), np.zeros(8, np.uint8)
+    req = world.b.irecv("a", y, 9, 0)
+    both(world, [world.a.isend("b", x, 9, 0)], [req])
+    assert world.b.cancel_recv(req) is False and req.done() and req.error is None
+
+
+def test_nccl_refuses_a_speculative_receive() -> None:
+    from resilient.errors import UnsupportedOperation
+
+    w = _make("nccl")
+    try:
+        w.configure(1)
+        with pytest.raises(UnsupportedOperation, match="any-source"):
+            w.b.irecv_speculative("a", np.zeros(4, np.uint8), 1, 0)
+    finally:
+        w.a.close()
+        w.b.close()
+
+
+def test_a_speculative_receive_does_not_hold_back_other_ops(world: World) -> None:
+    """A speculative receive still waiting for its message (an any-source receive's, left
+    on a peer that has not sent) is passed by another op's frames, before and after
+    their receive is posted; its own message still reaches it."""
+    require(world, "speculative")
+    spec_buf = np.zeros(4, np.int64)
+    spec = world.b.irecv_speculative("a", spec_buf, 10, 0, digest=3)
+    early, late = np.arange(8, dtype=np.uint8), np.arange(6, dtype=np.uint8) + 50
+    th, out = _waits_in_thread(world.a, [world.a.isend("b", early, 11, 0)])
+    got_early = np.zeros(8, np.uint8)
+    assert world.b.wait([world.b.irecv("a", got_early, 11, 0)], timeout=HANG_GUARD_S)
+    th.join(HANG_GUARD_S)
+    got_late = np.zeros(6, np.uint8)
+    posted = world.b.irecv("a", got_late, 12, 0)
+    both(world, [world.a.isend("b", late, 12, 0)], [posted])
+    assert (got_early == early).all() and (got_late == late).all() and not spec.done()
+    x = np.arange(4, dtype=np.int64) + 7
+    both(world, [world.a.isend("b", x, 10, 0, digest=3)], [spec])
+    assert (spec_buf == x).all()

@@ -184,6 +184,15 @@ class Communicator:
             work.wait()
         return work
 
+    def recv_any(self, tensor: Any, tag: int = 0, async_op: bool = False) -> Work:
+        """Receive into ``tensor`` from whichever member's message comes first (torch's
+        ``recv(src=None)``); ``work.contributors`` names the sender (see :mod:`.p2p`,
+        ``PointToPoint.recv_any``)."""
+        work = self._p2p.recv_any(as_tensor(tensor, "recv tensor"), int(tag))
+        if not async_op:
+            work.wait()
+        return work
+
     @property
     def members(self) -> list[str]:
         return self._epochs.members()

@@ -18,6 +18,16 @@ its own transfer keeps posting ops registered meanwhile (polling every 1–50 ms
 op's handle completes when its own transfer does; a batch is complete when all of its
 handles are.
 
+An **any-source receive** (``recv(src=None)``, :meth:`PointToPoint.recv_any`) registers a
+*speculative* receive of every other member's next message (the transport takes a message
+into it only if it fits, and leaves one that does not for a later receive); the first to
+complete is the result. The others stay posted, each holding its peer's next message for
+the next receive from that peer: one with the same descriptors takes it over as it is,
+one with other descriptors withdraws it (``Transport.cancel_recv``; if its message has
+already arrived, that message fits the any-source receive's descriptors, not the new
+receive's, which fails with :class:`~resilient.errors.InputMismatch` and the message stays
+for the next). So a pair's messages keep their order and none is dropped or taken twice.
+
 Across an epoch change (a member died): the Communicator aborts the transport when an
 epoch removes a member, which fails every pending request, those between live peers too.
 The op-thread job that sees it (or finds the Communicator's epoch moved under it) **adopts
@@ -75,6 +85,13 @@ from resilient.transport.base import Request, Transport
 P2P_SEQ_BASE = tags.p2p_seq(0)
 _SEQ_MASK = (1 << 40) - 1
 _POLL_MIN_S, _POLL_MAX_S = 0.001, 0.05
+#: how long posting a speculative receive waits for its peer's sent marks before it is
+#: left registered for the next pass (a peer that runs no send/recv must not stall it)
+_SPEC_MARKS_WAIT_S = 0.05
+
+
+class _NotYet(Exception):
+    """A speculative receive's peer has not published its sent marks yet: post it later."""
 
 
 class _P2PView(Protocol):
@@ -123,6 +140,10 @@ class _Op:
     is_send: bool
     req: Request | None = None
     error: BaseException | None = None
+    #: posted by an any-source receive on a peer, not claimed yet (:meth:`PointToPoint.recv_any`)
+    speculative: bool = False
+    #: a speculative receive of the same message, with other descriptors, this one takes over
+    replaces: "_Op | None" = None
 
     @property
     def seq(self) -> int:
@@ -149,6 +170,9 @@ class PointToPoint:
         self._posted: list[_Op] = []
         self._epoch = host.epoch.number
         self._marks: dict[str, int] | None = None
+        #: per peer, the speculative receives of any-source receives no receive has claimed
+        #: yet, in message order (each holds that peer's next message, or waits for it)
+        self._spec: dict[str, list[_Op]] = {}
         #: the largest group this member has been in (a rank below it was valid once)
         self._peak = len(host.members)
 
@@ -161,6 +185,36 @@ class PointToPoint:
         """Receive into ``tensor`` from rank ``src`` (written only when complete, for a
         non-contiguous ``tensor``; otherwise in place as bytes arrive)."""
         return self._register(tensor, src, tag, False)
+
+    def recv_any(self, tensor: torch.Tensor, tag: int) -> Work:
+        """Receive into ``tensor`` the first message that arrives, from any other member
+        (``recv(src=None)``); the handle's contributors name the sender. A speculative
+        receive is posted on every peer (``Transport.irecv_speculative``): the first to
+        complete is taken, and each other one holds that peer's next message for the next
+        receive from it (any-source or not; one with other descriptors withdraws it and
+        posts its own: nothing is delivered twice or dropped). A peer that dies is left
+        out; when none is left the handle fails with :class:`~resilient.errors.PeerLost`.
+        Raises :class:`~resilient.errors.UnsupportedOperation` on a transport that
+        matches by posting order alone (NCCL)."""
+        if tensor.device.type != "cpu":
+            from resilient.errors import UnsupportedOperation
+
+            raise UnsupportedOperation("an any-source receive of a device tensor", "pass src=<rank>")
+        digest, me = _digest(tensor), self.host.member_id
+        with self._lock:
+            for peer in self.host.members:
+                if peer != me and not self._spec.get(peer):
+                    self._speculate(peer, tensor, tag, digest)
+        return self.host.run_on_op_thread(lambda: self._drive_any(tensor, int(tag), digest), async_op=True)
+
+    def _speculate(self, peer: str, like: torch.Tensor, tag: int, digest: int) -> None:
+        """(Lock held.) Register a speculative receive of ``peer``'s next message."""
+        key = (peer, self.host.member_id)
+        n = self._counts.get(key, 0)
+        self._counts[key] = n + 1
+        op = _Op(peer, torch.empty(like.shape, dtype=like.dtype), n, int(tag), digest, False, speculative=True)
+        self._registered.append(op)
+        self._spec.setdefault(peer, []).append(op)
 
     def _register(self, tensor: torch.Tensor, peer_rank: int, tag: int, is_send: bool) -> Work:
         members: Sequence[str] = self.host.members
@@ -179,11 +233,22 @@ class PointToPoint:
         else:   # the transports move host bytes: a CUDA tensor goes through a host copy
             buf = tensor.detach().contiguous().cpu() if is_send else torch.empty(tensor.shape, dtype=tensor.dtype)
         key = (me, peer) if is_send else (peer, me)
+        digest = _digest(tensor)
         with self._lock:
-            n = self._counts.get(key, 0)
-            self._counts[key] = n + 1
-            op = _Op(peer, buf, n, int(tag), _digest(tensor), is_send)
-            self._registered.append(op)
+            held = None if is_send else self._spec.get(peer)
+            if held:   # an any-source receive holds this peer's next message: take it over
+                spec = held.pop(0)
+                spec.speculative = False
+                if (spec.digest, spec.tag, spec.buf.nbytes) == (digest, int(tag), buf.nbytes):
+                    op = spec
+                else:  # other descriptors: withdrawn and posted again as ours (on the op thread)
+                    op = _Op(peer, buf, spec.n, int(tag), digest, False, replaces=spec)
+                    self._registered.append(op)
+            else:
+                n = self._counts.get(key, 0)
+                self._counts[key] = n + 1
+                op = _Op(peer, buf, n, int(tag), digest, is_send)
+                self._registered.append(op)
         return self.host.run_on_op_thread(lambda: self._drive(op, tensor), async_op=True)
 
     # -- op thread -----------------------------------------------------------------------
@@ -196,21 +261,51 @@ class PointToPoint:
         with self._lock:
             ops, self._registered = self._registered, []
         tr, members = self.host.transport, set(self.host.epoch.members)
+        later: list[_Op] = []
         try:
             while ops:
                 op = ops[0]
+                if op.error is None and op.replaces is not None:
+                    op.error = self._take_over(op, op.replaces)
                 if op.error is None:
-                    op.error = self._refusal(op, members)
+                    try:
+                        op.error = self._refusal(op, members)
+                    except _NotYet:
+                        later.append(ops.pop(0))
+                        continue
                 if op.error is None:
-                    op.req = (tr.isend(op.peer, op.buf, op.seq, op.tag, op.digest) if op.is_send
-                              else tr.irecv(op.peer, op.buf, op.seq, op.tag, op.digest))
+                    post = tr.isend if op.is_send else (tr.irecv_speculative if op.speculative else tr.irecv)
+                    op.req = post(op.peer, op.buf, op.seq, op.tag, op.digest)
                     self._posted.append(op)
                 ops.pop(0)
         finally:
-            if ops:
+            if ops or later:
                 with self._lock:
-                    self._registered[:0] = ops
+                    self._registered[:0] = later + ops
         return True
+
+    def _take_over(self, op: _Op, spec: _Op) -> BaseException | None:
+        """(Op thread.) ``op`` receives the message ``spec`` (a speculative receive with
+        other descriptors) was posted for: withdraw ``spec`` if nothing of it arrived
+        (None: ``op`` is posted in its place); else that message fits ``spec``, not
+        ``op``: it is kept for the next receive from the peer and ``op`` fails."""
+        tr = self.host.transport
+        if spec.req is None or spec.error is not None or spec.req.error is not None or tr.cancel_recv(spec.req):
+            with self._lock:
+                if spec in self._registered:
+                    self._registered.remove(spec)
+            self._posted = [o for o in self._posted if o is not spec]
+            spec.error = spec.error or TransportAborted("withdrawn: a receive with other descriptors took it over")
+            return None
+        with self._lock:
+            spec.speculative = True
+            self._spec.setdefault(spec.peer, []).insert(0, spec)
+        from resilient.errors import InputMismatch
+
+        return InputMismatch(f"point-to-point receive from {op.peer} of {tuple(op.buf.shape)} {op.buf.dtype} "
+                             f"(tag {op.tag}): that member's next message is {tuple(spec.buf.shape)} "
+                             f"{spec.buf.dtype} (tag {spec.tag}), as an earlier any-source receive asked; it is "
+                             "kept for the next receive from that member")
 
     def _refusal(self, op: _Op, members: set[str]) -> BaseException | None:
         """Why ``op`` cannot run in the current epoch (None: it can)."""
@@ -221,15 +316,17 @@ class PointToPoint:
             return None
         if op.peer not in self._marks:
             try:
-                self._marks[op.peer] = self._read_marks(op.peer).get(self.host.member_id, 0)
+                marks = self._read_marks(op.peer, _SPEC_MARKS_WAIT_S if op.speculative else None)
             except CollectiveError as exc:
                 return exc
+            self._marks[op.peer] = marks.get(self.host.member_id, 0)
         return p2p_marks.lost_message(op.peer, self.host.member_id, op.n, self._marks[op.peer], self._epoch)
 
-    def _read_marks(self, peer: str) -> dict[str, int]:
+    def _read_marks(self, peer: str, soon: float | None = None) -> dict[str, int]:
         """``peer``'s sent marks in the current epoch. Raises TransportAborted when the
-        epoch moves meanwhile, CollectiveError after ``epoch_timeout``."""
-        timeout = self.host.epoch_timeout
+        epoch moves meanwhile, CollectiveError after ``epoch_timeout`` (:class:`_NotYet`
+        after ``soon`` seconds, when given)."""
+        timeout = self.host.epoch_timeout if soon is None else soon
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -243,6 +340,8 @@ class PointToPoint:
                 raise CollectiveError(f"the point-to-point marks of {peer} in epoch {self._epoch} are malformed: "
                                       f"{exc}") from None
             except TimeoutError:
+                if soon is not None:
+                    raise _NotYet(peer) from None
                 raise CollectiveError(f"{peer} did not publish its point-to-point marks for epoch {self._epoch} "
                                       f"within {timeout}s: it has run no send/recv since the group changed, so this "
                                       f"receive cannot tell whether its message was lost with the old epoch; the "
@@ -301,16 +400,94 @@ class PointToPoint:
             target.copy_(op.buf)
         return OpResult((op.peer,))
 
+    def _follow(self) -> bool:
+        """(Op thread.) Adopt a newer epoch, post what was registered meanwhile; True if
+        anything was posted (or failed instead)."""
+        if self.host.transport.aborted or self.host.epoch.number != self._epoch:
+            self._adopt()
+        return bool(self._registered) and self._post_registered()
+
+    def _drive_any(self, target: torch.Tensor, tag: int, digest: int) -> OpResult:
+        """Op thread: wait until a speculative receive of ``target``'s descriptors
+        completes on some peer, claim it and copy its message into ``target`` (see
+        :meth:`recv_any`)."""
+        tr, poll, turn = self.host.transport, _POLL_MIN_S, 0
+        while True:
+            try:
+                if self._follow():
+                    poll = _POLL_MIN_S
+                op, pending, waiting = self._claim_any(target, tag, digest)
+                if op is not None:
+                    break
+                if not pending and not waiting:
+                    raise PeerLost(f"any-source receive: no other member is left in epoch {self._epoch}",
+                                   "", self._epoch)
+                live = [r for r in pending if r.error is None]
+                if live:
+                    turn += 1
+                    tr.wait([live[turn % len(live)]], timeout=poll)  # progresses every link's I/O
+                else:
+                    tr.idle(poll)   # links down: the coordinator's epoch decides
+            except TransportAborted:
+                continue
+            except (OpMismatch, PeerReportedError, FrameError):
+                raise
+            except TransportError:
+                continue  # a broken link to one peer: the others may still deliver; the epoch decides
+            poll = min(_POLL_MAX_S, poll * 2)
+        self._posted = [o for o in self._posted if o is not op]
+        if op.error is not None:
+            raise op.error
+        target.copy_(op.buf)
+        return OpResult((op.peer,))
+
+    def _claim_any(self, target: torch.Tensor, tag: int, digest: int) -> tuple[_Op | None, list[Request], bool]:
+        """(Op thread.) The speculative receive an any-source receive takes: the earliest
+        completed (or failed other than by its peer's loss), removed from the held ones; else
+        None, the requests still pending and whether a receive waits to be posted. A live
+        peer with none held gets one."""
+        me, members = self.host.member_id, self.host.epoch.members
+        pending: list[Request] = []
+        best: _Op | None = None
+        waiting = False
+        with self._lock:
+            for peer in members:
+                if peer == me:
+                    continue
+                held = self._spec.get(peer)
+                if not held:
+                    self._speculate(peer, target, tag, digest)
+                    waiting = True
+                    continue
+                op = held[0]
+                if (op.digest, op.tag) != (digest, tag):
+                    continue   # that peer's next message is another any-source receive's
+                if isinstance(op.error, PeerLost):
+                    held.pop(0)
+                    continue
+                if op.error is not None:
+                    best = op
+                    break
+                if op.req is None:
+                    waiting = True   # registered, not posted yet (its peer's marks are awaited)
+                    continue
+                if op.req.done() and op.req.error is None:
+                    if best is None or (op.req.done_at() or 0.0) < (best.req.done_at() or 0.0):  # type: ignore[union-attr]
+                        best = op
+                else:
+                    pending.append(op.req)
+            if best is not None:
+                self._spec[best.peer].remove(best)
+                best.speculative = False
+        return best, pending, waiting
+
     def _wait(self, op: _Op) -> None:
         tr, timeout = self.host.transport, self.host.op_timeout
         poll = _POLL_MIN_S
         last_progress = time.monotonic()
         while True:
             try:
-                if tr.aborted or self.host.epoch.number != self._epoch:
-                    self._adopt()
-                if self._registered:
-                    self._post_registered()
+                if self._follow():
                     poll = _POLL_MIN_S
                 if op.error is not None:
                     raise op.error

@@ -288,6 +288,9 @@ class CommunicatorEngine:
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Work:
         return self.comm.recv(tensor, src, tag=tag, async_op=True)
 
+    def recv_any(self, tensor: torch.Tensor, tag: int) -> Work:
+        return self.comm.recv_any(tensor, tag=tag, async_op=True)
+
     def close(self) -> None:
         for c in [self.comm, *self._closers]:
             try:
@@ -439,6 +442,9 @@ class NotAdmittedGate:
         self._refuse("send")
 
     def recv(self, *args: object, **kwargs: object) -> NoReturn:
+        self._refuse("recv")
+
+    def recv_any(self, *args: object, **kwargs: object) -> NoReturn:
         self._refuse("recv")
 
 

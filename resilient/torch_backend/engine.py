@@ -75,6 +75,10 @@ class Engine(Protocol):
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Handle: ...
 
+    def recv_any(self, tensor: torch.Tensor, tag: int) -> Handle:
+        """A receive from whichever rank's message comes first; the handle's
+        contributors name the sender."""
+
     def close(self) -> None: ...
 
 

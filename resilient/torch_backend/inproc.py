@@ -256,6 +256,22 @@ class InProcEngine:
         h._set((self.member_id,))
         return h
 
+    def recv_any(self, tensor: torch.Tensor, tag: int) -> _Handle:
+        h = _Handle()
+
+        def run() -> None:
+            with self.w._cond:
+                while True:
+                    key = next((k for k, q in self.w._p2p.items() if q and k[1:] == (self.member_id, tag)), None)
+                    if key is not None:
+                        break
+                    self.w._cond.wait()
+                tensor.copy_(self.w._p2p[key].pop(0))
+            h._set((key[0],))
+
+        threading.Thread(target=run, daemon=True).start()
+        return h
+
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> _Handle:
         key = (self.world().members[src], self.member_id, tag)
         h = _Handle()

@@ -149,6 +149,9 @@ class OpLogEngine:
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Handle:
         return self._logged("recv", self._inner.recv(tensor, src, tag))
 
+    def recv_any(self, tensor: torch.Tensor, tag: int) -> Handle:
+        return self._logged("recv", self._inner.recv_any(tensor, tag))
+
     def close(self) -> None:
         try:
             self._inner.close()

@@ -7,12 +7,11 @@ Supported (CPU and CUDA tensors, every dtype torch takes — see :mod:`.dtypes`)
 ``_reduce_scatter_base``), ``reduce``, ``gather``, ``scatter``, ``all_to_all`` and
 ``all_to_all_single`` (even or uneven splits), the coalesced forms (``allreduce_coalesced``,
 ``allgather_coalesced``, ``all_gather_single_coalesced``, ``reduce_scatter_single_coalesced``
-— what ``_coalescing_manager``, DDP and FSDP issue), ``barrier``, ``send``/``recv``; the
+— what ``_coalescing_manager``, DDP and FSDP issue), ``barrier``, ``send``/``recv`` (``recv_anysource`` too: ``recv(src=None)``); the
 object collectives run on these (torch pickles on the caller's side). Ops without a
 Communicator primitive are composed in :mod:`.composed`. Each is sync or async
 (``async_op=True`` returns a :class:`~.work.ResilientWork` whose ``contributors`` is the
-exact member set in the result). ``recv`` from any source, ``monitored_barrier``,
-``split_group``, tensors on other devices and reduce ops torch does not define for a dtype
+exact member set in the result). ``monitored_barrier``, ``split_group``, tensors on other devices and reduce ops torch does not define for a dtype
 raise :class:`UnsupportedOperation` naming the op and what to use instead. CUDA tensors of
 the composed ops run on whole-tensor host copies (:mod:`resilient.device.whole`). ``dist.new_group``
 is handled by :mod:`.subgroup`.
@@ -364,11 +363,26 @@ class ResilientProcessGroup(dist.ProcessGroup):
         p = Packed(t, fill=False)
         return self._issued(ResilientWork(self.engine.recv(p.wire, int(src_rank), int(tag)), list(tensors), p.unpack))
 
-    # -- not supported: name the op ----------------------------------------------------
-
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> ResilientWork:
-        raise UnsupportedOperation("recv from any source (recv with src=None)",
-                                   "pass src=<rank> (the sender is needed to resume a transfer after a failure)")
+        """``recv(src=None)``: the first message from any other rank (``PointToPoint.recv_any``);
+        ``work._source_rank()`` is the sender's rank in this group."""
+        t = _one(tensors, "recv")
+        members = self.engine.world().members
+        if t.dtype in NATIVE:
+            work = ResilientWork(self.engine.recv_any(t, int(tag)), list(tensors))
+        else:
+            p = Packed(t, fill=False)
+            work = ResilientWork(self.engine.recv_any(p.wire, int(tag)), list(tensors), p.unpack)
+
+        def sender() -> int:
+            peer = work.contributors[0]
+            live = self.engine.world().members
+            return live.index(peer) if peer in live else members.index(peer)
+
+        work.sender_rank = sender
+        return self._issued(work)
+
+    # -- not supported: name the op ----------------------------------------------------
 
     def monitored_barrier(self, *args: object, **kwargs: object) -> ResilientWork:
         raise UnsupportedOperation("monitored_barrier", "use barrier (a dead member is detected by the "

@@ -84,6 +84,8 @@ class ResilientWork(dist.Work):
         #: ``after(error or None)``: run once the op completed, before the caller sees it
         #: (set by the process group: :mod:`resilient.fsdp`'s step-aside check)
         self.after: Callable[[BaseException | None], None] | None = None
+        #: the sender's rank of an any-source receive (set by the process group)
+        self.sender_rank: Callable[[], int] | None = None
 
     @property
     def contributors(self) -> tuple[str, ...]:
@@ -171,7 +173,10 @@ class ResilientWork(dist.Work):
         self.wait()
 
     def source_rank(self) -> int:
-        return -1
+        return -1 if self.sender_rank is None else self.sender_rank()
+
+    def _source_rank(self) -> int:  # what torch's recv(src=None) reads (distributed_c10d.recv)
+        return self.source_rank()
 
     def abort(self) -> None:  # the engine aborts ops on membership changes by itself
         return None

@@ -319,6 +319,28 @@ class Transport(CoreTransport):
         none (NCCL: the agreement then uses one etcd key per old member)."""
         return None
 
+    def irecv_speculative(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request:
+        """Post a receive that takes ``peer``'s message of ``(op_seq, tag)`` only if it
+        fits: the same digest, tag and length. A message that does not fit is neither
+        delivered nor dropped: it stays buffered (the request stays pending, blocking that
+        channel of the pair, as any unmatched receive does) until :meth:`cancel_recv`
+        withdraws the request and a receive that fits is posted. What an any-source receive
+        (``recv(src=None)``) posts on every peer. Raises
+        :class:`~resilient.errors.UnsupportedOperation` where the transport matches by
+        posting order alone (NCCL) and cannot leave a message for a later receive."""
+        from resilient.errors import UnsupportedOperation
+
+        raise UnsupportedOperation(f"an any-source receive on the {type(self).__name__}",
+                                   "pass src=<rank>, or run point-to-point over the CPU transports")
+
+    def cancel_recv(self, req: Request) -> bool:
+        """Withdraw a posted receive no byte of which has arrived: True, and it fails
+        with :class:`~resilient.errors.TransportAborted` (its message, should it come,
+        meets the next receive posted for it). False when it cannot be withdrawn (done,
+        failed, data arriving, or a transport that cannot): it stays as it was. Never
+        raises."""
+        return False
+
     # -- conveniences -------------------------------------------------------------------
 
     def send(self, peer: str, buf: Buffer, op_seq: int, tag: int) -> None:

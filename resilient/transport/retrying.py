@@ -61,6 +61,8 @@ class _Retry(Request):
     def __init__(self, send: bool, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int, nbytes: int) -> None:
         self.is_send, self.peer, self.buf, self.op_seq, self.tag, self.digest = send, peer, buf, op_seq, tag, digest
         self.nbytes = nbytes
+        #: posted with :meth:`~resilient.transport.base.Transport.irecv_speculative`
+        self.speculative = False
         self.order = next(self._order)
         self.inner: Request | None = None
         self.was_touched = False
@@ -114,6 +116,24 @@ class RetryingTransport(WrappedTransport):
     def irecv(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request:
         return self._post(_Retry(False, peer, buf, op_seq, tag, digest, buffer_nbytes(buf)))
 
+    def irecv_speculative(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request:
+        r = _Retry(False, peer, buf, op_seq, tag, digest, buffer_nbytes(buf))
+        r.speculative = True
+        return self._post(r)
+
+    def cancel_recv(self, req: Request) -> bool:
+        if not isinstance(req, _Retry) or req.is_send or req.done() or req.failure is not None:
+            return False
+        b = self._broken.get(req.peer)
+        if b is not None and req in b.held:   # held back, never on the wire: just forget it
+            b.held.remove(req)
+            req.failure = TransportAborted(f"receive of op #{req.op_seq} from {req.peer} was cancelled")
+            return True
+        if req.inner is None or not self.inner.cancel_recv(req.inner):
+            return False
+        req.failure = TransportAborted(f"receive of op #{req.op_seq} from {req.peer} was cancelled")
+        return True
+
     def _post(self, r: _Retry) -> _Retry:
         b = self._broken.get(r.peer)
         if b is not None:
@@ -126,7 +146,7 @@ class RetryingTransport(WrappedTransport):
 
     def _post_inner(self, r: _Retry) -> BaseException | None:
         """Post ``r`` on the wrapped transport; the error it failed with at once, if any."""
-        post = self.inner.isend if r.is_send else self.inner.irecv
+        post = self.inner.isend if r.is_send else (self.inner.irecv_speculative if r.speculative else self.inner.irecv)
         inner = r.inner = post(r.peer, r.buf, r.op_seq, r.tag, r.digest)
         return inner.error
 

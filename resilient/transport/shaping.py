@@ -260,6 +260,13 @@ class ShapedTransport(WrappedTransport):
                            TransportError(f"link to member {peer} is down (shaping drop={peer})"), False)
         return self.inner.irecv(peer, buf, op_seq, tag, digest)
 
+    def irecv_speculative(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request:
+        self._reload()
+        if peer in self.spec.drop:
+            return _Failed(peer, buffer_nbytes(buf), op_seq,
+                           TransportError(f"link to member {peer} is down (shaping drop={peer})"), False)
+        return self.inner.irecv_speculative(peer, buf, op_seq, tag, digest)
+
     def cancel_op(self, op_seq: int) -> None:
         for peer, q in self._queues.items():
             for req in [r for r in q if r.op_seq == op_seq]:

@@ -160,15 +160,36 @@ class TcpTransport(TcpReading, TcpProbing, TcpJoining, OpLayer):
         return req
 
     def irecv(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request:
-        req = TcpRequest(peer, as_memoryview(buf), op_seq, tag, digest, False)
+        return self._post_recv(TcpRequest(peer, as_memoryview(buf), op_seq, tag, digest, False))
+
+    def _post_recv(self, req: TcpRequest) -> TcpRequest:
         conn = self._conn_for(req)
         if conn is not None:
             conn.recvq.append(req)
-            self._match_unexpected(conn)
-            if conn.stalled and conn.sock is not None and conn.failed is None:
-                conn.stalled = False  # the waiting header may be this receive's (or fit now)
-                self._guarded(conn, self._read)
+            self._rematch(conn)
         return req
+
+    def _rematch(self, conn: Conn) -> None:
+        """The posted receives of ``conn`` changed: match buffered frames, resume reading."""
+        self._match_unexpected(conn)
+        if conn.stalled and conn.sock is not None and conn.failed is None:
+            conn.stalled = False  # the waiting header may be this receive's (or fit now)
+            self._guarded(conn, self._read)
+
+    def irecv_speculative(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request:
+        req = TcpRequest(peer, as_memoryview(buf), op_seq, tag, digest, False)
+        req.speculative = True
+        return self._post_recv(req)
+
+    def cancel_recv(self, req: Request) -> bool:
+        conn = self._conns.get(req.peer)
+        if (not isinstance(req, TcpRequest) or conn is None or req not in conn.recvq or req.started
+                or conn.target_req is req or req.done() or req.error is not None):
+            return False
+        conn.recvq.remove(req)
+        req._fail(TransportAborted(f"receive of op #{req.op_seq} from {req.peer} was cancelled"))
+        self._rematch(conn)   # a frame it left buffered may fit the next receive
+        return True
 
     def _conn_for(self, req: TcpRequest) -> Conn | None:
         if self._closed:

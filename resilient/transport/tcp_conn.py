@@ -62,7 +62,8 @@ class TcpRequest(Request):
     """A posted send or receive on a TCP link; ``offset`` bytes of the frame (header
     included, for a send) are through."""
 
-    __slots__ = ("peer", "nbytes", "op_seq", "tag", "digest", "mv", "offset", "_done", "_error", "is_send", "t_done", "header", "started")
+    __slots__ = ("peer", "nbytes", "op_seq", "tag", "digest", "mv", "offset", "_done", "_error", "is_send", "t_done", "header", "started",
+                 "speculative")
 
     def __init__(self, peer: str, mv: memoryview, op_seq: int, tag: int, digest: int, is_send: bool) -> None:
         self.peer, self.mv, self.op_seq, self.tag, self.digest, self.is_send = peer, mv, op_seq, tag, digest, is_send
@@ -73,9 +74,15 @@ class TcpRequest(Request):
         self.t_done = 0.0
         self.header = b""
         self.started = False
+        #: a receive that takes only a message that fits (``Transport.irecv_speculative``)
+        self.speculative = False
 
     def done(self) -> bool:
         return self._done
+
+    def fits(self, h: "frames.Header") -> bool:
+        """Whether the frame ``h`` is this receive's message: same op, tag, length and digest."""
+        return (h.op_seq, h.tag, h.length, h.digest) == (self.op_seq, self.tag, self.nbytes, self.digest)
 
     def touched(self) -> bool:
         return self.started or self._done

@@ -8,6 +8,10 @@ dropped; the descriptor digest is compared through the op guard
 (:mod:`~resilient.transport.ops`). Early-frame buffers are reused up to
 :data:`~resilient.transport.tcp_conn.SPARE_CAP` bytes.
 
+A speculative receive (``Transport.irecv_speculative``) takes only a frame that fits it
+(op, tag, length and digest); one that does not stays buffered for the receive posted
+after ``cancel_recv``.
+
 Failure behaviour: a digest mismatch fails the receive (and its op) with
 :class:`~resilient.transport.ops.OpMismatch`; a frame whose op/tag/length differs from the
 receive it must match raises :class:`~resilient.errors.FrameError` (the connection is
@@ -58,7 +62,7 @@ class TcpMatching(TcpLinks):
         while conn.unexpected:
             h, payload = conn.unexpected.popleft()
             ctl = is_control(h.op_seq)
-            req = None if ctl in blocked else self._head_recv(conn, ctl)
+            req = None if ctl in blocked else self._recv_for(conn, h)
             same_ns = req is not None and same_namespace(h.op_seq, req.op_seq)
             if req is None or (same_ns and h.op_seq > req.op_seq):
                 blocked.add(ctl)  # for a later op, or nothing posted yet: ``req`` waits
@@ -84,15 +88,22 @@ class TcpMatching(TcpLinks):
         conn.unexpected = kept
 
     @staticmethod
-    def _head_recv(conn: Conn, control: bool) -> TcpRequest | None:
-        """The oldest posted receive of a channel: control frames (:func:`is_control`)
-        match control receives only, so a control exchange never disturbs an op's data."""
-        q = conn.recvq
-        if q and is_control(q[0].op_seq) == control:
-            return q[0]
-        for r in q:
-            if is_control(r.op_seq) == control:
-                return r
+    def _recv_for(conn: Conn, h: frames.Header) -> TcpRequest | None:
+        """The posted receive the frame ``h`` meets: the oldest of its channel (control
+        frames, :func:`is_control`, match control receives only, so a control exchange never
+        disturbs an op's data), passing speculative receives of other messages. None when
+        none is posted, or when the speculative receive of this very message does not fit
+        it: the frame then waits for the receive that withdraws it (``cancel_recv``)."""
+        control = is_control(h.op_seq)
+        for r in conn.recvq:
+            if is_control(r.op_seq) != control:
+                continue
+            if r.speculative:
+                if r.op_seq != h.op_seq:
+                    continue
+                if not r.fits(h):
+                    return None
+            return r
         return None
 
     def _filter_unexpected(self, conn: Conn, keep: Callable[[frames.Header], bool]) -> None:

@@ -120,7 +120,7 @@ class TcpReading(TcpMatching, TcpHandshake):
         if h.epoch > self._epoch:
             conn.parked = True  # resume after configure(); header is kept in conn.cur
             return
-        req = self._head_recv(conn, is_control(h.op_seq))
+        req = self._recv_for(conn, h)
         if req is None:
             self._buffer_early(conn, h)
             return

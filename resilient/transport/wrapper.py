@@ -47,6 +47,12 @@ class WrappedTransport(Transport):
     def irecv(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request:
         return self.inner.irecv(peer, buf, op_seq, tag, digest)
 
+    def irecv_speculative(self, peer: str, buf: Buffer, op_seq: int, tag: int, digest: int = 0) -> Request:
+        return self.inner.irecv_speculative(peer, buf, op_seq, tag, digest)
+
+    def cancel_recv(self, req: Request) -> bool:
+        return self.inner.cancel_recv(req)
+
     def wait(self, requests: Sequence[Request], timeout: float | None = None) -> bool:
         return self.inner.wait(requests, timeout)
 

@@ -8,12 +8,15 @@ checked). Then, with every rank's ``DIR/warm<r>`` written:
 
 * rank 3 blocks in ``recv`` from rank 0 (which never sends): the test SIGKILLs it there;
 * rank 0 posts an ``isend`` of 64 MiB to rank 1 (which does not receive yet: the transfer
-  is under way across the death) and an ``irecv`` from rank 3 (never sent), writes
-  ``DIR/posted0`` and waits: the irecv must fail with PeerLost (time and error recorded),
-  the isend must complete;
+  is under way across the death), an ``irecv`` from rank 3 (never sent) and an any-source
+  ``irecv`` (``src=None``), writes ``DIR/posted0`` and waits: the irecv must fail with
+  PeerLost (time and error recorded), the isend must complete, and the any-source receive
+  must take rank 2's message, sent after the death (its receive on the victim left out;
+  the one it left on rank 1 is taken over by rank 0's first receive from rank 1, a
+  different shape: withdrawn and posted again, the ping-pongs' values exact);
 * ranks 1 and 2 wait for ``DIR/killed`` (written by the test after the SIGKILL) and then
   for the coordinator's epoch without rank 3; rank 1's first op after the death is the
-  64 MiB receive (value checked exactly), rank 2's is a collective. (Waiting for the epoch
+  64 MiB receive (value checked exactly), rank 2's is the send to rank 0, then a collective. (Waiting for the epoch
   is what makes the receive cross the change: posted right after the SIGKILL, it could run
   in the old epoch, the sender finish and the abort then cut the receiver's last bytes,
   which is DataLost by contract — seen once in CI.)
@@ -80,6 +83,8 @@ def main() -> None:
         big = torch.arange(BIG, dtype=torch.int32)
         w_big = dist.isend(big, 1)  # rank 1 receives only after the death: in flight across it
         w = dist.irecv(torch.zeros(4), VICTIM)
+        got_any = torch.zeros(3, dtype=torch.int64)
+        w_any = dist.irecv(got_any)  # any source: speculative receives on ranks 1, 2 and the victim
         (DIR / "posted0").touch()
         try:
             w.wait()
@@ -88,9 +93,14 @@ def main() -> None:
             res["peer_lost"] = {"error": type(exc).__name__, "peer": exc.peer, "epoch": exc.epoch,
                                 "message": str(exc), "at": time.time()}
         w_big.wait()
+        w_any.wait()  # rank 2 sends after the death; the victim's receive is left out
+        checks.append(("any-source across the death",
+                       w_any._source_rank() == 2 and got_any.tolist() == [2, 2, 2]))
     else:
         wait_files("killed")
         eng.watcher.wait_for(lambda e: victim_id not in e.members, 90.0)
+    if RANK == 2:  # what rank 0's any-source receive, posted before the death, takes
+        dist.send(torch.full((3,), 2, dtype=torch.int64), 0)
     if RANK == 1:  # its first op after the death: the receive the sender had under way
         got = torch.zeros(BIG, dtype=torch.int32)
         dist.recv(got, 0)
