@@ -24,6 +24,7 @@ import json, os, signal, sys
 import torch, torch.distributed as dist
 import resilient
 from resilient.live_world import world
+from resilient.errors import InputMismatch
 
 out_dir = sys.argv[1]
 if os.environ.get("RESILIENT_JOINER") == "1":
@@ -56,6 +57,14 @@ if r == 1:  # any source: the two senders, each message whole, in whatever order
     for _ in range(2):
         t = torch.zeros(3); src = dist.recv(t); got.append([src, t.tolist()])
     res["any_source"] = sorted(got)
+if r == 0:
+    dist.send(torch.tensor([5, 6]), 1)  # int64 (2,): what rank 1's next any-source receive does not expect
+if r == 1:
+    try:
+        dist.recv(torch.zeros(3))   # float32 (3,): the message that comes does not fit
+    except InputMismatch as exc:
+        res["any_misfit"] = str(exc)
+    kept = torch.zeros(2, dtype=torch.int64); dist.recv(kept, 0); res["kept"] = kept.tolist()
 dist.barrier()
 # phase 2: rank 3 dies while the others are in an allreduce
 if r == 3:
@@ -103,6 +112,7 @@ def test_dist_ops_and_live_world_under_resilient_run(tmp_path):
         assert d["reduce"] == (4.0 if r == 0 else 1.0)  # only dst gets the sum
     assert res[1]["recv"] == [42.0, 43.0]
     assert res[1]["any_source"] == [[0, [0.0] * 3], [2, [20.0] * 3]]
+    assert "kept for the next receive" in res[1]["any_misfit"] and res[1]["kept"] == [5, 6]
     survivors = [res[r]["member"] for r in (0, 1, 2)]
     for r, d in res.items():
         k = d["after_kill"]

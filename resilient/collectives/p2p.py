@@ -410,7 +410,9 @@ class PointToPoint:
     def _drive_any(self, target: torch.Tensor, tag: int, digest: int) -> OpResult:
         """Op thread: wait until a speculative receive of ``target``'s descriptors
         completes on some peer, claim it and copy its message into ``target`` (see
-        :meth:`recv_any`)."""
+        :meth:`recv_any`). A message that arrives first and does not fit raises
+        :class:`~resilient.errors.InputMismatch` (as gloo's any-source receive fails on a
+        size mismatch); it stays for the next receive from its sender."""
         tr, poll, turn = self.host.transport, _POLL_MIN_S, 0
         while True:
             try:
@@ -419,6 +421,13 @@ class PointToPoint:
                 op, pending, waiting = self._claim_any(target, tag, digest)
                 if op is not None:
                     break
+                misfit = next((r for r in pending if r.misfit()), None)
+                if misfit is not None:
+                    from resilient.errors import InputMismatch
+
+                    raise InputMismatch(f"any-source receive of {tuple(target.shape)} {target.dtype} (tag {tag}): the "
+                                        f"message that came first, from {misfit.peer}, has other descriptors (shape, "
+                                        "dtype or tag); it is kept for the next receive from that member")
                 if not pending and not waiting:
                     raise PeerLost(f"any-source receive: no other member is left in epoch {self._epoch}",
                                    "", self._epoch)

@@ -183,6 +183,11 @@ class Request(abc.ABC):
         """``time.monotonic()`` when the request completed, where the transport knows it."""
         return None
 
+    def misfit(self) -> bool:
+        """A speculative receive whose message arrived and does not fit it (the message
+        waits for the receive posted after ``cancel_recv``)."""
+        return False
+
 
 class CoreTransport(abc.ABC):
     """The small core every transport implements: tagged point-to-point sends and

@@ -84,6 +84,9 @@ class _Retry(Request):
     def done_at(self) -> float | None:
         return self.inner.done_at() if self.inner is not None else None
 
+    def misfit(self) -> bool:
+        return self.inner is not None and self.inner.misfit()
+
 
 class _Broken:
     def __init__(self, now: float, exc: BaseException) -> None:

@@ -63,7 +63,7 @@ class TcpRequest(Request):
     included, for a send) are through."""
 
     __slots__ = ("peer", "nbytes", "op_seq", "tag", "digest", "mv", "offset", "_done", "_error", "is_send", "t_done", "header", "started",
-                 "speculative")
+                 "speculative", "misfit_seen")
 
     def __init__(self, peer: str, mv: memoryview, op_seq: int, tag: int, digest: int, is_send: bool) -> None:
         self.peer, self.mv, self.op_seq, self.tag, self.digest, self.is_send = peer, mv, op_seq, tag, digest, is_send
@@ -76,9 +76,13 @@ class TcpRequest(Request):
         self.started = False
         #: a receive that takes only a message that fits (``Transport.irecv_speculative``)
         self.speculative = False
+        self.misfit_seen = False
 
     def done(self) -> bool:
         return self._done
+
+    def misfit(self) -> bool:
+        return self.misfit_seen
 
     def fits(self, h: "frames.Header") -> bool:
         """Whether the frame ``h`` is this receive's message: same op, tag, length and digest."""

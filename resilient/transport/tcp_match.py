@@ -102,6 +102,7 @@ class TcpMatching(TcpLinks):
                 if r.op_seq != h.op_seq:
                     continue
                 if not r.fits(h):
+                    r.misfit_seen = True
                     return None
             return r
         return None
