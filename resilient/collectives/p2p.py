@@ -75,8 +75,8 @@ from resilient.collectives.group import EpochLike
 from resilient.collectives.ops import OpResult
 from resilient.collectives.work import Work
 from resilient.errors import (
-    CollectiveError, ConfigError, EpochChanged, FrameError, OpMismatch, PeerLost, PeerReportedError, RecordError,
-    TransportAborted, TransportError,
+    CollectiveError, ConfigError, EpochChanged, FrameError, InputMismatch, OpMismatch, PeerLost, PeerReportedError,
+    RecordError, TransportAborted, TransportError, UnsupportedOperation,
 )
 from resilient.collectives import p2p_marks, tags
 from resilient.transport.base import Request, Transport
@@ -197,8 +197,6 @@ class PointToPoint:
         Raises :class:`~resilient.errors.UnsupportedOperation` on a transport that
         matches by posting order alone (NCCL)."""
         if tensor.device.type != "cpu":
-            from resilient.errors import UnsupportedOperation
-
             raise UnsupportedOperation("an any-source receive of a device tensor", "pass src=<rank>")
         digest, me = _digest(tensor), self.host.member_id
         with self._lock:
@@ -300,8 +298,6 @@ class PointToPoint:
         with self._lock:
             spec.speculative = True
             self._spec.setdefault(spec.peer, []).insert(0, spec)
-        from resilient.errors import InputMismatch
-
         return InputMismatch(f"point-to-point receive from {op.peer} of {tuple(op.buf.shape)} {op.buf.dtype} "
                              f"(tag {op.tag}): that member's next message is {tuple(spec.buf.shape)} "
                              f"{spec.buf.dtype} (tag {spec.tag}), as an earlier any-source receive asked; it is "
@@ -423,8 +419,6 @@ class PointToPoint:
                     break
                 misfit = next((r for r in pending if r.misfit()), None)
                 if misfit is not None:
-                    from resilient.errors import InputMismatch
-
                     raise InputMismatch(f"any-source receive of {tuple(target.shape)} {target.dtype} (tag {tag}): the "
                                         f"message that came first, from {misfit.peer}, has other descriptors (shape, "
                                         "dtype or tag); it is kept for the next receive from that member")
