@@ -358,21 +358,22 @@ class ResilientProcessGroup(dist.ProcessGroup):
         t = _one(tensors, "recv")
         if int(src_rank) == self.rank():
             return self._issued(ResilientWork(self._mailbox().recv(t, int(tag)), list(tensors)))
-        if t.dtype in NATIVE:  # as in send: written in place, or copied in when complete (strided)
-            return self._issued(ResilientWork(self.engine.recv(t, int(src_rank), int(tag)), list(tensors)))
+        return self._issued(self._receive(tensors, lambda buf: self.engine.recv(buf, int(src_rank), int(tag))))
+
+    def _receive(self, tensors: list[torch.Tensor], post: Callable[[torch.Tensor], Handle]) -> ResilientWork:
+        """A receive into ``tensors[0]``: a native dtype as itself (as in send: written in place,
+        or copied in when complete, strided), other dtypes as packed bytes unpacked after."""
+        t = _one(tensors, "recv")
+        if t.dtype in NATIVE:
+            return ResilientWork(post(t), list(tensors))
         p = Packed(t, fill=False)
-        return self._issued(ResilientWork(self.engine.recv(p.wire, int(src_rank), int(tag)), list(tensors), p.unpack))
+        return ResilientWork(post(p.wire), list(tensors), p.unpack)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> ResilientWork:
         """``recv(src=None)``: the first message from any other rank (``PointToPoint.recv_any``);
         ``work._source_rank()`` is the sender's rank in this group."""
-        t = _one(tensors, "recv")
         members = self.engine.world().members
-        if t.dtype in NATIVE:
-            work = ResilientWork(self.engine.recv_any(t, int(tag)), list(tensors))
-        else:
-            p = Packed(t, fill=False)
-            work = ResilientWork(self.engine.recv_any(p.wire, int(tag)), list(tensors), p.unpack)
+        work = self._receive(tensors, lambda buf: self.engine.recv_any(buf, int(tag)))
 
         def sender() -> int:
             peer = work.contributors[0]

@@ -93,7 +93,8 @@ class TcpMatching(TcpLinks):
         frames, :func:`is_control`, match control receives only, so a control exchange never
         disturbs an op's data), passing speculative receives of other messages. None when
         none is posted, or when the speculative receive of this very message does not fit
-        it: the frame then waits for the receive that withdraws it (``cancel_recv``)."""
+        it: the frame then waits for the receive that withdraws it (``cancel_recv``), and that
+        speculative receive is marked (``misfit``)."""
         control = is_control(h.op_seq)
         for r in conn.recvq:
             if is_control(r.op_seq) != control:
