@@ -128,6 +128,21 @@ def _send_all(socks: list[socket.socket], data: bytes, timeout: float) -> int:
     return sent
 
 
+def _backlog_drained(port: int) -> bool:
+    """No connection to ``port`` is still on its way into the listener's accept loop
+    (from /proc/net/tcp): the listener's accept queue is empty, no handshake to it is half
+    done on the server side (SYN_RECV), and no dialler is still retrying its SYN (SYN_SENT)."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    for row in rows:
+        local, remote, state = int(row[1].split(":")[1], 16), int(row[2].split(":")[1], 16), row[3]
+        if local == port and (state == "03" or (state == "0A" and int(row[4].split(":")[1], 16) > 0)):
+            return False
+        if remote == port and state == "02":
+            return False
+    return True
+
+
 def _raise_nofile(n: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < n:
@@ -178,6 +193,11 @@ def test_attack_on_a_running_group_leaves_results_exact_and_resources_bounded(tm
         attack += oversized
         sent.append(_send_all(oversized[:128], _header(frames.HELLO, 1 << 20), 10))   # refused at once
         sent.append(_send_all(oversized[128:], _header(frames.HELLO, frames.MAX_HELLO_PAYLOAD), 10))  # never completed
+        # The flood overflows the victim's listen backlog (128): the kernel holds or drops
+        # the rest, and their SYN retries can trail the flood by seconds under load. Send the
+        # impersonation once every flood connection has reached the victim, so it is accepted
+        # and read, not queued behind retries or evicted unread by the pending cap.
+        _wait(lambda: _backlog_drained(target[1]), 60, "the flood to reach the victim's accept loop")
         imp = socket.create_connection(target, timeout=10)              # right token, live member's name
         attack.append(imp)
         imp.sendall(frames.encode_hello(frames.Hello("job", 1, TOKEN, "m0", "x")) + _header(frames.DATA, 1 << 40, 1, 5))
