@@ -36,7 +36,8 @@ import threading
 import time
 from typing import Callable, Protocol
 
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+from concurrent.futures import Future
 
 from resilient.collectives.eviction import removed_error
 from resilient.collectives.group import EpochLike, GroupView, addresses_of
@@ -52,6 +53,49 @@ _CAUSE_LABELS = {"member_lost": "member_lost", "lease_expired": "lease_expired",
                  "suspect_confirmed": "suspect_confirmed", "health": "demoted", "demoted": "demoted",
                  "evicted": "demoted"}
 
+
+class _DaemonWorker:
+    """One daemon thread running submitted calls in order, each into a :class:`Future`.
+
+    Written by hand because :class:`concurrent.futures.ThreadPoolExecutor` joins its
+    threads when the interpreter exits: a member that closed while a join agreement's
+    settle still waited on its records (up to ``epoch_timeout``) would not exit until that
+    wait ended. :meth:`shutdown` cancels the queued calls and lets the running one end
+    with the process; a call's exception goes into its future, never out of the thread."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future[int], Callable[..., int], tuple[object, ...]] | None] = \
+            queue.SimpleQueue()
+        self._stopped = False
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, fn: Callable[..., int], *args: object) -> Future[int]:
+        fut: Future[int] = Future()
+        if self._stopped:
+            fut.cancel()
+        else:
+            self._calls.put((fut, fn, args))
+        return fut
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._calls.put(None)
+
+    def _run(self) -> None:
+        while True:
+            item = self._calls.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if self._stopped:
+                fut.cancel()
+                continue
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - delivered to the caller through the future
+                fut.set_exception(exc)
 
 class EpochMetrics(Protocol):
     def set_epoch(self, number: int, size: int) -> None: ...
@@ -112,7 +156,7 @@ class EpochTracker:
         self._early: dict[int, dict[str, int]] = {}  # epoch -> child -> seq, before we saw that epoch
         self._on_op_thread: Callable[[Callable[[], None]], object] | None = None  # its result is not used
         self._ops_queued: Callable[[], int] = lambda: 0
-        self._waiter: ThreadPoolExecutor | None = None
+        self._waiter: _DaemonWorker | None = None
         if self.carrier is not None:
             self.carrier.on_join(self._on_join_message)
         epoch = view.current()
@@ -214,7 +258,7 @@ class EpochTracker:
             if self.carrier is not None:
                 self.carrier.drop_join(self._on_join_message)   # not a successor's (rebuild)
             if self._waiter is not None:
-                self._waiter.shutdown(wait=False, cancel_futures=True)
+                self._waiter.shutdown()
         except Exception:  # noqa: BLE001
             pass
 
@@ -325,7 +369,7 @@ class EpochTracker:
             fut = self._settling.get(ag.number)
             if fut is None:
                 if self._waiter is None:
-                    self._waiter = ThreadPoolExecutor(1, thread_name_prefix=f"resilient-join:{self.member_id}")
+                    self._waiter = _DaemonWorker(f"resilient-join:{self.member_id}")
                 fut = self._settling[ag.number] = self._waiter.submit(ag.settle, seq, self.join_stall,
                                                                        self.epoch_timeout)
                 for old in [n for n in self._settling if n < self.epoch.number]:
