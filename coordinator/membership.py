@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 #: Keep-alives are sent every ``ttl * KEEPALIVE_FRACTION`` seconds.
 KEEPALIVE_FRACTION = 1.0 / 3.0
+#: A failed keep-alive is retried after this many seconds.
+KEEPALIVE_RETRY_S = 0.05
 #: Set to ``agent`` by a node agent that keeps one node lease for all its ranks
 #: (``RESILIENT_NODE_LEASE=1``, docs/scale.md): the member then sends no keep-alive of its
 #: own but touches :data:`HEARTBEAT_ENV`'s file, which the agent checks (a hung rank).
@@ -205,17 +207,22 @@ class MemberSession:
         callback()
 
     def _keepalive_loop(self) -> None:
+        """A keep-alive every ``ttl/3``; one that fails (etcd slow or unreachable) is
+        retried within :data:`KEEPALIVE_RETRY_S`, not an interval later, so a loaded etcd
+        costs the lease only when it stays unanswered for the rest of the TTL."""
         interval = max(0.1, self.ttl * KEEPALIVE_FRACTION)
-        while not self._stop.wait(interval):
+        wait = interval
+        while not self._stop.wait(wait):
             try:
                 self.store.keepalive(self.lease_id, budget=interval)
+                wait = interval
             except LeaseExpired:
                 self._mark_lost()
                 return
-            except StoreUnavailable as exc:
-                log.warning("member %s: keep-alive failed, retrying: %s", self.member_id, exc)
-            except StoreError as exc:  # pragma: no cover - unexpected etcd answer
-                log.warning("member %s: keep-alive error, retrying: %s", self.member_id, exc)
+            except StoreError as exc:  # StoreUnavailable, or an unexpected etcd answer
+                if wait == interval:   # the first failure of a streak is logged
+                    log.warning("member %s: keep-alive failed, retrying: %s", self.member_id, exc)
+                wait = min(interval, KEEPALIVE_RETRY_S)
 
     def _heartbeat_loop(self, heartbeat_file: str) -> None:
         """Agent-kept lease: touch ``heartbeat_file`` every interval (SIGSTOP freezes it:

@@ -42,7 +42,7 @@ def _run(etcd: str, job: str, call: str, tmp: Path) -> tuple[dict, list[int], st
     out = tmp / "out"
     out.mkdir()
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}", RESILIENT_ETCD=etcd, RESILIENT_JOB=job,
-               RESILIENT_LEASE_TTL="2", OMP_NUM_THREADS="1")
+               RESILIENT_LEASE_TTL="3", OMP_NUM_THREADS="1")
     for k in ("RESILIENT_MEMBER_ID", "RESILIENT_FAILPOINTS", "RANK", "WORLD_SIZE"):
         env.pop(k, None)
     with RankProcs(etcd, job) as procs:
