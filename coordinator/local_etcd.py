@@ -33,7 +33,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from resilient.coordinator.etcd_access import EtcdAccess
 from resilient.errors import ConfigError, StoreUnavailable
@@ -68,9 +68,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-def die_with_parent() -> None:  # pragma: no cover - runs in the forked child
-    """Ask Linux to SIGKILL this child when the process that started it dies, so a test
-    runner killed by a timeout or a signal never leaves an etcd behind."""
+def die_with_parent(args: Sequence[str]) -> tuple[list[str], Callable[[], None] | None]:
+    """``(args, preexec_fn)`` for a Popen whose child Linux SIGKILLs when the thread that
+    started it dies, so a test runner or agent killed by a timeout or a signal never leaves
+    an etcd or coordinator behind (the parent-death signal follows the forking *thread*:
+    ask for it only from a thread that lives as long as the child, the main thread).
+
+    With util-linux's ``setpriv`` (Debian: always there) the child is
+    ``setpriv --pdeathsig KILL <args>``, which sets the signal and execs ``args`` (same
+    pid) — no ``preexec_fn``: a ``preexec_fn`` makes Popen fork the whole process and run
+    Python in the child, and in a parent with gRPC threads (an etcd client) gRPC's fork
+    handlers can abort that child before it execs (seen as an etcd that "exited during
+    start-up" with status -6). Without ``setpriv`` it falls back to a ``prctl`` preexec."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is not None:
+        return [setpriv, "--pdeathsig", "KILL", *args], None
+    return list(args), _prctl_pdeathsig
+
+
+def _prctl_pdeathsig() -> None:  # pragma: no cover - runs in the forked child
     try:
         import ctypes
 
@@ -252,8 +268,9 @@ class LocalEtcd:
         # The parent-death signal follows the *thread* that forks, so it is only asked for
         # from the main thread (a chaos injector thread restarting a member ends early).
         on_main = threading.current_thread() is threading.main_thread()
-        m.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                  preexec_fn=die_with_parent if on_main else None)
+        argv, preexec = die_with_parent(args) if on_main else (args, None)
+        m.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                  preexec_fn=preexec)
         log.close()
 
     def wait_healthy(self, members: Sequence[EtcdMember], timeout: float | None = None) -> None:

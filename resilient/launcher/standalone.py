@@ -73,12 +73,14 @@ class StandaloneControlPlane:
         try:
             fd, self.coordinator_log = tempfile.mkstemp(prefix="resilient-coordinator-", suffix=".log")
             os.close(fd)
-            self.coordinator = self._pool.start(Spec(
-                coordinator_command(self.etcd.endpoint_arg, self.job, self.min_members),
-                env={**os.environ, **self.access.child_env()}, stdout=self.coordinator_log, stderr=STDOUT,
-                name="standalone coordinator",
+            argv = coordinator_command(self.etcd.endpoint_arg, self.job, self.min_members)
+            preexec = None
+            if threading.current_thread() is threading.main_thread():
                 # the coordinator dies with the agent, even a SIGKILLed one (its etcd does too)
-                preexec_fn=die_with_parent if threading.current_thread() is threading.main_thread() else None,
+                argv, preexec = die_with_parent(argv)
+            self.coordinator = self._pool.start(Spec(
+                argv, env={**os.environ, **self.access.child_env()}, stdout=self.coordinator_log, stderr=STDOUT,
+                name="standalone coordinator", preexec_fn=preexec,
             ))
             try:
                 (code,) = self._pool.wait(self._startup_check_s, [self.coordinator])
