@@ -26,13 +26,16 @@ etcd:
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq etcd-server; }
 	@command -v etcd >/dev/null 2>&1 || { echo "etcd is still not on PATH; install etcd >= 3.4" >&2; exit 1; }
 
-# pytest exits 5 when it collects no test, so an empty run fails here too. Two workers
-# (a test file stays on one worker), then alone the tests that assert machine-wide state
-# (marked `serial` in tests/conftest.py). Each phase lists its 25 slowest tests: CI's bound
-# is 20 minutes, and that list says where the time goes.
+# pytest exits 5 when it collects no test, so an empty run fails here too. Three phases
+# (tests/conftest.py marks the files): two workers, a test file staying on one worker; then
+# the tests that assert machine-wide state (`serial`) one at a time on one worker, while the
+# other runs the CPU-only `sidecar` files (type check, compilers); then alone the `alone`
+# file, whose outcome shifts under a second worker's load. Each phase lists its 25 slowest
+# tests: CI's bound is 20 minutes, and that list says where the time goes.
 test: setup
-	$(PY) -m pytest -n 2 --dist loadfile -m "not serial" --durations=25
-	$(PY) -m pytest -m serial --durations=25
+	$(PY) -m pytest -n 2 --dist loadfile -m "not serial and not sidecar and not alone" --durations=25
+	$(PY) -m pytest -n 2 --dist loadgroup -m "serial or sidecar" --durations=25
+	$(PY) -m pytest -m alone --durations=25
 
 demo: setup
 	$(PY) examples/demo.py
