@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import threading
 import time
 from typing import Callable, Protocol
 
-import queue
 from concurrent.futures import Future
 
 from resilient.collectives.eviction import removed_error
@@ -96,6 +96,7 @@ class _DaemonWorker:
                 fut.set_result(fn(*args))
             except BaseException as exc:  # noqa: BLE001 - delivered to the caller through the future
                 fut.set_exception(exc)
+
 
 class EpochMetrics(Protocol):
     def set_epoch(self, number: int, size: int) -> None: ...
