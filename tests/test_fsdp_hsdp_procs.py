@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -56,21 +57,26 @@ def _shards(log: dict) -> list[list[str]]:
 def references(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[int, dict]]:
     """Reference runs: replica group 1 leaves cleanly before step 2 / step 3."""
     tmp = tmp_path_factory.mktemp("hsdp_ref")
-    refs = {}
-    for step in (KILL_STEP, KILL_STEP + 1):
-        rc, text, logs = _run(tmp, f"leave{step}", RUN, KILL_RANK=str(KILL_RANK), KILL_STEP=str(step),
-                              KILL_PHASE="leave")
-        assert rc == 0, text[-3000:]
-        assert logs[0]["finished"] and logs[1]["finished"] and not logs[2]["finished"], text[-3000:]
-        refs[step] = logs
+    steps = (KILL_STEP, KILL_STEP + 1)
+    with ThreadPoolExecutor(len(steps)) as ex:  # side by side: each job its own standalone etcd
+        runs = {step: ex.submit(_run, tmp, f"leave{step}", RUN, KILL_RANK=str(KILL_RANK), KILL_STEP=str(step),
+                                KILL_PHASE="leave") for step in steps}
+        refs = {}
+        for step, run in runs.items():
+            rc, text, logs = run.result()
+            assert rc == 0, text[-3000:]
+            assert logs[0]["finished"] and logs[1]["finished"] and not logs[2]["finished"], text[-3000:]
+            refs[step] = logs
     return refs
 
 
 def test_fault_free_hsdp_is_bitwise_gloo(tmp_path: Path) -> None:
-    rc, text, ours = _run(tmp_path, "resilient", RUN)
+    with ThreadPoolExecutor(2) as ex:  # side by side (different ports: --standalone picks free ones)
+        run_ours, run_gloo = ex.submit(_run, tmp_path, "resilient", RUN), ex.submit(_run, tmp_path, "gloo", TORCHRUN,
+                                                                                    BACKEND="gloo")
+        (rc, text, ours), (grc, gtext, gloo) = run_ours.result(), run_gloo.result()
     assert rc == 0, text[-3000:]
-    rc, gtext, gloo = _run(tmp_path, "gloo", TORCHRUN, BACKEND="gloo")
-    assert rc == 0, gtext[-3000:]
+    assert grc == 0, gtext[-3000:]
     assert sorted(ours) == sorted(gloo) == [0, 1, 2, 3]
     for rank in range(4):
         assert len(ours[rank]["steps"]) == STEPS

@@ -57,3 +57,31 @@ def test_factor_stand_in_gives_torchs_factors_for_the_agreed_size() -> None:
     # the redo rescales by pre ratios: always a power of two, so exact
     ratio = pre8 / pre4
     assert ratio == 2 ** round(__import__("math").log2(ratio))
+
+
+_INSTALL_ORDER = """
+import sys
+import torch
+import resilient.fsdp.patches as patches
+if {before}:
+    from torch.distributed.fsdp import fully_shard
+patches.install()
+deferred = "torch.distributed.fsdp" not in sys.modules
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives as coll, _fsdp_param_group as pgroup
+wrapped = [hasattr(f, "__wrapped__") for f in (pgroup.FSDPParamGroup.__init__, pgroup.foreach_reduce,
+                                               coll._get_gradient_divide_factors)]
+print(deferred, wrapped)
+"""
+
+
+@pytest.mark.parametrize("before", [False, True], ids=["fsdp-imported-later", "fsdp-imported-first"])
+def test_install_leaves_fsdp_unimported_and_wraps_it_when_a_script_imports_it(before: bool) -> None:
+    """A group's creation must not import torch's FSDP (sympy, seconds of CPU per process):
+    the wrappers go in when the script imports it, or at once when it already has."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _INSTALL_ORDER.format(before=before)], capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split(maxsplit=1)
+    assert out == [str(not before), "[True, True, True]\n"], out

@@ -1,7 +1,8 @@
 """Where the resilient backend meets FSDP2: three wrappers around torch's own functions.
 
-Installed by :func:`install` when the first resilient process group is created (a script
-on another backend runs torch's FSDP untouched). Each wrapper calls torch's function and
+Installed by :func:`install` when the first resilient process group is created, into
+torch's FSDP2 modules once they are imported (a script that never shards does not import
+them; a script on another backend runs torch's FSDP untouched). Each wrapper calls torch's function and
 only adds bookkeeping; none changes what FSDP computes in a fault-free run:
 
 - ``FSDPParamGroup.__init__``: an HSDP parameter group whose shard and replicate groups are
@@ -44,30 +45,45 @@ class _Sized:
         return self._size
 
 
+#: the module whose import completes FSDP2 (its parameter group; it imports the collectives)
+_FSDP_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
+
+
 def install() -> None:
-    """Install the wrappers (idempotent; see the module docstring)."""
+    """Install the wrappers (idempotent; see the module docstring) — now if FSDP2 is
+    imported, else the moment it is: importing torch's FSDP pulls in sympy and the
+    tensor-parallel package (seconds of CPU), which a script that never shards must not pay
+    at ``init_process_group``. The deferral is wrapt's post-import hook (the hook runs once
+    the module is fully loaded, or at once if it already is)."""
     global _installed
     with _lock:
         if _installed:
             return
         _installed = True
-        try:
-            from torch.distributed.fsdp._fully_shard import _fsdp_collectives as coll
-            from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pgroup
-            from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
-            import torch.optim.optimizer as optim
-        except ImportError as exc:  # pragma: no cover - another torch
-            log.warning("resilient: FSDP2 not found (%s); HSDP runs without failure handling", exc)
+    import wrapt
+
+    wrapt.register_post_import_hook(_install_now, _FSDP_MODULE)
+
+
+def _install_now(_module: Any = None) -> None:
+    """The wrappers, into the loaded FSDP2 modules (never raises: another torch logs why)."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives as coll
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pgroup
+        from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+        import torch.optim.optimizer as optim
+    except ImportError as exc:  # pragma: no cover - another torch
+        log.warning("resilient: FSDP2 not found (%s); HSDP runs without failure handling", exc)
+        return
+    for mod, name in ((coll, "_get_gradient_divide_factors"), (pgroup, "foreach_reduce"),
+                      (pgroup, "FSDPParamGroup")):
+        if not hasattr(mod, name):  # pragma: no cover - another torch
+            log.warning("resilient: torch's FSDP2 has no %s.%s; HSDP runs without failure handling",
+                        mod.__name__, name)
             return
-        for mod, name in ((coll, "_get_gradient_divide_factors"), (pgroup, "foreach_reduce"),
-                          (pgroup, "FSDPParamGroup")):
-            if not hasattr(mod, name):  # pragma: no cover - another torch
-                log.warning("resilient: torch's FSDP2 has no %s.%s; HSDP runs without failure handling",
-                            mod.__name__, name)
-                return
-        _wrap_param_group(pgroup.FSDPParamGroup, HSDPMeshInfo)
-        _wrap_reduce(pgroup, coll)
-        optim.register_optimizer_step_pre_hook(_settle_hook)
+    _wrap_param_group(pgroup.FSDPParamGroup, HSDPMeshInfo)
+    _wrap_reduce(pgroup, coll)
+    optim.register_optimizer_step_pre_hook(_settle_hook)
 
 
 def _settle_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
