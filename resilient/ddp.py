@@ -11,7 +11,10 @@ why it was chosen: ``docs/ddp.md``):
   last); without it DDP's reducer divides every bucket by ``ProcessGroup.getSize()`` of
   the C++ object, the launch-time world size, so after a death the mean would be
   ``sum/launch_size`` instead of ``sum/contributors``;
-* DDP's one-time bucket rebuild is skipped (see :class:`_NoRebuildReducer`);
+* DDP's one-time bucket rebuild runs on the members the job started with, and is skipped
+  (see :class:`_NoRebuildReducer`) on a joiner and on a model under
+  :class:`resilient.elastic.State` (:func:`hold_layout`): every member then keeps the
+  initial layout a joiner builds too;
 * on a joiner that has not been admitted yet, the constructor's initial sync
   collectives are skipped (``init_sync=False``): the survivors never run them, and a
   joiner gets its state at admission (``resilient.elastic.State.sync()``) or leaves.
@@ -525,6 +528,8 @@ class _Auto:
 
     tracker: ContributorTracker
     hooked: bool = False
+    #: DDP's one-time bucket rebuild may run (a member the job started with, no State)
+    rebuild: bool = True
 
 
 _autos: "weakref.WeakKeyDictionary[torch.nn.Module, _Auto]" = weakref.WeakKeyDictionary()
@@ -546,6 +551,32 @@ def contributors(ddp: torch.nn.parallel.DistributedDataParallel) -> frozenset[st
     (automatic mode; empty before the first backward or on another backend)."""
     auto = _autos.get(ddp)
     return auto.tracker.step_contributors() if auto is not None else frozenset()
+
+
+#: modules handed to :func:`hold_layout`: a DDP built over one later keeps its initial layout
+_held: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def hold_layout(model: torch.nn.Module) -> None:
+    """Keep the DDP buckets of ``model`` (a DDP, or the module a DDP wraps or will wrap) in
+    their initial layout, with no one-time rebuild: the model is under
+    :class:`resilient.elastic.State`, which admits joiners, and a joiner builds the initial
+    layout (its reducer could not follow a rebuild the others did before it came). Models
+    not in automatic mode are untouched. Raises :class:`~resilient.errors.ConfigError` when
+    a DDP over it already rebuilt its buckets (the State was built after the second
+    training step: build it before training)."""
+    from resilient.errors import ConfigError
+
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    _held.add(inner)
+    for ddp, auto in list(_autos.items()):
+        if ddp is not model and getattr(ddp, "module", None) is not inner:
+            continue
+        if getattr(ddp, "_has_rebuilt_buckets", False):
+            raise ConfigError("this DDP model rebuilt its gradient buckets before resilient.elastic.State was "
+                              "built, so a joiner's buckets could never match: build the State before the "
+                              "first training step")
+        auto.rebuild = False
 
 
 def install_auto_hook() -> None:
@@ -574,7 +605,9 @@ def install_auto_hook() -> None:
                 bound.arguments["init_sync"] = False
             original_init(*bound.args, **bound.kwargs)
             if resilient:
-                _autos[self] = _Auto(ContributorTracker())
+                # a joiner never rebuilds: the members it meets built their buckets long ago
+                _autos[self] = _Auto(ContributorTracker(),
+                                     rebuild=engine is not None and engine.admitted and self.module not in _held)
 
         @functools.wraps(original_pre_forward)
         def _pre_forward(self: DDP, *inputs: Any, **kwargs: Any) -> Any:
@@ -592,6 +625,8 @@ def install_auto_hook() -> None:
                 auto.hooked = True
             if torch.is_grad_enabled() and self.require_backward_grad_sync:
                 auto.tracker.reset()
+            if auto.rebuild:
+                return original_pre_forward(self, *inputs, **kwargs)
             real = self.reducer
             self.reducer = _no_rebuild(real)
             try:

@@ -182,3 +182,37 @@ def test_op_log_unwritable_path_is_a_config_error(tmp_path):
 ])
 def test_job_exit_code(codes, rc):
     assert job_exit_code(codes) == rc
+
+
+def _two_layers() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+
+def test_members_the_job_started_with_rebuild_buckets_a_model_under_state_keeps_them():
+    """Plain DDP on the members the job started with runs DDP's one-time bucket rebuild (its
+    broadcast over our group) at the second forward, as on any backend; a model handed to
+    State keeps the initial layout (a joiner builds that one); a State built after the
+    rebuild is refused, naming the fix."""
+    from resilient.ddp import hold_layout
+    from resilient.errors import ConfigError
+
+    w = InProcWorld(["a", "b"])
+    seen = {}
+
+    def member(mid, i):
+        pg = ResilientProcessGroup(w.engine(mid), i, 2)
+        inner, early = _two_layers(), _two_layers()
+        hold_layout(early)  # State(model=early) built before the DDP over it
+        plain, held, held_early = (DDP(_two_layers(), process_group=pg), DDP(inner, process_group=pg),
+                                   DDP(early, process_group=pg))
+        hold_layout(inner)  # State(model=inner) after DDP(inner), as scripts do
+        for _ in range(3):
+            for ddp in (plain, held, held_early):
+                ddp(torch.ones(2, 4)).sum().backward()
+        seen[mid] = tuple(d._get_ddp_logging_data()["has_rebuilt_buckets"] for d in (plain, held, held_early))
+        with pytest.raises(ConfigError, match="build the State before the first training step"):
+            hold_layout(plain)
+
+    _members(member, "ab")
+    assert seen == {"a": (1, 0, 0), "b": (1, 0, 0)}, seen

@@ -133,6 +133,10 @@ class State:
                                                 "on_membership_change", "group", "world"):
                 raise ConfigError(f"State field name {name!r} is reserved; pick another name")
         object.__setattr__(self, "_fields", dict(user_fields))
+        if model is not None:  # a joiner builds DDP's initial buckets: every member keeps them
+            from resilient.ddp import hold_layout
+
+            hold_layout(model)
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "optimizer", optimizer)
         object.__setattr__(self, "group", group)

@@ -39,9 +39,10 @@ common_distributed.DistTestCases.backend_feature["gpu"].add("resilient")
 from torch.testing._internal.distributed import distributed_test as dt  # noqa: E402
 
 
-def read_rules(path: str) -> tuple[list[str], dict[str, str], list[str], list[str]]:
-    """(SELECT prefixes, SKIP name -> reason, UNSKIP names, QUICK-EXCLUDE substrings)."""
-    select, skips, unskip, exclude = [], {}, [], []
+def read_rules(path: str) -> tuple[list[str], dict[str, str], list[str], list[str], list[str]]:
+    """(SELECT prefixes, SKIP name -> reason, UNSKIP names, QUICK-EXCLUDE substrings,
+    QUICK-INCLUDE names: in the quick set although an exclusion matches them)."""
+    select, skips, unskip, exclude, include = [], {}, [], [], []
     for line in open(path):
         line = line.strip()
         if line.startswith("SELECT "):
@@ -53,7 +54,9 @@ def read_rules(path: str) -> tuple[list[str], dict[str, str], list[str], list[st
             unskip.append(line[7:].partition("#")[0].strip())
         elif line.startswith("QUICK-EXCLUDE "):
             exclude += line.split()[1:]
-    return select, skips, unskip, exclude
+        elif line.startswith("QUICK-INCLUDE "):
+            include += line.split()[1:]
+    return select, skips, unskip, exclude, include
 
 
 def unskipped(fn):
@@ -91,14 +94,14 @@ class TestResilient(dt.TestDistBackend, dt.DistributedTest._DistTestBase):
 
 def main() -> int:
     skips_file, out = sys.argv[1], sys.argv[2]
-    select, skips, unskip, exclude = read_rules(skips_file)
+    select, skips, unskip, exclude, include = read_rules(skips_file)
     if os.environ.get("RESILIENT_TORCH_SUITE", "quick") == "full":
         exclude = []
     for name in unskip:  # CPU tests torch gates on another backend's name (see the rules file)
         setattr(TestResilient, name, unskipped(getattr(dt.DistributedTest._DistTestBase, name)))
     names = sorted(n for n in dir(dt.DistributedTest._DistTestBase)
                    if n.startswith("test_") and any(n.startswith(p) for p in select)
-                   and not any(x in n for x in exclude))
+                   and (n in include or not any(x in n for x in exclude)))
     if len(sys.argv) > 3:
         names = [n for n in names if n in sys.argv[3:]]
     shard = os.environ.get("RESILIENT_TORCH_SUITE_SHARD", "")  # "i/n": every n-th test from the i-th
