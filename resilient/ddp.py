@@ -523,8 +523,9 @@ _auto_installed = False
 
 @dataclass
 class _Auto:
-    """Automatic mode of one DDP model over a resilient group: its contributor tracker and
-    whether our hook is registered (kept beside the model, not on it)."""
+    """Automatic mode of one DDP model over a resilient group: its contributor tracker,
+    whether our hook is registered and whether DDP's bucket rebuild may run (kept beside
+    the model, not on it)."""
 
     tracker: ContributorTracker
     hooked: bool = False
@@ -598,16 +599,14 @@ def install_auto_hook() -> None:
         def __init__(self: DDP, *args: Any, **kwargs: Any) -> None:
             bound = sig.bind(self, *args, **kwargs)
             engine = engine_of(_group_of(bound))
-            resilient = engine is not None
             if engine is not None and not engine.admitted:
                 # a joiner before admission: the survivors never run DDP's constructor
                 # collectives with it (its state comes from a healthy member, or it leaves)
                 bound.arguments["init_sync"] = False
             original_init(*bound.args, **bound.kwargs)
-            if resilient:
+            if engine is not None:
                 # a joiner never rebuilds: the members it meets built their buckets long ago
-                _autos[self] = _Auto(ContributorTracker(),
-                                     rebuild=engine is not None and engine.admitted and self.module not in _held)
+                _autos[self] = _Auto(ContributorTracker(), rebuild=engine.admitted and self.module not in _held)
 
         @functools.wraps(original_pre_forward)
         def _pre_forward(self: DDP, *inputs: Any, **kwargs: Any) -> Any:

@@ -2,8 +2,9 @@
 
 Installed by :func:`install` when the first resilient process group is created, into
 torch's FSDP2 modules once they are imported (a script that never shards does not import
-them; a script on another backend runs torch's FSDP untouched). Each wrapper calls torch's function and
-only adds bookkeeping; none changes what FSDP computes in a fault-free run:
+them; a script on another backend runs torch's FSDP untouched). Each wrapper calls
+torch's function and only adds bookkeeping; none changes what FSDP computes in a
+fault-free run:
 
 - ``FSDPParamGroup.__init__``: an HSDP parameter group whose shard and replicate groups are
   resilient groups registers the mesh (:class:`~resilient.fsdp.layout.ReplicaLayout`):
@@ -65,7 +66,7 @@ def install() -> None:
     wrapt.register_post_import_hook(_install_now, _FSDP_MODULE)
 
 
-def _install_now(_module: Any = None) -> None:
+def _install_now(_module: Any) -> None:
     """The wrappers, into the loaded FSDP2 modules (never raises: another torch logs why)."""
     try:
         from torch.distributed.fsdp._fully_shard import _fsdp_collectives as coll
