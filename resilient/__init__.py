@@ -34,6 +34,10 @@ _autoregister_torch_backend()
 from resilient.script_exit import arm as _arm_exit_marker  # noqa: E402
 
 _arm_exit_marker()
+# ...and its workers' lines on the shared console stay whole (docs/launcher.md)
+from resilient.console_lines import whole_lines as _whole_lines  # noqa: E402
+
+_whole_lines()
 
 __all__ = ["Communicator", "Work", "ReduceOp", "Policy", "world", "World", "connect", "ConnectedCommunicator", "errors", *errors.__all__]
 
