@@ -1,4 +1,4 @@
-"""Sharded training survives a SIGKILL: HSDP (2 x 4) over the resilient backend.
+"""Sharded training survives a SIGKILL: HSDP (2 x 4) and plain FSDP (8 x 1) on the resilient backend.
 
 Eight workers under ``resilient-run --standalone`` run the unchanged FSDP2 script
 ``tests/scripts/hsdp_train.py`` (``MODEL=transformer``: ``--layers`` pre-norm encoder blocks
@@ -19,8 +19,11 @@ peer_copy_overhead`` and more):
   workers), and ``lost_steps`` = ``lost_s / step_s`` (the target is at most 2);
 - ``steps_redone``: steps whose replicate all-reduces were redone (the log lines of
   :mod:`resilient.fsdp.step_ledger`);
-- ``peer_copy_overhead``: the in-memory peer copy of plain FSDP; ``null`` here (HSDP needs
-  none: a healthy replica group holds every shard);
+- ``peer_copy_overhead``: plain FSDP's in-memory peer copy, as the fault-free step time with
+  copies over the step time of the same job without them (``RESILIENT_FSDP_PEER_COPY=0``),
+  minus one (medians of the steps before the kill on world rank 0); ``peer_copy_s``: the
+  median time of the copy and its commit, measured inside the step; ``null`` for HSDP
+  (it needs no copy: a healthy replica group holds every shard);
 - ``survivors_restarted``: always 0 (no survivor is restarted; the launcher's summary).
 
 - ``lost_vs_steady_s``: the rule both systems are measured by, side by side:
@@ -36,10 +39,12 @@ heartbeats (20 ms apart) and the manager's timeout is each of ``--ft-timeouts`` 
 about 0.4 s its quorum itself times out here); the best is reported, the others listed.
 ``lost_ratio`` = torchft's ``lost_vs_steady_s`` / ours.
 
-The plain-FSDP case (8 x 1, shards copied to a peer) is printed as
-``{"case": ..., "skipped": why}``: docs/fsdp.md says what is built.
+``fsdp_8x1``: plain FSDP, ``fully_shard`` over a 1-D mesh of the eight workers (each its
+own batch), the same model and kill; the reference run is the job in which the killed rank
+leaves cleanly before that step; ``hosted``: the survivors that took over the lost shards
+(the buddy, 1). A third run without peer copies gives ``peer_copy_overhead``.
 
-Run: ``.venv/bin/python bench/fsdp.py`` (about 5 minutes on 2 cores; writes
+Run: ``.venv/bin/python bench/fsdp.py`` (about 8 minutes on 2 cores; writes
 ``bench/results/fsdp.json``).
 """
 from __future__ import annotations
@@ -63,9 +68,10 @@ SCRIPT = ROOT / "tests" / "scripts" / "hsdp_train.py"
 RUN = [sys.executable, "-c", "import sys; from resilient.launcher.cli import main; sys.exit(main())"]
 
 
-def _run(out: Path, args: argparse.Namespace, phase: str | None) -> tuple[int, str, dict[int, dict[str, Any]]]:
+def _run(out: Path, args: argparse.Namespace, phase: str | None, mesh: str = "2,4",
+         **extra: str) -> tuple[int, str, dict[int, dict[str, Any]]]:
     out.mkdir(parents=True)
-    env = {**os.environ, "MESH": "2,4", "MODEL": "transformer", "DIM": str(args.dim), "LAYERS": str(args.layers),
+    env = {**os.environ, **extra, "MESH": mesh, "MODEL": "transformer", "DIM": str(args.dim), "LAYERS": str(args.layers),
            "STEPS": str(args.steps), "OUT": str(out)}
     if phase is not None:
         env.update(KILL_RANK=str(args.kill_rank), KILL_STEP=str(args.kill_step), KILL_PHASE=phase)
@@ -110,6 +116,47 @@ def _torchft(args: argparse.Namespace, tmp: Path, ours: float | None) -> dict[st
             "load": os.getloadavg()[0]}
 
 
+def _lost(got: dict[int, dict[str, Any]], ref: dict[int, dict[str, Any]], k: int) -> tuple[float, float]:
+    """(``lost_s``, the reference's median step before the kill) on world rank 0."""
+    times = [s["s"] for s in got.get(0, {"steps": []})["steps"]]
+    ref_times = [s["s"] for s in ref.get(0, {"steps": []})["steps"]]
+    m = statistics.median(ref_times[3:k]) if len(ref_times) > k else float("nan")
+    lost = (sum(times[k:k + 3]) - sum(ref_times[k:k + 3])) if min(len(times), len(ref_times)) >= k + 3 \
+        else float("nan")
+    return lost, m
+
+
+def _plain(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """Plain FSDP over 8 members: the same kill, the shards' peer copies (docs/fsdp.md)."""
+    k = args.kill_step
+    rc_ref, _text_ref, ref = _run(tmp / "plain-reference", args, "leave", mesh="8")
+    rc, text, got = _run(tmp / "plain-kill", args, "rs", mesh="8")
+    rc_off, _text_off, off = _run(tmp / "plain-no-copy", args, None, mesh="8", RESILIENT_FSDP_PEER_COPY="0")
+    healthy = [r for r in range(8) if r != args.kill_rank]
+    exact = (rc == 0 and rc_ref == 0 and all(r in got and r in ref for r in healthy)
+             and all([s["shards"] for s in got[r]["steps"]] == [s["shards"] for s in ref[r]["steps"]] for r in healthy))
+    lost, m = _lost(got, ref, k)
+    copy_s = ref.get(0, {}).get("copy_s", [])[3:k]
+    copy = statistics.median(copy_s) if copy_s else float("nan")
+    # the overhead: the fault-free steps before the kill with copies (the reference) and
+    # without (RESILIENT_FSDP_PEER_COPY=0), medians on world rank 0
+    off_times = [s["s"] for s in off.get(0, {"steps": []})["steps"]][3:k]
+    m_off = statistics.median(off_times) if rc_off == 0 and off_times else float("nan")
+    out = {
+        "case": "fsdp_8x1", "exit_code": rc, "params_exact": exact, "lost_s": round(lost, 4), "step_s": round(m, 4),
+        "lost_steps": round(lost / m, 2) if m == m and m > 0 else None,
+        "steps_redone": got.get(0, {}).get("steps_redone"),
+        "peer_copy_s": round(copy, 5), "step_s_without_copy": round(m_off, 4),
+        "peer_copy_overhead": round((m - m_off) / m_off, 4) if m_off == m_off and m_off > 0 else None,
+        "survivors_restarted": 0, "hosted": len(re.findall(r"hosts the shards of the lost", text)),
+        "steps": args.steps, "kill_step": k, "model": f"transformer {args.layers}x{args.dim} float64",
+        "load": os.getloadavg()[0], "machine": f"{os.cpu_count()} CPUs, loopback",
+    }
+    if rc != 0 or not exact:
+        out["log_tail"] = text[-3000:]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -133,6 +180,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-fsdp-") as tmp:
         rc_ref, text_ref, ref = _run(Path(tmp) / "reference", args, "leave")
         rc, text, got = _run(Path(tmp) / "kill", args, "rs")
+        plain = _plain(args, Path(tmp))
         ours_steady = lost_vs_steady(got.get(0, {"steps": []})["steps"], args.kill_step)
         ft = ({"case": "torchft_hsdp", "skipped": "--no-torchft"} if args.no_torchft
               else _torchft(args, Path(tmp), ours_steady))
@@ -155,25 +203,37 @@ def main() -> int:
         "load": os.getloadavg()[0], "machine": f"{os.cpu_count()} CPUs, loopback",
         "command": " ".join(["python bench/fsdp.py", *sys.argv[1:]]),
     })
-    results.append({"case": "fsdp_8x1", "skipped": "plain FSDP's in-memory peer copies are not built (docs/fsdp.md)"})
+    results.append(plain)
     results.append(ft)
     for r in results:
         print(json.dumps(r))
+    exact = exact and bool(plain.get("params_exact"))
     if not args.no_write and exact:
         from results_file import write
 
-        h = results[0]
-        headline = [{"claim": f"HSDP 2 × 4, SIGKILL mid-backward at step {k} of {args.steps}",
-                     "figure": f"exit 0, no survivor restarted, every step bitwise the reference's; {h['lost_s']} s "
-                               f"lost = {h['lost_steps']} fault-free steps"}]
-        if ft.get("lost_ratio"):
-            headline.append({"claim": "time lost to that SIGKILL, side by side with torchft's HSDP (tuned)",
-                             "figure": f"{ours_steady} s vs torchft {ft['lost_vs_steady_s']} s "
-                                       f"({ft['lost_ratio']}× less; torchft discards the step)"})
-        write("fsdp", " ".join([".venv/bin/python bench/fsdp.py", *sys.argv[1:]]), load_before, headline, results)
+        write("fsdp", " ".join([".venv/bin/python bench/fsdp.py", *sys.argv[1:]]), load_before,
+              headline(results, args), results)
     if rc != 0:
         print(text[-4000:], file=sys.stderr)
     return 0 if exact else 1
+
+
+def headline(results: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, str]]:
+    """The README's lines for this bench (from one run's results)."""
+    h, plain, ft = results
+    k = args.kill_step
+    out = [{"claim": f"HSDP 2 × 4, SIGKILL mid-backward at step {k} of {args.steps}",
+            "figure": f"exit 0, no survivor restarted, every step bitwise the reference's; {h['lost_s']} s "
+                      f"lost = {h['lost_steps']} fault-free steps"},
+           {"claim": "plain FSDP 8 × 1, the same SIGKILL, shards kept in a peer's memory",
+            "figure": f"exit 0, no restart, every step bitwise the reference's; {plain['lost_s']} s lost = "
+                      f"{plain['lost_steps']} fault-free steps; the copies cost "
+                      f"{round(100 * plain['peer_copy_overhead'], 1)} % of a step"}]
+    if ft.get("lost_ratio"):
+        out.append({"claim": "time lost to that SIGKILL, side by side with torchft's HSDP (tuned)",
+                    "figure": f"{h['lost_vs_steady_s']} s vs torchft {ft['lost_vs_steady_s']} s "
+                              f"({ft['lost_ratio']}× less; torchft discards the step)"})
+    return out
 
 
 if __name__ == "__main__":

@@ -86,6 +86,10 @@ class Settings:
     qcodec: bool = field(default=True, metadata=_var(
         "RESILIENT_QCODEC", "1", "the compressed allreduce's codec runs in the optional C extension where it was "
         "built (the same bits and wire bytes as the torch code); `0`: the torch code (docs/compression.md)"))
+    fsdp_peer_copy: bool = field(default=True, metadata=_var(
+        "RESILIENT_FSDP_PEER_COPY", "1", "plain FSDP (a 1-D mesh) keeps each member's shards and optimizer state in "
+        "a peer's memory after every step, so a lost member's shards survive; `0`: no copy (no per-step cost, no "
+        "memory for it; a lost member's shards are lost: checkpoint) (docs/fsdp.md)"))
     join_tree: bool = field(default=True, metadata=_var(
         "RESILIENT_JOIN_TREE", "1", "a growing epoch's op seq is agreed along a tree of the old members over the "
         "data plane, its root writing one etcd key; `0`: one `joinseq` key per old member (docs/scale.md)"))
@@ -139,6 +143,7 @@ class Settings:
             shm_direct=get("RESILIENT_SHM_DIRECT", _flag, d.shm_direct),
             stream_copy=get("RESILIENT_STREAM_COPY", _flag, d.stream_copy),
             qcodec=get("RESILIENT_QCODEC", _flag, d.qcodec),
+            fsdp_peer_copy=get("RESILIENT_FSDP_PEER_COPY", _flag, d.fsdp_peer_copy),
             join_tree=get("RESILIENT_JOIN_TREE", _flag, d.join_tree),
             join_tree_stall=get("RESILIENT_JOIN_TREE_STALL", _positive_float, d.join_tree_stall),
             ledger_etcd_max=get("RESILIENT_LEDGER_ETCD_MAX", _nonnegative_int, d.ledger_etcd_max),

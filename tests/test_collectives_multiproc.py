@@ -35,7 +35,7 @@ OPS_FAULT_FREE = [
 ]
 
 
-@pytest.mark.parametrize("world", [4, 5])
+@pytest.mark.parametrize("world", [5])  # odd: uneven chunks; the kill tests below run 4 members
 def test_fault_free_all_ops(etcd_session, job_name, tmp_path, world):
     with coordinator(etcd_session.endpoint_arg, job_name):
         w = Workers(etcd_session.endpoint_arg, job_name, world, OPS_FAULT_FREE, tmp_path)

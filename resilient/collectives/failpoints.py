@@ -12,7 +12,8 @@ point of a collective, for tests, benchmarks and chaos runs.
 
 ``phase`` is ``rs`` / ``ag`` (ring), ``rd`` (recursive doubling), ``chain`` (broadcast),
 ``recovery``, ``plan`` (the recovery planner), ``intra_rs`` / ``cross_rs`` / ``cross_ag`` / ``intra_ag`` (the levels of
-the hierarchical allreduce); ``frac`` (default 0) fires at the first point whose progress in that phase
+the hierarchical allreduce), ``peer_copy`` (plain FSDP's copy after optimizer step ``op``, counted
+from 0: ``frac=0`` before its send, ``frac=1`` once the send is posted); ``frac`` (default 0) fires at the first point whose progress in that phase
 is >= frac. ``epoch=N`` restricts a spec to ops run in epoch N. Each spec fires once.
 
 Zero cost when unset: call sites test the module constant :data:`ACTIVE` first.
@@ -30,7 +31,8 @@ from resilient.errors import ConfigError
 ENV = "RESILIENT_FAILPOINTS"
 _ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 _PHASES = {"rs", "ag", "rd", "chain", "recovery", "plan",
-           "intra_rs", "cross_rs", "cross_ag", "intra_ag"}  # the last four: algorithms/hierarchical.py
+           "intra_rs", "cross_rs", "cross_ag", "intra_ag",  # these four: algorithms/hierarchical.py
+           "peer_copy"}  # plain FSDP's copy refresh (resilient/fsdp/plain.py): op = the optimizer step
 
 
 @dataclass

@@ -71,31 +71,43 @@ def _install_now(_module: Any) -> None:
     try:
         from torch.distributed.fsdp._fully_shard import _fsdp_collectives as coll
         from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pgroup
-        from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+        from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
         import torch.optim.optimizer as optim
     except ImportError as exc:  # pragma: no cover - another torch
         log.warning("resilient: FSDP2 not found (%s); HSDP runs without failure handling", exc)
         return
     for mod, name in ((coll, "_get_gradient_divide_factors"), (pgroup, "foreach_reduce"),
-                      (pgroup, "FSDPParamGroup")):
+                      (pgroup, "foreach_all_gather"), (pgroup, "FSDPParamGroup")):
         if not hasattr(mod, name):  # pragma: no cover - another torch
             log.warning("resilient: torch's FSDP2 has no %s.%s; HSDP runs without failure handling",
                         mod.__name__, name)
             return
-    _wrap_param_group(pgroup.FSDPParamGroup, HSDPMeshInfo)
+    _wrap_param_group(pgroup.FSDPParamGroup, HSDPMeshInfo, FSDPMeshInfo)
     _wrap_reduce(pgroup, coll)
+    _wrap_all_gather(pgroup)
     optim.register_optimizer_step_pre_hook(_settle_hook)
+    optim.register_optimizer_step_post_hook(_plain_hook)
 
 
 def _settle_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
     from resilient.fsdp.pause import PAUSER
+    from resilient.fsdp.plain import PLAIN
     from resilient.fsdp.step_ledger import LEDGER
 
+    if PLAIN.in_settle or getattr(optimizer, "_resilient_shadow", False):
+        return  # a plain FSDP redo's step, or a hosted shard's shadow optimizer
     LEDGER.settle()
     PAUSER.step += 1
 
 
-def _wrap_param_group(cls: Any, hsdp_info: type) -> None:
+def _plain_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+    from resilient.fsdp.plain import PLAIN
+    from resilient.fsdp.plain_settle import after_step
+
+    after_step(PLAIN, optimizer)
+
+
+def _wrap_param_group(cls: Any, hsdp_info: type, fsdp_info: type) -> None:
     original = cls.__init__
 
     @functools.wraps(original)
@@ -104,8 +116,46 @@ def _wrap_param_group(cls: Any, hsdp_info: type) -> None:
         info = self.mesh_info
         if isinstance(info, hsdp_info):
             _register_mesh(info)
+        elif isinstance(info, fsdp_info):
+            _register_plain(self)
 
     cls.__init__ = __init__
+
+
+def _register_plain(param_group: Any) -> None:
+    """A 1-D FSDP parameter group over a resilient group: its shards get peer copies."""
+    from resilient.fsdp.plain import PLAIN, check_supported
+    from resilient.torch_backend.process_group import ResilientProcessGroup
+
+    from resilient.settings import Settings
+
+    pg = param_group.mesh_info.shard_process_group
+    if not isinstance(pg, ResilientProcessGroup) or not Settings.from_env().fsdp_peer_copy:
+        return
+    why = check_supported(param_group)
+    if why is not None:
+        PLAIN.disabled = why
+        log.warning("resilient: plain FSDP without peer copies (%s): a lost member's shards are lost", why)
+        return
+    PLAIN.register(pg, param_group.fsdp_params)
+
+
+def _wrap_all_gather(pgroup: Any) -> None:
+    from resilient.fsdp.plain import PLAIN
+
+    gather = pgroup.foreach_all_gather
+
+    @functools.wraps(gather)
+    def foreach_all_gather(fsdp_params: Any, group: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(group, "shards", None) is None:
+            return gather(fsdp_params, group, *args, **kwargs)
+        PLAIN.begin(fsdp_params)
+        try:
+            return gather(fsdp_params, group, *args, **kwargs)
+        finally:
+            PLAIN.end()
+
+    pgroup.foreach_all_gather = foreach_all_gather
 
 
 def _register_mesh(info: Any) -> None:
@@ -144,6 +194,7 @@ def _register_mesh(info: Any) -> None:
 
 
 def _wrap_reduce(pgroup: Any, coll: Any) -> None:
+    from resilient.fsdp.plain import PLAIN
     from resilient.fsdp.step_ledger import LEDGER, ReduceCall
 
     reduce, factors = pgroup.foreach_reduce, coll._get_gradient_divide_factors
@@ -152,6 +203,12 @@ def _wrap_reduce(pgroup: Any, coll: Any) -> None:
     def foreach_reduce(fsdp_params: Any, unsharded_grads: Any, reduce_scatter_group: Any, *args: Any,
                        **kwargs: Any) -> Any:
         ar_group = args[6] if len(args) > 6 else kwargs.get("all_reduce_group")
+        if ar_group is None and getattr(reduce_scatter_group, "shards", None) is not None:
+            PLAIN.begin(fsdp_params)  # plain FSDP: the reduction is kept for a redo
+            try:
+                return reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, **kwargs)
+            finally:
+                PLAIN.end()
         if ar_group is None or getattr(ar_group, "before_allreduce", None) is None:
             return reduce(fsdp_params, unsharded_grads, reduce_scatter_group, *args, **kwargs)
         params = list(fsdp_params)
@@ -170,6 +227,13 @@ def _wrap_reduce(pgroup: Any, coll: Any) -> None:
 
     @functools.wraps(factors)
     def get_factors(reduce_scatter_group: Any, all_reduce_group: Any, *args: Any, **kwargs: Any) -> Any:
+        plain = PLAIN.current()
+        if plain is not None and all_reduce_group is None and reduce_scatter_group is PLAIN.pg:
+            def plain_for(n: int) -> Any:  # the mean over the members that contribute
+                return factors(_Sized(n), None, *args, **kwargs)
+            plain.factors_for = plain_for
+            plain.factors = plain_for(len(PLAIN.live()))
+            return plain.factors
         call = LEDGER.current()
         if call is None or all_reduce_group is not call.ar_group:
             return factors(reduce_scatter_group, all_reduce_group, *args, **kwargs)

@@ -29,7 +29,7 @@ future of ``get_future()``). A member removed from the job gets
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,9 @@ from resilient.torch_backend.dtypes import NATIVE, Packed, for_reduce
 from resilient.torch_backend.composed import Then
 from resilient.torch_backend.engine import ElasticEngine, Handle
 from resilient.torch_backend.work import ResilientWork, batch_work
+
+if TYPE_CHECKING:  # pragma: no cover
+    from resilient.fsdp.plain import PlainShards
 
 BACKEND_NAME = "resilient"
 
@@ -126,6 +129,9 @@ class ResilientProcessGroup(dist.ProcessGroup):
         #: ``before_allreduce(tensor) -> issued(work) | None``: called before an all_reduce
         #: starts (set by :mod:`resilient.fsdp` on replicate groups: the step ledger)
         self.before_allreduce: Callable[[torch.Tensor], Callable[[ResilientWork], None] | None] | None = None
+        #: a plain FSDP shard group's logical members and hosted shards (set by
+        #: :mod:`resilient.fsdp.plain`): rank and size stay those FSDP sharded over
+        self.shards: PlainShards | None = None
 
     def _staging(self) -> WholeStaging:
         """Host copies for a composed op (CUDA tensors; CPU ones too with RESILIENT_STAGING=1)."""
@@ -178,10 +184,10 @@ class ResilientProcessGroup(dist.ProcessGroup):
         return self._group_name if self._group_name is not None else super().group_name
 
     def rank(self) -> int:
-        return self.engine.world().rank
+        return self.engine.world().rank if self.shards is None else self.shards.logical_rank
 
     def size(self) -> int:
-        return self.engine.world().size
+        return self.engine.world().size if self.shards is None else self.shards.logical_size
 
     # -- collectives ------------------------------------------------------------------
 
@@ -220,8 +226,11 @@ class ResilientProcessGroup(dist.ProcessGroup):
             raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements, need world size "
                              f"{n} x input {input.numel()}; size the output from dist.get_world_size()")
         target = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
-        h, then = composed.allgather_into(self.engine, _chunks(target, n, input.shape), input)
+        slots = _chunks(target, n, input.shape)
         back = None if target is output else (lambda: output.copy_(target))
+        if self.shards is not None:  # plain FSDP: lost members' slots come from their hosts
+            return self._issued(self.shards.all_gather(target, slots, input, back))
+        h, then = composed.allgather_into(self.engine, slots, input)
         return self._issued(ResilientWork(h, [output], composed._chain(then, back)))
 
     _allgather_base = all_gather_single
@@ -246,6 +255,8 @@ class ResilientProcessGroup(dist.ProcessGroup):
             raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, need world size "
                              f"{n} x output {output.numel()}; size the input from dist.get_world_size()")
         op = _op_of(opts, "reduce_scatter_tensor")
+        if self.shards is not None:  # plain FSDP: kept for a redo; lost members' chunks to their hosts
+            return self._issued(self.shards.reduce_scatter(output, input, op))
         ins = _chunks(input.detach().contiguous(), n, output.shape)
         wire, wop, wb = for_reduce(output, op, "reduce_scatter_tensor")
         wires = [for_reduce(x, op, "reduce_scatter_tensor")[0] for x in ins]

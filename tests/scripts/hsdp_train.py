@@ -1,11 +1,13 @@
 """An unchanged FSDP2/HSDP training script (the only resilient line: ``import resilient``).
 
-Environment (the harness's, not the user's): ``BACKEND`` (resilient | gloo), ``MESH`` ("R,S"),
+Environment (the harness's, not the user's): ``BACKEND`` (resilient | gloo), ``MESH`` ("R,S"
+for HSDP, "N" for plain FSDP over a 1-D mesh, where every member is its own "replica group"),
 ``STEPS``, ``OUT`` (a folder: rank r writes ``r.json`` — per step the sha256 of each local
 shard and the loss), ``DTYPE`` (float64 | float32), ``MODEL`` (mlp | transformer), ``DIM``, ``LAYERS``; the fault, on world
 rank ``KILL_RANK`` at step ``KILL_STEP``: ``KILL_PHASE`` = ``ag`` (before a layer's forward:
 its peers are in that layer's all-gather), ``rs`` (mid-backward: peers in a reduce-scatter),
-``ar`` (as the replicate all-reduce starts), ``optim`` (in the optimizer step), or
+``ar`` (as the replicate all-reduce starts), ``optim`` (in the optimizer step), ``copy``
+(plain FSDP: once its peer copy's send is posted, after the optimizer step), or
 ``leave`` (the reference: every member of the killed rank's replica group exits cleanly
 before the step, after the others saw it leave).
 """
@@ -28,7 +30,8 @@ from torch.distributed.fsdp import fully_shard
 
 def main() -> None:
     backend = os.environ.get("BACKEND", "resilient")
-    r, s = (int(x) for x in os.environ.get("MESH", "2,2").split(","))
+    dims = [int(x) for x in os.environ.get("MESH", "2,2").split(",")]
+    r, s = (dims[0], 1) if len(dims) == 1 else dims  # 1-D: plain FSDP, a batch per member
     steps = int(os.environ.get("STEPS", "4"))
     dtype = getattr(torch, os.environ.get("DTYPE", "float64"))
     dim, layers = int(os.environ.get("DIM", "16")), int(os.environ.get("LAYERS", "3"))
@@ -36,7 +39,8 @@ def main() -> None:
     phase = os.environ.get("KILL_PHASE", "rs")
     dist.init_process_group(backend)
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (r, s), mesh_dim_names=("replicate", "shard"))
+    mesh = (init_device_mesh("cpu", (r,)) if len(dims) == 1
+            else init_device_mesh("cpu", (r, s), mesh_dim_names=("replicate", "shard")))
     torch.manual_seed(0)
     transformer = os.environ.get("MODEL", "mlp") == "transformer"
     if transformer:  # a small transformer: pre-norm encoder blocks, no dropout (deterministic)
@@ -67,7 +71,7 @@ def main() -> None:
         if at_kill and phase == "leave":  # the reference: wait until the leavers are gone
             want = r * s - s
             deadline = time.monotonic() + 60
-            while dist.get_world_size() > want and time.monotonic() < deadline:
+            while resilient.world().size > want and time.monotonic() < deadline:  # the live count
                 time.sleep(0.01)
         g = torch.Generator().manual_seed(1000 + step * 97 + row)  # a replica group's batch
         x = torch.randn(*shape, generator=g, dtype=dtype)
@@ -101,6 +105,13 @@ def _arm(model: nn.Module, opt: torch.optim.Optimizer, phase: str) -> list:
         return [model[1].register_full_backward_pre_hook(lambda *_: _die())]
     if phase == "optim":
         return [opt.register_step_pre_hook(lambda *_: _die())]
+    if phase == "copy":  # the failpoint fires in the backend's copy refresh of this step
+        from resilient.collectives import failpoints
+        from resilient.fsdp.plain import PLAIN
+
+        failpoints.SPECS[:] = failpoints.parse(f"kill@op={PLAIN.steps},phase=peer_copy,frac=1")
+        failpoints.ACTIVE = True
+        return []
     if phase == "ar":
         original = dist.all_reduce
 
@@ -118,8 +129,11 @@ def _arm(model: nn.Module, opt: torch.optim.Optimizer, phase: str) -> list:
 
 
 def _write(out: str, rank: int, log: list, t_start: float, finished: bool) -> None:
+    from resilient.fsdp.plain import PLAIN  # plain FSDP's own figures (bench/fsdp.py reads them)
+
+    extra = {"copy_s": PLAIN.copy_s, "steps_redone": PLAIN.steps_redone} if PLAIN.pg is not None else {}
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "finished": finished, "total_s": time.monotonic() - t_start, "steps": log}, f)
+        json.dump({"rank": rank, "finished": finished, "total_s": time.monotonic() - t_start, "steps": log, **extra}, f)
     print(f"rank {rank} {'finished' if finished else 'left'} after {len(log)} steps", flush=True)
 
 
