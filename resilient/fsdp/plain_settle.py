@@ -3,26 +3,26 @@
 Runs in a global optimizer step post-hook, inside the script's own ``optimizer.step()``
 (:mod:`.patches`), on every member of a plain FSDP group (:mod:`.plain`):
 
-1. **Was the step clean?** It was when every gradient reduction of the step ran over the
-   same contributors ``L`` and each one that ran as a reduce-scatter over every member had
-   all of them (its chunks for a lost member exist nowhere). Contributors are agreed among
-   members, so every member decides alike.
-2. **Clean**: the orphans this member hosts (members not in ``L``) step with their chunks.
-   **Not clean**: every member puts its shards and optimizer state back to the last
-   committed step, every reduction of the step is redone from its kept input as an
-   all-reduce over the members present (FSDP's divide factors for that count: the pre-divide
-   is undone and redone by powers of two, exactly), the script's optimizer steps again
-   (this hook returns at once inside it), and the orphans step from their committed state.
-3. **Copy and commit**: each member sends its packed shards and state to its buddy, the
-   next member of ``L`` (:mod:`.peer_copy`), receives its predecessor's, and all commit with
-   one SUM all-reduce of N int64 (1 where a member's copy arrived). The step is committed
-   when the all-reduce's contributors are ``L`` and every flag of ``L`` is 1; otherwise
-   ``L`` becomes those contributors and the step goes back to 2, redone.
+1. **A vote**: each member judges whether the step must be redone — its reductions ran over
+   different members, a reduce-scatter over every member lost one (the lost member's chunk
+   exists nowhere), a reduction used the divide factors of another member count (members
+   see a loss at different moments), or a member it hosts lacks a chunk.
+2. **Copy and commit**: each member sends its packed shards and state to its buddy, the
+   next member present (:mod:`.peer_copy`), receives its predecessor's, and all commit with
+   one SUM all-reduce of N + 1 int64: 1 where a member's copy arrived, and the redo votes.
+   The step is committed when the all-reduce's contributors are the members present, every
+   copy arrived and nobody voted to redo; then the orphans this member hosts step with
+   their chunks. The all-reduce's result is the same on every member, so all decide alike.
+3. **Otherwise the step is redone**: every member puts its shards and optimizer state back
+   to the last committed step, every reduction of the step is redone from its kept input as
+   an all-reduce over the members present (FSDP's divide factors for that count: the
+   pre-divide is undone and redone by powers of two, exactly), the script's optimizer steps
+   again (this hook returns at once inside it), the orphans step from their committed
+   state, and the copy and commit run again.
 
 Failure behaviour: a loss before the first committed step, or of a member with its buddy,
 raises :class:`~resilient.errors.DataLost`; more than :data:`~.plain.MAX_ROUNDS` rounds raise
-:class:`~resilient.errors.CollectiveError`. A reduction whose first try failed is simply
-redone.
+:class:`~resilient.errors.CollectiveError`. A reduction whose first try failed is redone.
 """
 from __future__ import annotations
 
@@ -74,26 +74,49 @@ def _settle(s: PlainShards, optimizer: Any) -> None:
             r.work.wait()
         except CollectiveError as exc:
             log.warning("plain FSDP step %d: a reduction failed (%s); the step is redone", s.steps, exc)
-    sets = {frozenset(_contributors(r)) for r in reductions}
-    present = s.in_order(next(iter(sets))) if len(sets) == 1 else s.in_order(frozenset.intersection(*sets) if sets
-                                                                            else s.committed_live)
-    dirty = len(sets) > 1 or any(r.kind[0] == "rs" and set(_contributors(r)) != set(s.members) for r in reductions)
+    sets = [frozenset(_contributors(r)) for r in reductions]
+    present = s.in_order(frozenset.intersection(*sets) if sets else s.committed_live)
+    vote = _looks_dirty(s, reductions, sets, present)
+    redo, stepped = False, False
     for _ in range(MAX_ROUNDS + 1):
-        try:
-            if dirty:
+        if redo:
+            try:
                 _redo(s, optimizer, reductions, present)
-            else:
+            except _Changed as changed:
+                present = s.in_order(changed.contributors)
+                continue
+            redo, stepped, vote = False, True, False
+        committed, now, dirty = _copy_and_commit(s, present, vote)
+        if committed and not dirty:
+            if not stepped:
                 _step_orphans(s, optimizer, reductions, present)
-        except _Changed as changed:
-            present, dirty = s.in_order(changed.contributors), True
-            continue
-        committed, now = _copy_and_commit(s, present)
-        if committed:
+            for m in s.hosted(present):
+                s.orphan(m).commit()
             s.steps += 1
             return
-        present, dirty = now, True
+        present, redo = now, True
     raise CollectiveError(f"plain FSDP step {s.steps}: members kept being lost while the step was settled "
                           f"(present now {list(present)}); more than {MAX_ROUNDS} losses in one step")
+
+
+def _looks_dirty(s: PlainShards, reductions: Sequence[Reduction], sets: Sequence[frozenset[str]],
+                 present: Sequence[str]) -> bool:
+    """This member's vote (the commit makes it everyone's): whether the step must be redone
+    — its reductions ran over different members, a reduce-scatter over every member lost
+    one (that member's chunk exists nowhere), a reduction's divide factors were those of
+    another count (members saw the loss at different moments), or a hosted member's chunk
+    is missing."""
+    if len(set(sets)) > 1:
+        return True
+    hosted = s.hosted(present)
+    for r, got in zip(reductions, sets):
+        if r.kind[0] == "rs" and got != frozenset(s.members):
+            return True
+        if r.call.factors_for is not None and tuple(r.call.factors_for(len(got))[:2]) != (r.pre, r.post):
+            return True
+        if any(m not in r.orphan_chunks for m in hosted):
+            return True
+    return False
 
 
 def _contributors(r: Reduction) -> tuple[str, ...]:
@@ -170,7 +193,9 @@ def _redo(s: PlainShards, optimizer: Any, reductions: Sequence[Reduction], prese
     _step_orphans(s, optimizer, reductions, present)
 
 
-def _copy_and_commit(s: PlainShards, present: Sequence[str]) -> tuple[bool, tuple[str, ...]]:
+def _copy_and_commit(s: PlainShards, present: Sequence[str], vote: bool) -> tuple[bool, tuple[str, ...], bool]:
+    """Copy to the buddy and commit; returns (committed, the members present now, whether
+    any member voted to redo the step)."""
     t0 = time.perf_counter()
     s.layout = layout = Layout.of(s.fsdp_params, s.optimizer, s.layout)
     payload = layout.pack(s.fsdp_params, s.optimizer, spare=s.spare_own)
@@ -190,21 +215,24 @@ def _copy_and_commit(s: PlainShards, present: Sequence[str]) -> tuple[bool, tupl
         else:
             ok, received = exchange(engine, payload, members.index(buddy), members.index(pred), at,
                                     spare=s.spare_copy)
-    flags = torch.zeros(s.logical_size, dtype=torch.int64)
+    flags = torch.zeros(s.logical_size + 1, dtype=torch.int64)  # a copy arrived, per member; redo votes
     flags[s.logical_rank] = 1 if ok else 0
+    flags[-1] = 1 if vote else 0
     h = engine.allreduce(flags, "sum")
     h.wait()
     got = set(h.contributors)
+    now = s.in_order(got)
     if got != set(present) or not all(int(flags[s.index[m]]) == 1 for m in present):
-        now = s.in_order(got)
         log.warning("plain FSDP step %d not committed (members now %s); redoing it", s.steps, list(now))
-        return False, now
+        return False, now, True
+    if int(flags[-1]) > 0:
+        return True, now, True
     for m in s.hosted(present):
-        s.orphan(m).commit()
+        s.orphan(m)  # made from the copy being replaced (the step before), stepped next
     # the buffers of the step before become the spares (an orphan owns its own tensors)
     s.spare_own, s.own_copy = s.own_copy, payload
     s.spare_copy = next(iter(s.copies.values()), None)
     s.copies = {} if pred is None or received is None else {pred: received}
     s.committed_live = tuple(present)
     s.copy_s.append(time.perf_counter() - t0)
-    return True, tuple(present)
+    return True, now, False
