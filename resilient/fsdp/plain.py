@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -292,7 +293,16 @@ class PlainShards:
             if bool((buf[n * m:] == 1).all()):
                 target.view(-1).copy_(buf[:n * m])
                 return _Done(tuple(h.contributors))
+            self._await_view(set(h.contributors))  # a host had not seen the loss yet: once it has, again
         raise CollectiveError(f"plain FSDP all-gather: the members kept changing (live {list(self.live())})")
+
+    def _await_view(self, present: set[str], timeout: float = 30.0) -> None:
+        """Until this member's epoch view no longer shows a member outside ``present`` (an
+        op's contributors: those lost in it are published within the lease TTL), or
+        ``timeout`` passes (the next round then says what is missing)."""
+        deadline = time.monotonic() + timeout
+        while set(self.live()) - present and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def reduce_scatter(self, output: torch.Tensor, inp: torch.Tensor, op: str) -> Any:
         """FSDP's reduce-scatter, kept for a redo until the step commits; see the module."""
