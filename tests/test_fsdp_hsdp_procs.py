@@ -15,42 +15,20 @@ Asserted:
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "scripts" / "hsdp_train.py"
-RUN = [sys.executable, "-c", "import sys; from resilient.launcher.cli import main; sys.exit(main())"]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+from fsdp_script import RUN, TORCHRUN, run_script, shards
 STEPS, KILL_RANK, KILL_STEP = 4, 2, 2
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _run(tmp: Path, name: str, launcher: list[str], **env: str) -> tuple[int, str, dict[int, dict]]:
-    out = tmp / name
-    out.mkdir()
-    full = {**os.environ, "MESH": "2,2", "STEPS": str(STEPS), "OUT": str(out), **env}
-    proc = subprocess.Popen([*launcher, "--standalone", "--nproc-per-node", "4", str(SCRIPT)], env=full,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp)
-    try:
-        text, _ = proc.communicate(timeout=150)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    logs = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
-    return proc.returncode, text, logs
+    return run_script(tmp, name, launcher, "2,2", 4, STEPS, 150, **env)
 
-
-def _shards(log: dict) -> list[list[str]]:
-    return [s["shards"] for s in log["steps"]]
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +58,10 @@ def test_fault_free_hsdp_is_bitwise_gloo(tmp_path: Path) -> None:
     assert sorted(ours) == sorted(gloo) == [0, 1, 2, 3]
     for rank in range(4):
         assert len(ours[rank]["steps"]) == STEPS
-        assert _shards(ours[rank]) == _shards(gloo[rank]), f"rank {rank} differs from gloo"
+        assert shards(ours[rank]) == shards(gloo[rank]), f"rank {rank} differs from gloo"
     # the replicate dimension really averaged: the two replica groups hold equal shards
     # although their batches differ (their losses do)
-    assert _shards(ours[0]) == _shards(ours[2]) and _shards(ours[1]) == _shards(ours[3])
+    assert shards(ours[0]) == shards(ours[2]) and shards(ours[1]) == shards(ours[3])
     assert ours[0]["steps"][0]["loss"] != ours[2]["steps"][0]["loss"]
 
 
@@ -99,4 +77,4 @@ def test_hsdp_survives_sigkill(tmp_path: Path, references: dict[int, dict[int, d
     ref = references[KILL_STEP + 1 if phase == "optim" else KILL_STEP]
     for rank in (0, 1):
         assert logs[rank]["finished"] and len(logs[rank]["steps"]) == STEPS
-        assert _shards(logs[rank]) == _shards(ref[rank]), f"rank {rank} after a kill in {phase}"
+        assert shards(logs[rank]) == shards(ref[rank]), f"rank {rank} after a kill in {phase}"

@@ -16,21 +16,14 @@ Asserted:
 """
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "scripts" / "hsdp_train.py"
-RUN = [sys.executable, "-c", "import sys; from resilient.launcher.cli import main; sys.exit(main())"]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+from fsdp_script import RUN, TORCHRUN, run_script, shards
 STEPS, KILL_RANK, KILL_STEP, WORLD = 4, 2, 2, 4
 PHASES = ("ag", "rs", "optim", "copy")
 
@@ -38,36 +31,19 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _run(tmp: Path, name: str, launcher: list[str], n: int = WORLD, **env: str) -> tuple[int, str, dict[int, Any]]:
-    out = tmp / name
-    out.mkdir()
-    full = {**os.environ, "MESH": str(n), "STEPS": str(STEPS), "OUT": str(out), **env}
-    proc = subprocess.Popen([*launcher, "--standalone", "--nproc-per-node", str(n), str(SCRIPT)], env=full,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp)
-    try:
-        text, _ = proc.communicate(timeout=200)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    logs = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
-    return proc.returncode, text, logs
+    return run_script(tmp, name, launcher, str(n), n, STEPS, 200, **env)
 
-
-def _shards(log: dict) -> list[list[str]]:
-    return [s["shards"] for s in log["steps"]]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, dict[int, Any]]]:
-    """The reference, the fault-free run and one run per kill phase, two at a time."""
+    """The reference, the fault-free run and one run per kill phase, one at a time: four
+    processes (more, beside another test file's, starve the lease-TTL tests there)."""
     tmp = tmp_path_factory.mktemp("fsdp_plain")
-    jobs: dict[str, dict[str, str]] = {"leave": {"KILL_PHASE": "leave"}, "fault_free": {},
-                                       **{p: {"KILL_PHASE": p} for p in PHASES}}
-    with ThreadPoolExecutor(2) as ex:  # each job its own standalone etcd and ports
-        futures = {name: ex.submit(_run, tmp, name, RUN, **({"KILL_RANK": str(KILL_RANK), "KILL_STEP": str(KILL_STEP),
-                                                            **env} if env else {}))
-                   for name, env in jobs.items()}
-        return {name: f.result() for name, f in futures.items()}
+    kill = {"KILL_RANK": str(KILL_RANK), "KILL_STEP": str(KILL_STEP)}
+    jobs: dict[str, dict[str, str]] = {"leave": {**kill, "KILL_PHASE": "leave"}, "fault_free": {},
+                                       **{p: {**kill, "KILL_PHASE": p} for p in PHASES}}
+    return {name: _run(tmp, name, RUN, **env) for name, env in jobs.items()}
 
 
 def test_fault_free_plain_fsdp_is_bitwise_gloo(tmp_path: Path) -> None:
@@ -79,7 +55,7 @@ def test_fault_free_plain_fsdp_is_bitwise_gloo(tmp_path: Path) -> None:
     assert grc == 0, gtext[-3000:]
     for rank in (0, 1):
         assert len(got[rank]["steps"]) == STEPS
-        assert _shards(got[rank]) == _shards(ref[rank]), f"rank {rank} differs from gloo"
+        assert shards(got[rank]) == shards(ref[rank]), f"rank {rank} differs from gloo"
         assert len(got[rank]["copy_s"]) == STEPS, "a peer copy committed after every step"
 
 
@@ -90,8 +66,8 @@ def test_reference_feels_the_loss(runs: dict[str, tuple[int, str, dict[int, Any]
     assert "hosts the shards of the lost" in text
     for rank in (0, 1, 3):
         assert ref[rank]["finished"] and len(ref[rank]["steps"]) == STEPS
-        assert _shards(ref[rank])[:KILL_STEP] == _shards(free[rank])[:KILL_STEP]
-        assert _shards(ref[rank])[KILL_STEP] != _shards(free[rank])[KILL_STEP]
+        assert shards(ref[rank])[:KILL_STEP] == shards(free[rank])[:KILL_STEP]
+        assert shards(ref[rank])[KILL_STEP] != shards(free[rank])[KILL_STEP]
     assert ref[KILL_RANK]["finished"] is False
 
 
@@ -106,6 +82,6 @@ def test_plain_fsdp_survives_sigkill(runs: dict[str, tuple[int, str, dict[int, A
     assert KILL_RANK not in logs, "the killed rank wrote a final log"
     for rank in (0, 1, 3):
         assert logs[rank]["finished"] and len(logs[rank]["steps"]) == STEPS, text[-3000:]
-        assert _shards(logs[rank]) == _shards(ref[rank]), f"rank {rank} after a kill in {phase}"
+        assert shards(logs[rank]) == shards(ref[rank]), f"rank {rank} after a kill in {phase}"
     # the step the loss cut through is redone; a loss before the step's first reduction is not
     assert logs[0]["steps_redone"] == (0 if phase == "ag" else 1)
