@@ -125,9 +125,8 @@ def _wrap_param_group(cls: Any, hsdp_info: type, fsdp_info: type) -> None:
 def _register_plain(param_group: Any) -> None:
     """A 1-D FSDP parameter group over a resilient group: its shards get peer copies."""
     from resilient.fsdp.plain import PLAIN, check_supported
-    from resilient.torch_backend.process_group import ResilientProcessGroup
-
     from resilient.settings import Settings
+    from resilient.torch_backend.process_group import ResilientProcessGroup
 
     pg = param_group.mesh_info.shard_process_group
     if not isinstance(pg, ResilientProcessGroup) or not Settings.from_env().fsdp_peer_copy:

@@ -73,8 +73,6 @@ class Reduction:
     output: torch.Tensor
     op: str
     work: Any
-    #: "rs": a reduce-scatter over every member; "sum": an all-reduce of the whole input
-    kind: list[str]
     orphan_chunks: dict[str, torch.Tensor]
     #: the pre-divide factor ``inp`` was divided by, and the post-divide factor of the chunks
     pre: Any = None
@@ -95,14 +93,19 @@ class _Done:
 
 
 class _Fallback:
-    """A handle whose op, if it fails because the membership changed before or in it, is
-    run again by ``retry`` — on the thread that waits, so every member runs the retry at the
-    same point of its program."""
+    """A handle whose first try (``first``: the group's op over every member and what to run
+    once it is done) is run again by ``retry`` if it fails because the membership changed
+    before or in it — on the thread that waits, so every member runs the retry at the same
+    point of its program. Without a first try, ``retry`` is the op."""
 
-    def __init__(self, first: Any, retry: Callable[[], Any], whole: Callable[[Any], bool] | None = None) -> None:
+    def __init__(self, first: tuple[Any, Callable[[], object] | None] | None, retry: Callable[[], Any],
+                 whole: Callable[[Any], bool] | None = None) -> None:
         #: ``whole(handle)``: whether a first try that did not raise delivered everything
-        self._h, self._retry, self._whole = first, retry, whole
+        self.first, self._retry, self._whole = first, retry, whole
+        self._h: Any = None if first is None else first[0]
         self._settled = False
+        #: the first try delivered (as opposed to the retry)
+        self.delivered_first = False
 
     @property
     def contributors(self) -> tuple[str, ...]:
@@ -120,11 +123,17 @@ class _Fallback:
             self._h.wait()
             if self._whole is not None and not self._whole(self._h):
                 raise DataLost(f"the op ended with only {sorted(self._h.contributors)}")
+            self.delivered_first = True
         except _RETRY as exc:
             log.warning("plain FSDP: %s; run again over the live members and the hosts", exc)
             self._h = self._retry()
         self._settled = True
         return True
+
+    def finish(self) -> None:
+        """The first try's completion step (dtype write-back), when it is what delivered."""
+        if self.delivered_first and self.first is not None and self.first[1] is not None:
+            self.first[1]()
 
     def is_completed(self) -> bool:
         return bool(self._h.is_completed())
@@ -252,17 +261,25 @@ class PlainShards:
 
     # -- the collectives -----------------------------------------------------------
 
-    def all_gather(self, target: torch.Tensor, slots: Sequence[torch.Tensor], inp: torch.Tensor,
-                   back: Callable[[], object] | None) -> Any:
-        """FSDP's all-gather into ``target`` (``slots``: its per-member views); see the module."""
+    def all_gather(self, target: torch.Tensor, inp: torch.Tensor, back: Callable[[], object] | None,
+                   start: Callable[[], tuple[Any, Callable[[], object] | None]]) -> Any:
+        """FSDP's all-gather into ``target``: ``start()`` (the group's own all-gather over
+        every member) while all are live; else, or when that fails, see the module."""
+        from resilient.torch_backend.composed import _chain
         from resilient.torch_backend.work import ResilientWork
 
         call = self.current()
-        first = self.pg.engine.allgather(list(slots), inp) if self.live() == self.members else None
-        handle = _Fallback(first, lambda: self._gather_by_sum(target, inp, call), self._everyone)
-        if first is None:
-            handle.wait()  # run now: the caller's program order, as on every member
-        return ResilientWork(handle, [target], back)
+        handle = self._first_or_retry(start, lambda: self._gather_by_sum(target, inp, call), self._everyone)
+        return ResilientWork(handle, [target], _chain(handle.finish, back))
+
+    def _first_or_retry(self, start: Callable[[], tuple[Any, Callable[[], object] | None]],
+                        retry: Callable[[], Any], whole: Callable[[Any], bool] | None = None) -> "_Fallback":
+        """The op over every member while all are live, falling back to ``retry``; run at
+        once when not all are live (the caller's program order, as on every member)."""
+        handle = _Fallback(start() if self.live() == self.members else None, retry, whole)
+        if handle.first is None:
+            handle.wait()
+        return handle
 
     def _everyone(self, handle: Any) -> bool:
         return set(handle.contributors) >= set(self.members)
@@ -304,17 +321,16 @@ class PlainShards:
         while set(self.live()) - present and time.monotonic() < deadline:
             time.sleep(0.005)
 
-    def reduce_scatter(self, output: torch.Tensor, inp: torch.Tensor, op: str) -> Any:
-        """FSDP's reduce-scatter, kept for a redo until the step commits; see the module."""
+    def reduce_scatter(self, output: torch.Tensor, inp: torch.Tensor, op: str,
+                       start: Callable[[], tuple[Any, Callable[[], object] | None]]) -> Any:
+        """FSDP's reduce-scatter, kept for a redo until the step commits: ``start()`` (the
+        group's own reduce-scatter over every member) while all are live; see the module."""
         from resilient.torch_backend.dtypes import for_reduce
         from resilient.torch_backend.work import ResilientWork
 
         engine = self.pg.engine
         chunks: dict[str, torch.Tensor] = {}
-        kind = ["rs"]
-
         def by_sum() -> Any:
-            kind[0] = "sum"
             for _ in range(MAX_ROUNDS + 1):
                 x = inp.detach().clone()
                 wire, wop, wb = for_reduce(x, op, "reduce_scatter_tensor")
@@ -331,22 +347,12 @@ class PlainShards:
                 chunks.update({x_: self.chunk(x, x_).clone() for x_ in self.hosted(h.contributors)})
                 return _Done(tuple(h.contributors))
             raise CollectiveError("plain FSDP reduce-scatter: the members kept changing")
-        first = None
-        if self.live() == self.members:
-            flat = inp.detach().contiguous().view(-1)
-            k = output.numel()
-            wire, wop, _wb = for_reduce(output, op, "reduce_scatter_tensor")
-            wires = [for_reduce(flat[i * k:(i + 1) * k].view(output.shape), op, "reduce_scatter_tensor")[0]
-                     for i in range(len(self.members))]
-            first = engine.reduce_scatter(wire, wires, wop)
-        handle = _Fallback(first, by_sum)
-        if first is None:
-            handle.wait()
-        work = ResilientWork(handle, [output])
+        handle = self._first_or_retry(start, by_sum)
+        work = ResilientWork(handle, [output], handle.finish)
         call = self.current() or Call([])
         pre, post = (call.factors or (None, None))[:2]
         with self._lock:
-            self.reductions.append(Reduction(call, inp, output, op, work, kind, chunks, pre, post))
+            self.reductions.append(Reduction(call, inp, output, op, work, chunks, pre, post))
         return work
 
 

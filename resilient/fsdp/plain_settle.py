@@ -110,7 +110,7 @@ def _looks_dirty(s: PlainShards, reductions: Sequence[Reduction], sets: Sequence
         return True
     hosted = s.hosted(present)
     for r, got in zip(reductions, sets):
-        if r.kind[0] == "rs" and got != frozenset(s.members):
+        if getattr(r.work.handle, "delivered_first", False) and got != frozenset(s.members):
             return True
         if r.call.factors_for is not None and tuple(r.call.factors_for(len(got))[:2]) != (r.pre, r.post):
             return True

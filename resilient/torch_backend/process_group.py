@@ -229,7 +229,8 @@ class ResilientProcessGroup(dist.ProcessGroup):
         slots = _chunks(target, n, input.shape)
         back = None if target is output else (lambda: output.copy_(target))
         if self.shards is not None:  # plain FSDP: lost members' slots come from their hosts
-            return self._issued(self.shards.all_gather(target, slots, input, back))
+            return self._issued(self.shards.all_gather(target, input, back,
+                                                       lambda: composed.allgather_into(self.engine, slots, input)))
         h, then = composed.allgather_into(self.engine, slots, input)
         return self._issued(ResilientWork(h, [output], composed._chain(then, back)))
 
@@ -255,12 +256,15 @@ class ResilientProcessGroup(dist.ProcessGroup):
             raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, need world size "
                              f"{n} x output {output.numel()}; size the input from dist.get_world_size()")
         op = _op_of(opts, "reduce_scatter_tensor")
+
+        def start() -> tuple[Handle, Then]:
+            ins = _chunks(input.detach().contiguous(), n, output.shape)
+            wire, wop, wb = for_reduce(output, op, "reduce_scatter_tensor")
+            wires = [for_reduce(x, op, "reduce_scatter_tensor")[0] for x in ins]
+            return self.engine.reduce_scatter(wire, wires, wop), wb
         if self.shards is not None:  # plain FSDP: kept for a redo; lost members' chunks to their hosts
-            return self._issued(self.shards.reduce_scatter(output, input, op))
-        ins = _chunks(input.detach().contiguous(), n, output.shape)
-        wire, wop, wb = for_reduce(output, op, "reduce_scatter_tensor")
-        wires = [for_reduce(x, op, "reduce_scatter_tensor")[0] for x in ins]
-        return self._issued(ResilientWork(self.engine.reduce_scatter(wire, wires, wop), [output], wb))
+            return self._issued(self.shards.reduce_scatter(output, input, op, start))
+        return self._work(start(), [output])
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # torch: other param names
 
