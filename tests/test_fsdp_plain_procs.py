@@ -6,13 +6,14 @@ processes and sockets; float64, SGD with momentum, each member its own batch.
 Asserted:
 - fault-free on 2 members, every rank's shards after every step are bitwise those of the
   same script on gloo (the peer copies change nothing);
-- world rank 2 of 4 SIGKILLed in step 2 at each phase — before a layer's forward (its peers
-  in the all-gather), mid-backward (reduce-scatter), in the optimizer step, and once its peer
-  copy's send is posted (the ``peer_copy`` failpoint): the job exits 0, no survivor
-  restarts, its buddy hosts its shards from the peer copy, and every survivor's shards
-  after every step are bitwise those of a reference run in which rank 2 left cleanly
-  before step 2 (the same contributor sets: step 2 and later without rank 2's batch);
-- the reference really differs from the fault-free run from step 2 on (the loss is felt).
+- a kill at each phase, two per run of 4 members: world rank 2 SIGKILLed in step 2, then
+  rank 1 in step 3 — before a layer's forward (its peers in the all-gather) and mid-backward
+  (reduce-scatter) in one run, in the optimizer step and once its peer copy's send is posted
+  (the ``peer_copy`` failpoint) in the other. Each job exits 0, no survivor restarts, rank 3
+  (the buddy of both when each died) hosts both lost members' shards from their peer copies,
+  and every survivor's shards after every step are bitwise those of a reference run in which
+  rank 2 left cleanly before step 2 and rank 1 before step 3 (the same contributor sets);
+- the reference really ran those steps on 3 and then 2 members.
 """
 from __future__ import annotations
 
@@ -24,8 +25,11 @@ from typing import Any
 import pytest
 
 from fsdp_script import RUN, TORCHRUN, run_script, shards
-STEPS, KILL_RANK, KILL_STEP, WORLD = 4, 2, 2, 4
-PHASES = ("ag", "rs", "optim", "copy")
+STEPS, WORLD = 5, 4
+#: (world rank, step) of the two losses of each run, and the two runs' phases for them
+LOSSES = ((2, 2), (1, 3))
+RUNS = {"ag+rs": ("ag", "rs"), "optim+copy": ("optim", "copy")}
+SURVIVORS = (0, 3)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -35,15 +39,17 @@ def _run(tmp: Path, name: str, launcher: list[str], n: int = WORLD, **env: str) 
 
 
 
+def _kills(phases: tuple[str, str]) -> str:
+    return ",".join(f"{rank}:{step}:{phase}" for (rank, step), phase in zip(LOSSES, phases))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, dict[int, Any]]]:
-    """The reference, the fault-free run and one run per kill phase, one at a time: four
-    processes (more, beside another test file's, starve the lease-TTL tests there)."""
+    """The reference and the two kill runs, one at a time: four processes (more, beside
+    another test file's, starve the lease-TTL tests there)."""
     tmp = tmp_path_factory.mktemp("fsdp_plain")
-    kill = {"KILL_RANK": str(KILL_RANK), "KILL_STEP": str(KILL_STEP)}
-    jobs: dict[str, dict[str, str]] = {"leave": {**kill, "KILL_PHASE": "leave"}, "fault_free": {},
-                                       **{p: {**kill, "KILL_PHASE": p} for p in PHASES}}
-    return {name: _run(tmp, name, RUN, **env) for name, env in jobs.items()}
+    jobs = {"leave": _kills(("leave", "leave")), **{name: _kills(phases) for name, phases in RUNS.items()}}
+    return {name: _run(tmp, name, RUN, KILLS=kills) for name, kills in jobs.items()}
 
 
 def test_fault_free_plain_fsdp_is_bitwise_gloo(tmp_path: Path) -> None:
@@ -59,29 +65,28 @@ def test_fault_free_plain_fsdp_is_bitwise_gloo(tmp_path: Path) -> None:
         assert len(got[rank]["copy_s"]) == STEPS, "a peer copy committed after every step"
 
 
-def test_reference_feels_the_loss(runs: dict[str, tuple[int, str, dict[int, Any]]]) -> None:
-    (rc, text, ref), (frc, ftext, free) = runs["leave"], runs["fault_free"]
+def test_reference_runs_the_later_steps_without_the_leavers(runs: dict[str, tuple[int, str, dict[int, Any]]]) -> None:
+    rc, text, ref = runs["leave"]
     assert rc == 0, text[-3000:]
-    assert frc == 0, ftext[-3000:]
     assert "hosts the shards of the lost" in text
-    for rank in (0, 1, 3):
+    for rank in SURVIVORS:
         assert ref[rank]["finished"] and len(ref[rank]["steps"]) == STEPS
-        assert shards(ref[rank])[:KILL_STEP] == shards(free[rank])[:KILL_STEP]
-        assert shards(ref[rank])[KILL_STEP] != shards(free[rank])[KILL_STEP]
-    assert ref[KILL_RANK]["finished"] is False
+        assert [s["world"] for s in ref[rank]["steps"]] == [4, 4, 3, 2, 2]
+    assert ref[2]["finished"] is False and len(ref[2]["steps"]) == 2
+    assert ref[1]["finished"] is False and len(ref[1]["steps"]) == 3
 
 
-@pytest.mark.parametrize("phase", PHASES)
-def test_plain_fsdp_survives_sigkill(runs: dict[str, tuple[int, str, dict[int, Any]]], phase: str) -> None:
-    rc, text, logs = runs[phase]
+@pytest.mark.parametrize("name", RUNS)
+def test_plain_fsdp_survives_two_sigkills(runs: dict[str, tuple[int, str, dict[int, Any]]], name: str) -> None:
+    rc, text, logs = runs[name]
     ref = runs["leave"][2]
     assert rc == 0, text[-3000:]
-    assert "killed by SIGKILL" in text and "not restarted" in text
-    hosting = re.search(r"(g0-l\d+)-\S+ hosts the shards of the lost (g0-l\d+)-", text)
-    assert hosting and hosting.groups() == (f"g0-l{KILL_RANK + 1}", f"g0-l{KILL_RANK}"), text[-3000:]
-    assert KILL_RANK not in logs, "the killed rank wrote a final log"
-    for rank in (0, 1, 3):
+    assert "killed by SIGKILL" in text and text.count(": not restarted") == 2, text[-3000:]
+    hosting = set(re.findall(r"(g0-l\d+)-\S+ hosts the shards of the lost (g0-l\d+)-", text))
+    assert hosting == {("g0-l3", "g0-l2"), ("g0-l3", "g0-l1")}, text[-3000:]
+    assert 1 not in logs and 2 not in logs, "a killed rank wrote a final log"
+    for rank in SURVIVORS:
         assert logs[rank]["finished"] and len(logs[rank]["steps"]) == STEPS, text[-3000:]
-        assert shards(logs[rank]) == shards(ref[rank]), f"rank {rank} after a kill in {phase}"
-    # the step the loss cut through is redone; a loss before the step's first reduction is not
-    assert logs[0]["steps_redone"] == (0 if phase == "ag" else 1)
+        assert shards(logs[rank]) == shards(ref[rank]), f"rank {rank} after kills in {RUNS[name]}"
+    # the step a loss cut through is redone; a loss before the step's first reduction is not
+    assert logs[0]["steps_redone"] == sum(0 if phase == "ag" else 1 for phase in RUNS[name])

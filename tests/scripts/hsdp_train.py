@@ -9,7 +9,8 @@ its peers are in that layer's all-gather), ``rs`` (mid-backward: peers in a redu
 ``ar`` (as the replicate all-reduce starts), ``optim`` (in the optimizer step), ``copy``
 (plain FSDP: once its peer copy's send is posted, after the optimizer step), or
 ``leave`` (the reference: every member of the killed rank's replica group exits cleanly
-before the step, after the others saw it leave).
+before the step, after the others saw it leave). ``KILLS`` (``rank:step:phase,...``) gives several
+such faults in one run instead (plain FSDP: a second member lost in a later step).
 """
 from __future__ import annotations
 
@@ -35,8 +36,10 @@ def main() -> None:
     steps = int(os.environ.get("STEPS", "4"))
     dtype = getattr(torch, os.environ.get("DTYPE", "float64"))
     dim, layers = int(os.environ.get("DIM", "16")), int(os.environ.get("LAYERS", "3"))
-    kill_rank, kill_step = int(os.environ.get("KILL_RANK", "-1")), int(os.environ.get("KILL_STEP", "-1"))
-    phase = os.environ.get("KILL_PHASE", "rs")
+    kills = [(int(k), int(t), ph) for k, t, ph in (x.split(":") for x in os.environ.get("KILLS", "").split(",") if x)]
+    if not kills and int(os.environ.get("KILL_RANK", "-1")) >= 0:
+        kills = [(int(os.environ["KILL_RANK"]), int(os.environ.get("KILL_STEP", "-1")),
+                  os.environ.get("KILL_PHASE", "rs"))]
     dist.init_process_group(backend)
     rank = dist.get_rank()
     mesh = (init_device_mesh("cpu", (r,)) if len(dims) == 1
@@ -55,21 +58,19 @@ def main() -> None:
     fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     row = rank // s
-    doomed = kill_rank >= 0 and rank == kill_rank
-    my_row_leaves = phase == "leave" and kill_rank >= 0 and row == kill_rank // s
     log: list[dict] = []
     out = os.environ["OUT"]
     t_start = time.monotonic()
     for step in range(steps):
-        at_kill = step == kill_step
-        if at_kill and my_row_leaves:
+        leaving = [k for k, t, ph in kills if t == step and ph == "leave"]
+        if any(row == k // s for k in leaving):
             _write(out, rank, log, t_start, finished=False)
             from resilient.script_exit import deliberate
 
             deliberate("the reference run's replica group leaves")  # the launcher counts it as done
             os._exit(0)
-        if at_kill and phase == "leave":  # the reference: wait until the leavers are gone
-            want = r * s - s
+        if leaving:  # the reference: wait until the leavers are gone
+            want = r * s - s * len([1 for _, t, ph in kills if t <= step and ph == "leave"])
             deadline = time.monotonic() + 60
             while resilient.world().size > want and time.monotonic() < deadline:  # the live count
                 time.sleep(0.01)
@@ -77,8 +78,9 @@ def main() -> None:
         x = torch.randn(*shape, generator=g, dtype=dtype)
         y = torch.randn(*shape, generator=g, dtype=dtype)
         hooks = []
-        if at_kill and doomed:
-            hooks = _arm(model, opt, phase)
+        for k, t, ph in kills:
+            if t == step and k == rank and ph != "leave":
+                hooks = _arm(model, opt, ph)
         t0 = time.monotonic()
         loss = ((model(x) - y) ** 2).mean()
         loss.backward()
@@ -87,6 +89,7 @@ def main() -> None:
         for h in hooks:
             h.remove()
         log.append({"step": step, "loss": float(loss.detach()), "s": time.monotonic() - t0,
+                    "world": resilient.world().size if backend == "resilient" else dist.get_world_size(),
                     "shards": [hashlib.sha256(p.to_local().detach().contiguous().numpy().tobytes()).hexdigest()
                                for p in model.parameters()]})
     _write(out, rank, log, t_start, finished=True)
