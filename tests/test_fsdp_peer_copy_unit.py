@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from resilient.errors import ConfigError
+from resilient.errors import ConfigError, DataLost
 from resilient.fsdp.orphans import Orphan
 from resilient.fsdp.peer_copy import Layout
 
@@ -96,3 +96,49 @@ def test_state_that_is_not_shard_shaped_is_refused() -> None:
     opt.state[params[0]]["row_stats"] = torch.zeros(2, 2, dtype=torch.float64)
     with pytest.raises(ConfigError, match="row_stats"):
         Layout.of(fps, opt)
+
+
+def test_a_hosts_copy_carries_its_orphans_and_splits_back_by_member() -> None:
+    fps, params = _member(4, 1)
+    opt = torch.optim.AdamW(params, lr=0.01)
+    _step(opt, params, 10)
+    layout = Layout.of(fps, opt)
+    others = []
+    for seed in (2, 3):  # two members this one hosts, each from its own copy
+        ofps, oparams = _member(5, seed)
+        oopt = torch.optim.AdamW(oparams, lr=0.01)
+        _step(oopt, oparams, seed)
+        others.append(Orphan(f"m{seed}", *layout.unpack(Layout.of(ofps, oopt).pack(ofps, oopt))))
+    buf = layout.pack(fps, opt, orphans=others)
+    assert buf.numel() == 3 * layout.nbytes
+    parts = layout.sections(buf, ["m0", "m2", "m3"])
+    assert torch.equal(parts["m0"], layout.pack(fps, opt))
+    for o in others:
+        got_params, got_states = layout.unpack(parts[o.member])
+        assert all(torch.equal(a, b) for a, b in zip(got_params, o.params))
+        assert all(s.keys() == t.keys() and all(torch.equal(s[k], t[k]) for k in s)
+                   for s, t in zip(got_states, o.states))
+    with pytest.raises(ConfigError, match="2 members"):
+        layout.sections(buf, ["m0", "m2"])
+    del others[0].states[0]["exp_avg"]
+    with pytest.raises(ConfigError, match="lack optimizer state 'exp_avg'"):
+        layout.pack(fps, opt, orphans=others)
+
+
+def test_the_holder_of_a_lost_member_follows_the_copies_it_travelled_in() -> None:
+    from resilient.fsdp.plain import PlainShards
+
+    s = PlainShards()
+    s.members = s.committed_live = ("a", "b", "c", "d")
+    s.carried = {m: () for m in s.members}
+    # c lost: its copy went to d; the commit after it records that d's copy carries c
+    assert s.holder("c", {"a", "b", "d"}) == "d" and s.hosted_by("d", {"a", "b", "d"}) == ["c"]
+    s.committed_live = ("a", "b", "d")
+    s.carried.update({x: tuple(s.hosted_by(x, s.committed_live)) for x in s.committed_live})
+    # then d lost: a received d's copy, with c's section in it
+    assert s.hosted_by("a", {"a", "b"}) == ["c", "d"]
+    s.check_hosts({"a", "b"})
+    # a lost in the same step as d, before a step committed with a's copy carrying c and d on
+    assert s.holder("c", {"b"}) is None
+    with pytest.raises(DataLost, match="c and d"):
+        s.check_hosts({"b"})

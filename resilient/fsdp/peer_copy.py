@@ -14,10 +14,15 @@ the parameter in key order — one shaped like the shard is stored padded to the
 shard (so every member's buffer has the same size), a 0-dim one (``step``) as one element.
 The layout is computed by each member from its own optimizer, so a copy needs no header.
 
+A member that hosts a lost member's shards (an *orphan*, :mod:`.orphans`) appends them to
+its copy, one section of the same layout each, so its buddy can take over both when the
+host is lost too. Every member knows how many sections its predecessor sends: who hosts
+whom follows from the committed membership, which all agree on.
+
 Cost per step: one copy of the member's shards and their optimizer state into the buffer
 (and one buffer of that size received), one point-to-point send and receive; memory: the
 member's own last copy (its rollback point) plus its predecessor's, twice the shards with
-their optimizer state.
+their optimizer state (and one section more per orphan the member or its predecessor hosts).
 
 Failure behaviour: :meth:`Layout.of` raises :class:`~resilient.errors.ConfigError` for an
 optimizer state tensor that is neither 0-dim nor shaped like its parameter's shard (such an
@@ -116,11 +121,14 @@ class Layout:
         return buf[e.offset:e.offset + e.nbytes].view(e.dtype)
 
     def pack(self, fsdp_params: Sequence[Any], optimizer: Any | None,
-             spare: torch.Tensor | None = None) -> torch.Tensor:
-        """This member's shards and state, as one buffer (a copy; into ``spare`` when it is
-        a buffer of this size that nothing else holds)."""
-        buf = spare if spare is not None and spare.numel() == self.nbytes else torch.zeros(self.nbytes,
-                                                                                          dtype=torch.uint8)
+             spare: torch.Tensor | None = None, orphans: Sequence[Any] = ()) -> torch.Tensor:
+        """This member's shards and state, then those of each orphan it hosts
+        (:class:`~resilient.fsdp.orphans.Orphan`, one section of ``nbytes`` each), as one
+        buffer (a copy; into ``spare`` when it is a buffer of this size that nothing else
+        holds). Raises :class:`~resilient.errors.ConfigError` for an orphan whose state has
+        other entries than this member's."""
+        total = self.nbytes * (1 + len(orphans))
+        buf = spare if spare is not None and spare.numel() == total else torch.zeros(total, dtype=torch.uint8)
         dsts, srcs = [], []
         for e in self.entries:
             fp = fsdp_params[e.index]
@@ -131,9 +139,26 @@ class Layout:
                 src = _local(optimizer.state[fp.sharded_param][e.key]).reshape(-1)
             dsts.append(self.view(buf, e)[:src.numel()])
             srcs.append(src)
+        for k, o in enumerate(orphans, 1):
+            section = buf[k * self.nbytes:(k + 1) * self.nbytes]
+            for e in self.entries:
+                state = o.states[e.index]
+                if e.key is not None and e.key not in state:
+                    raise ConfigError(f"plain FSDP peer copy: the hosted shards of {o.member} lack optimizer state "
+                                      f"{e.key!r} that this member's have; the optimizers' state differs")
+                src = (o.params[e.index] if e.key is None else state[e.key]).reshape(-1)
+                dsts.append(self.view(section, e)[:src.numel()])
+                srcs.append(src)
         with torch.no_grad():
             torch._foreach_copy_(dsts, srcs)
         return buf
+
+    def sections(self, buf: torch.Tensor, members: Sequence[str]) -> dict[str, torch.Tensor]:
+        """A received copy split by member: ``members[0]`` the sender, then its orphans."""
+        if buf.numel() != self.nbytes * len(members):
+            raise ConfigError(f"plain FSDP peer copy: {buf.numel()} bytes for {len(members)} members' shards of "
+                              f"{self.nbytes} bytes each; the members' optimizers or models differ")
+        return {m: buf[k * self.nbytes:(k + 1) * self.nbytes] for k, m in enumerate(members)}
 
     def restore(self, buf: torch.Tensor, fsdp_params: Sequence[Any], optimizer: Any | None) -> None:
         """Put a buffer of this member's own shards and state back (its rollback)."""
@@ -166,13 +191,14 @@ class Layout:
         return params, states
 
 
-def exchange(engine: Any, payload: torch.Tensor, buddy: int, pred: int,
+def exchange(engine: Any, payload: torch.Tensor, buddy: int, pred: int, nbytes_in: int,
              at: Any = None, spare: torch.Tensor | None = None) -> tuple[bool, torch.Tensor]:
     """Send ``payload`` to rank ``buddy`` and receive the predecessor's (rank ``pred``) copy
-    of the same size. Returns ``(arrived whole, buffer)``; a lost buddy or predecessor is
-    reported, not raised. ``at(frac)`` is called before the send (0.0) and after it is
+    of ``nbytes_in`` bytes. Returns ``(arrived whole, buffer)``; a lost buddy or predecessor
+    is reported, not raised. ``at(frac)`` is called before the send (0.0) and after it is
     posted (1.0): the failpoints of the refresh."""
-    rbuf = spare if spare is not None and spare.numel() == payload.numel() else torch.empty_like(payload)
+    rbuf = (spare if spare is not None and spare.numel() == nbytes_in
+            else torch.empty(nbytes_in, dtype=torch.uint8))
     recv = engine.recv(rbuf.view(torch.int64), pred, TAG)
     if at is not None:
         at(0.0)

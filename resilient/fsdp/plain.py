@@ -25,9 +25,12 @@ member's own view of the epoch, which reaches members at different moments. An o
 kind differs between members for that reason (one saw the loss, another not yet) fails on
 all of them and is run again the same way on all.
 
-Failure behaviour: a member lost together with its buddy (no copy survives) makes the ops
-that need its shards raise :class:`~resilient.errors.DataLost` naming both; so does a loss
-before the first committed step. Ops that keep failing (more than :data:`MAX_ROUNDS` rounds)
+A host copies its orphans on: its own peer copy carries them, so when the host is lost
+too, its buddy takes over its shards and theirs.
+
+Failure behaviour: a member lost together with its buddy in one step (no copy survives)
+makes the ops that need its shards raise :class:`~resilient.errors.DataLost` naming both; so
+does a loss before the first committed step. Ops that keep failing (more than :data:`MAX_ROUNDS` rounds)
 raise :class:`~resilient.errors.CollectiveError`.
 """
 from __future__ import annotations
@@ -160,8 +163,12 @@ class PlainShards:
         #: the buffers of the step before the committed one, reused for the next copy
         self.spare_own: torch.Tensor | None = None
         self.spare_copy: torch.Tensor | None = None
+        #: the buffer ``copies`` are sections of
+        self.copy_buf: torch.Tensor | None = None
         self.orphans: dict[str, Orphan] = {}
         self._hosts: dict[str, str] = {}
+        #: per member, the lost members whose shards its last committed copy carried
+        self.carried: dict[str, tuple[str, ...]] = {}
         self.reductions: list[Reduction] = []
         self.in_settle = False
         self.optimizer: Any = None
@@ -208,25 +215,43 @@ class PlainShards:
         return tuple(m for m in self.members if m in have)
 
     def host_of(self, member: str) -> str:
-        """The member that holds lost ``member``'s copy: its buddy at the last commit before
-        the loss (remembered for the rest of the job)."""
+        """The member that received lost ``member``'s last committed copy: its buddy at the
+        last commit before the loss (remembered for the rest of the job)."""
         host = self._hosts.get(member)
         if host is None:
             ring = self.committed_live
             host = self._hosts[member] = ring[(ring.index(member) + 1) % len(ring)]
         return host
 
+    def holder(self, member: str, present: Iterable[str]) -> str | None:
+        """The member of ``present`` that holds lost ``member``'s shards: the member that
+        received its copy, or, when that one was lost too, whoever received *its* copy — a
+        host's copy carries the orphans it hosted at that commit. None: no copy survives
+        (the member was lost together with its host, before the host had copied it on)."""
+        have = set(present)
+        host, seen = self.host_of(member), {member}
+        while host not in have:
+            if host in seen or member not in self.carried.get(host, ()):
+                return None
+            seen.add(host)
+            host = self.host_of(host)
+        return host
+
+    def hosted_by(self, who: str, present: Sequence[str] | set[str]) -> list[str]:
+        """The members not in ``present`` whose shards ``who`` holds (member order)."""
+        have = set(present)
+        return [m for m in self.members if m not in have and self.holder(m, have) == who]
+
     def hosted(self, present: Sequence[str] | set[str]) -> list[str]:
         """The members not in ``present`` that this one hosts."""
-        have = set(present)
-        return [m for m in self.members if m not in have and self.host_of(m) == self.me]
+        return self.hosted_by(self.me, present)
 
     def check_hosts(self, present: Sequence[str] | set[str]) -> None:
         have = set(present)
         for m in self.members:
-            if m not in have and self.host_of(m) not in have:
-                raise DataLost(f"plain FSDP: {m} and {self.host_of(m)}, which held its peer copy, are both lost; "
-                               "its shards exist nowhere (restore from a checkpoint)")
+            if m not in have and self.holder(m, have) is None:
+                raise DataLost(f"plain FSDP: {m} and {self.host_of(m)}, which received its peer copy, are both lost "
+                               "before that copy was copied on; its shards exist nowhere (restore from a checkpoint)")
 
     def orphan(self, member: str) -> Orphan:
         """The orphan of ``member`` on this host, made from the committed copy if new."""
@@ -287,7 +312,8 @@ class PlainShards:
     def _gather_by_sum(self, target: torch.Tensor, inp: torch.Tensor, call: Call | None) -> Any:
         n, m = len(self.members), inp.numel()
         for _ in range(MAX_ROUNDS + 1):
-            gone = [x for x in self.members if x not in set(self.live())]
+            live = set(self.live())
+            gone = [x for x in self.members if x not in live]
             if gone and call is None:
                 raise DataLost(f"all_gather over a plain FSDP group: {gone} were lost and this is not an FSDP "
                                "all-gather; their slots have no copy")
@@ -295,7 +321,7 @@ class PlainShards:
             buf[self.logical_rank * m:(self.logical_rank + 1) * m].copy_(inp.reshape(-1))
             buf[n * m + self.logical_rank] = 1
             for x in gone:
-                if self.host_of(x) == self.me:
+                if self.holder(x, live) == self.me:
                     assert call is not None
                     i = self.index[x]
                     buf[i * m:(i + 1) * m].copy_(self.orphan(x).all_gather_input(call.indices).view(buf.dtype))

@@ -7,12 +7,13 @@ Runs in a global optimizer step post-hook, inside the script's own ``optimizer.s
    different members, a reduce-scatter over every member lost one (the lost member's chunk
    exists nowhere), a reduction used the divide factors of another member count (members
    see a loss at different moments), or a member it hosts lacks a chunk.
-2. **Copy and commit**: each member sends its packed shards and state to its buddy, the
-   next member present (:mod:`.peer_copy`), receives its predecessor's, and all commit with
-   one SUM all-reduce of N + 1 int64: 1 where a member's copy arrived, and the redo votes.
-   The step is committed when the all-reduce's contributors are the members present, every
-   copy arrived and nobody voted to redo; then the orphans this member hosts step with
-   their chunks. The all-reduce's result is the same on every member, so all decide alike.
+2. **Copy and commit**: the orphans this member hosts step with their chunks; each member
+   sends its packed shards and state, and its orphans', to its buddy, the next member
+   present (:mod:`.peer_copy`), receives its predecessor's, and all commit with one SUM
+   all-reduce of N + 1 int64: 1 where a member's copy arrived, and the redo votes. The step
+   is committed when the all-reduce's contributors are the members present, every copy
+   arrived and nobody voted to redo. The all-reduce's result is the same on every member,
+   so all decide alike.
 3. **Otherwise the step is redone**: every member puts its shards and optimizer state back
    to the last committed step, every reduction of the step is redone from its kept input as
    an all-reduce over the members present (FSDP's divide factors for that count: the
@@ -20,8 +21,8 @@ Runs in a global optimizer step post-hook, inside the script's own ``optimizer.s
    again (this hook returns at once inside it), the orphans step from their committed
    state, and the copy and commit run again.
 
-Failure behaviour: a loss before the first committed step, or of a member with its buddy,
-raises :class:`~resilient.errors.DataLost`; more than :data:`~.plain.MAX_ROUNDS` rounds raise
+Failure behaviour: a loss before the first committed step, or of a member with its buddy
+in one step, raises :class:`~resilient.errors.DataLost`; more than :data:`~.plain.MAX_ROUNDS` rounds raise
 :class:`~resilient.errors.CollectiveError`. A reduction whose first try failed is redone.
 """
 from __future__ import annotations
@@ -77,7 +78,7 @@ def _settle(s: PlainShards, optimizer: Any) -> None:
     sets = [frozenset(_contributors(r)) for r in reductions]
     present = s.in_order(frozenset.intersection(*sets) if sets else s.committed_live)
     vote = _looks_dirty(s, reductions, sets, present)
-    redo, stepped = False, False
+    redo = False
     for _ in range(MAX_ROUNDS + 1):
         if redo:
             try:
@@ -85,11 +86,11 @@ def _settle(s: PlainShards, optimizer: Any) -> None:
             except _Changed as changed:
                 present = s.in_order(changed.contributors)
                 continue
-            redo, stepped, vote = False, True, False
+            redo, vote = False, False
+        else:  # the orphans step before the copy: the host's copy carries them on
+            _step_orphans(s, optimizer, reductions, present)
         committed, now, dirty = _copy_and_commit(s, present, vote)
         if committed and not dirty:
-            if not stepped:
-                _step_orphans(s, optimizer, reductions, present)
             for m in s.hosted(present):
                 s.orphan(m).commit()
             s.steps += 1
@@ -198,12 +199,14 @@ def _copy_and_commit(s: PlainShards, present: Sequence[str], vote: bool) -> tupl
     any member voted to redo the step)."""
     t0 = time.perf_counter()
     s.layout = layout = Layout.of(s.fsdp_params, s.optimizer, s.layout)
-    payload = layout.pack(s.fsdp_params, s.optimizer, spare=s.spare_own)
+    payload = layout.pack(s.fsdp_params, s.optimizer, spare=s.spare_own,
+                          orphans=[s.orphan(m) for m in s.hosted(present)])
     engine = s.pg.engine
-    ok, received, pred = True, None, None
+    ok, received, pred, carried_in = True, None, None, []  # carried_in: the predecessor's orphans
     if len(present) > 1:
         i = present.index(s.me)
         buddy, pred = present[(i + 1) % len(present)], present[(i - 1) % len(present)]
+        carried_in = s.hosted_by(pred, present)
         members = engine.world().members
         step = s.steps
 
@@ -213,8 +216,8 @@ def _copy_and_commit(s: PlainShards, present: Sequence[str], vote: bool) -> tupl
         if buddy not in members or pred not in members:
             ok = False  # already gone: the commit below shows who is
         else:
-            ok, received = exchange(engine, payload, members.index(buddy), members.index(pred), at,
-                                    spare=s.spare_copy)
+            ok, received = exchange(engine, payload, members.index(buddy), members.index(pred),
+                                    layout.nbytes * (1 + len(carried_in)), at, spare=s.spare_copy)
     flags = torch.zeros(s.logical_size + 1, dtype=torch.int64)  # a copy arrived, per member; redo votes
     flags[s.logical_rank] = 1 if ok else 0
     flags[-1] = 1 if vote else 0
@@ -227,12 +230,11 @@ def _copy_and_commit(s: PlainShards, present: Sequence[str], vote: bool) -> tupl
         return False, now, True
     if int(flags[-1]) > 0:
         return True, now, True
-    for m in s.hosted(present):
-        s.orphan(m)  # made from the copy being replaced (the step before), stepped next
     # the buffers of the step before become the spares (an orphan owns its own tensors)
     s.spare_own, s.own_copy = s.own_copy, payload
-    s.spare_copy = next(iter(s.copies.values()), None)
-    s.copies = {} if pred is None or received is None else {pred: received}
+    s.spare_copy, s.copy_buf = s.copy_buf, received
+    s.copies = {} if pred is None or received is None else layout.sections(received, [pred, *carried_in])
+    s.carried.update({x: tuple(s.hosted_by(x, present)) for x in present})
     s.committed_live = tuple(present)
     s.copy_s.append(time.perf_counter() - t0)
     return True, now, False
