@@ -120,6 +120,14 @@ def test_a_hosts_copy_carries_its_orphans_and_splits_back_by_member() -> None:
                    for s, t in zip(got_states, o.states))
     with pytest.raises(ConfigError, match="2 members"):
         layout.sections(buf, ["m0", "m2"])
+    # a member whose optimizer keeps other state: same size, another fingerprint
+    sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    _step(sgd, params, 11)
+    sgd_copy = Layout.of(fps, sgd).pack(fps, sgd)
+    odd = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    odd[:min(odd.numel(), sgd_copy.numel())] = sgd_copy[:odd.numel()]
+    with pytest.raises(ConfigError, match="another layout"):
+        layout.sections(odd, ["m9"])
     del others[0].states[0]["exp_avg"]
     with pytest.raises(ConfigError, match="lack optimizer state 'exp_avg'"):
         layout.pack(fps, opt, orphans=others)

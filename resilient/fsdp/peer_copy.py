@@ -12,7 +12,9 @@ Layout (:class:`Layout`): for each FSDP parameter in the order the parameter gro
 built (the same on every member), the padded shard, then each optimizer state tensor of
 the parameter in key order — one shaped like the shard is stored padded to the padded
 shard (so every member's buffer has the same size), a 0-dim one (``step``) as one element.
-The layout is computed by each member from its own optimizer, so a copy needs no header.
+The layout is computed by each member from its own optimizer; a section starts with its
+fingerprint (8 bytes), which the receiver checks, so a copy laid out otherwise (a member
+whose model or optimizer differs) is refused with a clear error instead of misread.
 
 A member that hosts a lost member's shards (an *orphan*, :mod:`.orphans`) appends them to
 its copy, one section of the same layout each, so its buddy can take over both when the
@@ -26,12 +28,14 @@ their optimizer state (and one section more per orphan the member or its predece
 
 Failure behaviour: :meth:`Layout.of` raises :class:`~resilient.errors.ConfigError` for an
 optimizer state tensor that is neither 0-dim nor shaped like its parameter's shard (such an
-optimizer cannot be copied or redone shard by shard); :func:`exchange` never raises for a
-lost peer: it reports whether the predecessor's copy arrived whole.
+optimizer cannot be copied or redone shard by shard), and :meth:`Layout.sections` for a
+received copy of another size or fingerprint; :func:`exchange` never raises for a lost
+peer: it reports whether the predecessor's copy arrived whole.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any, Sequence
 
 import torch
@@ -49,6 +53,10 @@ def _local(t: Any) -> torch.Tensor:
     local = getattr(t, "_local_tensor", None)
     out: torch.Tensor = t if local is None else local
     return out
+
+
+#: bytes before the first entry of a section: the layout's fingerprint (int64)
+_HEADER = 8
 
 
 def _aligned(off: int) -> int:
@@ -80,6 +88,8 @@ class Layout:
 
     #: per entry, how many optimizer state entries each parameter had (to reuse a layout)
     signature: tuple[int, ...] = ()
+    #: a fingerprint of the entries, the first 8 bytes of every section
+    digest: int = 0
 
     @classmethod
     def of(cls, fsdp_params: Sequence[Any], optimizer: Any | None, previous: "Layout | None" = None) -> "Layout":
@@ -90,7 +100,7 @@ class Layout:
         if previous is not None and previous.signature == signature:
             return previous
         entries: list[Entry] = []
-        off = 0
+        off = _HEADER
         for i, fp in enumerate(fsdp_params):
             data = fp._sharded_param_data
             e = Entry(i, None, data.dtype, data.numel(), False, off)
@@ -114,7 +124,9 @@ class Layout:
                                       "state (factored, per-row) cannot be kept shard by shard")
                 entries.append(e)
                 off = _aligned(off + e.nbytes)
-        return cls(tuple(entries), off, signature)
+        text = repr([(e.index, e.key, str(e.dtype), e.numel, e.scalar, e.offset) for e in entries])
+        digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+        return cls(tuple(entries), off, signature, digest)
 
     def view(self, buf: torch.Tensor, e: Entry) -> torch.Tensor:
         """Entry ``e`` of ``buf`` (uint8) as a flat tensor of its dtype."""
@@ -151,6 +163,8 @@ class Layout:
                 srcs.append(src)
         with torch.no_grad():
             torch._foreach_copy_(dsts, srcs)
+            for k in range(1 + len(orphans)):
+                buf[k * self.nbytes:k * self.nbytes + _HEADER].view(torch.int64).fill_(self.digest)
         return buf
 
     def sections(self, buf: torch.Tensor, members: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -158,7 +172,14 @@ class Layout:
         if buf.numel() != self.nbytes * len(members):
             raise ConfigError(f"plain FSDP peer copy: {buf.numel()} bytes for {len(members)} members' shards of "
                               f"{self.nbytes} bytes each; the members' optimizers or models differ")
-        return {m: buf[k * self.nbytes:(k + 1) * self.nbytes] for k, m in enumerate(members)}
+        out = {m: buf[k * self.nbytes:(k + 1) * self.nbytes] for k, m in enumerate(members)}
+        for m, part in out.items():
+            got = int(part[:_HEADER].view(torch.int64)[0])
+            if got != self.digest:
+                raise ConfigError(f"plain FSDP peer copy: the copy of {m}'s shards has another layout than this "
+                                  f"member's (fingerprint {got:#x}, here {self.digest:#x}): the members' models or "
+                                  "optimizers differ (parameters, their order, dtypes or optimizer state)")
+        return out
 
     def restore(self, buf: torch.Tensor, fsdp_params: Sequence[Any], optimizer: Any | None) -> None:
         """Put a buffer of this member's own shards and state back (its rollback)."""
