@@ -21,7 +21,9 @@ peer_copy_overhead`` and more):
   :mod:`resilient.fsdp.step_ledger`);
 - ``peer_copy_overhead``: plain FSDP's in-memory peer copy, as the fault-free step time with
   copies over the step time of the same job without them (``RESILIENT_FSDP_PEER_COPY=0``),
-  minus one (medians of the steps before the kill on world rank 0); ``peer_copy_s``: the
+  minus one: ``--ab-rounds`` pairs of fault-free jobs of ``--ab-steps`` steps, the two
+  sides in turns, the medians of their pooled steps on world rank 0 (the first three of
+  each job left out); ``peer_copy_s``: the
   median time of the copy and its commit, measured inside the step; ``null`` for HSDP
   (it needs no copy: a healthy replica group holds every shard);
 - ``survivors_restarted``: always 0 (no survivor is restarted; the launcher's summary).
@@ -42,9 +44,9 @@ about 0.4 s its quorum itself times out here); the best is reported, the others 
 ``fsdp_8x1``: plain FSDP, ``fully_shard`` over a 1-D mesh of the eight workers (each its
 own batch), the same model and kill; the reference run is the job in which the killed rank
 leaves cleanly before that step; ``hosted``: the survivors that took over the lost shards
-(the buddy, 1). A third run without peer copies gives ``peer_copy_overhead``.
+(the buddy, 1). The fault-free jobs with and without peer copies give ``peer_copy_overhead``.
 
-Run: ``.venv/bin/python bench/fsdp.py`` (about 8 minutes on 2 cores; writes
+Run: ``.venv/bin/python bench/fsdp.py`` (about 9 minutes on 2 cores; writes
 ``bench/results/fsdp.json``).
 """
 from __future__ import annotations
@@ -68,11 +70,11 @@ SCRIPT = ROOT / "tests" / "scripts" / "hsdp_train.py"
 RUN = [sys.executable, "-c", "import sys; from resilient.launcher.cli import main; sys.exit(main())"]
 
 
-def _run(out: Path, args: argparse.Namespace, phase: str | None, mesh: str = "2,4",
+def _run(out: Path, args: argparse.Namespace, phase: str | None, mesh: str = "2,4", steps: int | None = None,
          **extra: str) -> tuple[int, str, dict[int, dict[str, Any]]]:
     out.mkdir(parents=True)
     env = {**os.environ, **extra, "MESH": mesh, "MODEL": "transformer", "DIM": str(args.dim), "LAYERS": str(args.layers),
-           "STEPS": str(args.steps), "OUT": str(out)}
+           "STEPS": str(steps or args.steps), "OUT": str(out)}
     if phase is not None:
         env.update(KILL_RANK=str(args.kill_rank), KILL_STEP=str(args.kill_step), KILL_PHASE=phase)
     proc = subprocess.run([*RUN, "--standalone", "--nproc-per-node", "8", str(SCRIPT)], env=env, cwd=out,
@@ -131,23 +133,31 @@ def _plain(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     k = args.kill_step
     rc_ref, _text_ref, ref = _run(tmp / "plain-reference", args, "leave", mesh="8")
     rc, text, got = _run(tmp / "plain-kill", args, "rs", mesh="8")
-    rc_off, _text_off, off = _run(tmp / "plain-no-copy", args, None, mesh="8", RESILIENT_FSDP_PEER_COPY="0")
+    # the overhead: fault-free jobs with copies and without (RESILIENT_FSDP_PEER_COPY=0), in
+    # turns (the shared machine's load drifts), pooled steady steps of world rank 0
+    ab: dict[str, list[float]] = {"on": [], "off": []}
+    ab_ok = True
+    for i in range(args.ab_rounds):
+        for side in ("off", "on") if i % 2 == 0 else ("on", "off"):
+            extra = {"RESILIENT_FSDP_PEER_COPY": "0"} if side == "off" else {}
+            rc_ab, _t, logs = _run(tmp / f"plain-ab-{i}-{side}", args, None, mesh="8", steps=args.ab_steps, **extra)
+            ab_ok = ab_ok and rc_ab == 0
+            ab[side] += [st["s"] for st in logs.get(0, {"steps": []})["steps"]][3:]
     healthy = [r for r in range(8) if r != args.kill_rank]
     exact = (rc == 0 and rc_ref == 0 and all(r in got and r in ref for r in healthy)
              and all([s["shards"] for s in got[r]["steps"]] == [s["shards"] for s in ref[r]["steps"]] for r in healthy))
     lost, m = _lost(got, ref, k)
     copy_s = ref.get(0, {}).get("copy_s", [])[3:k]
     copy = statistics.median(copy_s) if copy_s else float("nan")
-    # the overhead: the fault-free steps before the kill with copies (the reference) and
-    # without (RESILIENT_FSDP_PEER_COPY=0), medians on world rank 0
-    off_times = [s["s"] for s in off.get(0, {"steps": []})["steps"]][3:k]
-    m_off = statistics.median(off_times) if rc_off == 0 and off_times else float("nan")
+    m_on = statistics.median(ab["on"]) if ab_ok and ab["on"] else float("nan")
+    m_off = statistics.median(ab["off"]) if ab_ok and ab["off"] else float("nan")
     out = {
         "case": "fsdp_8x1", "exit_code": rc, "params_exact": exact, "lost_s": round(lost, 4), "step_s": round(m, 4),
         "lost_steps": round(lost / m, 2) if m == m and m > 0 else None,
         "steps_redone": got.get(0, {}).get("steps_redone"),
-        "peer_copy_s": round(copy, 5), "step_s_without_copy": round(m_off, 4),
-        "peer_copy_overhead": round((m - m_off) / m_off, 4) if m_off == m_off and m_off > 0 else None,
+        "peer_copy_s": round(copy, 5), "step_s_with_copy": round(m_on, 4), "step_s_without_copy": round(m_off, 4),
+        "peer_copy_overhead": round((m_on - m_off) / m_off, 4) if m_off == m_off and m_off > 0 else None,
+        "ab_steps_per_side": len(ab["on"]),
         "survivors_restarted": 0, "hosted": len(re.findall(r"hosts the shards of the lost", text)),
         "steps": args.steps, "kill_step": k, "model": f"transformer {args.layers}x{args.dim} float64",
         "load": os.getloadavg()[0], "machine": f"{os.cpu_count()} CPUs, loopback",
@@ -167,6 +177,9 @@ def main() -> int:
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--ab-rounds", type=int, default=2,
+                    help="fault-free plain FSDP jobs with and without peer copies, in turns, for the overhead")
+    ap.add_argument("--ab-steps", type=int, default=40, help="steps of each of those jobs")
     ap.add_argument("--torchft-venv", default=str(ROOT / ".torchft-venv"),
                     help="venv with torchft-nightly for the side-by-side case (made when missing)")
     ap.add_argument("--ft-timeouts", default="0.5,1,2", help="torchft manager timeouts to try (seconds)")
